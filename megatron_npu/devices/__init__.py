@@ -1,0 +1,119 @@
+"""Device layer: which device Megatron runs on, and the answers it needs from it.
+
+One module per device (:mod:`.cpu`, :mod:`.npu`, :mod:`.npu_emulated`, :mod:`.cuda`). Auto-detection
+picks ``npu`` when torch_npu imports and sees a device, else ``cpu``; ``cuda`` only when asked;
+the ``MEGATRON_NPU_DEVICE`` environment variable overrides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
+
+import torch
+
+from megatron_npu.devices.base import Device
+from megatron_npu.devices.errors import DeviceUnavailableError
+
+ENV_VAR = "MEGATRON_NPU_DEVICE"
+_MODULES = {"cpu": "cpu", "npu": "npu", "npu-emulated": "npu_emulated", "cuda": "cuda"}
+NAMES = tuple(_MODULES)
+
+_active: Device | None = None
+_installed_torch_npu_stub = False
+
+
+def make(name: str) -> Device:
+    """Build the named device (raises DeviceUnavailableError if it cannot be used here)."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown device {name!r}: choose one of {', '.join(NAMES)}")
+    module = importlib.import_module(f"megatron_npu.devices.{_MODULES[name]}")
+    return module.make_device()
+
+
+def detect() -> str:
+    """``npu`` if torch_npu imports and sees a device, else ``cpu`` (with a warning if an
+    installed torch_npu cannot load CANN)."""
+    from megatron_npu.devices import npu
+
+    if not npu.torch_npu_installed():
+        return "cpu"
+    try:
+        npu.make_device()
+    except DeviceUnavailableError as exc:
+        warnings.warn(f"{exc} -- running on cpu instead", RuntimeWarning, stacklevel=2)
+        return "cpu"
+    return "npu"
+
+
+def requested_name(name: str | None = None) -> str:
+    """The device name asked for: ``name``, else $MEGATRON_NPU_DEVICE, else auto-detection."""
+    chosen = name or os.environ.get(ENV_VAR, "").strip() or None
+    if chosen is None:
+        return detect()
+    if chosen not in _MODULES:
+        source = f"${ENV_VAR}" if name is None else "device"
+        raise ValueError(f"{source}={chosen!r} is not a device: choose one of {', '.join(NAMES)}")
+    return chosen
+
+
+def resolve(name: str | Device | None = None) -> Device:
+    if isinstance(name, Device):
+        return name
+    return make(requested_name(name))
+
+
+def activate(device: Device) -> None:
+    """Make ``device`` the one Megatron's patched code uses (ops read its kernels)."""
+    global _active, _installed_torch_npu_stub
+    from megatron_npu.ops.kernels import use_npu_kernels
+
+    _active = device
+    use_npu_kernels(device.kernels)
+    if device.emulated and "torch_npu" not in sys.modules:
+        sys.modules["torch_npu"] = device.kernels
+        _installed_torch_npu_stub = True
+
+
+def deactivate() -> None:
+    global _active, _installed_torch_npu_stub
+    from megatron_npu.ops.kernels import use_npu_kernels
+
+    if _installed_torch_npu_stub:
+        sys.modules.pop("torch_npu", None)
+        _installed_torch_npu_stub = False
+    use_npu_kernels(None)
+    _active = None
+
+
+def active() -> Device | None:
+    return _active
+
+
+def require_active() -> Device:
+    if _active is None:
+        raise RuntimeError("megatron-npu is not applied: call megatron_npu.apply(device) first")
+    return _active
+
+
+def current_torch_device() -> torch.device:
+    """The torch device of the active adaptor device (CPU if none is active)."""
+    return _active.torch_device() if _active else torch.device("cpu")
+
+
+__all__ = [
+    "Device",
+    "DeviceUnavailableError",
+    "ENV_VAR",
+    "NAMES",
+    "activate",
+    "active",
+    "current_torch_device",
+    "deactivate",
+    "detect",
+    "make",
+    "requested_name",
+    "resolve",
+]

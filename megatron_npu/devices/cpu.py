@@ -1,0 +1,228 @@
+"""The CPU as Megatron's device: gloo process groups and the CPU default generator.
+
+:class:`CpuAccelerator` answers the ``torch.cuda`` calls Megatron makes. On a CPU the "device
+generator" *is* torch's default CPU generator, so RNG state get/set/seed act on it; streams and
+events are synchronous no-ops that keep timing; memory figures are the process's resident set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from megatron_npu.devices import host_memory
+from megatron_npu.devices.base import Device
+
+
+class CpuStream:
+    """A stream on a synchronous device: every operation has completed when it returns."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
+        event = event or CpuEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return hash(CpuStream)
+
+
+class CpuEvent:
+    """An event that records wall-clock time; ``elapsed_time`` is in milliseconds like CUDA's."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **_: Any) -> None:
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: CpuEvent) -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("elapsed_time: both events must be recorded first")
+        return (end._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+class _Nvtx:
+    """NVTX ranges have no CPU consumer; ``range`` still nests as a context manager."""
+
+    @staticmethod
+    def range_push(msg: str) -> int:
+        return 0
+
+    @staticmethod
+    def range_pop() -> int:
+        return 0
+
+    @staticmethod
+    def mark(msg: str) -> None:
+        return None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def range(msg: str, *args: Any, **kwargs: Any):
+        yield
+
+
+class CpuAccelerator:
+    """The ``torch.cuda``-shaped API for a CPU device (only what Megatron uses)."""
+
+    name = "cpu"
+    nvtx = _Nvtx()
+    Stream = CpuStream
+    Event = CpuEvent
+
+    def __init__(self) -> None:
+        self.random = SimpleNamespace(
+            get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state
+        )
+        self.default_generators = (torch.default_generator,)
+
+    # --- device selection -------------------------------------------------------------------
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def _lazy_init(self) -> None:
+        return None
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> torch.device:
+        # A torch.device (not CUDA's int) so ``.to(torch.cuda.current_device())`` and
+        # ``device=torch.cuda.current_device()`` in Megatron land on the CPU unpatched.
+        return torch.device("cpu")
+
+    def set_device(self, device: Any) -> None:
+        return None
+
+    def device(self, device: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    # --- RNG --------------------------------------------------------------------------------
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(new_state)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)
+
+    def seed(self) -> None:
+        torch.default_generator.seed()
+
+    def initial_seed(self) -> int:
+        return torch.default_generator.initial_seed()
+
+    # --- streams ----------------------------------------------------------------------------
+    def current_stream(self, device: Any = None) -> CpuStream:
+        return _DEFAULT_STREAM
+
+    def default_stream(self, device: Any = None) -> CpuStream:
+        return _DEFAULT_STREAM
+
+    def stream(self, stream: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def set_stream(self, stream: Any) -> None:
+        return None
+
+    # --- memory -----------------------------------------------------------------------------
+    def memory_allocated(self, device: Any = None) -> int:
+        return host_memory.rss_bytes()
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return host_memory.peak_rss_bytes()
+
+    memory_reserved = memory_allocated
+    max_memory_reserved = max_memory_allocated
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        host_memory.reset_peak()
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+
+    def empty_cache(self) -> None:
+        return None
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        total = host_memory.total_bytes()
+        return max(total - host_memory.rss_bytes(), 0), total
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return {
+            "allocated_bytes.all.current": self.memory_allocated(),
+            "allocated_bytes.all.peak": self.max_memory_allocated(),
+        }
+
+    # --- properties -------------------------------------------------------------------------
+    def get_device_capability(self, device: Any = None) -> tuple[int, int]:
+        # (0, 0): below every CUDA capability gate, so Megatron never picks a CUDA-only kernel.
+        return (0, 0)
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            name="cpu",
+            major=0,
+            minor=0,
+            total_memory=host_memory.total_bytes(),
+            multi_processor_count=os.cpu_count() or 1,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"megatron-npu's {self.name} device layer has no answer for torch.cuda.{name}; "
+            "Megatron reached a CUDA API the adaptor does not cover yet (please report it)"
+        )
+
+
+def make_device() -> Device:
+    return Device(name="cpu", torch_type="cpu", dist_backend="gloo", accelerator=CpuAccelerator())

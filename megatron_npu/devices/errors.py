@@ -1,0 +1,5 @@
+"""Errors of the device layer."""
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device cannot be used here; the message says why and what to do."""

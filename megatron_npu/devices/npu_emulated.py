@@ -1,0 +1,29 @@
+"""The NPU code path on the CPU: torch_npu calls go to the pure-torch emulation.
+
+Tensors stay on the CPU with gloo process groups, but every op that would call a torch_npu kernel
+calls :mod:`megatron_npu.testing.torch_npu_emulation` with the same arguments, so the adaptor's
+NPU branch (layouts, mask polarity, window rules) runs in CI. Results are labelled
+``npu-emulated``; they are never NPU results.
+"""
+
+from __future__ import annotations
+
+from megatron_npu.devices.base import Device
+from megatron_npu.devices.cpu import CpuAccelerator
+
+
+class EmulatedNpuAccelerator(CpuAccelerator):
+    name = "npu-emulated"
+
+
+def make_device() -> Device:
+    from megatron_npu.testing import torch_npu_emulation
+
+    return Device(
+        name="npu-emulated",
+        torch_type="cpu",
+        dist_backend="gloo",
+        accelerator=EmulatedNpuAccelerator(),
+        kernels=torch_npu_emulation,
+        emulated=True,
+    )

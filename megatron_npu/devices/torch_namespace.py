@@ -1,0 +1,102 @@
+"""A module-scoped stand-in for ``torch`` that routes Megatron's CUDA assumptions.
+
+Installed as the ``torch`` global of selected Megatron modules (see
+:mod:`megatron_npu.patches.device_namespace`), it forwards every attribute to the real torch
+except:
+
+* ``torch.cuda`` -> the active device's accelerator API (RNG, streams, memory, properties, nvtx);
+* tensor factories (``empty``, ``zeros``, ``tensor``, ``arange``, ...) and ``torch.device``: a
+  ``device`` of ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or a bare int becomes the
+  active device.
+
+Only code in the patched modules sees it, so no process-wide ``TorchFunctionMode`` taxes every
+torch call; ordinary attributes are cached on first use so lookups stay dictionary hits.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from megatron_npu import devices
+
+#: Factories whose ``device=`` argument is redirected.
+FACTORIES = (
+    "arange", "as_tensor", "empty", "empty_like", "empty_strided", "eye", "full", "full_like",
+    "linspace", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
+    "randperm", "tensor", "zeros", "zeros_like",
+)  # fmt: skip
+
+
+def map_device(device: Any) -> Any:
+    """Translate a CUDA device designation into the active device; leave others alone."""
+    active = devices.active()
+    if active is None or active.torch_type == "cuda" or device is None:
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return active.torch_device(device)
+    if isinstance(device, str):
+        if device.startswith("cuda"):
+            index = device.partition(":")[2]
+            return active.torch_device(int(index) if index.isdigit() else None)
+        return device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return active.torch_device(device.index)
+    return device
+
+
+def _route_device(factory: Any) -> Any:
+    @functools.wraps(factory)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = map_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return routed
+
+
+class _DeviceMeta(type):
+    """``torch.device`` look-alike: constructing maps CUDA to the active device; isinstance works."""
+
+    def __call__(cls, type_or_str: Any, index: Any = None) -> torch.device:
+        if isinstance(index, torch.device):  # torch.device("cuda", torch.cuda.current_device())
+            return index
+        real = torch.device(type_or_str) if index is None else torch.device(type_or_str, index)
+        return map_device(real)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.device)
+
+
+class RoutedDevice(metaclass=_DeviceMeta):
+    pass
+
+
+class TorchNamespace(ModuleType):
+    """What ``torch`` means inside a patched Megatron module."""
+
+    def __init__(self) -> None:
+        super().__init__("torch", "megatron-npu device-routed view of torch")
+        for name in FACTORIES:
+            setattr(self, name, _route_device(getattr(torch, name)))
+        self.device = RoutedDevice
+
+    @property
+    def cuda(self) -> Any:
+        active = devices.active()
+        return active.accelerator if active is not None else torch.cuda
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        object.__setattr__(self, name, value)
+        return value
+
+    def __repr__(self) -> str:
+        return "<megatron-npu torch namespace>"
+
+
+#: The one instance shared by every patched module.
+TORCH_NAMESPACE = TorchNamespace()

@@ -1,0 +1,70 @@
+"""``megatron-npu info``: the device, library versions and every patch's status."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from megatron_npu import patcher
+from megatron_npu.devices import Device, resolve
+from megatron_npu.registry import all_patches
+from megatron_npu.versions import library_versions
+
+
+def collect(device: str | None = None) -> dict[str, Any]:
+    """Apply the registry for ``device`` without stopping at failures, and describe the result."""
+    dev: Device = resolve(device)
+    results = patcher.apply(dev, strict=False)
+    by_id = {p.id: p for p in all_patches()}
+    return {
+        "device": {
+            "name": dev.name,
+            "torch_device": dev.torch_type,
+            "dist_backend": dev.dist_backend,
+            "emulated": dev.emulated,
+            "description": dev.describe(),
+        },
+        "versions": library_versions(),
+        "patches": [
+            {
+                **r.as_dict(),
+                "kind": by_id[r.id].kind,
+                "versions": by_id[r.id].versions or "any",
+                "devices": sorted(by_id[r.id].devices),
+            }
+            for r in results
+        ],
+    }
+
+
+def render(data: dict[str, Any], file: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=160)
+    console.print(f"[bold]device[/bold]   {data['device']['description']}")
+    for name, version in data["versions"].items():
+        console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")
+    table = Table(title="patches", show_lines=False)
+    for column in ("id", "target", "status", "reason"):
+        table.add_column(column, overflow="fold")
+    styles = {"applied": "green", "failed": "bold red"}
+    for row in data["patches"]:
+        style = styles.get(row["status"], "dim")
+        table.add_row(row["id"], row["target"], f"[{style}]{row['status']}[/]", row["reason"])
+    console.print(table)
+    counts: dict[str, int] = {}
+    for row in data["patches"]:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    console.print(", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+
+
+def main(device: str | None, as_json: bool) -> int:
+    data = collect(device)
+    if as_json:
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(data)
+    return 1 if any(p["status"] == patcher.FAILED for p in data["patches"]) else 0

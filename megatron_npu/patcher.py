@@ -1,0 +1,292 @@
+"""Applying and restoring registry patches.
+
+Rules this module guarantees (each has a test in ``tests/test_patcher.py``):
+
+* :func:`apply` is idempotent; re-applying for another device first restores, so wrappers never
+  stack (a wrap patch is always built from the pristine original).
+* :func:`restore` puts back exactly the original objects, at every site that was rebound.
+* Copies bound by ``from x import f`` in modules imported before :func:`apply` are rebound too.
+* Strict targets: a target missing from the installed megatron-core raises
+  :class:`PatchTargetError` naming the patch, the target and the installed version, unless the
+  patch's version range excludes that version (then it is recorded as skipped). A missing
+  attribute is never created.
+* The replacement's signature is checked against the target's; a mismatch raises
+  :class:`PatchSignatureError`.
+* Methods are patched on the class in place, so subclasses defined after :func:`apply` inherit the
+  patched behaviour.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_npu.registry import Patch, all_patches
+
+APPLIED = "applied"
+SKIPPED_BY_VERSION = "skipped-by-version"
+NOT_FOR_DEVICE = "not-for-this-device"
+FAILED = "failed"
+STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED)
+
+_MISSING = object()
+
+
+class PatchError(RuntimeError):
+    """A patch could not be applied."""
+
+
+class PatchTargetError(PatchError):
+    """The patch's target does not exist in the installed megatron-core."""
+
+
+class PatchSignatureError(PatchError):
+    """The replacement's signature does not match the target's."""
+
+
+@dataclass
+class PatchResult:
+    id: str
+    target: str
+    status: str
+    reason: str
+    sites: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Site:
+    owner: Any
+    name: str
+    original: Any  # the raw attribute (descriptor included) or _MISSING if inherited
+    installed: Any
+
+
+@dataclass
+class _State:
+    device: str | None = None
+    patch_ids: tuple[str, ...] = ()
+    sites: list[_Site] = field(default_factory=list)
+    results: list[PatchResult] = field(default_factory=list)
+
+
+_state = _State()
+_lock = threading.RLock()
+
+
+def megatron_core_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """Return ``(owner, attribute name)`` for a dotted target; raise AttributeError/ImportError."""
+    parts = target.split(".")
+    module = None
+    index = len(parts) - 1
+    while index > 0:
+        name = ".".join(parts[:index])
+        try:
+            module = importlib.import_module(name)
+            break
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and not name.startswith(exc.name) and exc.name != name:
+                raise  # the module exists but one of *its* imports is missing
+            index -= 1
+    if module is None:
+        raise ModuleNotFoundError(f"no importable module in {target!r}")
+    owner: Any = module
+    for part in parts[index:-1]:
+        owner = getattr(owner, part)
+    if not hasattr(owner, parts[-1]):
+        raise AttributeError(f"{owner!r} has no attribute {parts[-1]!r}")
+    return owner, parts[-1]
+
+
+def _raw_attribute(owner: Any, name: str) -> tuple[Any, bool]:
+    """The attribute as stored (descriptors kept) and whether ``owner`` itself holds it."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name], klass is owner
+    return getattr(owner, name), True
+
+
+def _unwrap_descriptor(raw: Any) -> tuple[Any, type | None]:
+    if isinstance(raw, (staticmethod, classmethod)):
+        return raw.__func__, type(raw)
+    return raw, None
+
+
+def _param_shape(fn: Any) -> list[tuple[str, Any, bool]]:
+    sig = inspect.signature(fn, follow_wrapped=False)
+    return [(p.name, p.kind, p.default is not p.empty) for p in sig.parameters.values()]
+
+
+def _signature_of(obj: Any) -> Any:
+    if isinstance(obj, type):
+        return obj.__init__
+    return obj
+
+
+def check_signature(patch: Patch, original: Any, replacement: Any) -> None:
+    """Raise :class:`PatchSignatureError` unless both take the same parameters."""
+    if not (callable(original) and callable(replacement)):
+        return
+    try:
+        want = _param_shape(_signature_of(original))
+        got = _param_shape(_signature_of(replacement))
+    except (TypeError, ValueError):  # builtins without introspectable signatures
+        return
+    if want != got:
+        raise PatchSignatureError(
+            f"patch {patch.id!r}: replacement for {patch.target} has signature "
+            f"{inspect.signature(_signature_of(replacement), follow_wrapped=False)}, but the "
+            f"target has {inspect.signature(_signature_of(original), follow_wrapped=False)} "
+            "(parameter names, kinds and which have defaults must match)"
+        )
+
+
+def _copy_sites(owner: Any, name: str, original: Any) -> list[tuple[Any, str]]:
+    """Module globals elsewhere that hold ``original`` (``from owner import name`` copies)."""
+    if not inspect.ismodule(owner) or not (inspect.isroutine(original) or isinstance(original, type)):
+        return []
+    sites = []
+    for modname, module in list(sys.modules.items()):
+        if module is None or module is owner or modname.split(".")[0] == "megatron_npu":
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for key, value in list(namespace.items()):
+            if value is original:
+                sites.append((module, key))
+    return sites
+
+
+def _install(patch: Patch) -> list[_Site]:
+    owner, name = resolve(patch.target)
+    raw, own = _raw_attribute(owner, name)
+    original, descriptor = _unwrap_descriptor(raw)
+    new = patch.build(original)
+    if patch.kind == "replace" and patch.check_signature:
+        check_signature(patch, original, new)
+    installed = descriptor(new) if descriptor is not None and not isinstance(new, descriptor) else new
+    sites = [_Site(owner, name, raw if own else _MISSING, installed)]
+    if patch.rebind_copies:
+        sites += [_Site(mod, key, original, new) for mod, key in _copy_sites(owner, name, original)]
+    for site in sites:
+        setattr(site.owner, site.name, site.installed)
+    return sites
+
+
+def _uninstall(sites: Iterable[_Site]) -> None:
+    for site in reversed(list(sites)):
+        if site.original is _MISSING:
+            if site.name in vars(site.owner):
+                delattr(site.owner, site.name)
+        else:
+            setattr(site.owner, site.name, site.original)
+
+
+def plan_status(patch: Patch, device: str, version: str) -> tuple[str, str]:
+    """Status a patch would get before touching anything: (status, reason) or (None, '')."""
+    if device not in patch.devices:
+        return NOT_FOR_DEVICE, f"applies to {', '.join(sorted(patch.devices))}; device is {device}"
+    if not patch.applies_to_version(version):
+        return (
+            SKIPPED_BY_VERSION,
+            f"megatron-core {version} is outside {patch.versions!r}",
+        )
+    return "", ""
+
+
+def apply(
+    device: str | None = None,
+    *,
+    strict: bool = True,
+    patches: list[Patch] | None = None,
+    megatron_version: str | None = None,
+) -> list[PatchResult]:
+    """Activate ``device`` (auto-detected if None) and install its patches.
+
+    Idempotent for the same device and patch list; for another device the previous patches are
+    restored first. With ``strict`` (the default) any failure restores everything and raises;
+    otherwise failures are recorded with status ``failed``.
+    """
+    from megatron_npu import devices
+
+    with _lock:
+        dev = devices.resolve(device)
+        patch_list = all_patches() if patches is None else list(patches)
+        ids = tuple(p.id for p in patch_list)
+        if _state.device == dev.name and _state.patch_ids == ids:
+            return list(_state.results)
+        if _state.device is not None:
+            restore()
+        version = megatron_version or megatron_core_version()
+        devices.activate(dev)
+        results: list[PatchResult] = []
+        sites: list[_Site] = []
+        errors: list[PatchError] = []
+        for patch in patch_list:
+            status, reason = plan_status(patch, dev.name, version)
+            if status:
+                results.append(PatchResult(patch.id, patch.target, status, reason))
+                continue
+            try:
+                new_sites = _install(patch)
+            except PatchError as exc:
+                errors.append(exc)
+                results.append(PatchResult(patch.id, patch.target, FAILED, str(exc)))
+                continue
+            except (ImportError, AttributeError) as exc:
+                err = PatchTargetError(
+                    f"patch {patch.id!r}: target {patch.target} does not exist in the installed "
+                    f"megatron-core {version} ({exc}); the patch declares versions "
+                    f"{patch.versions or 'any'!r}: narrow its range or fix the target"
+                )
+                errors.append(err)
+                results.append(PatchResult(patch.id, patch.target, FAILED, str(err)))
+                continue
+            sites += new_sites
+            results.append(
+                PatchResult(patch.id, patch.target, APPLIED, patch.reason, len(new_sites))
+            )
+        _state.device, _state.patch_ids, _state.sites, _state.results = dev.name, ids, sites, results
+        if errors and strict:
+            restore()
+            if len(errors) == 1:
+                raise errors[0]
+            raise PatchError("; ".join(str(e) for e in errors))
+        return list(results)
+
+
+def restore() -> None:
+    """Put back every original object and deactivate the device."""
+    from megatron_npu import devices
+
+    with _lock:
+        _uninstall(_state.sites)
+        if _state.device is not None:
+            devices.deactivate()
+        _state.device, _state.patch_ids, _state.sites, _state.results = None, (), [], []
+
+
+def active_device() -> str | None:
+    return _state.device
+
+
+def results() -> list[PatchResult]:
+    return list(_state.results)

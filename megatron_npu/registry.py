@@ -1,0 +1,109 @@
+"""The patch registry: one declarative entry per replaced Megatron object.
+
+Each :class:`Patch` names its target by dotted path, the megatron-core versions and devices it
+applies to, whether it replaces or wraps the original, and a one-line reason. Patch entries live in
+the modules of :mod:`megatron_npu.patches` (one module per area, each exposing ``PATCHES``); this
+module only collects them. ``info`` output, tests and reports are generated from
+:func:`all_patches`, never from hand-written lists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+#: Every device name the adaptor knows. ``npu-emulated`` is the CPU running the NPU code path
+#: through :mod:`megatron_npu.testing.torch_npu_emulation`.
+DEVICES = frozenset({"cpu", "npu", "npu-emulated", "cuda"})
+#: Devices where Megatron's CUDA assumptions must be replaced (everything but native CUDA).
+NON_CUDA = frozenset({"cpu", "npu", "npu-emulated"})
+
+KINDS = ("replace", "wrap")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of a Megatron (or torch) object.
+
+    ``replacement`` is the new object for ``kind="replace"``; for ``kind="wrap"`` it is a function
+    ``original -> new object`` that is always handed the pristine original, so wrappers never stack.
+    ``versions`` is a PEP 440 specifier on the installed megatron-core version ("" means any).
+    ``parity`` is the patch's parity case (see :mod:`parity`); ``parity_exempt`` the written reason
+    when a patch has none.
+    """
+
+    id: str
+    target: str
+    replacement: Any
+    reason: str
+    kind: str = "replace"
+    versions: str = ""
+    devices: frozenset[str] = NON_CUDA
+    check_signature: bool = True
+    parity: Any = None
+    parity_exempt: str = ""
+    rebind_copies: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"patch {self.id!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        unknown = set(self.devices) - DEVICES
+        if unknown:
+            raise ValueError(f"patch {self.id!r}: unknown devices {sorted(unknown)}")
+        if "." not in self.target:
+            raise ValueError(f"patch {self.id!r}: target {self.target!r} is not a dotted path")
+        try:
+            SpecifierSet(self.versions)
+        except InvalidSpecifier as exc:
+            raise ValueError(f"patch {self.id!r}: bad version specifier {self.versions!r}") from exc
+        if self.kind == "wrap" and not callable(self.replacement):
+            raise ValueError(f"patch {self.id!r}: a wrap patch needs a callable original -> new")
+
+    def applies_to_version(self, version: str) -> bool:
+        return SpecifierSet(self.versions).contains(version, prereleases=True)
+
+    def build(self, original: Any) -> Any:
+        """The object to install in place of ``original``."""
+        return self.replacement(original) if self.kind == "wrap" else self.replacement
+
+
+def _patch_modules() -> list[str]:
+    import megatron_npu.patches as pkg
+
+    return sorted(
+        f"{pkg.__name__}.{info.name}"
+        for info in pkgutil.iter_modules(pkg.__path__)
+        if not info.name.startswith("_")
+    )
+
+
+def all_patches() -> list[Patch]:
+    """Every registered patch, in a stable order (patch module name, then declaration order)."""
+    patches: list[Patch] = []
+    seen: dict[str, str] = {}
+    for modname in _patch_modules():
+        module = importlib.import_module(modname)
+        for patch in getattr(module, "PATCHES", ()):
+            if patch.id in seen:
+                raise ValueError(
+                    f"duplicate patch id {patch.id!r} in {modname} and {seen[patch.id]}"
+                )
+            seen[patch.id] = modname
+            patches.append(patch)
+    return patches
+
+
+def get_patch(patch_id: str) -> Patch:
+    for patch in all_patches():
+        if patch.id == patch_id:
+            return patch
+    raise KeyError(f"no patch with id {patch_id!r}")
+
+
+PatchFactory = Callable[[Any], Any]
