@@ -1,0 +1,52 @@
+"""Run-wide choices for the fused-op patches that Megatron's config has no field for.
+
+The seeds' large-kernel variants pick the attention input layout (``--shape-order SBH|BSH``) and the
+pre/next-token window (``--pre-tokens``/``--next-tokens``); ``megatron-npu train`` sets them here
+before building the model, and the fused ``DotProductAttention`` patch reads them at call time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+#: ``pre_tokens``/``next_tokens`` at or above this mean "no window" (the seeds use 65536).
+FULL_WINDOW = 65536
+
+
+@dataclass(frozen=True)
+class FusedAttentionSettings:
+    use_flash_attn: bool = False
+    shape_order: str = "SBH"
+    pre_tokens: int = FULL_WINDOW
+    next_tokens: int = FULL_WINDOW
+
+    def __post_init__(self) -> None:
+        if self.shape_order not in ("SBH", "BSH"):
+            raise ValueError(f"shape_order must be SBH or BSH, got {self.shape_order!r}")
+        if self.pre_tokens < 0 or self.next_tokens < 0:
+            raise ValueError(
+                f"pre_tokens and next_tokens must be >= 0, got {self.pre_tokens}, {self.next_tokens}"
+            )
+
+    @property
+    def windowed(self) -> bool:
+        return self.pre_tokens < FULL_WINDOW or self.next_tokens < FULL_WINDOW
+
+
+_current = FusedAttentionSettings()
+
+
+def fused_attention() -> FusedAttentionSettings:
+    return _current
+
+
+def set_fused_attention(**changes: object) -> FusedAttentionSettings:
+    """Replace some fields (validated); returns the new settings."""
+    global _current
+    _current = replace(_current, **changes)
+    return _current
+
+
+def reset() -> None:
+    global _current
+    _current = FusedAttentionSettings()
