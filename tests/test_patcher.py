@@ -1,0 +1,213 @@
+"""Each registry rule, checked on a synthetic module so a broken rule fails here."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import pytest
+
+import megatron_npu
+from megatron_npu import patcher
+from megatron_npu.patcher import PatchSignatureError, PatchTargetError
+from megatron_npu.registry import Patch
+
+VERSION = "0.15.0"
+
+
+def _original_f(x, y=1):
+    return ("original", x, y)
+
+
+def _replacement_f(x, y=1):
+    return ("replaced", x, y)
+
+
+class _Base:
+    def method(self, a):
+        return ("base", a)
+
+    @staticmethod
+    def helper(a, b=2):
+        return ("static", a, b)
+
+
+@pytest.fixture
+def fake():
+    """``fakemeg.core.thing`` with a function, a class, and a module that copied the function."""
+    pkg = types.ModuleType("fakemeg")
+    pkg.__path__ = []
+    core = types.ModuleType("fakemeg.core")
+    core.__path__ = []
+    thing = types.ModuleType("fakemeg.core.thing")
+    thing.f = _original_f
+
+    class Config(_Base):
+        pass
+
+    thing.Config = Config
+    user = types.ModuleType("fakemeg_user")  # did `from fakemeg.core.thing import f` earlier
+    user.f = thing.f
+    modules = {"fakemeg": pkg, "fakemeg.core": core, "fakemeg.core.thing": thing}
+    modules["fakemeg_user"] = user
+    sys.modules.update(modules)
+    yield types.SimpleNamespace(thing=thing, user=user, Config=Config)
+    for name in modules:
+        sys.modules.pop(name, None)
+
+
+def _apply(patches, device="cpu", **kw):
+    return megatron_npu.apply(device, patches=patches, megatron_version=VERSION, **kw)
+
+
+def _counting_wrap(original):
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return ("wrapped", original(*args, **kwargs))
+
+    return wrapped
+
+
+def test_replace_and_restore_identity(fake):
+    original = fake.thing.f
+    results = _apply([Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")])
+    assert [r.status for r in results] == ["applied"]
+    assert fake.thing.f(3)[0] == "replaced"
+    megatron_npu.restore()
+    assert fake.thing.f is original
+
+
+def test_double_apply_and_device_switch_never_stack_wrappers(fake):
+    patch = Patch("t.wrap", "fakemeg.core.thing.f", _counting_wrap, "test", kind="wrap")
+    _apply([patch])
+    first = fake.thing.f
+    _apply([patch])
+    assert fake.thing.f is first, "second apply for the same device must be a no-op"
+    _apply([patch], device="npu-emulated")
+    assert fake.thing.f(1) == ("wrapped", ("original", 1, 1)), "wrapper stacked on re-apply"
+    megatron_npu.restore()
+    assert fake.thing.f is _original_f
+
+
+def test_from_import_copies_are_rebound_and_restored(fake):
+    _apply([Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")])
+    assert fake.user.f is _replacement_f
+    megatron_npu.restore()
+    assert fake.user.f is _original_f
+
+
+def test_missing_target_names_patch_target_and_version_and_creates_nothing(fake):
+    patch = Patch("t.missing", "fakemeg.core.thing.not_there", _replacement_f, "test")
+    with pytest.raises(PatchTargetError) as err:
+        _apply([patch])
+    message = str(err.value)
+    assert "t.missing" in message
+    assert "fakemeg.core.thing.not_there" in message
+    assert VERSION in message
+    assert not hasattr(fake.thing, "not_there")
+    assert patcher.active_device() is None
+
+
+def test_missing_module_is_a_target_error(fake):
+    with pytest.raises(PatchTargetError, match="fakemeg.core.gone.f"):
+        _apply([Patch("t.gone", "fakemeg.core.gone.f", _replacement_f, "test")])
+
+
+def test_version_range_excluding_installed_version_skips(fake):
+    patch = Patch(
+        "t.old", "fakemeg.core.thing.not_there", _replacement_f, "test", versions="<0.14"
+    )
+    results = _apply([patch])
+    assert results[0].status == "skipped-by-version"
+    assert VERSION in results[0].reason
+    assert not hasattr(fake.thing, "not_there")
+
+
+def test_signature_mismatch_is_refused_and_nothing_stays_patched(fake):
+    def wrong(x, z=1):
+        return x
+
+    good = Patch("t.good", "fakemeg.core.thing.Config.method", lambda self, a: a, "test")
+    bad = Patch("t.bad", "fakemeg.core.thing.f", wrong, "test")
+    with pytest.raises(PatchSignatureError, match=r"t\.bad.*\(x, z=1\).*\(x, y=1\)"):
+        _apply([good, bad])
+    assert fake.thing.f is _original_f
+    assert "method" not in vars(fake.Config), "earlier patch must be rolled back"
+
+
+def test_non_strict_records_failure_and_keeps_going(fake):
+    bad = Patch("t.bad", "fakemeg.core.thing.f", lambda q: q, "test")
+    good = Patch("t.good", "fakemeg.core.thing.Config.method", lambda self, a: ("p", a), "test")
+    results = _apply([bad, good], strict=False)
+    assert [r.status for r in results] == ["failed", "applied"]
+    assert "signature" in results[0].reason
+
+
+def test_device_filter(fake):
+    patch = Patch(
+        "t.npu-only", "fakemeg.core.thing.f", _replacement_f, "test", devices=frozenset({"npu"})
+    )
+    assert _apply([patch])[0].status == "not-for-this-device"
+    assert fake.thing.f is _original_f
+
+
+def test_subclass_defined_after_apply_gets_patched_method(fake):
+    _apply([Patch("t.m", "fakemeg.core.thing.Config.method", lambda self, a: ("p", a), "test")])
+
+    class Later(fake.Config):
+        pass
+
+    assert Later().method(1) == ("p", 1)
+    megatron_npu.restore()
+    assert Later().method(1) == ("base", 1)
+    assert "method" not in vars(fake.Config), "inherited attribute must be removed, not set"
+
+
+def test_staticmethod_descriptor_is_kept_and_restored(fake):
+    raw = vars(_Base)["helper"]
+    fake.thing._Base = _Base
+    _apply([Patch("t.s", "fakemeg.core.thing._Base.helper", _counting_wrap, "t", kind="wrap")])
+    assert _Base.helper(1) == ("wrapped", ("static", 1, 2))
+    assert isinstance(vars(_Base)["helper"], staticmethod)
+    megatron_npu.restore()
+    assert vars(_Base)["helper"] is raw
+
+
+def test_real_megatron_subclass_after_apply_is_patched():
+    """A subclass of Megatron's TransformerConfig defined after apply runs the patched hook."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    seen = []
+
+    def wrap_post_init(original):
+        @functools.wraps(original)
+        def post_init(self):
+            seen.append(type(self).__name__)
+            return original(self)
+
+        return post_init
+
+    patch = Patch(
+        "t.cfg", f"{TransformerConfig.__module__}.TransformerConfig.__post_init__",
+        wrap_post_init, "test", kind="wrap",
+    )  # fmt: skip
+    megatron_npu.apply("cpu", patches=[patch])
+
+    class MyConfig(TransformerConfig):
+        pass
+
+    MyConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    assert seen == ["MyConfig"]
+    megatron_npu.restore()
+    MyConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    assert seen == ["MyConfig"]
+
+
+def test_registry_rejects_bad_entries():
+    with pytest.raises(ValueError, match="kind"):
+        Patch("x", "a.b", None, "r", kind="monkey")
+    with pytest.raises(ValueError, match="unknown devices"):
+        Patch("x", "a.b", None, "r", devices=frozenset({"tpu"}))
+    with pytest.raises(ValueError, match="version specifier"):
+        Patch("x", "a.b", None, "r", versions="~~1")
