@@ -76,6 +76,7 @@ class _State:
     patch_ids: tuple[str, ...] = ()
     sites: list[_Site] = field(default_factory=list)
     results: list[PatchResult] = field(default_factory=list)
+    originals: dict[str, Any] = field(default_factory=dict)
 
 
 _state = _State()
@@ -179,6 +180,7 @@ def _install(patch: Patch) -> list[_Site]:
     owner, name = resolve(patch.target)
     raw, own = _raw_attribute(owner, name)
     original, descriptor = _unwrap_descriptor(raw)
+    _state.originals[patch.id] = original
     new = patch.build(original)
     if patch.kind == "replace" and patch.check_signature:
         check_signature(patch, original, new)
@@ -282,6 +284,15 @@ def restore() -> None:
         if _state.device is not None:
             devices.deactivate()
         _state.device, _state.patch_ids, _state.sites, _state.results = None, (), [], []
+        _state.originals = {}
+
+
+def original(patch: Patch) -> Any:
+    """The pristine object ``patch`` replaces (what Megatron itself would run)."""
+    if patch.id in _state.originals:
+        return _state.originals[patch.id]
+    owner, name = resolve(patch.target)
+    return _unwrap_descriptor(_raw_attribute(owner, name)[0])[0]
 
 
 def active_device() -> str | None:

@@ -1,0 +1,1 @@
+"""torch.nn modules the registry installs in place of Megatron's CUDA-only ones."""

@@ -1,0 +1,463 @@
+"""Pure-torch EMULATION of the torch_npu fused ops that megatron_npu calls.
+
+This is not torch_npu and runs no Ascend kernel. It reproduces, on any torch device, the call
+contract of each torch_npu function the op layer uses: the same name, parameter names and
+defaults (op-plugin schemas, including the ``pre_tockens``/``next_tockens`` spelling), the same
+return tuples (e.g. ``npu_fusion_attention`` returns ``(out, softmax_max, softmax_sum, reserved,
+seed, offset, numels)`` with fp32 softmax statistics shaped ``(B, N, Sq, 8)``), and the input
+checks the kernel documentation states. Errors name the broken constraint.
+
+It can stand in for the real module::
+
+    import sys
+    from megatron_npu.testing import torch_npu_emulation
+    sys.modules["torch_npu"] = torch_npu_emulation
+
+Results produced through it are labelled ``npu-emulated``, never ``npu``: they say the NPU code
+path (argument mapping, mask conventions, sparse modes, layouts) is right, not that an Ascend
+device computes the same numbers.
+
+The maths here is written independently of ``megatron_npu.ops`` (explicit score matrices and
+masks built from the ``sparse_mode`` rules, fp32 internal compute for fp16/bf16), so comparing
+the native op path with this one is a real check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IS_EMULATION = True
+#: the device label results obtained through this module must carry
+DEVICE_LABEL = "npu-emulated"
+
+__all__ = [
+    "DEVICE_LABEL",
+    "IS_EMULATION",
+    "npu_apply_adam_w",
+    "npu_fast_gelu",
+    "npu_fusion_attention",
+    "npu_gelu",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_scaled_masked_softmax",
+    "npu_swiglu",
+]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_MAX = 2147483647
+_COMPRESSED = 2048
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _float_dtype(op: str, arg: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {arg} dtype {_name(t.dtype)} is not float16, bfloat16 or float32")
+
+
+# ============================================================================ attention
+
+_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+
+
+def _split_heads(x: torch.Tensor, layout: str, n: int) -> torch.Tensor:
+    """-> (B, N, S, D)"""
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.permute(0, 2, 1, 3)
+    if layout == "BSH":
+        return x.unflatten(2, (n, -1)).permute(0, 2, 1, 3)
+    return x.unflatten(2, (n, -1)).permute(1, 2, 0, 3)  # SBH
+
+
+def _merge_heads(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "BNSD":
+        return x.contiguous()
+    if layout == "BSND":
+        return x.permute(0, 2, 1, 3).contiguous()
+    if layout == "BSH":
+        return x.permute(0, 2, 1, 3).flatten(2)
+    return x.permute(2, 0, 1, 3).flatten(2)  # SBH
+
+
+def _fa_dims(query, key, value, head_num, layout):
+    op = "npu_fusion_attention"
+    if layout not in _LAYOUTS:
+        raise ValueError(f"{op}: input_layout {layout!r} is not one of {', '.join(_LAYOUTS)}")
+    if layout == "TND":
+        raise NotImplementedError(f"{op}: input_layout 'TND' (varlen) is not emulated")
+    for arg, t in (("query", query), ("key", key), ("value", value)):
+        _float_dtype(op, arg, t)
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"{op}: query, key and value must have the same dtype, got {_name(query.dtype)}, "
+            f"{_name(key.dtype)}, {_name(value.dtype)}"
+        )
+    rank = 3 if layout in ("BSH", "SBH") else 4
+    for arg, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != rank:
+            raise ValueError(f"{op}: layout {layout} needs {rank}-D {arg}, got {tuple(t.shape)}")
+    if tuple(key.shape) != tuple(value.shape):
+        raise ValueError(f"{op}: key and value shapes must be equal, got {tuple(key.shape)} "
+                         f"and {tuple(value.shape)}")
+    if head_num < 1:
+        raise ValueError(f"{op}: head_num must be >= 1, got {head_num}")
+    if rank == 3:
+        h = query.shape[-1]
+        if h % head_num != 0:
+            raise ValueError(f"{op}: head_num {head_num} does not divide H={h}")
+        d = h // head_num
+        if key.shape[-1] % d != 0:
+            raise ValueError(f"{op}: key H={key.shape[-1]} is not a multiple of D={d}")
+        n_kv = key.shape[-1] // d
+        b, sq, skv = ((query.shape[0], query.shape[1], key.shape[1]) if layout == "BSH"
+                      else (query.shape[1], query.shape[0], key.shape[0]))
+        b_kv = key.shape[0] if layout == "BSH" else key.shape[1]
+    else:
+        n_axis, s_axis = (1, 2) if layout == "BNSD" else (2, 1)
+        if query.shape[n_axis] != head_num:
+            raise ValueError(f"{op}: head_num {head_num} differs from query N "
+                             f"{query.shape[n_axis]} ({layout})")
+        d = query.shape[3]
+        if key.shape[3] != d:
+            raise ValueError(f"{op}: Dq={d} must equal Dk={key.shape[3]}")
+        n_kv = key.shape[n_axis]
+        b, sq, skv = query.shape[0], query.shape[s_axis], key.shape[s_axis]
+        b_kv = key.shape[0]
+    if b_kv != b:
+        raise ValueError(f"{op}: query batch {b} and key batch {b_kv} differ")
+    if not 1 <= d <= 768:
+        raise ValueError(f"{op}: head dim D={d} is outside 1..768")
+    if not 1 <= head_num <= 256:
+        raise ValueError(f"{op}: query head count N={head_num} is outside 1..256")
+    if n_kv < 1 or head_num % n_kv != 0:
+        raise ValueError(f"{op}: Nq/Nkv must be a non-zero integer (GQA), got Nq={head_num}, "
+                         f"Nkv={n_kv}")
+    return b, n_kv, sq, skv, d
+
+
+def _fa_visible(atten_mask, sparse_mode, pre, nxt, b, n, sq, skv, device):
+    """Bool tensor broadcastable to (B, N, Sq, Skv): True = the score takes part."""
+    op = "npu_fusion_attention"
+    if sparse_mode not in range(9):
+        raise ValueError(f"{op}: sparse_mode must be in 0..8, got {sparse_mode}")
+    if sparse_mode in (5, 6, 7, 8):
+        raise NotImplementedError(f"{op}: sparse_mode {sparse_mode} (prefix/varlen) is not "
+                                  "emulated")
+    if atten_mask is None:
+        # documented: without atten_mask, sparse_mode/pre_tockens/next_tockens do not apply
+        return None
+    if atten_mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"{op}: atten_mask dtype must be bool or uint8, got "
+                        f"{_name(atten_mask.dtype)}")
+    row = torch.arange(sq, device=device).view(sq, 1)
+    col = torch.arange(skv, device=device).view(1, skv)
+    if sparse_mode in (2, 3, 4):
+        if tuple(atten_mask.shape) != (_COMPRESSED, _COMPRESSED):
+            raise ValueError(f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask of "
+                             f"shape (2048, 2048), got {tuple(atten_mask.shape)}")
+        expected = torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device)
+        if not torch.equal(atten_mask.bool(), torch.triu(expected, diagonal=1)):
+            raise ValueError(f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask "
+                             "triu(ones(2048, 2048), diagonal=1) (True above the diagonal)")
+        if sparse_mode == 2:  # leftUpCausal: origin top-left
+            return col <= row
+        shift = skv - sq  # rightDownCausal / band: origin bottom-right
+        if sparse_mode == 3:
+            return col <= row + shift
+        if pre + nxt < 0:
+            raise ValueError(f"{op}: sparse_mode 4 (band) needs pre_tockens + next_tockens >= 0, "
+                             f"got {pre} and {nxt}")
+        return (col - row - shift <= nxt) & (row + shift - col <= pre)
+    shapes = {(b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)}
+    if tuple(atten_mask.shape) not in shapes:
+        raise ValueError(f"{op}: atten_mask shape {tuple(atten_mask.shape)} must be BNSS, B1SS, "
+                         f"11SS or SS with B={b}, N={n}, Sq={sq}, Skv={skv}")
+    keep = atten_mask == 0
+    if sparse_mode == 1:  # allMask: the mask alone
+        return keep
+    # sparse_mode 0: the mask plus the pre/next band, origin top-left
+    if nxt < 0 and (pre < -nxt or -nxt >= skv):
+        raise ValueError(f"{op}: negative next_tockens={nxt} needs pre_tockens >= |next_tockens| "
+                         f"and |next_tockens| < Skv={skv}")
+    if pre < 0 and (nxt < -pre or -pre >= sq):
+        raise ValueError(f"{op}: negative pre_tockens={pre} needs next_tockens >= |pre_tockens| "
+                         f"and |pre_tockens| < Sq={sq}")
+    band = (col - row <= nxt) & (row - col <= pre)
+    return keep & band
+
+
+def npu_fusion_attention(
+    query,
+    key,
+    value,
+    head_num,
+    input_layout,
+    pse=None,
+    padding_mask=None,
+    atten_mask=None,
+    scale=1.0,
+    keep_prob=1.0,
+    pre_tockens=2147483647,
+    next_tockens=2147483647,
+    inner_precise=0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode=0,
+    gen_mask_parallel=True,
+    sync=False,
+):
+    """Emulates ``torch_npu.npu_fusion_attention``.
+
+    Masks follow the kernel's modes: 0 = atten_mask plus the pre/next band with a top-left
+    origin; 1 = atten_mask alone; 2 = leftUpCausal; 3 = rightDownCausal; 4 = band with a
+    bottom-right origin. Modes 2-4 require the compressed 2048x2048 upper-triangle mask. Without
+    ``atten_mask`` the whole score matrix is used. Rows left without any visible key output 0.
+    """
+    op = "npu_fusion_attention"
+    b, n_kv, sq, skv, d = _fa_dims(query, key, value, head_num, input_layout)
+    if pse is not None:
+        raise NotImplementedError(f"{op}: pse is not emulated")
+    if padding_mask is not None:
+        raise ValueError(f"{op}: padding_mask is not supported by the kernel (must be None)")
+    if prefix is not None or actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not "
+                                  "emulated")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
+    if inner_precise not in (0, 1, 2):
+        raise ValueError(f"{op}: inner_precise must be 0, 1 or 2, got {inner_precise}")
+    visible = _fa_visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, head_num, sq,
+                          skv, query.device)
+
+    q = _split_heads(query, input_layout, head_num).float()
+    k = _split_heads(key, input_layout, n_kv).float()
+    v = _split_heads(value, input_layout, n_kv).float()
+    group = head_num // n_kv
+    if group > 1:  # query head h reads key/value head h // group
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bnqd,bnkd->bnqk", q, k) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.detach().amax(dim=-1, keepdim=True)  # a shift softmax is invariant to
+    dead = torch.isneginf(row_max)  # rows with nothing to attend
+    row_max = torch.where(dead, torch.zeros_like(row_max), row_max)
+    weights = torch.exp(scores - row_max)
+    row_sum = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(dead, torch.ones_like(row_sum), row_sum)
+
+    seed, offset, numels = 0, 0, 0
+    if keep_prob < 1.0:
+        seed = int(torch.randint(0, _MAX, (1,)).item())
+        gen = torch.Generator(device=query.device).manual_seed(seed)
+        keep = torch.rand(probs.shape, generator=gen, device=query.device) < keep_prob
+        probs = probs * keep / keep_prob
+        numels = probs.numel()
+    out = torch.einsum("bnqk,bnkd->bnqd", probs, v).to(query.dtype)
+    softmax_max = row_max.detach().expand(-1, -1, -1, 8).contiguous()
+    softmax_sum = row_sum.detach().expand(-1, -1, -1, 8).contiguous()
+    reserved = torch.empty(0, dtype=query.dtype, device=query.device)
+    return _merge_heads(out, input_layout), softmax_max, softmax_sum, reserved, seed, offset, numels
+
+
+# ============================================================================ norms
+
+
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    """Emulates ``torch_npu.npu_rms_norm``: ``(x / sqrt(mean(x^2) + eps) * gamma, rstd)`` with
+    the mean over gamma's trailing dims; rstd is fp32 with those dims kept as 1."""
+    op = "npu_rms_norm"
+    _float_dtype(op, "x", x)
+    _float_dtype(op, "gamma", gamma)
+    if gamma.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"{op}: gamma dtype {_name(gamma.dtype)} must equal x dtype "
+                        f"{_name(x.dtype)} or be float32")
+    if not 2 <= x.dim() <= 8:
+        raise ValueError(f"{op}: x must have 2 to 8 dims, got {x.dim()}")
+    k = gamma.dim()
+    if k < 1 or k > x.dim() or tuple(x.shape[x.dim() - k:]) != tuple(gamma.shape):
+        raise ValueError(f"{op}: gamma shape {tuple(gamma.shape)} must equal the trailing dims of "
+                         f"x {tuple(x.shape)}")
+    if epsilon < 0:
+        raise ValueError(f"{op}: epsilon must be >= 0, got {epsilon}")
+    dims = tuple(range(x.dim() - k, x.dim()))
+    xf = x.float()
+    rms = torch.sqrt(torch.mean(xf * xf, dim=dims, keepdim=True) + epsilon)
+    y = (xf / rms) * gamma.float()
+    return y.to(x.dtype), (1.0 / rms)
+
+
+# ============================================================================ activations
+
+
+def npu_swiglu(x, dim=-1):
+    """Emulates ``torch_npu.npu_swiglu``: ``silu(A) * B`` with A, B the halves of x along dim."""
+    op = "npu_swiglu"
+    _float_dtype(op, "x", x)
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: dim {dim} out of range for a {x.dim()}-D x")
+    size = x.shape[dim]
+    if size % 2:
+        raise ValueError(f"{op}: x size {size} along dim {dim} must be even")
+    xf = x.float()
+    a = xf.narrow(dim, 0, size // 2)
+    b = xf.narrow(dim, size // 2, size // 2)
+    return (a / (1.0 + torch.exp(-a)) * b).to(x.dtype)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def npu_gelu(input, approximate="none"):  # noqa: A002 - torch_npu's parameter name
+    """Emulates ``torch_npu.npu_gelu``: exact erf GELU, or the tanh approximation
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` for ``approximate='tanh'``."""
+    op = "npu_gelu"
+    _float_dtype(op, "input", input)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    x = input.float()
+    if approximate == "tanh":
+        y = 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    else:
+        y = 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    return y.to(input.dtype)
+
+
+def npu_fast_gelu(input):  # noqa: A002 - torch_npu's parameter name
+    """Emulates ``torch_npu.npu_fast_gelu`` with the Atlas A2/A3 formula
+    ``x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|))``. Older chips use another formula,
+    which is why the op layer never uses this for bias-GELU."""
+    _float_dtype("npu_fast_gelu", "input", input)
+    x = input.float()
+    y = x / (1.0 + torch.exp(-1.702 * x.abs())) * torch.exp(0.851 * (x - x.abs()))
+    return y.to(input.dtype)
+
+
+# ============================================================================ rotary
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu's name
+    """Emulates ``torch_npu.npu_rotary_mul``: ``input * r1 + rotate(input) * r2``; 'half'
+    rotates ``(x1, x2) -> (-x2, x1)`` over the two halves of D, 'interleave' over even/odd
+    pairs."""
+    op = "npu_rotary_mul"
+    for arg, t in (("input", input), ("r1", r1), ("r2", r2)):
+        _float_dtype(op, arg, t)
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {arg} must be 4-D, got shape {tuple(t.shape)}")
+    if not input.dtype == r1.dtype == r2.dtype:
+        raise TypeError(f"{op}: input, r1 and r2 must share one dtype, got {_name(input.dtype)}, "
+                        f"{_name(r1.dtype)}, {_name(r2.dtype)}")
+    if rotary_mode not in ("half", "interleave"):
+        raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    d = input.shape[-1]
+    if d % 2 or d >= 896:
+        raise ValueError(f"{op}: D={d} must be even and < 896")
+    if tuple(r1.shape) != tuple(r2.shape):
+        raise ValueError(f"{op}: r1 and r2 shapes differ: {tuple(r1.shape)} vs {tuple(r2.shape)}")
+    for i, (rs, xs) in enumerate(zip(r1.shape, input.shape)):
+        if rs not in (1, xs) or (i == 3 and rs != xs):
+            raise ValueError(f"{op}: r1/r2 shape {tuple(r1.shape)} must broadcast to input "
+                             f"{tuple(input.shape)} with the full D")
+    if rotary_mode == "interleave" and sum(s != 1 for s in r1.shape[:3]) > 1:
+        raise ValueError(f"{op}: interleave mode takes r1/r2 shaped 11SD, 1S1D or S11D, got "
+                         f"{tuple(r1.shape)}")
+    x = input.float()
+    idx = torch.arange(d, device=input.device)
+    if rotary_mode == "half":
+        partner = (idx + d // 2) % d
+        sign = torch.where(idx < d // 2, -1.0, 1.0)
+    else:
+        partner = idx ^ 1
+        sign = torch.where(idx % 2 == 0, -1.0, 1.0)
+    rotated = x.index_select(-1, partner) * sign.to(x.device)
+    return (x * r1.float() + rotated * r2.float()).to(input.dtype)
+
+
+# ============================================================================ softmax
+
+
+def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
+    """Emulates ``torch_npu.npu_scaled_masked_softmax``: softmax over the last dim of
+    ``x * scale`` with positions where ``mask`` is True replaced by -10000 (fp32 inside)."""
+    op = "npu_scaled_masked_softmax"
+    _float_dtype(op, "x", x)
+    if x.dim() != 4:
+        raise ValueError(f"{op}: x must be 4-D (NCHW), got shape {tuple(x.shape)}")
+    h, w = x.shape[-2], x.shape[-1]
+    for arg, v in (("x.shape[-2]", h), ("x.shape[-1]", w)):
+        if not (32 <= v <= 4096 and v % 32 == 0):
+            raise ValueError(f"{op}: {arg}={v} must be in [32, 4096] and divisible by 32")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{op}: mask dtype must be bool, got {_name(mask.dtype)}")
+    shape = tuple(mask.shape)
+    if len(shape) > 4 or any(m not in (1, s) for m, s in zip(reversed(shape), reversed(x.shape))):
+        raise ValueError(f"{op}: mask shape {shape} must broadcast to x {tuple(x.shape)}")
+    if fixed_triu_mask:
+        raise ValueError(f"{op}: fixed_triu_mask is a reserved parameter, only False is "
+                         "supported; pass an explicit upper-triangular mask")
+    logits = (x.float() * scale).masked_fill(mask, -10000.0)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    e = torch.exp(shifted)
+    return (e / e.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+
+# ============================================================================ optimizer
+
+
+def npu_apply_adam_w(
+    beta1_power,
+    beta2_power,
+    lr,
+    weight_decay,
+    beta1,
+    beta2,
+    epsilon,
+    grad,
+    max_grad_norm,
+    amsgrad,
+    maximize,
+    *,
+    out,
+):
+    """Emulates ``torch_npu.npu_apply_adam_w`` (in place on ``out=(var, m, v)``).
+
+    The powers passed in are ``beta**(step-1)``: the op multiplies them by beta itself. With
+    ``amsgrad`` the running maximum of v is read from ``max_grad_norm`` (it is not an output).
+    """
+    op = "npu_apply_adam_w"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError(f"{op}: out must be the tuple (var, m, v)")
+    var, m, v = out
+    for arg, t in (("var", var), ("m", m), ("v", v), ("grad", grad)):
+        _float_dtype(op, arg, t)
+        if tuple(t.shape) != tuple(var.shape):
+            raise ValueError(f"{op}: {arg} shape {tuple(t.shape)} differs from var "
+                             f"{tuple(var.shape)}")
+    if not var.dtype == m.dtype == v.dtype == grad.dtype:
+        raise TypeError(f"{op}: var, m, v and grad must share one dtype")
+    if amsgrad and max_grad_norm is None:
+        raise ValueError(f"{op}: amsgrad=True needs max_grad_norm (the running max of v)")
+    if amsgrad and tuple(max_grad_norm.shape) != tuple(var.shape):
+        raise ValueError(f"{op}: max_grad_norm shape must equal var shape")
+    b1p = beta1_power * beta1
+    b2p = beta2_power * beta2
+    g = grad.float()
+    if maximize:
+        g = -g
+    m_new = m.float() * beta1 + (1.0 - beta1) * g
+    v_new = v.float() * beta2 + (1.0 - beta2) * g * g
+    second = torch.maximum(max_grad_norm.float(), v_new) if amsgrad else v_new
+    denom = torch.sqrt(second / (1.0 - b2p)) + epsilon
+    var_new = var.float() * (1.0 - lr * weight_decay) - lr * (m_new / (1.0 - b1p)) / denom
+    var.copy_(var_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    return var, m, v

@@ -1,0 +1,53 @@
+"""Parity harness: every function the adaptor patches, checked against a CPU reference.
+
+Public API of the metrics / verdict / results layer:
+
+* :func:`compare` -> :class:`TensorComparison` (msprobe accuracy metrics of one tensor)
+* :func:`verdict` / :func:`worst` -> :class:`Verdict`, with an optional :class:`Tolerance`
+* :class:`ParityRecord`, :func:`write_record`, :func:`read_records`, :func:`summary_table`,
+  :func:`print_summary` (structured JSON results; schema in ``docs/parity-results.md``)
+"""
+
+from parity.metrics import TensorComparison, compare
+from parity.results import (
+    DEVICES,
+    SCHEMA_VERSION,
+    GitInfo,
+    ParityRecord,
+    Provenance,
+    RecordError,
+    SummaryRow,
+    TensorResult,
+    collect_provenance,
+    detect_device,
+    print_summary,
+    read_records,
+    record_filename,
+    summary_table,
+    write_record,
+)
+from parity.verdict import Tolerance, Verdict, verdict, worst
+
+__all__ = [
+    "DEVICES",
+    "SCHEMA_VERSION",
+    "GitInfo",
+    "ParityRecord",
+    "Provenance",
+    "RecordError",
+    "SummaryRow",
+    "TensorComparison",
+    "TensorResult",
+    "Tolerance",
+    "Verdict",
+    "collect_provenance",
+    "compare",
+    "detect_device",
+    "print_summary",
+    "read_records",
+    "record_filename",
+    "summary_table",
+    "verdict",
+    "worst",
+    "write_record",
+]

@@ -1,0 +1,1 @@
+"""Parity cases, one module per patch area; registry entries point here by name."""

@@ -1,0 +1,173 @@
+"""Real multi-rank process groups for parity cases (gloo here, hccl on an NPU).
+
+A :class:`RankPool` starts ``world`` spawned processes that join one process group and then run
+:class:`~parity.harness.Job` s sent to them, each on Megatron's model-parallel groups for the job's
+layout. Every job has a deadline: a rank that raises surfaces with its traceback, a rank that
+hangs is named, and in both cases the whole pool is terminated at once, so no process outlives
+the failing case. Healthy pools are reused across cases and closed when the session ends.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+#: Seconds a job may take on the slowest rank before the pool is killed.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_NPU_PARITY_TIMEOUT", "240"))
+#: How long the remaining ranks get to report after one rank failed.
+_GRACE_S = 5.0
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; the message holds each rank's traceback."""
+
+
+class RankTimeout(RankError):
+    """One or more ranks did not answer in time."""
+
+
+def _worker(rank: int, world: int, store: str, conn: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+        )
+        from megatron.core import parallel_state
+
+        import megatron_npu
+        from parity.harness import run_examples
+    except BaseException:  # noqa: BLE001  (report anything, including import errors)
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    layout: tuple[int, int] | None = None
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        try:
+            megatron_npu.apply(job.device)
+            if layout != (job.parallel.tp, job.parallel.pp):
+                if layout is not None:
+                    parallel_state.destroy_model_parallel()
+                parallel_state.initialize_model_parallel(job.parallel.tp, job.parallel.pp)
+                layout = (job.parallel.tp, job.parallel.pp)
+            conn.send(("ok", run_examples(job)))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+class RankPool:
+    """``world`` worker processes in one gloo group."""
+
+    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.world = world
+        self.timeout_s = timeout_s
+        self._dir = tempfile.mkdtemp(prefix="megatron-npu-ranks-")
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        store = os.path.join(self._dir, "store")
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world, store, child), daemon=True,
+                name=f"parity-rank{rank}",
+            )  # fmt: skip
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start-up")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _collect(self, what: str) -> list[Any]:
+        deadline = time.monotonic() + self.timeout_s
+        answers: dict[int, tuple[str, Any]] = {}
+        while len(answers) < self.world:
+            failed = any(kind == "error" for kind, _ in answers.values())
+            limit = min(deadline, time.monotonic() + _GRACE_S) if failed else deadline
+            for rank, conn in enumerate(self._conns):
+                if rank in answers:
+                    continue
+                if not self._procs[rank].is_alive() and not conn.poll():
+                    code = self._procs[rank].exitcode
+                    answers[rank] = ("error", f"rank {rank} died (exit code {code})")
+                elif conn.poll(0.05):
+                    try:
+                        answers[rank] = conn.recv()
+                    except EOFError:
+                        answers[rank] = ("error", f"rank {rank} closed its pipe")
+            if time.monotonic() > limit:
+                break
+        errors = {r: a[1] for r, a in answers.items() if a[0] == "error"}
+        silent = [r for r in range(self.world) if r not in answers]
+        if errors or silent:
+            self.close(force=True)
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            if silent:
+                parts.append(f"ranks {silent} gave no answer within {self.timeout_s:.0f}s")
+            kind = RankTimeout if silent and not errors else RankError
+            raise kind(f"{what} failed on {self.world} ranks:\n" + "\n".join(parts))
+        return [answers[r][1] for r in range(self.world)]
+
+    def submit(self, job: Any) -> Any:
+        """Run ``job`` on every rank; return rank 0's result."""
+        if not self.alive:
+            raise RankError("the rank pool is closed")
+        if job.parallel.world != self.world:
+            raise ValueError(f"job needs {job.parallel.world} ranks, pool has {self.world}")
+        for conn in self._conns:
+            conn.send(job)
+        return self._collect(f"parity job {job.patch_id} {job.dtype} {job.parallel.label()}")[0]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            for proc in self._procs:
+                proc.join(timeout=10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+class PoolManager:
+    """One healthy pool per world size, replaced after a failure, all closed on :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive:
+            pool = self._pools[world] = RankPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

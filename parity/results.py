@@ -1,0 +1,646 @@
+"""Structured parity results: one JSON record per (patch, case, dtype, parallel sizes, device).
+
+The schema is documented in ``docs/parity-results.md``; bump :data:`SCHEMA_VERSION` whenever a
+key is added, removed or changes meaning. Records are written atomically (temp file in the same
+directory, fsync, ``os.replace``), so a reader never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from parity.metrics import TensorComparison, dtype_config
+from parity.verdict import Tolerance, Verdict, verdict, worst
+
+__all__ = [
+    "DEVICES",
+    "PARALLEL_KEYS",
+    "SCHEMA_VERSION",
+    "GitInfo",
+    "ParityRecord",
+    "Provenance",
+    "RecordError",
+    "SummaryRow",
+    "TensorResult",
+    "collect_provenance",
+    "detect_device",
+    "git_info",
+    "print_summary",
+    "read_records",
+    "record_filename",
+    "summary_table",
+    "write_record",
+]
+
+SCHEMA_VERSION = 1
+# "npu" only for a real Ascend NPU through torch_npu; the CPU emulation of torch_npu's kernels
+# is "npu-emulated", never "npu".
+DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
+PARALLEL_KEYS = ("tp", "pp", "dp", "world")
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+_EMULATION_MODULE_HINT = "emulation"
+
+
+class RecordError(ValueError):
+    """A results file that cannot be read as a :class:`ParityRecord`; names file and key."""
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+@dataclass(frozen=True)
+class GitInfo:
+    commit: str | None  # short sha of HEAD; None in a repository without commits
+    dirty: bool  # tracked or untracked changes in the working tree
+
+
+@dataclass(frozen=True)
+class Provenance:
+    device: str  # same label as ParityRecord.device
+    python: str
+    torch: str
+    torch_npu: str | None  # None when torch_npu is not installed
+    megatron_core: str | None
+    git: GitInfo | None  # None when git or the repository is unavailable
+    seed: int | None
+    hostname: str
+    timestamp_utc: str  # ISO 8601, e.g. 2025-01-31T12:00:00Z
+    wall_time_s: float  # wall time of the case
+    device_name: str | None = None  # free text, e.g. "Ascend910B3" or the CPU model
+
+
+def _is_emulation(module: Any) -> bool:
+    return module is not None and (
+        getattr(module, "IS_EMULATION", False) is True
+        or _EMULATION_MODULE_HINT in getattr(module, "__name__", "")
+    )
+
+
+def _package_version(dist: str, module: str | None = None) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    mod = sys.modules.get(module or dist)
+    if _is_emulation(mod):  # the emulation stands in as sys.modules["torch_npu"]
+        return None
+    version = getattr(mod, "__version__", None)
+    return str(version) if version is not None else None
+
+
+def git_info(repo_dir: str | os.PathLike[str] | None = None) -> GitInfo | None:
+    """HEAD's short sha and a dirty flag for the tree at ``repo_dir``; None if git can't tell.
+
+    Never raises. Uses ``--no-optional-locks`` so it never takes the index lock from someone
+    committing in the same tree.
+    """
+    cwd = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
+
+    def run(*args: str) -> subprocess.CompletedProcess[str] | None:
+        try:
+            return subprocess.run(
+                ["git", "--no-optional-locks", *args],
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = run("status", "--porcelain")
+    if status is None or status.returncode != 0:
+        return None
+    head = run("rev-parse", "--short", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
+    return GitInfo(commit=commit or None, dirty=bool(status.stdout.strip()))
+
+
+def _active_adaptor_device() -> Any:
+    try:
+        from megatron_npu.devices import active
+    except ImportError:
+        return None
+    try:
+        return active()
+    except Exception:  # noqa: BLE001 - provenance must never fail on the device layer
+        return None
+
+
+def _emulation_active() -> bool:
+    device = _active_adaptor_device()
+    if device is not None and getattr(device, "emulated", False):
+        return True
+    try:
+        from megatron_npu.ops.kernels import npu_kernels
+    except ImportError:
+        kernels = None
+    else:
+        kernels = npu_kernels()
+    return _is_emulation(kernels) or _is_emulation(sys.modules.get("torch_npu"))
+
+
+def detect_device() -> str:
+    """The device label of this process: the active adaptor device's name if one is applied,
+    else npu-emulated (emulation kernels active), npu (torch_npu sees a device), cuda, cpu."""
+    device = _active_adaptor_device()
+    name = getattr(device, "name", None)
+    if name in DEVICES:
+        return "npu-emulated" if getattr(device, "emulated", False) else name
+    if _emulation_active():
+        return "npu-emulated"
+    import torch
+
+    if "torch_npu" in sys.modules:
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def collect_provenance(
+    device: str,
+    *,
+    seed: int | None,
+    wall_time_s: float,
+    device_name: str | None = None,
+    repo_dir: str | os.PathLike[str] | None = None,
+) -> Provenance:
+    """Provenance of this process for a case run on ``device``.
+
+    Raises ValueError for an unknown label, for "npu" while the torch_npu emulation is the active
+    kernel module, and for "npu" without torch_npu installed.
+    """
+    import torch
+
+    _check_device(device)
+    torch_npu = _package_version("torch_npu")
+    if device == "npu":
+        if _emulation_active():
+            raise ValueError("the torch_npu emulation is active: label this run 'npu-emulated'")
+        if torch_npu is None:
+            raise ValueError("device 'npu' needs torch_npu; an emulated run is 'npu-emulated'")
+    return Provenance(
+        device=device,
+        python=platform.python_version(),
+        torch=str(torch.__version__),
+        torch_npu=torch_npu,
+        megatron_core=_package_version("megatron-core", "megatron.core"),
+        git=git_info(repo_dir),
+        seed=seed,
+        hostname=socket.gethostname(),
+        timestamp_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        wall_time_s=float(wall_time_s),
+        device_name=device_name,
+    )
+
+
+def _check_device(device: Any) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+
+
+# --------------------------------------------------------------------------- record
+
+
+@dataclass(frozen=True)
+class TensorResult:
+    comparison: TensorComparison
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class ParityRecord:
+    """The result of one parity case; ``to_dict`` gives the JSON object of the schema."""
+
+    patch_id: str
+    target: str  # dotted path of the patched function
+    case: str
+    dtype: str  # float16 / bfloat16 / float32
+    parallel: dict[str, int]  # exactly tp, pp, dp, world
+    device: str  # one of DEVICES
+    tensors: dict[str, TensorResult]
+    verdict: Verdict  # overall: the worst tensor verdict
+    tolerance: Tolerance | None
+    provenance: Provenance
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("patch_id", "target", "case"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        dtype_config(self.dtype)
+        _check_parallel(self.parallel)
+        _check_device(self.device)
+        if self.provenance.device != self.device:
+            raise ValueError(
+                f"provenance.device {self.provenance.device!r} != device {self.device!r}"
+            )
+        if self.device == "npu" and self.provenance.torch_npu is None:
+            raise ValueError(
+                "device 'npu' needs provenance.torch_npu; emulated runs are 'npu-emulated'"
+            )
+        if not self.tensors:
+            raise ValueError("a parity record needs at least one compared tensor")
+        worst_status = worst(t.verdict for t in self.tensors.values()).status
+        if self.verdict.status != worst_status:
+            raise ValueError(
+                f"overall verdict {self.verdict.status!r} is not the worst tensor verdict "
+                f"{worst_status!r}"
+            )
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is not supported (expected {SCHEMA_VERSION})"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        patch_id: str,
+        target: str,
+        case: str,
+        dtype: str,
+        parallel: Mapping[str, int],
+        comparisons: Mapping[str, TensorComparison],
+        provenance: Provenance,
+        tolerance: Tolerance | None = None,
+    ) -> ParityRecord:
+        """A record whose tensor and overall verdicts are computed from ``comparisons``."""
+        tensors = {
+            name: TensorResult(comp, verdict(comp, tolerance)) for name, comp in comparisons.items()
+        }
+        return cls(
+            patch_id=patch_id,
+            target=target,
+            case=case,
+            dtype=dtype,
+            parallel=dict(parallel),
+            device=provenance.device,
+            tensors=tensors,
+            verdict=_overall(tensors),
+            tolerance=tolerance,
+            provenance=provenance,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        prov = self.provenance
+        return {
+            "schema_version": self.schema_version,
+            "patch_id": self.patch_id,
+            "target": self.target,
+            "case": self.case,
+            "dtype": self.dtype,
+            "parallel": {k: self.parallel[k] for k in PARALLEL_KEYS},
+            "device": self.device,
+            "tensors": {
+                name: {"metrics": t.comparison.to_dict(), "verdict": t.verdict.to_dict()}
+                for name, t in self.tensors.items()
+            },
+            "verdict": self.verdict.to_dict(),
+            "tolerance": None if self.tolerance is None else self.tolerance.to_dict(),
+            "provenance": {
+                "device": prov.device,
+                "device_name": prov.device_name,
+                "python": prov.python,
+                "torch": prov.torch,
+                "torch_npu": prov.torch_npu,
+                "megatron_core": prov.megatron_core,
+                "git": None
+                if prov.git is None
+                else {"commit": prov.git.commit, "dirty": prov.git.dirty},
+                "seed": prov.seed,
+                "hostname": prov.hostname,
+                "timestamp_utc": prov.timestamp_utc,
+                "wall_time_s": prov.wall_time_s,
+            },
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ParityRecord:
+        """Validate and load; RecordError names the bad key (dotted path)."""
+        return _parse_record(data)
+
+
+def _overall(tensors: Mapping[str, TensorResult]) -> Verdict:
+    if not tensors:
+        raise ValueError("a parity record needs at least one compared tensor")
+    name, result = max(
+        tensors.items(),
+        key=lambda kv: (kv[1].verdict.severity, -_cosine_or_one(kv[1].comparison)),
+    )
+    # max() keeps the first maximal item, so ties go to the first tensor in order
+    return Verdict(
+        result.verdict.status,
+        f"{name}: {result.verdict.reason}",
+        result.verdict.rule,
+        result.verdict.override,
+    )
+
+
+def _cosine_or_one(c: TensorComparison) -> float:
+    return 1.0 if c.cosine is None else c.cosine
+
+
+def _check_parallel(parallel: Any) -> None:
+    if not isinstance(parallel, Mapping) or set(parallel) != set(PARALLEL_KEYS):
+        raise ValueError(f"parallel must have exactly the keys {PARALLEL_KEYS}, got {parallel!r}")
+    for key in PARALLEL_KEYS:
+        value = parallel[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"parallel[{key!r}] must be a positive int, got {value!r}")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+_MISSING = object()
+
+
+def _get(data: Any, key: str, where: str, types: type | tuple[type, ...]) -> Any:
+    path = f"{where}.{key}" if where else key
+    if not isinstance(data, dict):
+        raise RecordError(f"{where or 'record'} must be a JSON object")
+    value = data.get(key, _MISSING)
+    if value is _MISSING:
+        raise RecordError(f"missing key {path!r}")
+    bad_bool = isinstance(value, bool) and bool not in (
+        types if isinstance(types, tuple) else (types,)
+    )
+    if not isinstance(value, types) or bad_bool:
+        names = "/".join(
+            "null" if t is type(None) else t.__name__
+            for t in (types if isinstance(types, tuple) else (types,))
+        )
+        raise RecordError(f"bad key {path!r}: expected {names}, got {value!r}")
+    return value
+
+
+_NONE = type(None)
+
+
+def _parse_record(data: Any) -> ParityRecord:
+    version = _get(data, "schema_version", "", int)
+    if version != SCHEMA_VERSION:
+        raise RecordError(
+            f"bad key 'schema_version': {version} is not supported (expected {SCHEMA_VERSION})"
+        )
+    patch_id = _get(data, "patch_id", "", str)
+    target = _get(data, "target", "", str)
+    case = _get(data, "case", "", str)
+    dtype = _get(data, "dtype", "", str)
+    parallel = _get(data, "parallel", "", dict)
+    for key in PARALLEL_KEYS:
+        _get(parallel, key, "parallel", int)
+    device = _get(data, "device", "", str)
+    if device not in DEVICES:
+        raise RecordError(f"bad key 'device': {device!r} is not one of {DEVICES}")
+
+    tensors_raw = _get(data, "tensors", "", dict)
+    tensors: dict[str, TensorResult] = {}
+    for name, entry in tensors_raw.items():
+        where = f"tensors.{name}"
+        metrics = _get(entry, "metrics", where, dict)
+        try:
+            comparison = TensorComparison.from_dict(metrics)
+        except KeyError as exc:
+            raise RecordError(f"missing key '{where}.metrics.{exc.args[0]}'") from None
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"bad key in '{where}.metrics': {exc}") from None
+        tensors[name] = TensorResult(comparison, _parse_verdict(entry, where))
+    overall = _parse_verdict(data, "")
+
+    tol_raw = _get(data, "tolerance", "", (dict, _NONE))
+    tolerance = None
+    if tol_raw is not None:
+        try:
+            tolerance = Tolerance.from_dict(tol_raw)
+        except KeyError as exc:
+            raise RecordError(f"missing key 'tolerance.{exc.args[0]}'") from None
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"bad key in 'tolerance': {exc}") from None
+
+    prov = _get(data, "provenance", "", dict)
+    git_raw = _get(prov, "git", "provenance", (dict, _NONE))
+    git = None
+    if git_raw is not None:
+        git = GitInfo(
+            commit=_get(git_raw, "commit", "provenance.git", (str, _NONE)),
+            dirty=_get(git_raw, "dirty", "provenance.git", bool),
+        )
+    provenance = Provenance(
+        device=_get(prov, "device", "provenance", str),
+        device_name=_get(prov, "device_name", "provenance", (str, _NONE)),
+        python=_get(prov, "python", "provenance", str),
+        torch=_get(prov, "torch", "provenance", str),
+        torch_npu=_get(prov, "torch_npu", "provenance", (str, _NONE)),
+        megatron_core=_get(prov, "megatron_core", "provenance", (str, _NONE)),
+        git=git,
+        seed=_get(prov, "seed", "provenance", (int, _NONE)),
+        hostname=_get(prov, "hostname", "provenance", str),
+        timestamp_utc=_get(prov, "timestamp_utc", "provenance", str),
+        wall_time_s=float(_get(prov, "wall_time_s", "provenance", (int, float))),
+    )
+    try:
+        return ParityRecord(
+            patch_id=patch_id,
+            target=target,
+            case=case,
+            dtype=dtype,
+            parallel=dict(parallel),
+            device=device,
+            tensors=tensors,
+            verdict=overall,
+            tolerance=tolerance,
+            provenance=provenance,
+            schema_version=version,
+        )
+    except ValueError as exc:
+        raise RecordError(f"invalid record: {exc}") from None
+
+
+def _parse_verdict(data: Any, where: str) -> Verdict:
+    raw = _get(data, "verdict", where, dict)
+    path = f"{where}.verdict" if where else "verdict"
+    try:
+        return Verdict.from_dict(raw)
+    except KeyError as exc:
+        raise RecordError(f"missing key '{path}.{exc.args[0]}'") from None
+    except ValueError as exc:
+        raise RecordError(f"bad key in '{path}': {exc}") from None
+
+
+# --------------------------------------------------------------------------- files
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _safe(part: str) -> str:
+    return _UNSAFE.sub("_", part).strip("._") or "_"
+
+
+def record_filename(
+    patch_id: str, case: str, dtype: str, parallel: Mapping[str, int], device: str
+) -> str:
+    """Deterministic, filesystem-safe file name for one record.
+
+    Readable parts (unsafe characters -> ``_``) plus 10 hex digits of a sha256 over the raw
+    key, so two keys that sanitize alike still get different files.
+    """
+    par = "-".join(f"{k}{parallel[k]}" for k in PARALLEL_KEYS)
+    raw = "\x00".join([patch_id, case, dtype, par, device])
+    digest = hashlib.sha256(raw.encode("utf-8")).hexdigest()[:10]
+    stem = "__".join(_safe(p) for p in (patch_id, case, dtype, par, device))
+    return f"{stem[:180]}__{digest}.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_record(record: ParityRecord, results_dir: str | os.PathLike[str]) -> Path:
+    """Write ``record`` atomically into ``results_dir``; return the file's path.
+
+    The directory is created with mode 0750 if missing (an existing one keeps its mode); the
+    file gets mode 0640. A failure at any point leaves any previous file intact and no temp file.
+    """
+    directory = Path(results_dir)
+    if not directory.is_dir():
+        directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is filtered by the umask
+    final = directory / record_filename(
+        record.patch_id, record.case, record.dtype, record.parallel, record.device
+    )
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), FILE_MODE)
+            json.dump(record.to_dict(), fh, indent=2, sort_keys=True, allow_nan=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(directory)
+    return final
+
+
+def read_records(results_dir: str | os.PathLike[str]) -> list[ParityRecord]:
+    """Load every ``*.json`` record in ``results_dir`` (sorted by name; hidden temp files skipped).
+
+    Raises FileNotFoundError if the directory is missing, RecordError naming the file and the
+    missing or bad key otherwise.
+    """
+    directory = Path(results_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"parity results directory {str(directory)!r} does not exist")
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        if path.name.startswith("."):
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RecordError(f"{path}: not a readable JSON file: {exc}") from None
+        try:
+            records.append(_parse_record(data))
+        except RecordError as exc:
+            raise RecordError(f"{path}: {exc}") from None
+    return records
+
+
+# --------------------------------------------------------------------------- summary
+
+
+class SummaryRow(NamedTuple):
+    patch: str
+    case: str
+    dtype: str
+    parallel: str  # "tp2 pp1 dp1 w2"
+    device: str
+    verdict: str
+    worst_metric: str  # "<tensor>: <deciding rule and numbers>" of the worst tensor
+
+
+def _parallel_text(parallel: Mapping[str, int]) -> str:
+    return f"tp{parallel['tp']} pp{parallel['pp']} dp{parallel['dp']} w{parallel['world']}"
+
+
+def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
+    """One row per record, sorted by patch, case, dtype, parallel sizes and device."""
+    rows = []
+    for rec in records:
+        rows.append(
+            (
+                (
+                    rec.patch_id,
+                    rec.case,
+                    rec.dtype,
+                    tuple(rec.parallel[k] for k in PARALLEL_KEYS),
+                    rec.device,
+                ),
+                SummaryRow(
+                    patch=rec.patch_id,
+                    case=rec.case,
+                    dtype=rec.dtype,
+                    parallel=_parallel_text(rec.parallel),
+                    device=rec.device,
+                    verdict=rec.verdict.status,
+                    worst_metric=rec.verdict.reason,
+                ),
+            )
+        )
+    rows.sort(key=lambda item: item[0])
+    return [row for _, row in rows]
+
+
+_STYLE = {"pass": "green", "warning": "yellow", "error": "bold red"}
+
+
+def print_summary(records: Iterable[ParityRecord], console: Any = None) -> Any:
+    """Print :func:`summary_table` as a rich table (to ``console`` or a new one); return it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="parity results")
+    for column in SummaryRow._fields:
+        table.add_column(column.replace("_", " "))
+    for row in summary_table(records):
+        cells = list(row)
+        cells[5] = f"[{_STYLE[row.verdict]}]{row.verdict}[/]"
+        table.add_row(*cells)
+    (console if console is not None else Console()).print(table)
+    return table

@@ -1,0 +1,220 @@
+"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (REFERENCE.md section 3).
+
+Rules, applied in order; the first that decides wins:
+
+1. exact kind (integer / bool): any differing element -> error, else pass.
+2. any inf/nan mismatch -> error.
+3. nothing to compare (empty tensor, or only matching inf/nan) -> pass.
+4. cosine must be > 0.99, else error.
+5. max abs error < 1e-3 -> pass.
+6. fp16/bf16: dual hundredth fails -> error; dual thousandth fails -> warning.
+   fp32: dual thousandth fails -> error; dual ten-thousandth fails -> warning.
+   "dual-N fails" means the share of elements with relative error below N is not > 1 - N.
+7. otherwise pass.
+
+A :class:`Tolerance` override may replace the cosine bound, the abs-error pass bound and the
+dual-N levels used at error / warning level, and must carry a written reason; a verdict reached
+under an override says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from parity.metrics import DUAL_LEVELS, TensorComparison, decode_float
+
+__all__ = [
+    "COSINE_MIN",
+    "ABS_PASS",
+    "STATUSES",
+    "Tolerance",
+    "Verdict",
+    "verdict",
+    "worst",
+]
+
+COSINE_MIN = 0.99  # cosine must be strictly above
+ABS_PASS = 1e-3  # max abs error strictly below passes at once
+STATUSES = ("pass", "warning", "error")  # in increasing severity
+_SEVERITY = {s: i for i, s in enumerate(STATUSES)}
+
+# (error-level N, warning-level N) per dtype
+_DUAL_DEFAULTS = {
+    "float16": (DUAL_LEVELS["hundredth"], DUAL_LEVELS["thousandth"]),
+    "bfloat16": (DUAL_LEVELS["hundredth"], DUAL_LEVELS["thousandth"]),
+    "float32": (DUAL_LEVELS["thousandth"], DUAL_LEVELS["ten_thousandth"]),
+}
+_LEVEL_NAME = {v: k.replace("_", "-") for k, v in DUAL_LEVELS.items()}
+_LEVEL_FIELD = {v: f"dual_{k}" for k, v in DUAL_LEVELS.items()}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A per-case loosening (or tightening) of the default thresholds, with its reason.
+
+    ``cosine``: cosine must be > this (default 0.99). ``abs_pass``: max abs error < this passes
+    at once (default 1e-3). ``dual_error`` / ``dual_warning``: the N (one of 0.01, 0.001,
+    0.0001) of the dual-N check at error / warning level (defaults: fp16/bf16 0.01 / 0.001,
+    fp32 0.001 / 0.0001). ``None`` keeps the default.
+    """
+
+    reason: str
+    cosine: float | None = None
+    abs_pass: float | None = None
+    dual_error: float | None = None
+    dual_warning: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError("a Tolerance override needs a written reason")
+        if all(v is None for v in (self.cosine, self.abs_pass, self.dual_error, self.dual_warning)):
+            raise ValueError("a Tolerance override must change at least one threshold")
+        if self.cosine is not None and not -1.0 <= self.cosine < 1.0:
+            raise ValueError(f"Tolerance.cosine must be in [-1, 1), got {self.cosine}")
+        if self.abs_pass is not None and not (self.abs_pass > 0 and math.isfinite(self.abs_pass)):
+            raise ValueError(f"Tolerance.abs_pass must be a positive number, got {self.abs_pass}")
+        for name in ("dual_error", "dual_warning"):
+            value = getattr(self, name)
+            if value is not None and value not in _LEVEL_NAME:
+                raise ValueError(
+                    f"Tolerance.{name} must be one of {sorted(_LEVEL_NAME)}, got {value}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tolerance:
+        if "reason" not in data:
+            raise KeyError("reason")
+        kwargs = {"reason": data["reason"]}
+        for name in ("cosine", "abs_pass", "dual_error", "dual_warning"):
+            if name not in data:
+                raise KeyError(name)
+            kwargs[name] = decode_float(data[name], name)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``status`` in pass / warning / error; ``reason`` names the deciding rule and numbers.
+
+    ``rule`` is the deciding rule's id (exact, inf_nan, empty, cosine, max_abs, dual_hundredth,
+    dual_thousandth, dual_ten_thousandth); ``override`` says a Tolerance was in effect.
+    """
+
+    status: str
+    reason: str
+    rule: str
+    override: bool = False
+
+    def __post_init__(self) -> None:
+        if self.status not in _SEVERITY:
+            raise ValueError(f"verdict status must be one of {STATUSES}, got {self.status!r}")
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self.status]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
+        for key in ("status", "reason", "rule", "override"):
+            if key not in data:
+                raise KeyError(key)
+        if not isinstance(data["reason"], str) or not isinstance(data["rule"], str):
+            raise ValueError("verdict reason and rule must be strings")
+        if not isinstance(data["override"], bool):
+            raise ValueError(f"verdict override must be a bool, got {data['override']!r}")
+        return cls(data["status"], data["reason"], data["rule"], data["override"])
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def verdict(comparison: TensorComparison, tolerance: Tolerance | None = None) -> Verdict:
+    """Apply the msprobe rules (module docstring) to one comparison."""
+    c = comparison
+    tol = tolerance
+    used = tol is not None
+
+    def make(status: str, reason: str, rule: str, overridden: bool = False) -> Verdict:
+        if overridden:
+            reason += " (overridden threshold)"
+        if used:
+            reason += f" [tolerance override: {tol.reason}]"
+        return Verdict(status, reason, rule, used)
+
+    if c.kind == "exact":
+        if c.exact_mismatch_count:
+            return make(
+                "error",
+                f"{c.exact_mismatch_count} of {c.numel} elements differ (exact comparison)",
+                "exact",
+            )
+        return make("pass", f"all {c.numel} elements equal (exact comparison)", "exact")
+
+    if c.inf_nan_mismatch_count:
+        return make("error", f"{c.inf_nan_mismatch_count} inf/nan positions differ", "inf_nan")
+    if c.compared_count == 0:
+        what = "empty tensor" if c.numel == 0 else f"all {c.numel} elements are matching inf/nan"
+        return make("pass", f"{what}: nothing to compare numerically", "empty")
+
+    cos_min = COSINE_MIN if tol is None or tol.cosine is None else tol.cosine
+    cos_over = tol is not None and tol.cosine is not None
+    assert c.cosine is not None and c.max_abs_error is not None
+    if not c.cosine > cos_min:
+        return make("error", f"cosine {_fmt(c.cosine)} <= {_fmt(cos_min)}", "cosine", cos_over)
+
+    abs_pass = ABS_PASS if tol is None or tol.abs_pass is None else tol.abs_pass
+    abs_over = tol is not None and tol.abs_pass is not None
+    if c.max_abs_error < abs_pass:
+        return make(
+            "pass", f"max abs error {_fmt(c.max_abs_error)} < {_fmt(abs_pass)}", "max_abs", abs_over
+        )
+
+    err_n, warn_n = _DUAL_DEFAULTS[c.dtype]
+    err_over = tol is not None and tol.dual_error is not None
+    warn_over = tol is not None and tol.dual_warning is not None
+    if err_over:
+        err_n = tol.dual_error
+    if warn_over:
+        warn_n = tol.dual_warning
+
+    for n, status, over in ((err_n, "error", err_over), (warn_n, "warning", warn_over)):
+        share = getattr(c, _LEVEL_FIELD[n])
+        if not share > 1 - n:
+            return make(
+                status,
+                f"dual {_LEVEL_NAME[n]} {_fmt(share)} <= {_fmt(1 - n)} "
+                f"(share of relative error < {_fmt(n)})",
+                _LEVEL_FIELD[n],
+                over,
+            )
+    share = getattr(c, _LEVEL_FIELD[warn_n])
+    return make(
+        "pass",
+        f"dual {_LEVEL_NAME[warn_n]} {_fmt(share)} > {_fmt(1 - warn_n)}",
+        _LEVEL_FIELD[warn_n],
+        warn_over,
+    )
+
+
+def worst(verdicts: Iterable[Verdict]) -> Verdict:
+    """The most severe verdict (error > warning > pass); the first one among equals.
+
+    Raises ValueError when there is none: a case that compared nothing is a harness bug.
+    """
+    best: Verdict | None = None
+    for v in verdicts:
+        if best is None or v.severity > best.severity:
+            best = v
+    if best is None:
+        raise ValueError("worst() needs at least one verdict")
+    return best

@@ -1,0 +1,441 @@
+"""Parity records: JSON round trip, atomic writes, permissions, validation, summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import parity.results as results
+from parity.metrics import compare
+from parity.results import (
+    GitInfo,
+    ParityRecord,
+    Provenance,
+    RecordError,
+    collect_provenance,
+    detect_device,
+    git_info,
+    print_summary,
+    read_records,
+    record_filename,
+    summary_table,
+    write_record,
+)
+from parity.verdict import Tolerance, Verdict
+
+PAR = {"tp": 2, "pp": 1, "dp": 1, "world": 2}
+
+TOP_KEYS = {
+    "schema_version",
+    "patch_id",
+    "target",
+    "case",
+    "dtype",
+    "parallel",
+    "device",
+    "tensors",
+    "verdict",
+    "tolerance",
+    "provenance",
+}
+PROVENANCE_KEYS = {
+    "device",
+    "device_name",
+    "python",
+    "torch",
+    "torch_npu",
+    "megatron_core",
+    "git",
+    "seed",
+    "hostname",
+    "timestamp_utc",
+    "wall_time_s",
+}
+
+
+def provenance(device: str = "cpu", torch_npu: str | None = None) -> Provenance:
+    return Provenance(
+        device=device,
+        python="3.11.7",
+        torch="2.13.0+cpu",
+        torch_npu=torch_npu,
+        megatron_core="0.16.1",
+        git=GitInfo(commit="abc1234", dirty=True),
+        seed=1234,
+        hostname="host",
+        timestamp_utc="2025-01-01T00:00:00.000000Z",
+        wall_time_s=0.25,
+    )
+
+
+def make_record(
+    patch: str = "rms_norm",
+    case: str = "basic",
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    bad: bool = False,
+    tolerance: Tolerance | None = None,
+) -> ParityRecord:
+    tdt = getattr(torch, dtype)
+    ref_dt = torch.float64 if tdt is torch.float32 else torch.float32
+    good = compare(torch.tensor([1.0, 2.0], dtype=tdt), torch.tensor([1.0, 2.0], dtype=ref_dt), tdt)
+    comps = {"out": good}
+    if bad:
+        comps["rstd"] = compare(
+            torch.tensor([1.0, -2.0], dtype=tdt), torch.tensor([1.0, 2.0], dtype=ref_dt), tdt
+        )
+    return ParityRecord.build(
+        patch_id=patch,
+        target="megatron.core.models.common.RMSNorm.forward",
+        case=case,
+        dtype=dtype,
+        parallel=PAR,
+        comparisons=comps,
+        provenance=provenance(device),
+        tolerance=tolerance,
+    )
+
+
+# --------------------------------------------------------------------------- record
+
+
+def test_round_trip_with_tolerance(tmp_path):
+    tol = Tolerance(cosine=0.98, reason="saturated softmax")
+    rec = make_record(tolerance=tol, bad=True)
+    path = write_record(rec, tmp_path)
+    data = json.loads(path.read_text())
+    assert set(data) == TOP_KEYS
+    assert set(data["provenance"]) == PROVENANCE_KEYS
+    assert data["parallel"] == PAR
+    assert data["tolerance"]["reason"] == "saturated softmax"
+    assert set(data["tensors"]) == {"out", "rstd"}
+    assert set(data["tensors"]["out"]) == {"metrics", "verdict"}
+    assert read_records(tmp_path) == [rec]
+
+
+def test_overall_verdict_is_the_worst_tensor():
+    rec = make_record(bad=True)
+    assert rec.tensors["out"].verdict.status == "pass"
+    assert rec.tensors["rstd"].verdict.status == "error"  # cosine -0.6 <= 0.99
+    assert rec.verdict.status == "error"
+    assert rec.verdict.reason.startswith("rstd: cosine -0.6 <= 0.99")
+    with pytest.raises(ValueError, match="worst tensor verdict"):
+        dataclasses.replace(rec, verdict=Verdict("pass", "all good", "max_abs"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"parallel": {"tp": 1, "pp": 1, "dp": 1}},
+        {"parallel": {"tp": 0, "pp": 1, "dp": 1, "world": 1}},
+        {"device": "gpu"},
+        {"dtype": "float64"},
+        {"case": ""},
+        {"tensors": {}},
+    ],
+)
+def test_record_validation(change):
+    rec = make_record()
+    with pytest.raises(ValueError):
+        dataclasses.replace(rec, **change)
+
+
+def test_npu_label_needs_torch_npu():
+    rec = make_record()
+    with pytest.raises(ValueError, match="npu-emulated"):
+        dataclasses.replace(rec, device="npu", provenance=provenance("npu", torch_npu=None))
+    ok = dataclasses.replace(rec, device="npu", provenance=provenance("npu", torch_npu="2.13.0"))
+    assert ok.device == "npu"
+    with pytest.raises(ValueError, match="provenance.device"):
+        dataclasses.replace(rec, device="npu-emulated")
+
+
+@pytest.fixture
+def emulation_active():
+    from megatron_npu.ops import kernels
+
+    previous = kernels.npu_kernels()
+    kernels.use_npu_kernels(types.ModuleType("megatron_npu.testing.torch_npu_emulation"))
+    yield
+    kernels.use_npu_kernels(previous)
+
+
+def test_emulated_run_is_never_labelled_npu(emulation_active):
+    assert detect_device() == "npu-emulated"
+    with pytest.raises(ValueError, match="npu-emulated"):
+        collect_provenance("npu", seed=0, wall_time_s=0.0)
+    assert collect_provenance("npu-emulated", seed=0, wall_time_s=0.0).device == "npu-emulated"
+
+
+def test_emulation_standing_in_as_torch_npu_is_not_torch_npu(monkeypatch):
+    # the device layer installs the emulation as sys.modules["torch_npu"] when none is installed
+    from megatron_npu.testing import torch_npu_emulation
+
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu_emulation)
+    monkeypatch.setattr(torch_npu_emulation, "__version__", "9.9.9", raising=False)
+    assert detect_device() == "npu-emulated"
+    with pytest.raises(ValueError, match="npu-emulated"):
+        collect_provenance("npu", seed=0, wall_time_s=0.0)
+    if results._package_version("torch_npu") is not None:
+        pytest.skip("a real torch_npu is installed")
+    assert collect_provenance("npu-emulated", seed=0, wall_time_s=0.0).torch_npu is None
+
+
+def test_active_adaptor_device_decides_the_label(monkeypatch):
+    fake = types.SimpleNamespace(name="npu", emulated=True)
+    monkeypatch.setattr(results, "_active_adaptor_device", lambda: fake)
+    assert detect_device() == "npu-emulated"
+    fake = types.SimpleNamespace(name="cuda", emulated=False)
+    monkeypatch.setattr(results, "_active_adaptor_device", lambda: fake)
+    assert detect_device() == "cuda"
+
+
+def test_collect_provenance(tmp_path):
+    prov = collect_provenance("cpu", seed=7, wall_time_s=1.5, repo_dir=tmp_path)
+    assert (prov.device, prov.seed, prov.wall_time_s) == ("cpu", 7, 1.5)
+    assert prov.torch == torch.__version__
+    assert prov.timestamp_utc.endswith("Z")
+    with pytest.raises(ValueError, match="device must be one of"):
+        collect_provenance("ascend", seed=0, wall_time_s=0.0)
+
+
+def test_git_info_never_fails(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert git_info(tmp_path) is None  # not a repository
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(results.subprocess, "run", no_git)
+    assert git_info() is None
+
+
+def test_git_info_never_takes_the_index_lock(monkeypatch):
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(results.subprocess, "run", fake_run)
+    git_info()
+    assert calls and all(argv[:2] == ["git", "--no-optional-locks"] for argv in calls)
+
+
+def test_git_info_dirty_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    try:
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is not available")
+    info = git_info(tmp_path)
+    assert info == GitInfo(commit=None, dirty=False)  # no commits yet, nothing changed
+    (tmp_path / "new.txt").write_text("x")
+    assert git_info(tmp_path) == GitInfo(commit=None, dirty=True)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_filename_is_deterministic_and_safe():
+    name = record_filename("a/b c", "../../etc", "float16", PAR, "npu-emulated")
+    assert name == record_filename("a/b c", "../../etc", "float16", PAR, "npu-emulated")
+    assert "/" not in name and " " not in name and not name.startswith(".")
+    assert name.endswith(".json")
+    assert "npu-emulated" in name and "tp2-pp1-dp1-world2" in name
+    # keys that sanitize alike still get different files
+    assert record_filename("a/b", "c", "float16", PAR, "cpu") != record_filename(
+        "a_b", "c", "float16", PAR, "cpu"
+    )
+    other = dict(PAR, dp=2)
+    assert record_filename("a", "c", "float16", PAR, "cpu") != record_filename(
+        "a", "c", "float16", other, "cpu"
+    )
+    assert len(record_filename("p" * 500, "c" * 500, "float16", PAR, "cpu")) < 255
+
+
+def test_permissions(tmp_path):
+    old = os.umask(0o000)  # the modes must not depend on the umask
+    try:
+        path = write_record(make_record(), tmp_path / "new" / "results")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+    old = os.umask(0o077)
+    try:
+        path = write_record(make_record(case="other"), tmp_path / "new" / "results")
+        other = write_record(make_record(), tmp_path / "strict")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert stat.S_IMODE(other.stat().st_mode) == 0o640
+    assert stat.S_IMODE(other.parent.stat().st_mode) == 0o750
+
+
+def test_rewrite_replaces_and_leaves_no_temp_file(tmp_path):
+    first = write_record(make_record(), tmp_path)
+    second = write_record(make_record(bad=True), tmp_path)
+    assert first == second
+    assert os.listdir(tmp_path) == [first.name]
+    assert read_records(tmp_path)[0].verdict.status == "error"
+
+
+def _partial_dump(obj, fh, **kwargs):
+    fh.write('{"schema_version": 1, "patch_id": ')
+    fh.flush()
+    raise OSError("disk full")
+
+
+def _fail_replace(src, dst):
+    raise OSError("replace failed")
+
+
+@pytest.mark.parametrize(
+    ("target", "fake"), [("json.dump", _partial_dump), ("os.replace", _fail_replace)]
+)
+def test_failed_write_keeps_old_file_and_no_temp(tmp_path, monkeypatch, target, fake):
+    path = write_record(make_record(), tmp_path)
+    before = path.read_bytes()
+    module, attr = target.split(".")
+    monkeypatch.setattr(getattr(results, module), attr, fake)
+    with pytest.raises(OSError):
+        write_record(make_record(bad=True), tmp_path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [path.name]
+    assert path.read_bytes() == before
+    assert read_records(tmp_path)[0].verdict.status == "pass"
+
+
+def test_failed_first_write_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(results.json, "dump", _partial_dump)
+    with pytest.raises(OSError):
+        write_record(make_record(), tmp_path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _write_raw(tmp_path, mutate):
+    path = write_record(make_record(), tmp_path)
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key"),
+    [
+        (lambda d: d["provenance"].pop("seed"), "provenance.seed"),
+        (lambda d: d.pop("tensors"), "tensors"),
+        (lambda d: d["tensors"]["out"]["metrics"].pop("cosine"), "tensors.out.metrics.cosine"),
+        (lambda d: d["tensors"]["out"].pop("verdict"), "tensors.out.verdict"),
+        (lambda d: d["verdict"].pop("status"), "verdict.status"),
+        (lambda d: d["parallel"].pop("world"), "parallel.world"),
+        (lambda d: d["provenance"]["git"].pop("dirty"), "provenance.git.dirty"),
+        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "world": 2}), "parallel.tp"),
+        (lambda d: d["provenance"].update(seed=True), "provenance.seed"),
+        (lambda d: d.update(device="npu-ish"), "device"),
+    ],
+)
+def test_read_errors_name_file_and_key(tmp_path, mutate, key):
+    path = _write_raw(tmp_path, mutate)
+    with pytest.raises(RecordError) as info:
+        read_records(tmp_path)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"'{key}'" in message
+
+
+def test_read_rejects_npu_label_without_torch_npu(tmp_path):
+    def to_npu(d):
+        d["device"] = "npu"
+        d["provenance"]["device"] = "npu"
+
+    path = _write_raw(tmp_path, to_npu)
+    with pytest.raises(RecordError, match="npu-emulated") as info:
+        read_records(tmp_path)
+    assert str(path) in str(info.value)
+
+
+def test_read_invalid_json_names_file(tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    with pytest.raises(RecordError, match="broken.json"):
+        read_records(tmp_path)
+
+
+def test_read_skips_temp_files_and_missing_dir(tmp_path):
+    write_record(make_record(), tmp_path)
+    (tmp_path / ".x.json.abc.tmp").write_text("{partial")
+    (tmp_path / ".hidden.json").write_text("{partial")
+    assert len(read_records(tmp_path)) == 1
+    with pytest.raises(FileNotFoundError):
+        read_records(tmp_path / "missing")
+
+
+def test_non_finite_metrics_stay_strict_json(tmp_path):
+    rec = make_record()
+    out = rec.tensors["out"]
+    weird = dataclasses.replace(out.comparison, max_rel_error=float("inf"))
+    rec = dataclasses.replace(rec, tensors={"out": dataclasses.replace(out, comparison=weird)})
+    path = write_record(rec, tmp_path)
+    assert '"Infinity"' in path.read_text()
+    assert read_records(tmp_path)[0].tensors["out"].comparison.max_rel_error == float("inf")
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_summary_table_rows():
+    recs = [
+        make_record(patch="swiglu", dtype="float16"),
+        make_record(patch="rms_norm", bad=True),
+    ]
+    rows = summary_table(recs)
+    assert [r.patch for r in rows] == ["rms_norm", "swiglu"]  # sorted
+    first = rows[0]
+    assert (first.dtype, first.parallel, first.device, first.verdict) == (
+        "bfloat16",
+        "tp2 pp1 dp1 w2",
+        "cpu",
+        "error",
+    )
+    assert first.worst_metric.startswith("rstd: cosine")
+    assert rows[1].verdict == "pass"
+    assert rows[1].worst_metric.startswith("out: max abs error 0 < 0.001")
+
+
+def test_print_summary():
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    print_summary([make_record(bad=True)], console=console)
+    text = console.file.getvalue()
+    assert "rms_norm" in text and "error" in text and "tp2 pp1 dp1 w2" in text
+
+
+def test_documented_example_is_a_valid_record():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "parity-results.md").read_text()
+    example = doc.split("## Example record", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    data = json.loads(example)
+    rec = ParityRecord.from_dict(data)
+    assert rec.to_dict() == data
+    # every metric key is documented in the metrics table
+    for key in rec.tensors["output"].comparison.to_dict():
+        assert f"`{key}`" in doc, key
