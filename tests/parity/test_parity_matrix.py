@@ -6,8 +6,6 @@ Each writes its JSON record into the results directory (``--parity-results``) an
 
 from __future__ import annotations
 
-import pytest
-
 from parity.harness import Job, evaluate
 from parity.matrix import Cell, case_examples, cells
 from parity.metrics import dtype_name
