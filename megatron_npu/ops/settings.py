@@ -32,6 +32,11 @@ class FusedAttentionSettings:
     def windowed(self) -> bool:
         return self.pre_tokens < FULL_WINDOW or self.next_tokens < FULL_WINDOW
 
+    @property
+    def needs_fused_kernel(self) -> bool:
+        """Whether Megatron's unfused attention cannot express this choice."""
+        return self.use_flash_attn or self.windowed or self.shape_order != "SBH"
+
 
 _current = FusedAttentionSettings()
 

@@ -1,0 +1,475 @@
+"""Fused (flash) attention: native torch path and the ``npu_fusion_attention`` binding.
+
+Semantics shared by both paths (and by :func:`fused_attention`, which picks one at call time):
+
+* ``input_layout`` is one of ``SBH``, ``BSH``, ``BSND``, ``BNSD``; the output has the layout of
+  ``query``. ``H = head_num * D``; key/value may have fewer heads (grouped-query attention) as
+  long as the query head count is a multiple of theirs; query head ``n`` reads key/value head
+  ``n // (Nq // Nkv)``.
+* ``attention_mask`` is bool or uint8, **True/1 means masked out**, shaped ``(B, N, Sq, Skv)``,
+  ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``.
+* Window: with ``offset = Skv - Sq`` (queries aligned to the *end* of the keys, bottom-right, as
+  in torch_npu ``sparse_mode`` 3/4 and flash-attention), query ``i`` may attend key ``j`` iff
+  ``-pre_tokens <= j - i - offset <= next_tokens``; ``causal=True`` additionally caps the upper
+  bound at 0. Hence ``causal`` with ``pre_tokens=next_tokens=65536`` (anything >= the sequence)
+  is full causal attention, and ``causal`` with ``pre_tokens=2048, next_tokens=0`` is a causal
+  sliding window: each query sees itself and the 2048 keys before it.
+* ``scale`` defaults to ``1/sqrt(D)``; ``dropout_p`` is the attention dropout (the kernel is
+  passed ``keep_prob = 1 - dropout_p``; pass 0 when not training).
+* A query row with no visible key outputs zeros (and gets zero gradient).
+* On CPU, fp16/bf16 inputs are computed in fp32 and the output rounded once.
+
+The native path uses ``torch.nn.functional.scaled_dot_product_attention``. When the window is
+narrow compared with the key length it runs query blocks that only see the keys inside their
+window, so its cost grows with ``Sq * window`` instead of ``Sq * Skv``.
+
+The NPU binding maps the window to torch_npu ``sparse_mode`` (see :func:`npu_sparse_plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_npu.ops._common import check_float_dtype, check_same_dtype, dtype_name
+from megatron_npu.ops.kernels import npu_kernels
+
+#: torch_npu's "no limit" value for pre_tockens / next_tockens.
+MAX_TOKENS = 2147483647
+LAYOUTS = ("SBH", "BSH", "BSND", "BNSD")
+#: side of the compressed lower-triangle mask torch_npu wants for sparse_mode 2, 3 and 4.
+COMPRESSED_MASK_SIZE = 2048
+SPARSE_MODE_DEFAULT = 0
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+SPARSE_MODE_BAND = 4
+
+_OP = "fused_attention"
+
+
+class AttentionShape(NamedTuple):
+    batch: int
+    heads: int
+    kv_heads: int
+    sq: int
+    skv: int
+    head_dim: int
+
+
+class SparsePlan(NamedTuple):
+    """Arguments the NPU binding passes to ``npu_fusion_attention`` for a given window."""
+
+    sparse_mode: int
+    atten_mask: torch.Tensor | None
+    pre_tockens: int
+    next_tockens: int
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def attention_shape(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    op: str = _OP,
+) -> AttentionShape:
+    """Validate q/k/v against ``input_layout`` and ``head_num``; return the logical sizes."""
+    if input_layout not in LAYOUTS:
+        raise ValueError(f"{op}: input_layout {input_layout!r} is not one of {', '.join(LAYOUTS)}")
+    if not isinstance(head_num, int) or isinstance(head_num, bool) or head_num < 1:
+        raise ValueError(f"{op}: head_num must be a positive int, got {head_num!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_float_dtype(op, name, t)
+    check_same_dtype(op, ("query", "key", "value"), (query, key, value))
+    ndim = 3 if input_layout in ("SBH", "BSH") else 4
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != ndim:
+            raise ValueError(
+                f"{op}: input_layout {input_layout} needs {ndim}-D {name}, got shape "
+                f"{tuple(t.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"{op}: key and value must have the same shape, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    if input_layout in ("SBH", "BSH"):
+        s_dim, b_dim = (0, 1) if input_layout == "SBH" else (1, 0)
+        hidden = query.shape[2]
+        if hidden % head_num:
+            raise ValueError(
+                f"{op}: head_num {head_num} must divide the query hidden size H={hidden}"
+            )
+        head_dim = hidden // head_num
+        kv_hidden = key.shape[2]
+        if kv_hidden % head_dim:
+            raise ValueError(
+                f"{op}: key hidden size {kv_hidden} is not a multiple of the head dim "
+                f"D={head_dim} (H/head_num)"
+            )
+        kv_heads = kv_hidden // head_dim
+    else:
+        s_dim, n_dim = (1, 2) if input_layout == "BSND" else (2, 1)
+        b_dim = 0
+        if query.shape[n_dim] != head_num:
+            raise ValueError(
+                f"{op}: head_num {head_num} must equal the query N dim "
+                f"{query.shape[n_dim]} for layout {input_layout}"
+            )
+        head_dim = query.shape[3]
+        if key.shape[3] != head_dim:
+            raise ValueError(
+                f"{op}: key head dim {key.shape[3]} must equal the query head dim {head_dim}"
+            )
+        kv_heads = key.shape[n_dim]
+    if kv_heads < 1 or head_num % kv_heads:
+        raise ValueError(
+            f"{op}: query heads {head_num} must be a multiple of key/value heads {kv_heads}"
+        )
+    batch = query.shape[b_dim]
+    if key.shape[b_dim] != batch:
+        raise ValueError(f"{op}: batch of key {key.shape[b_dim]} differs from query {batch}")
+    sq, skv = query.shape[s_dim], key.shape[s_dim]
+    if min(sq, skv, head_dim, batch) < 1:
+        raise ValueError(f"{op}: empty dimension in query {tuple(query.shape)}")
+    return AttentionShape(batch, head_num, kv_heads, sq, skv, head_dim)
+
+
+def check_attention_mask(mask: torch.Tensor | None, shape: AttentionShape, op: str = _OP) -> None:
+    """The mask must be bool/uint8 and shaped BNSS, B1SS, 11SS or SS."""
+    if mask is None:
+        return
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(
+            f"{op}: attention_mask dtype must be bool or uint8 (True/1 = masked), "
+            f"got {dtype_name(mask.dtype)}"
+        )
+    b, n, sq, skv = shape.batch, shape.heads, shape.sq, shape.skv
+    allowed = {(b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)}
+    if tuple(mask.shape) not in allowed:
+        raise ValueError(
+            f"{op}: attention_mask shape {tuple(mask.shape)} is not one of BNSS "
+            f"{(b, n, sq, skv)}, B1SS {(b, 1, sq, skv)}, 11SS {(1, 1, sq, skv)} or SS {(sq, skv)}"
+        )
+
+
+def window_bounds(
+    sq: int, skv: int, causal: bool, pre_tokens: int, next_tokens: int, op: str = _OP
+) -> tuple[int, int]:
+    """Bounds ``(lo, hi)`` on ``d = j - i - (skv - sq)`` of the visible keys, clipped to the
+    range ``d`` can take, so ``lo == -(skv - 1)`` / ``hi == sq - 1`` mean "no restriction"."""
+    for name, v in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{op}: {name} must be an int, got {v!r}")
+    hi = min(next_tokens, 0) if causal else next_tokens
+    lo = -pre_tokens
+    if lo > hi:
+        raise ValueError(
+            f"{op}: the window is empty: need -pre_tokens <= next_tokens"
+            f"{' (capped at 0 by causal)' if causal else ''}, got pre_tokens={pre_tokens}, "
+            f"next_tokens={next_tokens}"
+        )
+    return max(lo, -(skv - 1)), min(hi, sq - 1)
+
+
+def check_dropout(dropout_p: float, op: str = _OP) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1) (keep_prob in (0, 1]), got {dropout_p}")
+
+
+def visible_keys(
+    q_start: int, q_end: int, k_start: int, k_end: int, offset: int, lo: int, hi: int, device
+) -> torch.Tensor:
+    """Bool ``(q_end-q_start, k_end-k_start)``: True where the query may attend the key."""
+    i = torch.arange(q_start, q_end, device=device).unsqueeze(1)
+    j = torch.arange(k_start, k_end, device=device).unsqueeze(0)
+    d = j - i - offset
+    return (d >= lo) & (d <= hi)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def to_bnsd(x: torch.Tensor, heads: int, layout: str) -> torch.Tensor:
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.view(b, s, heads, h // heads).transpose(1, 2)
+    s, b, h = x.shape  # SBH
+    return x.view(s, b, heads, h // heads).permute(1, 2, 0, 3)
+
+
+def from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    b, n, s, d = x.shape
+    if layout == "BNSD":
+        return x.contiguous()
+    if layout == "BSND":
+        return x.transpose(1, 2).contiguous()
+    if layout == "BSH":
+        return x.transpose(1, 2).reshape(b, s, n * d)
+    return x.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+# --------------------------------------------------------------------------- native path
+
+
+def _block_size(band_width: int) -> int:
+    """Query block for the windowed path: big enough to amortise per-call overhead, small
+    enough that the keys a block sees stay close to the window."""
+    return max(64, min(512, band_width))
+
+
+def _sdpa(q, k, v, visible, scale, dropout_p, gqa) -> torch.Tensor:
+    """SDPA where ``visible`` (True = attend) may leave whole rows empty: those output 0."""
+    if visible is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+    empty = ~visible.any(dim=-1, keepdim=True)
+    has_empty = bool(empty.any())
+    if has_empty:
+        visible = visible | empty
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    if has_empty:
+        out = out.masked_fill(empty, 0.0)
+    return out
+
+
+def native_fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    head_num: int,
+    input_layout: str = "SBH",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    pre_tokens: int = MAX_TOKENS,
+    next_tokens: int = MAX_TOKENS,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Device-neutral fused attention on ``scaled_dot_product_attention`` (module docstring)."""
+    shape = attention_shape(query, key, value, head_num, input_layout)
+    check_attention_mask(attention_mask, shape)
+    check_dropout(dropout_p)
+    sq, skv = shape.sq, shape.skv
+    lo, hi = window_bounds(sq, skv, causal, pre_tokens, next_tokens)
+    offset = skv - sq
+    if scale is None:
+        scale = 1.0 / math.sqrt(shape.head_dim)
+    gqa = shape.kv_heads != shape.heads
+    q = to_bnsd(query, shape.heads, input_layout)
+    k = to_bnsd(key, shape.kv_heads, input_layout)
+    v = to_bnsd(value, shape.kv_heads, input_layout)
+    if query.device.type == "cpu":
+        if query.dtype != torch.float32:
+            # CPU has no fast 16-bit attention, and its 16-bit backward (which reuses the
+            # rounded output) misses the fp16/bf16 accuracy rule on small gradients: compute in
+            # fp32 and round the output once. GPUs keep their 16-bit kernels.
+            q, k, v = q.float(), k.float(), v.float()
+        if gqa:  # SDPA's enable_gqa backward is slow on CPU: share the K/V heads explicitly
+            group = shape.heads // shape.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            gqa = False
+    user_visible = None if attention_mask is None else attention_mask == 0
+    left_bites, right_bites = lo > -(skv - 1), hi < sq - 1
+
+    if user_visible is None and not left_bites and not right_bites:
+        out = _sdpa(q, k, v, None, scale, dropout_p, gqa)
+    elif user_visible is None and not left_bites and hi == 0 and sq == skv:
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+    else:
+        band_width = hi - lo + 1
+        block = _block_size(band_width)
+        if band_width + block >= skv:  # the window covers (almost) everything: one call
+            visible = visible_keys(0, sq, 0, skv, offset, lo, hi, q.device)
+            if user_visible is not None:
+                visible = visible & user_visible
+            out = _sdpa(q, k, v, visible, scale, dropout_p, gqa)
+        else:
+            out = _windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gqa)
+    return from_bnsd(out.to(query.dtype), input_layout)
+
+
+def _windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gqa):
+    """Query blocks that only look at the keys inside their window."""
+    sq, skv = q.shape[2], k.shape[2]
+    outs = []
+    cache: dict[tuple[int, int, int], torch.Tensor] = {}
+    for q0 in range(0, sq, block):
+        q1 = min(sq, q0 + block)
+        k0 = max(0, q0 + offset + lo)
+        k1 = min(skv, q1 - 1 + offset + hi + 1)
+        if k1 <= k0:  # no query of this block sees any key
+            outs.append(q.new_zeros(q.shape[0], q.shape[1], q1 - q0, v.shape[3]))
+            continue
+        # the band pattern only depends on where the block sits relative to its keys
+        sig = (q1 - q0, k1 - k0, q0 + offset - k0)
+        visible = cache.get(sig)
+        if visible is None:
+            visible = visible_keys(q0, q1, k0, k1, offset, lo, hi, q.device)
+            cache[sig] = visible
+        if user_visible is not None:
+            visible = visible & user_visible[..., q0:q1, k0:k1]
+        outs.append(
+            _sdpa(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible, scale, dropout_p, gqa)
+        )
+    return torch.cat(outs, dim=2)
+
+
+# --------------------------------------------------------------------------- NPU binding
+
+_compressed_masks: dict[torch.device, torch.Tensor] = {}
+
+
+def compressed_causal_mask(device: torch.device | str) -> torch.Tensor:
+    """The 2048x2048 bool upper triangle (diagonal excluded, True = masked) that torch_npu
+    requires as ``atten_mask`` for sparse_mode 2, 3 and 4. Cached per device."""
+    device = torch.device(device)
+    mask = _compressed_masks.get(device)
+    if mask is None:
+        n = COMPRESSED_MASK_SIZE
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu_(diagonal=1)
+        _compressed_masks[device] = mask
+    return mask
+
+
+def npu_sparse_plan(
+    sq: int,
+    skv: int,
+    *,
+    causal: bool,
+    pre_tokens: int,
+    next_tokens: int,
+    attention_mask: torch.Tensor | None,
+    device: torch.device | str,
+) -> SparsePlan:
+    """Map (causal, window, mask) to torch_npu ``sparse_mode``/``atten_mask``/pre/next.
+
+    With ``lo, hi`` the bounds from :func:`window_bounds` (bottom-right aligned):
+
+    * no mask, no restriction -> ``sparse_mode=0``, ``atten_mask=None`` (full attention; the
+      kernel ignores pre/next without a mask).
+    * no mask, ``hi == 0`` and no left restriction (causal, or next=0 with a window at least
+      the sequence long, e.g. pre=next=65536 + causal) -> ``sparse_mode=3`` (rightDownCausal)
+      with the compressed 2048x2048 mask; pre/next passed as MAX/0 (ignored by mode 3).
+    * no mask, any other window (e.g. pre=2048, next=0, causal) -> ``sparse_mode=4`` (band,
+      bottom-right origin) with the compressed mask, ``pre_tockens=pre_tokens`` and
+      ``next_tockens=hi`` (``min(next_tokens, 0)`` under causal).
+    * explicit mask -> ``sparse_mode=0`` with the mask OR-ed with the window (so the mask
+      carries everything); pre/next are the same window in mode 0's top-left coordinates
+      (``pre - offset``, ``hi + offset``) when both are >= 0, else MAX/MAX (no block skipping,
+      still exact because the mask holds the window).
+    """
+    lo, hi = window_bounds(sq, skv, causal, pre_tokens, next_tokens)
+    offset = skv - sq
+    left_bites, right_bites = lo > -(skv - 1), hi < sq - 1
+    if attention_mask is None:
+        if not left_bites and not right_bites:
+            return SparsePlan(SPARSE_MODE_DEFAULT, None, MAX_TOKENS, MAX_TOKENS)
+        compressed = compressed_causal_mask(device)
+        if not left_bites and hi == 0:
+            return SparsePlan(SPARSE_MODE_RIGHT_DOWN_CAUSAL, compressed, MAX_TOKENS, 0)
+        pre = min(pre_tokens, MAX_TOKENS)
+        nxt = max(min(hi, MAX_TOKENS), -MAX_TOKENS)
+        return SparsePlan(SPARSE_MODE_BAND, compressed, pre, nxt)
+    masked = attention_mask.bool()
+    if left_bites or right_bites:
+        hidden = ~visible_keys(0, sq, 0, skv, offset, lo, hi, masked.device)
+        masked = masked | hidden
+    pre_tl = min(pre_tokens - offset, MAX_TOKENS) if left_bites else MAX_TOKENS
+    next_tl = min(hi + offset, MAX_TOKENS) if right_bites else MAX_TOKENS
+    if pre_tl < 0 or next_tl < 0:
+        pre_tl = next_tl = MAX_TOKENS
+    return SparsePlan(SPARSE_MODE_DEFAULT, masked, pre_tl, next_tl)
+
+
+def npu_fused_attention(
+    kernels: ModuleType,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    head_num: int,
+    input_layout: str = "SBH",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    pre_tokens: int = MAX_TOKENS,
+    next_tokens: int = MAX_TOKENS,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Fused attention through ``kernels.npu_fusion_attention`` (torch_npu or its emulation)."""
+    shape = attention_shape(query, key, value, head_num, input_layout)
+    check_attention_mask(attention_mask, shape)
+    check_dropout(dropout_p)
+    plan = npu_sparse_plan(
+        shape.sq,
+        shape.skv,
+        causal=causal,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        attention_mask=attention_mask,
+        device=query.device,
+    )
+    if scale is None:  # the kernel's own default is 1.0, not 1/sqrt(D)
+        scale = 1.0 / math.sqrt(shape.head_dim)
+    outputs = kernels.npu_fusion_attention(
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        atten_mask=plan.atten_mask,
+        scale=scale,
+        keep_prob=1.0 - dropout_p,
+        pre_tockens=plan.pre_tockens,
+        next_tockens=plan.next_tockens,
+        sparse_mode=plan.sparse_mode,
+    )
+    return outputs[0]
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    head_num: int,
+    input_layout: str = "SBH",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    pre_tokens: int = MAX_TOKENS,
+    next_tokens: int = MAX_TOKENS,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Fused attention on the NPU kernel module in use, else the native path."""
+    kwargs = dict(
+        head_num=head_num,
+        input_layout=input_layout,
+        causal=causal,
+        attention_mask=attention_mask,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        scale=scale,
+        dropout_p=dropout_p,
+    )
+    kernels = npu_kernels()
+    if kernels is not None:
+        return npu_fused_attention(kernels, query, key, value, **kwargs)
+    return native_fused_attention(query, key, value, **kwargs)
