@@ -9,6 +9,7 @@ compared tensor across the examples into a record.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ class Job:
     dtype: str
     parallel: Parallel
     examples: tuple[dict[str, Any], ...]
+    #: a planted bug (a name in :data:`parity.mutations.MUTATIONS`), active around ``case.run``
+    #: only, on every rank; None for real runs. Used by tests/parity/test_mutations.py.
+    mutation: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -57,6 +61,14 @@ def _severity(comp: TensorComparison, tolerance: Any) -> tuple[int, float]:
     return v.severity, -cosine
 
 
+def _planted(mutation: str | None) -> Any:
+    if mutation is None:
+        return contextlib.nullcontext()
+    from parity.mutations import planted
+
+    return planted(mutation)
+
+
 def run_examples(job: Job) -> dict[str, TensorComparison] | None:
     """Run ``job`` on this rank; rank 0 returns the worst comparison per compared tensor."""
     patch = get_patch(job.patch_id)
@@ -70,9 +82,10 @@ def run_examples(job: Job) -> dict[str, TensorComparison] | None:
     worst: dict[str, TensorComparison] = {}
     for params in job.examples:
         inputs = case.make_inputs(params)
-        got = case.run(
-            Context(params, tested, tested, device, original, job.parallel, rank), inputs
-        )
+        with _planted(job.mutation):
+            got = case.run(
+                Context(params, tested, tested, device, original, job.parallel, rank), inputs
+            )
         if rank != 0:
             continue
         ref_ctx = Context(

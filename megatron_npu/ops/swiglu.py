@@ -44,5 +44,11 @@ def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, dim: int = -1) -> torch.Tensor:
-    """``swiglu(x + bias)`` (Megatron's fused bias-SwiGLU)."""
-    return swiglu(x if bias is None else x + bias, dim)
+    """``swiglu(x + bias)`` (Megatron's fused bias-SwiGLU), computed in fp32 and rounded once.
+
+    In fp16/bf16 the bias add and the product each round; summed over tokens, the bias gradient
+    then misses the accuracy rule (as Megatron's own half-precision version does). Upcasting
+    keeps one rounding of the output and fp32 accumulation of the gradients.
+    """
+    z = x.float() if bias is None else x.float() + bias.float()
+    return swiglu(z, dim).to(x.dtype)

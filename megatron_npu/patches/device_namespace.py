@@ -14,7 +14,10 @@ from megatron_npu.registry import Patch
 MODULES = (
     "megatron.core.datasets.blended_megatron_dataset_builder",
     "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",
@@ -44,6 +47,13 @@ MODULES = (
     "megatron.core.utils",
 )
 
+#: modules whose routing a parity case exercises on real process groups (the rest are exempt)
+_PARITY = {
+    "megatron.core.pipeline_parallel.p2p_communication": "parity.cases.communication:P2P",
+    "megatron.core.tensor_parallel.mappings": "parity.cases.communication:TP_MAPPINGS",
+}
+_EXEMPT = "device routing, no numerics: covered by the GPT forward/backward tests"
+
 PATCHES = [
     Patch(
         id=f"torch-namespace:{module.removeprefix('megatron.core.')}",
@@ -53,7 +63,8 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,
         rebind_copies=False,
-        parity_exempt="device routing, no numerics: covered by the GPT forward/backward tests",
+        parity=_PARITY.get(module),
+        parity_exempt="" if module in _PARITY else _EXEMPT,
     )
     for module in MODULES
 ]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,3 +34,86 @@ def grads(out: torch.Tensor, grad_out: torch.Tensor, **leaves: torch.Tensor | No
     """Back-propagate ``grad_out`` and collect ``grad_<name>`` for each non-None leaf."""
     out.backward(grad_out.to(out.dtype))
     return {f"grad_{k}": v.grad for k, v in leaves.items() if v is not None}
+
+
+@contextlib.contextmanager
+def megatron_parallel(seed: int = 1234) -> Iterator[None]:
+    """Megatron's parallel_state and model-parallel RNG tracker for one call.
+
+    In a rank-pool worker both already exist (the pool initialised them for the job's layout)
+    and are used as they are. In a single-process case a one-rank gloo world and
+    ``initialize_model_parallel(1, 1)`` are set up here and torn down on exit, so the test
+    process is left as it was found. The RNG tracker is (re)seeded either way: Megatron's
+    unfused attention forks it even with dropout 0.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    store = None
+    if not dist.is_initialized():
+        store = tempfile.mkdtemp(prefix="megatron-npu-parity-")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1
+        )
+    made_state = not parallel_state.model_parallel_is_initialized()
+    try:
+        if made_state:
+            parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        if made_state:
+            parallel_state.destroy_model_parallel()
+        if store is not None:
+            dist.destroy_process_group()
+            shutil.rmtree(store, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run ``torch.compile``-decorated code eagerly.
+
+    Megatron's ``jit_fuser`` is ``torch.compile`` on torch >= 2.2; compiling its fused
+    activations on the CPU takes tens of seconds per shape and dtype and changes nothing about
+    their maths, so references call them under the ``force_eager`` stance.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` and viewed as integers: compares bit-exactly (exact kind)."""
+    return t.detach().to(dtype).contiguous().view(_BITS[dtype])
+
+
+def gather(t: torch.Tensor, group: Any = None, dim: int | None = None) -> torch.Tensor:
+    """``t`` from every rank of ``group`` (plain ``all_gather``, used only to bring results to
+    rank 0): stacked on a new leading dim, or concatenated along ``dim``."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        parts = [t.detach()]
+    else:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.stack(parts) if dim is None else torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def fused_attention_settings(**changes: Any) -> Iterator[None]:
+    """:mod:`megatron_npu.ops.settings` changed for one call, put back afterwards."""
+    from dataclasses import asdict
+
+    from megatron_npu.ops import settings
+
+    before = asdict(settings.fused_attention())
+    settings.set_fused_attention(**changes)
+    try:
+        yield
+    finally:
+        settings.set_fused_attention(**before)

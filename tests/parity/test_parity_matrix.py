@@ -1,34 +1,3 @@
-"""Generated parity tests: one per (patch, dtype, parallel size, device) of the registry.
+"""The parity matrix in CI (``--parity-mode quick`` by default); see parity/cells_test.py."""
 
-Each writes its JSON record into the results directory (``--parity-results``) and fails on an
-``error`` verdict; ``warning`` is recorded and shown but does not fail (msprobe's meaning).
-"""
-
-from __future__ import annotations
-
-from parity.harness import Job, evaluate
-from parity.matrix import Cell, case_examples, cells
-from parity.metrics import dtype_name
-from parity.results import write_record
-
-
-def pytest_generate_tests(metafunc):
-    if "cell" in metafunc.fixturenames:
-        devices = tuple(metafunc.config.getoption("parity_devices").split(","))
-        matrix = cells(devices)
-        metafunc.parametrize("cell", matrix, ids=[c.id for c in matrix])
-
-
-def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
-    job = Job(
-        patch_id=cell.patch.id,
-        device=cell.device,
-        dtype=dtype_name(cell.dtype),
-        parallel=cell.parallel,
-        examples=case_examples(cell.case.name, parity_mode),
-    )
-    pool = rank_pools.get(cell.parallel.world) if cell.parallel.world > 1 else None
-    record = evaluate(job, pool=pool)
-    write_record(record, parity_results)
-    failing = {n: t.verdict.reason for n, t in record.tensors.items() if t.verdict.status == "error"}
-    assert not failing, f"{cell.id}: {failing}"
+from parity.cells_test import pytest_generate_tests, test_parity  # noqa: F401

@@ -1,0 +1,1 @@
+"""Optimizers the registry installs in place of Megatron's CUDA-only ones."""

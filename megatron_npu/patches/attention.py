@@ -1,0 +1,89 @@
+"""Megatron's core attention -> the fused-attention op (``npu_fusion_attention`` on the NPU).
+
+``DotProductAttention.forward`` keeps Megatron's unfused path unless the run asked for the fused
+kernel (``--use-flash-attn``, or a pre/next-token window, or the BSH layout: see
+:mod:`megatron_npu.ops.settings`). The fused path lays q/k/v out as SBH or BSH as configured,
+applies the causal mask and pre/next window through the op, the softmax scale Megatron computed,
+attention dropout inside the model-parallel RNG fork, and grouped-query attention natively.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron_npu.ops import settings
+from megatron_npu.ops.attention import fused_attention
+from megatron_npu.registry import Patch
+
+_TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
+
+
+def fused_core_attention(module: Any, query, key, value, attention_mask, attn_mask_type) -> Any:
+    """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+
+    chosen = settings.fused_attention()
+    sq, b, heads, dim = query.shape
+    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
+    causal = mask_type == AttnMaskType.causal
+    if chosen.shape_order == "SBH":
+        q, k, v = (t.reshape(t.shape[0], b, -1) for t in (query, key, value))
+    else:  # BSH
+        q, k, v = (t.transpose(0, 1).reshape(b, t.shape[0], -1) for t in (query, key, value))
+    dropout_p = module.config.attention_dropout if module.training else 0.0
+    # With apply_query_key_layer_scaling Megatron divides softmax_scale by the layer number and
+    # its softmax multiplies the scores back: the effective scale is the product.
+    scale = module.softmax_scale * (module.scale_mask_softmax.scale or 1.0)
+
+    def run():
+        return fused_attention(
+            q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=causal,
+            attention_mask=attention_mask if not causal else None,
+            pre_tokens=chosen.pre_tokens, next_tokens=chosen.next_tokens,
+            scale=scale, dropout_p=dropout_p,
+        )  # fmt: skip
+
+    if dropout_p > 0 and not module.config.sequence_parallel:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = run()
+    else:
+        out = run()
+    if chosen.shape_order == "BSH":
+        out = out.transpose(0, 1)
+    return out.reshape(sq, b, heads * dim)
+
+
+def _route_to_fused(original: Any) -> Any:
+    @functools.wraps(original)
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+        packed_seq_params=None,
+    ):  # fmt: skip
+        if not settings.fused_attention().needs_fused_kernel:
+            return original(
+                self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                packed_seq_params,
+            )  # fmt: skip
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError(
+                "fused attention does not take attention_bias or packed sequences; "
+                "run without --use-flash-attn for those"
+            )
+        return fused_core_attention(self, query, key, value, attention_mask, attn_mask_type)
+
+    return forward
+
+
+PATCHES = [
+    Patch(
+        id="attention.dot-product",
+        target=_TARGET,
+        replacement=_route_to_fused,
+        kind="wrap",
+        reason="flash/sparse attention (SBH/BSH, pre/next window) through the fused-attention op",
+        versions=">=0.13",
+        parity="parity.cases.attention:DOT_PRODUCT_ATTENTION",
+    ),
+]

@@ -1,0 +1,92 @@
+"""Megatron's optimizer kernels: Adam, the fp16 unscale/inf check, grad-norm and scale.
+
+* ``megatron.core.optimizer.Adam`` (apex/TE ``FusedAdam``, else ``torch.optim.AdamW``) ->
+  :class:`megatron_npu.optim.adamw.FusedAdamW`.
+* ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` -> the op layer's
+  non-finite check and unscale, then Megatron's MAX all-reduce over the grad-stats group.
+* ``clip_grads.l2_norm_impl`` / ``multi_tensor_scale_impl`` (amp_C or Megatron's local
+  fallback, which builds its result with ``device="cuda"``) -> the op layer's multi-tensor ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_npu import devices
+from megatron_npu.ops.multi_tensor import (
+    check_finite_and_unscale_,
+    multi_tensor_l2norm,
+    multi_tensor_scale_,
+)
+from megatron_npu.optim.adamw import FusedAdamW
+from megatron_npu.registry import Patch
+
+
+def _unscale_main_grads_and_check_for_nan(self):
+    main_grads = [] if self.is_stub_optimizer else self._collect_main_grad_data_for_unscaling()
+    self.found_inf.fill_(0.0)
+    if main_grads:
+        found = check_finite_and_unscale_(main_grads, self.grad_scaler.inv_scale)
+        self.found_inf.copy_(found.to(self.found_inf.device).reshape(self.found_inf.shape))
+    torch.distributed.all_reduce(
+        self.found_inf, op=torch.distributed.ReduceOp.MAX,
+        group=self.get_grad_stats_parallel_group(),
+    )  # fmt: skip
+    return self.found_inf.item() > 0
+
+
+def l2_norm_impl(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm contract: ``(total_norm[1] fp32, per_tensor_norms | None)``."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, device=devices.current_torch_device()), None
+    return multi_tensor_l2norm(tensors, per_tensor=per_tensor)
+
+
+def multi_tensor_scale_impl(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale contract: ``dst = src * scale``; flags non-finite in noop_flag."""
+    found = multi_tensor_scale_(tensor_lists[0], tensor_lists[1], scale)
+    if noop_flag is not None and torch.is_tensor(noop_flag) and found is not None:
+        noop_flag.copy_(torch.maximum(noop_flag, found.to(noop_flag).reshape(noop_flag.shape)))
+
+
+_CLIP = "megatron.core.optimizer.clip_grads"
+
+PATCHES = [
+    Patch(
+        id="optimizer.adam",
+        target="megatron.core.optimizer.Adam",
+        replacement=FusedAdamW,
+        reason="apex/TE FusedAdam is CUDA-only: fused AdamW via npu_apply_adam_w / _fused_adamw_",
+        versions=">=0.13",
+        rebind_copies=False,  # the fallback *is* torch.optim.AdamW: never rebind torch's own name
+        parity="parity.cases.optimizer:ADAMW",
+    ),
+    Patch(
+        id="optimizer.unscale-and-check-nan",
+        target="megatron.core.optimizer.optimizer.MixedPrecisionOptimizer."
+        "_unscale_main_grads_and_check_for_nan",
+        replacement=_unscale_main_grads_and_check_for_nan,
+        reason="fp16 loss-scale unscale and inf/nan check through the op layer on the device",
+        versions=">=0.13",
+        parity="parity.cases.optimizer:UNSCALE_AND_CHECK",
+    ),
+    Patch(
+        id="optimizer.l2-norm",
+        target=f"{_CLIP}.l2_norm_impl",
+        replacement=l2_norm_impl,
+        reason="gradient-norm kernel (amp_C or a device='cuda' fallback) -> foreach norm",
+        versions=">=0.13",
+        check_signature=False,  # amp_C's kernel has no Python signature
+        parity="parity.cases.optimizer:GRAD_NORM",
+    ),
+    Patch(
+        id="optimizer.multi-tensor-scale",
+        target=f"{_CLIP}.multi_tensor_scale_impl",
+        replacement=multi_tensor_scale_impl,
+        reason="gradient-clipping scale kernel -> foreach scale with non-finite flag",
+        versions=">=0.13",
+        check_signature=False,
+        parity="parity.cases.optimizer:GRAD_CLIP_SCALE",
+    ),
+]

@@ -1,0 +1,43 @@
+"""Megatron's rotary embedding (bshd layout) -> ``npu_rotary_mul`` / the native op."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_npu.ops.rotary import rotary_mul, rotate
+from megatron_npu.registry import Patch
+
+
+def _apply_rotary_pos_emb_bshd(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    rotary_interleaved: bool = False,
+    multi_latent_attention: bool = False,
+    mscale: float = 1.0,
+) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` features of ``t`` (``[s, b, np, hn]``)."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    if multi_latent_attention:
+        t_rot = torch.cat((t_rot[..., 0::2], t_rot[..., 1::2]), dim=-1)
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    mode = "interleave" if rotary_interleaved else "half"
+    if cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[2] == 1:
+        # [s, 1, 1, d]: the S11D broadcast layout the kernel accepts in both modes
+        out = rotary_mul(t_rot, cos, sin, rotary_mode=mode)
+    else:  # per-batch/per-head frequencies: no kernel layout for them, Megatron's formula
+        out = t_rot * cos + rotate(t_rot, mode) * sin
+    return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
+
+
+PATCHES = [
+    Patch(
+        id="rotary.apply-bshd",
+        target="megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+        replacement=_apply_rotary_pos_emb_bshd,
+        reason="--position-embedding-type rope through npu_rotary_mul (half / interleave)",
+        versions=">=0.13",
+        parity="parity.cases.rotary:ROTARY_BSHD",
+    ),
+]

@@ -1,0 +1,436 @@
+"""Parity of the optimizer patches: fused AdamW, the fp16 unscale / inf check, the grad-norm and
+the grad-clipping scale kernels.
+
+Dtypes follow what Megatron hands these functions. Its optimizers step fp32 *main* params with
+fp32 grads whatever the model dtype (Float16OptimizerWithFloat16Params and the distributed
+optimizer keep fp32 copies), and the unscale / inf check runs on those fp32 main grads, so
+``ADAMW`` and ``UNSCALE_AND_CHECK`` are fp32 only (reference fp64). The grad norm and the clip
+scale also see bf16 grads: ``clip_grad_by_total_norm_fp32`` accepts a bf16 ``decoupled_grad``
+(precision-aware optimizer) and ``get_grad_norm_fp32`` is called on those, so they run fp32 and
+bf16. fp16 grads never reach them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import strategies as st
+
+from parity.case import Context, Parallel, ParityCase
+from parity.cases._common import gather, generator, megatron_parallel
+
+_DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
+
+
+def _dtypes(*names: str):
+    import torch
+
+    return {device: tuple(getattr(torch, n) for n in names) for device in _DEVICES}
+
+
+_SHAPES = ((7,), (3, 5), (2, 3, 4), (1,), (16, 8))
+
+
+# ============================================================================ AdamW
+
+
+def _adam_params():
+    return st.fixed_dictionaries(
+        {
+            "tensors": st.integers(1, 5),
+            "steps": st.integers(1, 4),
+            "lr": st.sampled_from([1e-3, 1e-2]),
+            "beta1": st.sampled_from([0.9, 0.8]),
+            "beta2": st.sampled_from([0.999, 0.95]),
+            "eps": st.sampled_from([1e-8, 1e-6]),
+            "weight_decay": st.sampled_from([0.0, 0.01, 0.1]),
+            "amsgrad": st.booleans(),
+            "grad_scale": st.sampled_from([1.0, 1e-4]),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+def _adam_inputs(p):
+    import torch
+
+    g = generator(p)
+    out = {}
+    for i, shape in enumerate(_SHAPES[: p["tensors"]]):
+        out[f"param{i}"] = torch.randn(*shape, generator=g, dtype=torch.float64)
+        for step in range(p["steps"]):
+            grad = torch.randn(*shape, generator=g, dtype=torch.float64) * p["grad_scale"]
+            if step == 1:  # a step where some elements get no gradient at all
+                grad = grad * (torch.rand(*shape, generator=g) < 0.7)
+            out[f"grad{i}_{step}"] = grad
+    return out
+
+
+def _adam_steps(make_optimizer, ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    params = [torch.nn.Parameter(ctx.tensor(inputs[f"param{i}"])) for i in range(p["tensors"])]
+    opt = make_optimizer(
+        params, lr=p["lr"], betas=(p["beta1"], p["beta2"]), eps=p["eps"],
+        weight_decay=p["weight_decay"], amsgrad=p["amsgrad"],
+    )  # fmt: skip
+    for step in range(p["steps"]):
+        for i, param in enumerate(params):
+            param.grad = ctx.tensor(inputs[f"grad{i}_{step}"])
+        opt.step()
+
+    def flat(values):
+        return torch.cat([v.detach().reshape(-1) for v in values])
+
+    states = [opt.state[param] for param in params]
+    out = {
+        "params": flat(params),
+        "exp_avg": flat(s["exp_avg"] for s in states),
+        "exp_avg_sq": flat(s["exp_avg_sq"] for s in states),
+    }
+    if p["amsgrad"]:
+        out["max_exp_avg_sq"] = flat(s["max_exp_avg_sq"] for s in states)
+    return out
+
+
+def _adam_run(ctx: Context, inputs):
+    import megatron.core.optimizer as megatron_optimizer
+
+    return _adam_steps(megatron_optimizer.Adam, ctx, inputs)
+
+
+def _adam_reference(ctx: Context, inputs):
+    # ctx.original is what Megatron binds without apex/TE: torch.optim.AdamW
+    return _adam_steps(ctx.original, ctx, inputs)
+
+
+def _adam_edge(**kw):
+    base = {
+        "tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+        "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1,
+    }  # fmt: skip
+    base.update(kw)
+    return base
+
+
+ADAMW = ParityCase(
+    name="adamw",
+    params=_adam_params(),
+    make_inputs=_adam_inputs,
+    run=_adam_run,
+    reference=_adam_reference,
+    compares="params after the steps, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), "
+    "each flattened over all params",
+    reference_kind="ctx.original: torch.optim.AdamW (Megatron's fallback Adam) on CPU in fp64",
+    dtypes=_dtypes("float32"),
+    edge_cases=(
+        _adam_edge(),
+        _adam_edge(amsgrad=True, steps=4, lr=1e-2, beta2=0.95, seed=2),
+        # tiny grads: the update is eps-dominated
+        _adam_edge(grad_scale=1e-4, eps=1e-6, weight_decay=0.0, seed=3),
+        _adam_edge(tensors=1, steps=1, seed=4),  # the first step: bias corrections 1-beta
+    ),
+)
+
+
+# ============================================================================ unscale + inf check
+
+_MAX_DP = 2
+
+
+def _unscale_params():
+    return st.fixed_dictionaries(
+        {
+            "tensors": st.integers(1, 5),
+            "loss_scale": st.sampled_from([2.0**16, 1024.0, 3.0]),
+            "plant": st.sampled_from(["none", "none", "inf", "-inf", "nan"]),
+            "plant_rank": st.integers(0, _MAX_DP - 1),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+def _unscale_inputs(p):
+    import torch
+
+    g = generator(p)
+    out = {"inv_scale": torch.tensor([1.0 / p["loss_scale"]], dtype=torch.float64)}
+    for rank in range(_MAX_DP):
+        for i, shape in enumerate(_SHAPES[: p["tensors"]]):
+            grad = torch.randn(*shape, generator=g, dtype=torch.float64) * p["loss_scale"]
+            if p["plant"] != "none" and rank == p["plant_rank"] and i == p["tensors"] - 1:
+                grad.view(-1)[-1] = float(p["plant"])
+            out[f"grad{rank}_{i}"] = grad
+    return out
+
+
+class _StubOptimizer:
+    """The attributes ``_unscale_main_grads_and_check_for_nan`` reads, nothing else."""
+
+    def __init__(self, grads, inv_scale, group):
+        import torch
+
+        self._grads = grads
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=inv_scale.device)
+        self.grad_scaler = SimpleNamespace(inv_scale=inv_scale)
+        self.is_stub_optimizer = False
+        self._group = group
+
+    def _collect_main_grad_data_for_unscaling(self):
+        return self._grads
+
+    def get_grad_stats_parallel_group(self):
+        return self._group
+
+
+def _unscale_run(ctx: Context, inputs):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    p = ctx.params
+    with megatron_parallel():
+        rank = dist.get_rank()
+        grads = [ctx.tensor(inputs[f"grad{rank}_{i}"]) for i in range(p["tensors"])]
+        # grad stats over the whole world, as the distributed optimizer reduces them
+        stub = _StubOptimizer(grads, ctx.tensor(inputs["inv_scale"]), dist.group.WORLD)
+        found = MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan(stub)
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        return {
+            "grads": gather(flat),
+            "found_inf": gather(stub.found_inf.to(torch.int64)),
+            "returned": gather(torch.tensor([int(found)], dtype=torch.int64)),
+        }
+
+
+def _unscale_reference(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    world = ctx.parallel.world
+    inv = ctx.tensor(inputs["inv_scale"])
+    per_rank = [
+        torch.cat([ctx.tensor(inputs[f"grad{r}_{i}"]).reshape(-1) for i in range(p["tensors"])])
+        for r in range(world)
+    ]
+    found = int(any(not bool(torch.isfinite(g).all()) for g in per_rank))
+    flags = torch.full((world, 1), found, dtype=torch.int64)
+    return {
+        "grads": torch.stack([g * inv for g in per_rank]),
+        "found_inf": flags,
+        "returned": flags.clone(),
+    }
+
+
+def _unscale_edge(**kw):
+    base = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 0, "seed": 1}
+    base.update(kw)
+    return base
+
+
+UNSCALE_AND_CHECK = ParityCase(
+    name="unscale-and-check",
+    params=_unscale_params(),
+    make_inputs=_unscale_inputs,
+    run=_unscale_run,
+    reference=_unscale_reference,
+    compares="every rank's unscaled main grads (stacked), every rank's found_inf and returned "
+    "flag (exact): an inf/nan on any rank must raise the flag on all of them",
+    reference_kind="plain torch: grads * inv_scale in fp64, flag = any non-finite grad on any rank",
+    dtypes=_dtypes("float32"),
+    parallel=(Parallel(), Parallel(dp=2)),
+    edge_cases=(
+        _unscale_edge(),
+        _unscale_edge(plant="inf", plant_rank=1, seed=2),  # only the other rank overflowed
+        _unscale_edge(plant="nan", plant_rank=0, loss_scale=1024.0, seed=3),
+        _unscale_edge(loss_scale=3.0, tensors=2, seed=4),  # inv_scale not a power of two
+    ),
+)
+
+
+# ============================================================================ grad norm
+
+
+def _norm_params():
+    return st.fixed_dictionaries(
+        {
+            "tensors": st.integers(1, 5),
+            "scale": st.sampled_from([1.0, 1e-3, 50.0]),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+_MAX_MP = 2
+
+
+def _norm_inputs(p):
+    import torch
+
+    g = generator(p)
+    return {
+        f"grad{rank}_{i}": torch.randn(*shape, generator=g, dtype=torch.float64) * p["scale"]
+        for rank in range(_MAX_MP)
+        for i, shape in enumerate(_SHAPES[: p["tensors"]])
+    }
+
+
+def _norm_run(ctx: Context, inputs):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import clip_grads
+
+    p = ctx.params
+    with megatron_parallel():
+        rank = parallel_state.get_model_parallel_group().rank()
+        grads = [ctx.tensor(inputs[f"grad{rank}_{i}"]) for i in range(p["tensors"])]
+        # non-distributed optimizer: grad stats over the model-parallel group
+        norm = clip_grads.get_grad_norm_fp32(
+            grads, norm_type=2, grad_stats_parallel_group=parallel_state.get_model_parallel_group()
+        )
+        # the kernel's per-tensor norms, as amp_C returns them with per_tensor=True
+        flag = torch.zeros(1, dtype=torch.int, device=ctx.device)
+        _, per_tensor = clip_grads.multi_tensor_applier(
+            clip_grads.l2_norm_impl, flag, [grads], True
+        )
+        group = parallel_state.get_model_parallel_group()
+        return {
+            "total_norm": torch.tensor([norm], dtype=torch.float32),
+            "per_tensor_norms": gather(per_tensor.reshape(-1), group),
+        }
+
+
+def _norm_reference(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    world = ctx.parallel.tp * ctx.parallel.pp
+    per = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.linalg.vector_norm(ctx.tensor(inputs[f"grad{r}_{i}"]))
+                    for i in range(p["tensors"])
+                ]
+            )  # fmt: skip
+            for r in range(world)
+        ]
+    )
+    return {"total_norm": torch.linalg.vector_norm(per).reshape(1), "per_tensor_norms": per}
+
+
+GRAD_NORM = ParityCase(
+    name="grad-norm",
+    params=_norm_params(),
+    make_inputs=_norm_inputs,
+    run=_norm_run,
+    reference=_norm_reference,
+    compares="total L2 norm from Megatron's get_grad_norm_fp32 (squared norms all-reduced over "
+    "the model-parallel group) and each rank's per-tensor norms from l2_norm_impl",
+    reference_kind="plain torch.linalg.vector_norm of every rank's grads on CPU, upcast",
+    dtypes=_dtypes("float32", "bfloat16"),
+    parallel=(Parallel(), Parallel(tp=2)),
+    edge_cases=(
+        {"tensors": 5, "scale": 1.0, "seed": 1},
+        {"tensors": 1, "scale": 1e-3, "seed": 2},
+        {"tensors": 3, "scale": 50.0, "seed": 3},
+    ),
+)
+
+
+# ============================================================================ clip scale
+
+
+def _clip_params():
+    return st.fixed_dictionaries(
+        {
+            "tensors": st.integers(1, 5),
+            "max_norm": st.sampled_from([0.5, 1.0, 1e3]),
+            "plant_inf": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+def _clip_inputs(p):
+    import torch
+
+    g = generator(p)
+    out = {}
+    for i, shape in enumerate(_SHAPES[: p["tensors"]]):
+        out[f"grad{i}"] = torch.randn(*shape, generator=g, dtype=torch.float64)
+        out[f"src{i}"] = torch.randn(*shape, generator=g, dtype=torch.float64)
+    if p["plant_inf"]:
+        out[f"src{p['tensors'] - 1}"].view(-1)[0] = float("inf")
+    out["scale"] = torch.rand(1, generator=g, dtype=torch.float64) + 0.25
+    return out
+
+
+def _clip_run(ctx: Context, inputs):
+    import torch
+    from megatron.core.optimizer import clip_grads
+
+    p = ctx.params
+    n = p["tensors"]
+    decoupled = ctx.dtype == torch.bfloat16  # bf16 grads only arrive as decoupled_grad
+    params = []
+    for i in range(n):
+        grad = ctx.tensor(inputs[f"grad{i}"])
+        param = torch.nn.Parameter(torch.zeros_like(grad, dtype=torch.float32))
+        if decoupled:
+            param.decoupled_grad = grad
+        else:
+            param.grad = grad
+        params.append(param)
+    grads = [ctx.tensor(inputs[f"grad{i}"]) for i in range(n)]
+    total = float(torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads])))
+    clip_grads.clip_grad_by_total_norm_fp32(
+        params, p["max_norm"], total, use_decoupled_grad=decoupled
+    )
+    clipped = [q.decoupled_grad if decoupled else q.grad for q in params]
+    # the kernel itself: dst = src * scale into separate tensors, non-finite flag set
+    src = [ctx.tensor(inputs[f"src{i}"]) for i in range(n)]
+    dst = [torch.empty_like(s) for s in src]
+    flag = torch.zeros(1, dtype=torch.int, device=ctx.device)
+    scale = float(ctx.tensor(inputs["scale"]))
+    clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, flag, [src, dst], scale)
+    return {
+        "clipped_grads": torch.cat([c.reshape(-1) for c in clipped]),
+        "scaled": torch.cat([d.reshape(-1) for d in dst]),
+        "overflow_flag": flag.to(torch.int64),
+    }
+
+
+def _clip_reference(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    n = p["tensors"]
+    grads = torch.cat([ctx.tensor(inputs[f"grad{i}"]).reshape(-1) for i in range(n)])
+    total = float(torch.linalg.vector_norm(grads))
+    coeff = p["max_norm"] / (total + 1.0e-6)  # Megatron's clip_coeff
+    src = torch.cat([ctx.tensor(inputs[f"src{i}"]).reshape(-1) for i in range(n)])
+    return {
+        "clipped_grads": grads * coeff if coeff < 1.0 else grads,
+        "scaled": src * float(ctx.tensor(inputs["scale"])),
+        "overflow_flag": torch.tensor([int(not bool(torch.isfinite(src).all()))]),
+    }
+
+
+GRAD_CLIP_SCALE = ParityCase(
+    name="grad-clip-scale",
+    params=_clip_params(),
+    make_inputs=_clip_inputs,
+    run=_clip_run,
+    reference=_clip_reference,
+    compares="grads after clip_grad_by_total_norm_fp32 (fp32 .grad, or bf16 decoupled_grad); "
+    "multi_tensor_scale_impl's dst = src * scale and its non-finite flag (exact)",
+    reference_kind="plain torch: Megatron's clip coefficient max_norm / (norm + 1e-6) applied in "
+    "fp64/fp32 on CPU; flag = any non-finite src",
+    dtypes=_dtypes("float32", "bfloat16"),
+    edge_cases=(
+        {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1},  # clips
+        {"tensors": 3, "max_norm": 1e3, "plant_inf": True, "seed": 2},  # no clip; inf in src
+    ),
+)

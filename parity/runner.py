@@ -1,0 +1,90 @@
+"""``megatron-npu parity``: run the parity matrix through pytest and print the summary table.
+
+pytest does the work (``-p parity.plugin`` on :mod:`parity.cells_test`, pytest-xdist for
+``-n``); every cell writes its record into a fresh run directory, which is read back at the end
+for the summary, so the table shows exactly what this run produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import parity
+from parity.results import print_summary, read_records
+
+CI_DEVICES = ("cpu", "npu-emulated")
+
+
+def available_devices() -> list[str]:
+    """cpu and npu-emulated always; npu and cuda when this machine has them."""
+    from megatron_npu import devices
+
+    found = list(CI_DEVICES)
+    for name in ("npu", "cuda"):
+        try:
+            devices.make(name)
+        except Exception:  # noqa: BLE001  (unavailable for whatever reason: not listed)
+            continue
+        found.append(name)
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", action="append", dest="devices", metavar="DEVICE",
+        choices=("cpu", "npu-emulated", "npu", "cuda"),
+        help="device to check (repeatable); default: cpu, npu-emulated, and npu/cuda if present",
+    )  # fmt: skip
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="few examples per cell (the CI setting; default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="many hypothesis-drawn examples per cell")
+    parser.set_defaults(mode="quick")
+    parser.add_argument("-n", "--workers", type=int, default=1,
+                        help="parallel pytest-xdist workers (default 1)")
+    parser.add_argument("--results", default=os.path.join("results", "parity"),
+                        help="parent directory; each run writes into a new run-* folder")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k filter on cell ids")
+
+
+def pytest_command(args: argparse.Namespace, devices: list[str], run_dir: Path) -> list[str]:
+    cells_module = Path(parity.__file__).with_name("cells_test.py")
+    cmd = [
+        sys.executable, "-m", "pytest", str(cells_module), "-p", "parity.plugin",
+        "-p", "no:cacheprovider", "-q", "--rootdir", str(cells_module.parent),
+        f"--parity-mode={args.mode}", f"--parity-devices={','.join(devices)}",
+        f"--parity-results={run_dir}",
+    ]  # fmt: skip
+    if args.workers > 1:
+        cmd += ["-n", str(args.workers)]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    return cmd
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit(f"megatron-npu parity: -n must be >= 1, got {args.workers}")
+    devices = args.devices or available_devices()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_dir = Path(args.results) / f"run-{stamp}-{args.mode}"
+    run_dir.mkdir(parents=True, exist_ok=False, mode=0o750)
+    print(f"parity: {args.mode} run on {', '.join(devices)}; records in {run_dir}", flush=True)
+    code = subprocess.call(pytest_command(args, devices, run_dir))
+    records = read_records(run_dir)
+    if records:
+        print_summary(records)
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record.verdict.status] = counts.get(record.verdict.status, 0) + 1
+    print(f"{len(records)} records: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    if not records:
+        print("parity: no records were written", file=sys.stderr)
+        return code or 1
+    return code
