@@ -21,6 +21,8 @@ def draw(strategy: Any, count: int) -> list[dict[str, Any]]:
     if count <= 0:
         return []
     found: list[dict[str, Any]] = []
+    # Derandomized generation starts from minimal examples (seed 0, size 1, ...), which the
+    # edge cases already cover; keep the *last* distinct draws, which vary the most.
 
     @settings(
         max_examples=max(count * 4, 10),
@@ -32,11 +34,11 @@ def draw(strategy: Any, count: int) -> list[dict[str, Any]]:
     )
     @given(strategy)
     def collect(example: dict[str, Any]) -> None:
-        if example not in found and len(found) < count:
+        if example not in found:
             found.append(example)
 
     collect()
-    return found
+    return found[-count:]
 
 
 def examples(case: ParityCase, mode: str) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ Rules, applied in order; the first that decides wins:
 1. exact kind (integer / bool): any differing element -> error, else pass.
 2. any inf/nan mismatch -> error.
 3. nothing to compare (empty tensor, or only matching inf/nan) -> pass.
-4. cosine must be > 0.99, else error.
+4. cosine must be > 0.99, else error (skipped for a single compared element, where cosine
+   is only a sign test and an exactly-zero side makes it 0: msprobe skips it for scalars too).
 5. max abs error < 1e-3 -> pass.
 6. fp16/bf16: dual hundredth fails -> error; dual thousandth fails -> warning.
    fp32: dual thousandth fails -> error; dual ten-thousandth fails -> warning.
@@ -169,7 +170,7 @@ def verdict(comparison: TensorComparison, tolerance: Tolerance | None = None) ->
     cos_min = COSINE_MIN if tol is None or tol.cosine is None else tol.cosine
     cos_over = tol is not None and tol.cosine is not None
     assert c.cosine is not None and c.max_abs_error is not None
-    if not c.cosine > cos_min:
+    if c.compared_count > 1 and not c.cosine > cos_min:
         return make("error", f"cosine {_fmt(c.cosine)} <= {_fmt(cos_min)}", "cosine", cos_over)
 
     abs_pass = ABS_PASS if tol is None or tol.abs_pass is None else tol.abs_pass

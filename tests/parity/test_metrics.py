@@ -357,3 +357,13 @@ def test_worst():
 def test_verdict_status_is_validated():
     with pytest.raises(ValueError):
         Verdict("ok", "x", "y")
+
+
+def test_single_element_skips_the_cosine_rule():
+    """One element: cosine is a sign test; a zero reference must not force an error."""
+    c = compare(torch.tensor([1e-9]), torch.tensor([0.0], dtype=torch.float64), torch.float32)
+    assert c.cosine == 0.0
+    assert verdict(c).status == "pass"
+    two = compare(torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0], dtype=torch.float64),
+                  torch.float32)
+    assert verdict(two).status == "error" and verdict(two).rule == "cosine"
