@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import parity
 from parity.results import print_summary, read_records
 
 CI_DEVICES = ("cpu", "npu-emulated")
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pytest_command(args: argparse.Namespace, devices: list[str], run_dir: Path) -> list[str]:
-    cells_module = Path(parity.__file__).with_name("cells_test.py")
+    cells_module = Path(importlib.util.find_spec("parity.cells_test").origin)
     cmd = [
         sys.executable, "-m", "pytest", str(cells_module), "-p", "parity.plugin",
         "-p", "no:cacheprovider", "-q", "--rootdir", str(cells_module.parent),
@@ -79,7 +79,9 @@ def main(args: argparse.Namespace) -> int:
     code = subprocess.call(pytest_command(args, devices, run_dir))
     records = read_records(run_dir)
     if records:
-        print_summary(records)
+        from rich.console import Console
+
+        print_summary(records, console=Console(width=max(160, Console().width)))
     counts: dict[str, int] = {}
     for record in records:
         counts[record.verdict.status] = counts.get(record.verdict.status, 0) + 1
