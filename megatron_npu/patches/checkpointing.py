@@ -1,0 +1,108 @@
+"""dist_checkpointing fixes that ``megatron-npu train``'s save/load need off apex/TE.
+
+* ``filesystem_async._process_memory``: megatron-core's ``torch_dist`` writer process
+  (``FileSystemWriterAsync.write_preloaded_data``) starts by calling it, and it raises when
+  ``psutil`` is not installed -- which megatron-core does not declare as a dependency. The writer
+  process dies before reporting and the saving rank waits on its result queue forever:
+  ``dist_checkpointing.save`` hangs. The replacement reads the resident set size from psutil when
+  it is installed and from ``/proc`` otherwise (the figure only feeds a debug log line).
+* ``DistributedOptimizer._set_main_param_and_optimizer_states``: loading a ``fully_reshardable``
+  distributed-optimizer checkpoint copies every entry of the torch optimizer's per-parameter
+  state from the checkpoint. Without apex/TransformerEngine the optimizer is torch's Adam(W),
+  whose state also holds ``step``; the loader hands it over separately (through the param
+  groups) and leaves it out of the tensors, so the stock copy fails with ``KeyError: 'step'``.
+  The wrapper copies the entries the checkpoint provides and leaves ``step`` to that path; the
+  precision-aware-optimizer branch is Megatron's own.
+* ``DistributedOptimizer.load_state_dict``: that separate path puts *one* ``step`` tensor into
+  every parameter's state. Torch's Adam(W) increments each parameter's ``step`` in place
+  (``_foreach_add_``), so the shared tensor advances once per parameter per step and the bias
+  correction is wrong from the first step after a resume. The wrapper gives each parameter its
+  own copy after Megatron's load.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from megatron_npu.devices import host_memory
+from megatron_npu.registry import DEVICES, Patch
+
+_EXEMPT = "checkpoint plumbing, no numerics: tests/training resume runs compare losses exactly"
+
+
+def _process_memory() -> int:
+    """Resident set size of this process in bytes (psutil if installed, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        return host_memory.rss_bytes()
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def _wrap_set_main_param_and_optimizer_states(original: Any) -> Any:
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            destination[key].copy_(value)
+        return None
+
+    return _set_main_param_and_optimizer_states
+
+
+def _wrap_distopt_load_state_dict(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        seen: set[int] = set()
+        for state in getattr(inner, "state", {}).values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is None or not hasattr(step, "clone"):
+                continue
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(state["step"]))
+        return result
+
+    return load_state_dict
+
+
+PATCHES = [
+    Patch(
+        id="checkpoint.writer-process-memory",
+        target="megatron.core.dist_checkpointing.strategies.filesystem_async._process_memory",
+        replacement=_process_memory,
+        reason="stock version raises without psutil inside the torch_dist writer: save hangs",
+        versions=">=0.16",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+    ),
+    Patch(
+        id="checkpoint.distopt-load-torch-adam-step",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+        "_set_main_param_and_optimizer_states",
+        replacement=_wrap_set_main_param_and_optimizer_states,
+        kind="wrap",
+        reason="fully_reshardable load expects every torch-Adam state key; 'step' comes apart",
+        versions=">=0.16",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+    ),
+    Patch(
+        id="checkpoint.distopt-load-unshare-step",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+        replacement=_wrap_distopt_load_state_dict,
+        kind="wrap",
+        reason="one 'step' tensor shared by all params: torch Adam advances it N times a step",
+        versions=">=0.16",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+    ),
+]

@@ -1,0 +1,384 @@
+"""The ``train`` command line: Megatron-LM's option names, defaults and consistency rules.
+
+Only what a GPT pretraining run on Megatron-Core needs is accepted; every option keeps the name
+(and, where it has one, the default) it has in Megatron-LM's ``arguments.py``, so a
+``pretrain_gpt_distributed*.sh`` command line carries over. The seeds' fused-attention options
+(``--use-flash-attn``, ``--shape-order``, ``--pre-tokens``, ``--next-tokens``) are validated here
+against the patch registry: a value that needs the fused kernel fails unless a patch whose id
+starts with ``attention.`` is registered.
+
+:func:`parse_args` parses and checks what can be checked without knowing the world size;
+:func:`finalize` derives the data-parallel size, micro-batch count and virtual pipeline size once
+the world size is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from megatron_npu.devices import NAMES as DEVICE_NAMES
+from megatron_npu.ops.settings import FULL_WINDOW
+
+#: The env variable behind the hidden ``--force-overflow-step`` testing aid.
+FORCE_OVERFLOW_ENV = "MEGATRON_NPU_FORCE_OVERFLOW_STEP"
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+#: ``--tokenizer-type`` values: megatron_npu.data's tokenizers, plus Megatron's NullTokenizer
+#: (what ``--mock-data`` uses; ``--vocab-size`` sets its vocabulary).
+TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+class ArgumentError(ValueError):
+    """An inconsistent or unsupported combination of options."""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every ``train`` option to ``parser`` (shared by ``megatron-npu train`` and
+    ``python -m megatron_npu.train``)."""
+    g = parser.add_argument_group("device and launch")
+    g.add_argument(
+        "--device", choices=DEVICE_NAMES, default=None,
+        help="default: auto ($MEGATRON_NPU_DEVICE, else npu if torch_npu sees one, else cpu)",
+    )
+    g.add_argument(
+        "--nproc-per-node", type=_positive, default=None,
+        help="start this many ranks here through torch's elastic launcher "
+        "(leave out under torchrun, which sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*)",
+    )
+    g.add_argument("--nnodes", type=_positive, default=1)
+    g.add_argument("--node-rank", type=_non_negative, default=0)
+    g.add_argument("--master-addr", default="127.0.0.1")
+    g.add_argument(
+        "--master-port", type=int, default=None,
+        help="default: a free port when --nnodes is 1, else 29500",
+    )
+    g.add_argument("--distributed-timeout-minutes", type=_positive, default=10)
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_positive, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive, default=1)
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage", type=_positive, default=None,
+        help="interleaved pipeline schedule: layers per virtual stage",
+    )
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=_positive, required=True)
+    g.add_argument("--hidden-size", type=_positive, required=True)
+    g.add_argument(
+        "--ffn-hidden-size", type=_positive, default=None,
+        help="default 4 * hidden size (with --swiglu: int(8 * hidden / 3 / 64) * 64, as Megatron)",
+    )
+    g.add_argument("--num-attention-heads", type=_positive, required=True)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=_positive, default=1)
+    g.add_argument("--kv-channels", type=_positive, default=None)
+    g.add_argument("--seq-length", type=_positive, required=True)
+    g.add_argument(
+        "--max-position-embeddings", type=_positive, default=None, help="default: --seq-length"
+    )
+    g.add_argument(
+        "--position-embedding-type", choices=("learned_absolute", "rope"),
+        default="learned_absolute",
+    )
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
+    g.add_argument(
+        "--vocab-size", type=_positive, default=None,
+        help="vocabulary of the NullTokenizer used with --mock-data (default 512)",
+    )
+
+    g = parser.add_argument_group("fused attention (seeds' large-kernel options)")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--shape-order", choices=("SBH", "BSH"), default="SBH")
+    g.add_argument("--pre-tokens", type=_non_negative, default=FULL_WINDOW)
+    g.add_argument("--next-tokens", type=_non_negative, default=FULL_WINDOW)
+
+    g = parser.add_argument_group("mixed precision")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true")
+    g.add_argument(
+        "--loss-scale", type=float, default=None,
+        help="static loss scale for fp16 (default: dynamic loss scaling)",
+    )
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32", action="store_true",
+        help="(always on with --bf16, as in Megatron)",
+    )
+    g.add_argument(
+        "--force-overflow-step", type=_positive, default=None,
+        help=argparse.SUPPRESS,  # testing aid, see loop.force_overflow
+    )
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=_positive, required=True)
+    g.add_argument("--global-batch-size", type=_positive, default=None)
+    g.add_argument("--train-iters", type=_positive, required=True)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=_non_negative, default=0)
+    g.add_argument("--lr-decay-iters", type=_positive, default=None)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = parser.add_argument_group("data")
+    g.add_argument(
+        "--data-path", nargs="+", default=None,
+        help="indexed dataset prefix(es), optionally weighted: [W1] PREFIX1 [W2] PREFIX2 ...",
+    )
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument(
+        "--split", default=None,
+        help="train/valid/test weights of --data-path (default 100,0,0: there is no evaluation "
+        "loop, only the train split is read)",
+    )
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument(
+        "--tokenizer-type", choices=(*TOKENIZER_TYPES, "NullTokenizer"), default=None,
+        help="with --data-path (NullTokenizer: --mock-data only)",
+    )
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument(
+        "--default-corpus-dir", default=None,
+        help="where the embedded default corpus is written when neither --data-path nor "
+        "--mock-data is given (default: <--save or a temp dir>/default_corpus)",
+    )
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=_positive, default=None)
+    g.add_argument(
+        "--ckpt-step", type=_positive, default=None,
+        help="load this iteration from --load instead of the latest",
+    )
+    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=_positive, default=100)
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--metrics-out", default=None, help="write run metrics JSON here (rank 0)")
+    g.add_argument(
+        "--progress", choices=("auto", "rich", "plain", "none"), default="auto",
+        help="progress display: rich bar on a TTY, plain lines otherwise (auto)",
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-npu train",
+        description="GPT pretraining on Megatron-Core (GPTModel, local layer spec)",
+    )
+    return add_arguments(parser)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check(args)
+    except ArgumentError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def fused_attention_requests(args: argparse.Namespace) -> list[str]:
+    """The options in ``args`` whose values only the fused attention kernel implements."""
+    wants = []
+    if args.use_flash_attn:
+        wants.append("--use-flash-attn")
+    if args.pre_tokens < FULL_WINDOW:
+        wants.append(f"--pre-tokens {args.pre_tokens}")
+    if args.next_tokens < FULL_WINDOW:
+        wants.append(f"--next-tokens {args.next_tokens}")
+    if args.shape_order == "BSH":
+        wants.append("--shape-order BSH")
+    return wants
+
+
+def fused_attention_patch_ids() -> list[str]:
+    from megatron_npu.registry import all_patches
+
+    return [p.id for p in all_patches() if p.id.startswith("attention.")]
+
+
+def check_fused_attention(args: argparse.Namespace) -> None:
+    """Fail when an option needs the fused attention kernel and the registry has no
+    ``attention.*`` patch (keyed off the registry: adding the patch lifts the error)."""
+    wants = fused_attention_requests(args)
+    if wants and not fused_attention_patch_ids():
+        verb = "needs" if len(wants) == 1 else "need"
+        raise ArgumentError(
+            f"{', '.join(wants)} {verb} the fused attention patch (attention.*), "
+            "which this build does not have"
+        )
+
+
+def _env_overflow_step() -> int | None:
+    raw = os.environ.get(FORCE_OVERFLOW_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError as exc:
+        raise ArgumentError(f"${FORCE_OVERFLOW_ENV}={raw!r} is not a step number") from exc
+    if step < 1:
+        raise ArgumentError(f"${FORCE_OVERFLOW_ENV} must be >= 1, got {step}")
+    return step
+
+
+def check(args: argparse.Namespace) -> None:
+    """World-size-independent rules (Megatron's ``validate_args`` where it applies)."""
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ArgumentError("--max-position-embeddings must be >= --seq-length")
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError("--hidden-size must be divisible by --num-attention-heads")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads must be divisible by --num-query-groups")
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp:
+        raise ArgumentError("--num-attention-heads must be divisible by the TP size")
+    if args.num_query_groups % tp:
+        raise ArgumentError("--num-query-groups must be divisible by the TP size")
+    if args.ffn_hidden_size % tp:
+        raise ArgumentError("--ffn-hidden-size must be divisible by the TP size")
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        raise ArgumentError("--num-layers must be divisible by --pipeline-model-parallel-size")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if pp == 1:
+            raise ArgumentError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
+            )
+        per_stage = args.num_layers // pp
+        if per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ArgumentError(
+                "layers per pipeline stage must be divisible by "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+        args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron: SP means nothing without TP
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError("--seq-length must be divisible by the TP size with --sequence-parallel")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.loss_scale is not None and not args.fp16:
+        raise ArgumentError("--loss-scale applies to --fp16 only")
+    env_step = _env_overflow_step()
+    if args.force_overflow_step is None:
+        args.force_overflow_step = env_step
+    if args.force_overflow_step is not None and not args.fp16:
+        raise ArgumentError(
+            "--force-overflow-step / $MEGATRON_NPU_FORCE_OVERFLOW_STEP is an fp16 loss-scaling "
+            "test aid: it needs --fp16"
+        )
+    if args.data_path and args.mock_data:
+        raise ArgumentError("--data-path and --mock-data exclude each other")
+    if args.data_path and args.tokenizer_type in (None, "NullTokenizer"):
+        raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file)")
+    if args.mock_data and args.tokenizer_type not in (None, "NullTokenizer"):
+        raise ArgumentError("--mock-data uses Megatron's NullTokenizer (set --vocab-size)")
+    if args.mock_data and args.vocab_size is None:
+        args.vocab_size = 512
+    if args.save_interval is not None and not args.save:
+        raise ArgumentError("--save-interval needs --save")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.min_lr > args.lr:
+        raise ArgumentError("--min-lr must be <= --lr")
+    if args.nnodes > 1 and args.nproc_per_node is None:
+        raise ArgumentError("--nnodes needs --nproc-per-node (or launch with torchrun)")
+    if args.node_rank >= args.nnodes:
+        raise ArgumentError("--node-rank must be < --nnodes")
+    check_fused_attention(args)
+
+
+def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Derive the sizes that depend on the world size (Megatron's names)."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by TP x PP = {model_parallel}"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size "
+            f"x data-parallel size = {per_step}"
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.virtual_pipeline_model_parallel_size and (
+        args.num_microbatches % args.pipeline_model_parallel_size
+    ):
+        raise ArgumentError(
+            "the interleaved schedule needs the number of micro-batches "
+            f"({args.num_microbatches}) divisible by the pipeline size"
+        )
+    if args.pipeline_model_parallel_size > 1 and args.num_microbatches < 1:
+        raise ArgumentError("pipeline parallelism needs at least one micro-batch per step")
+    return args

@@ -1,0 +1,347 @@
+"""One rank of a training run: set-up, the train step, the loop (Megatron-LM's ``pretrain``).
+
+The train step is Megatron-LM's ``train_step``: zero the DDP grad buffers, run the schedule from
+``get_forward_backward_func`` (which calls ``config.finalize_model_grads_func`` =
+``finalize_model_grads`` for the DP all-reduce / reduce-scatter, SP layer-norm grads and the tied
+embedding grads), ``optimizer.step()`` (unscale + inf/nan check for fp16, clip, update), then the
+scheduler when the update was applied. ``config.grad_scale_func`` is the optimizer's loss scaler;
+with ``--overlap-grad-reduce`` ``no_sync_func``/``grad_sync_func`` come from DDP, with
+``--overlap-param-gather`` and virtual stages ``param_sync_func`` does too -- as Megatron-LM's
+``train`` sets them.
+
+Loss reporting: the loss only exists on the last pipeline stage. Each last-stage rank with TP rank
+0 contributes its micro-batches' ``[sum of token losses, token count]``; one all-reduce (SUM) over
+the world gives every rank -- global rank 0 included, which writes the metrics -- the
+token-weighted mean over the whole global batch.
+
+Testing aid: ``--force-overflow-step N`` (hidden) or ``$MEGATRON_NPU_FORCE_OVERFLOW_STEP=N`` puts
+``inf`` into the first gradient element of every grad buffer on every rank after step ``N``'s
+backward, before ``optimizer.step()``. With ``--fp16`` the dynamic loss scaler must then skip the
+step (no parameter change, no scheduler step), back off the scale and report ``skipped: true``.
+It exists only to test that path; never use it in a real run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from argparse import Namespace
+from functools import partial
+
+import numpy as np
+import torch
+
+import megatron_npu
+from megatron_npu import devices, patcher
+from megatron_npu.ops.settings import set_fused_attention
+from megatron_npu.training import (
+    arguments,
+    checkpointing,
+    launch,
+    metrics,
+    quiet_expected_warnings,
+    security,
+)
+from megatron_npu.training import data as data_mod
+from megatron_npu.training import model as model_mod
+from megatron_npu.training import optimizer as optim_mod
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed``: ``seed + 100 * pp_rank`` for python, numpy, torch and
+    the model-parallel RNG tracker (dropout streams; initial weights are seeded in
+    :mod:`.model`, independently of the stage)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + model_mod.PP_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def check_fused_attention_applied(args: Namespace, device_name: str) -> None:
+    """An ``attention.*`` patch exists (checked at parse time) -- it must also be applied here."""
+    wants = arguments.fused_attention_requests(args)
+    if not wants:
+        return
+    states = {r.id: r.status for r in patcher.results() if r.id.startswith("attention.")}
+    if not any(status == patcher.APPLIED for status in states.values()):
+        detail = ", ".join(f"{pid}: {status}" for pid, status in states.items()) or "none"
+        raise arguments.ArgumentError(
+            f"{', '.join(wants)} needs the fused attention patch (attention.*), which is not "
+            f"applied on device {device_name} ({detail})"
+        )
+
+
+def configure_schedule(args: Namespace, config, model, optimizer) -> None:
+    """The ``config`` hooks Megatron-LM's ``train`` sets before the first step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def one_or_list(funcs):
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+    if args.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([chunk.no_sync for chunk in model])
+        config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather and len(model) > 1:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """pretrain_gpt's loss: token-summed loss, token count, and ``[sum, count]`` for reporting."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    report = torch.stack([total.detach(), mask.sum().detach()])
+    return total, tokens, {"lm loss": report}
+
+
+def forward_step(device_type, data_iterator, model):
+    gpt = model_mod.unwrap(model)
+    batch = next(data_iterator) if data_iterator is not None else None
+
+    def take(key, needed):
+        if batch is None or not needed:
+            return None
+        return batch[key].to(device_type, non_blocking=True)
+
+    tokens = take("tokens", gpt.pre_process)
+    position_ids = take("position_ids", gpt.pre_process)
+    attention_mask = take("attention_mask", True)
+    labels = take("labels", gpt.post_process)
+    loss_mask = take("loss_mask", gpt.post_process)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def force_overflow(model) -> None:
+    """Testing aid (see the module docstring): ``inf`` into every grad buffer's first element."""
+    for chunk in model:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(
+            getattr(chunk, "expert_parallel_buffers", [])
+        ):
+            buffer.grad_data.view(-1)[0] = float("inf")
+
+
+def reduce_loss(losses_reduced: list[dict]) -> float | None:
+    """Token-weighted mean lm loss of the global batch, on every rank (one world all-reduce)."""
+    from megatron.core import parallel_state
+
+    local = torch.zeros(2, dtype=torch.float32)
+    owner = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    if owner and losses_reduced:
+        local = torch.stack([d["lm loss"].float().cpu() for d in losses_reduced]).sum(dim=0)
+    device = devices.current_torch_device()
+    total = local.to(device)
+    torch.distributed.all_reduce(total)
+    total = total.cpu()
+    return float(total[0] / total[1]) if total[1] > 0 else None
+
+
+def params_norm(model) -> float:
+    """L2 norm of all parameters, each counted once (TP duplicates and shared copies skipped)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    checkpointing.sync_params(model)
+    squares = torch.zeros(1, dtype=torch.float32, device=devices.current_torch_device())
+    for chunk in model:
+        for param in chunk.parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares += param.detach().float().pow(2).sum()
+    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return math.sqrt(float(squares.item()))
+
+
+def train_step(args, step, forward_backward, data_iterators, model, optimizer, scheduler, device):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = forward_backward(
+        forward_step_func=partial(forward_step, device.torch_device()),
+        data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    if args.force_overflow_step == step:
+        force_overflow(model)
+    lr = optim_mod.current_lr(optimizer)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    loss = reduce_loss(losses_reduced)
+    return loss, (float(grad_norm) if grad_norm is not None else None), lr, not update_successful
+
+
+def _timed_sync(device) -> float:
+    device.accelerator.synchronize()
+    return time.perf_counter()
+
+
+def run(argv: list[str]) -> int:
+    """One rank: parse, set up, train, save, report. Returns 0; exits 2 on an option error."""
+    quiet_expected_warnings()
+    args = arguments.parse_args(argv)
+    security.set_umask()
+    env = launch.dist_env(args.master_addr, args.master_port)
+    megatron_npu.apply(args.device)
+    try:
+        device = devices.require_active()
+        check_fused_attention_applied(args, device.name)
+        set_fused_attention(
+            use_flash_attn=args.use_flash_attn,
+            shape_order=args.shape_order,
+            pre_tokens=args.pre_tokens,
+            next_tokens=args.next_tokens,
+        )
+        launch.init_process_group(env, device, args.distributed_timeout_minutes)
+        try:
+            rc = _train(args, env, device)
+        except BaseException:
+            launch.shutdown(barrier=False)  # the other ranks may never reach a barrier
+            raise
+        launch.shutdown()
+        return rc
+    except arguments.ArgumentError as exc:
+        print(f"megatron-npu train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    finally:
+        megatron_npu.restore()
+
+
+def _describe_layout(args, device) -> str:
+    vpp = args.virtual_pipeline_model_parallel_size
+    return (
+        f" megatron-npu train: {device.describe()} | world {args.world_size} = "
+        f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
+        f"{f' (VPP {vpp})' if vpp else ''} x DP {args.data_parallel_size} | "
+        f"{args.num_microbatches} micro-batches/step"
+    )
+
+
+def _train(args, env, device) -> int:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    arguments.finalize(args, env.world_size)
+    launch.init_model_parallel(args)
+    rank0 = env.rank == 0
+    if rank0:
+        security.warn_if_root()
+        print(_describe_layout(args, device), flush=True)
+    set_seeds(args.seed)
+    train_data = data_mod.build_train_data(args)
+    vocab = model_mod.padded_vocab_size(train_data.vocab_size, args)
+    args.padded_vocab_size = vocab
+    model, config = model_mod.build(args, device, vocab, env.local_rank)
+    optimizer, scheduler = optim_mod.build(args, model)
+    configure_schedule(args, config, model, optimizer)
+    resume = checkpointing.Resume()
+    if args.load:
+        resume = checkpointing.load(args, model, optimizer, scheduler)
+    if resume.iteration >= args.train_iters:
+        if rank0:
+            print(f" checkpoint is at iteration {resume.iteration}: nothing to train", flush=True)
+        return 0
+    consumed = resume.iteration * args.global_batch_size
+    iterators = data_mod.iterators(args, train_data, model, consumed)
+    forward_backward = get_forward_backward_func()
+
+    tokens_per_step = args.global_batch_size * args.seq_length
+    run_metrics = metrics.RunMetrics(metrics.run_config(args, device), tokens_per_step)
+    run_metrics.config["data"] = {"source": train_data.source, "description": train_data.description}
+    run_metrics.config["padded_vocab_size"] = vocab
+    run_metrics.config["resumed_from"] = resume.loaded_from
+    interval = metrics.IntervalLog()
+    if rank0:
+        print(
+            f" data: {train_data.description} | padded vocab {vocab} | "
+            f"training iterations {resume.iteration + 1}..{args.train_iters}",
+            flush=True,
+        )
+    progress = metrics.Progress(args.progress, args.train_iters, resume.iteration) if rank0 else None
+    for chunk in model:
+        chunk.train()
+    device.accelerator.reset_peak_memory_stats()
+    last_saved = resume.iteration
+    try:
+        for step in range(resume.iteration + 1, args.train_iters + 1):
+            start = _timed_sync(device)
+            loss, grad_norm, lr, skipped = train_step(
+                args, step, forward_backward, iterators, model, optimizer, scheduler, device
+            )
+            elapsed = _timed_sync(device) - start
+            consumed += args.global_batch_size
+            pnorm = params_norm(model) if args.log_params_norm else None
+            record = metrics.StepRecord(
+                step=step,
+                lm_loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                loss_scale=float(optimizer.get_loss_scale().item()),
+                skipped=skipped,
+                step_time_s=elapsed,
+                tokens_per_s=tokens_per_step / elapsed if elapsed > 0 else 0.0,
+                params_norm=pnorm,
+            )
+            log_now = step % args.log_interval == 0 or step == args.train_iters
+            if rank0:
+                run_metrics.add(record)
+                interval.add(record)
+                if log_now:
+                    progress.print(
+                        interval.line(args.train_iters, consumed, args.global_batch_size)
+                    )
+                    if args.metrics_out:
+                        run_metrics.write(args.metrics_out)
+                if skipped:
+                    progress.print(
+                        f" iteration {step}: gradient overflow (inf/nan) -- update skipped, "
+                        f"loss scale now {record.loss_scale:.1f}"
+                    )
+                progress.update(step, loss, log_now)
+            if args.save and args.save_interval and step % args.save_interval == 0:
+                checkpointing.save(args, model, optimizer, scheduler, step)
+                last_saved = step
+                if rank0:
+                    progress.print(f" saved checkpoint at iteration {step} to {args.save}")
+        if args.save and last_saved != args.train_iters:
+            checkpointing.save(args, model, optimizer, scheduler, args.train_iters)
+            if rank0:
+                progress.print(f" saved checkpoint at iteration {args.train_iters} to {args.save}")
+    finally:
+        if progress is not None:
+            progress.close()
+    peak = torch.tensor(
+        [device.accelerator.max_memory_allocated()], dtype=torch.int64,
+        device=devices.current_torch_device(),
+    )  # fmt: skip
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    if rank0:
+        run_metrics.peak_memory_bytes = int(peak.item())
+        summary = run_metrics.summary()
+        if args.metrics_out:
+            run_metrics.write(args.metrics_out)
+        print(
+            f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
+            f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
+            f"{summary['skipped_steps']} | peak memory {summary['peak_memory_bytes'] / 2**20:.0f} "
+            f"MiB{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,240 @@
+"""What a run reports: per-step records, the ``--metrics-out`` JSON, console lines, progress.
+
+The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``) has
+
+* ``config``: every argument, the world size, the device *as the active Device names it*
+  (``npu-emulated`` stays ``npu-emulated``), whether it is emulated, and library versions;
+* ``steps``: one object per step -- ``step, lm_loss, grad_norm, lr, loss_scale, skipped,
+  step_time_s, tokens_per_s`` (+ ``params_norm`` with ``--log-params-norm``);
+* ``summary``: median steady-state seconds per step (steps after the first
+  :data:`WARMUP_STEPS`; all steps if there are no others), tokens/s at that median, the peak
+  accelerator memory (``max_memory_allocated``, the largest over all ranks), skipped steps.
+
+The loss lives on the last pipeline stage; :mod:`megatron_npu.training.loop` sums it onto every
+rank with one all-reduce per step (see ``loop.reduce_loss``), so rank 0 writes it here.
+
+Console: every ``--log-interval`` steps rank 0 prints Megatron-LM's line
+(`` iteration        5/      20 | consumed samples: ... |``); the progress display is a rich bar
+on a TTY and a plain ``[progress]`` line otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_npu.training.security import write_private
+
+#: Steps excluded from the steady-state timing (start-up, first allocations, warm caches).
+WARMUP_STEPS = 2
+
+
+@dataclass
+class StepRecord:
+    step: int
+    lm_loss: float | None
+    grad_norm: float | None
+    lr: float
+    loss_scale: float
+    skipped: bool
+    step_time_s: float
+    tokens_per_s: float
+    params_norm: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.params_norm is None:
+            out.pop("params_norm")
+        return out
+
+
+@dataclass
+class RunMetrics:
+    config: dict[str, Any]
+    tokens_per_step: int
+    steps: list[StepRecord] = field(default_factory=list)
+    peak_memory_bytes: int | None = None
+
+    def add(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+    def summary(self) -> dict[str, Any]:
+        times = [r.step_time_s for r in self.steps]
+        steady = times[WARMUP_STEPS:] or times
+        median = statistics.median(steady) if steady else None
+        losses = [r.lm_loss for r in self.steps if r.lm_loss is not None and not r.skipped]
+        return {
+            "steps": len(self.steps),
+            "steady_state_steps": len(steady),
+            "median_step_time_s": median,
+            "tokens_per_s": (self.tokens_per_step / median) if median else None,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "skipped_steps": sum(1 for r in self.steps if r.skipped),
+            "first_lm_loss": losses[0] if losses else None,
+            "last_lm_loss": losses[-1] if losses else None,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "steps": [r.as_dict() for r in self.steps],
+            "summary": self.summary(),
+        }
+
+    def write(self, path: str) -> None:
+        write_private(path, json.dumps(self.as_dict(), indent=2, sort_keys=False) + "\n")
+
+
+def run_config(args: Any, device: Any) -> dict[str, Any]:
+    """The ``config`` block: all arguments plus world size, device and library versions."""
+    from megatron_npu.versions import library_versions
+
+    arguments = {k: v for k, v in sorted(vars(args).items()) if not k.startswith("_")}
+    return {
+        "arguments": _jsonable(arguments),
+        "world_size": args.world_size,
+        "data_parallel_size": args.data_parallel_size,
+        "num_microbatches": args.num_microbatches,
+        "device": device.name,
+        "device_emulated": bool(device.emulated),
+        "torch_device_type": device.torch_type,
+        "dist_backend": device.dist_backend,
+        "versions": library_versions(),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _fmt_or_nan(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "nan"
+
+
+def log_line(
+    *,
+    step: int,
+    train_iters: int,
+    consumed_samples: int,
+    ms_per_step: float,
+    lr: float,
+    global_batch_size: int,
+    lm_loss: float | None,
+    loss_scale: float,
+    grad_norm: float | None,
+    params_norm: float | None,
+    skipped: int,
+) -> str:
+    """One Megatron-LM training log line (values averaged over the log interval)."""
+    line = f" iteration {step:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {ms_per_step:.1f} |"
+    line += f" learning rate: {lr:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    line += f" lm loss: {_fmt_or_nan(lm_loss, '.6E')} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    return line
+
+
+class IntervalLog:
+    """Accumulates steps between console lines (Megatron averages over the interval)."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def line(self, train_iters: int, consumed_samples: int, global_batch_size: int) -> str:
+        records, self.records = self.records, []
+        last = records[-1]
+        applied = [r for r in records if not r.skipped and r.lm_loss is not None]
+        loss = sum(r.lm_loss for r in applied) / len(applied) if applied else None
+        return log_line(
+            step=last.step,
+            train_iters=train_iters,
+            consumed_samples=consumed_samples,
+            ms_per_step=1000.0 * sum(r.step_time_s for r in records) / len(records),
+            lr=last.lr,
+            global_batch_size=global_batch_size,
+            lm_loss=loss,
+            loss_scale=last.loss_scale,
+            grad_norm=last.grad_norm,
+            params_norm=last.params_norm,
+            skipped=sum(1 for r in records if r.skipped),
+        )
+
+
+class Progress:
+    """A rich progress bar on a TTY; plain ``[progress]`` lines otherwise; or nothing."""
+
+    def __init__(self, mode: str, total: int, start: int = 0) -> None:
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode = mode
+        self.total = total
+        self.start = start
+        self.started = time.perf_counter()
+        self._bar = None
+        self._task = None
+        if mode == "rich":
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[loss]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, loss="")
+            self._bar.start()
+
+    def print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
+
+    def update(self, step: int, lm_loss: float | None, log_now: bool) -> None:
+        loss = f"lm loss {lm_loss:.4f}" if lm_loss is not None else ""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=loss)
+        elif self.mode == "plain" and log_now:
+            done = step - self.start
+            elapsed = time.perf_counter() - self.started
+            eta = elapsed / done * (self.total - step) if done else 0.0
+            print(
+                f" [progress] {step}/{self.total} steps ({100.0 * step / self.total:.0f}%) | "
+                f"elapsed {elapsed:.1f}s | eta {eta:.1f}s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,250 @@
+"""The GPT model: Megatron-Core's ``GPTModel`` on the local layer spec, one chunk per virtual stage.
+
+Layout-independent initial weights
+----------------------------------
+Every TP/PP/DP layout must start from the same global weights, so that a TP2 or PP2 run is the
+TP1 PP1 run computed differently. Megatron-Core 0.16 gets half of this right on its own: with
+``use_cpu_initialization=True`` and ``perform_initialization=True`` each tensor-parallel weight
+is built whole on every rank by ``_initialize_affine_weight_cpu`` (the master weight, drawn from
+the CPU generator) and each TP rank copies out its slices -- so TP and DP layouts agree. Pipeline
+layouts do not: the CPU generator is consumed layer after layer, so the first layer built on
+stage 1 of a PP2 run draws from where the PP1 run's layer 1 left off, not from where its layer
+``L/2 + 1`` did; and Megatron-LM also seeds each stage with ``seed + 100 * pp_rank``.
+
+This module therefore re-seeds the CPU generator before each piece is built, from the run seed and
+the piece's *global* identity:
+
+* before each model chunk: ``(seed, "model")`` -- the embedding, built first on the first stage,
+  draws from the same state in every layout;
+* before each transformer layer: ``(seed, "layer", global_layer_number)`` via
+  :class:`SeededTransformerLayer`, the local spec's ``TransformerLayer`` with this one addition;
+* the output layer (untied embeddings) is built right after the last layer, so it draws from the
+  state the last layer left, the same in every layout; tied output weights are copied from the
+  embedding by Megatron itself.
+
+The CPU generator state from before the build is put back afterwards, so dropout streams do not
+depend on how much the build consumed. ``tests/training`` checks the outcome: the first ten
+losses of TP2, TP2+SP, PP2, PP2 interleaved, DP2 and TP2 PP2 equal those of TP1 PP1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from argparse import Namespace
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
+
+from megatron_npu.devices.base import Device
+
+#: Megatron-LM's ``_set_random_seed`` gives each pipeline stage its own seed.
+PP_SEED_STRIDE = 100
+
+
+def derived_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed from the run seed and a name (stable across processes and platforms)."""
+    text = ":".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
+
+
+class SeededTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` that seeds the CPU generator from its global layer number first.
+
+    The seed is ``derived_seed(config.init_seed, "layer", global_layer_number)``, so a layer's
+    initial weights do not depend on which pipeline stage or virtual chunk builds it.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection=None,
+        vp_stage: int | None = None,
+    ):
+        pp_rank = (
+            get_pg_rank(pg_collection.pp)
+            if pg_collection is not None
+            else parallel_state.get_pipeline_model_parallel_rank()
+        )
+        global_number = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        seed = getattr(config, "init_seed", None)
+        if seed is not None:
+            torch.default_generator.manual_seed(derived_seed(seed, "layer", global_number))
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            hidden_dropout=hidden_dropout,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+
+
+def padded_vocab_size(vocab_size: int, args: Namespace) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``: a multiple of divisible-by x TP size."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def params_dtype(args: Namespace) -> torch.dtype:
+    if args.fp16:
+        return torch.float16
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float32
+
+
+def transformer_config(args: Namespace, dist_backend: str = "gloo") -> TransformerConfig:
+    """The TransformerConfig Megatron-LM's ``core_transformer_config_from_args`` would build.
+
+    CUDA-only fusions (apex/TE kernels, jit-fused bias-activation, fused softmax, gradient
+    accumulation fusion) are off; fused NPU ops come in through registry patches instead.
+
+    ``deallocate_pipeline_outputs`` (free a stage's output once sent) is off on gloo: gloo's
+    ``isend`` reads the tensor from its own thread, and the interleaved schedule frees the output
+    before waiting on the send, so the receiver can get the freed placeholder's bytes. NCCL/HCCL
+    sends are stream-ordered and keep Megatron's default (on).
+    """
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=params_dtype(args),
+        pipeline_dtype=params_dtype(args),
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        deallocate_pipeline_outputs=dist_backend != "gloo",
+        # Megatron-LM: overlapped (unbatched, even/odd-ordered) p2p for the interleaved schedule,
+        # batched p2p otherwise. With PP=2 and virtual stages both neighbours are the same rank,
+        # and only the unbatched path keeps the two directions apart.
+        overlap_p2p_comm=bool(args.virtual_pipeline_model_parallel_size),
+        batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
+    config.init_seed = args.seed
+    return config
+
+
+def layer_spec(args: Namespace) -> ModuleSpec:
+    """``get_gpt_layer_local_spec`` with its ``TransformerLayer`` seeded per global layer."""
+    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    return dataclasses.replace(spec, module=SeededTransformerLayer)
+
+
+def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (one without interleaving)."""
+    spec = layer_spec(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    saved = torch.default_generator.get_state()
+    chunks = []
+    try:
+        for index in range(vpp or 1):
+            vp_stage = index if vpp else None
+            torch.default_generator.manual_seed(derived_seed(args.seed, "model"))
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=vp_stage
+                ),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=vp_stage
+                ),
+                parallel_output=True,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type,
+                rotary_percent=args.rotary_percent,
+                rotary_base=args.rotary_base,
+                vp_stage=vp_stage,
+            )
+            model.model_type = ModelType.encoder_or_decoder
+            model.vp_stage = vp_stage
+            chunks.append(model)
+    finally:
+        torch.default_generator.set_state(saved)
+    for model in chunks:
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    return chunks
+
+
+def ddp_config(args: Namespace) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+
+
+def build(args: Namespace, device: Device, vocab_size: int, local_rank: int = 0):
+    """Build, place, cast and wrap the model chunks: ``(chunks, config)``.
+
+    Wrapping order is Megatron-LM's ``get_model``: ``GPTModel`` -> ``Float16Module`` (fp16/bf16)
+    -> ``DistributedDataParallel``.
+    """
+    config = transformer_config(args, device.dist_backend)
+    chunks = build_chunks(args, config, vocab_size)
+    target = device.torch_device(None if device.torch_type == "cpu" else local_rank)
+    for chunk in chunks:
+        chunk.to(target)
+    wrapped: list[torch.nn.Module] = list(chunks)
+    if args.fp16 or args.bf16:
+        wrapped = [Float16Module(config, chunk) for chunk in wrapped]
+    ddp = ddp_config(args)
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp, module=chunk, disable_bucketing=index > 0
+        )
+        for index, chunk in enumerate(wrapped)
+    ]
+    return wrapped, config
+
+
+def unwrap(chunk: torch.nn.Module) -> GPTModel:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while not isinstance(chunk, GPTModel):
+        chunk = chunk.module
+    return chunk

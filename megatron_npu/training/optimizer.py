@@ -1,0 +1,74 @@
+"""Megatron's optimizer and learning-rate / weight-decay scheduler, configured as Megatron-LM does.
+
+``get_megatron_optimizer`` picks the wrapper from the config: ``FP32Optimizer`` (fp32),
+``Float16OptimizerWithFloat16Params`` (fp16 with a dynamic or constant grad scaler, bf16 without
+one) or ``DistributedOptimizer`` (``--use-distributed-optimizer``). Without apex or
+TransformerEngine the inner optimizer is ``torch.optim.AdamW`` (or SGD); fused NPU versions come
+in through registry patches. Biases and 1-D parameters get no weight decay (Megatron-Core's
+default parameter groups).
+
+The scheduler counts *samples*, as Megatron-LM's iteration-based set-up does: warm-up and decay
+lengths are ``iters x global batch size`` and every successful step advances it by one global
+batch; skipped (overflow) steps do not advance it.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_npu.training.model import params_dtype
+
+
+def optimizer_config(args: Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=params_dtype(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        clip_grad=args.clip_grad,
+        log_num_zeros_in_grad=False,
+    )
+
+
+def build(args: Namespace, model: list[torch.nn.Module]):
+    """``(optimizer, scheduler)`` for the DDP-wrapped model chunks."""
+    optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+    )
+    return optimizer, scheduler
+
+
+def current_lr(optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,75 @@
+"""Run ``python -m megatron_npu.train`` in a subprocess (real gloo ranks) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Per launch; a run is ~10-30 s on two shared cores, the slack is for a loaded CI machine.
+TIMEOUT_S = 240
+
+#: The tiny fp32 model every layout test trains (dropout 0, same seed and data).
+TINY = [
+    "--device", "cpu", "--mock-data", "--vocab-size", "256",
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+    "--log-interval", "5", "--progress", "plain",
+]  # fmt: skip
+
+
+@dataclass
+class Run:
+    metrics: dict
+    stdout: str
+    metrics_path: Path
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.metrics["steps"]
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {s["step"]: s["lm_loss"] for s in self.steps}
+
+
+def train(
+    tmp: Path,
+    *args: str,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    name: str = "run",
+    torchrun: bool = False,
+) -> Run:
+    """Train with ``args`` on ``nproc`` ranks: through ``--nproc-per-node`` when > 1, or started
+    by ``torchrun --standalone --nproc-per-node N -m megatron_npu.train`` with ``torchrun``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    metrics_path = tmp / f"{name}.metrics.json"
+    module = ["-m", "megatron_npu.train", *args, "--metrics-out", str(metrics_path)]
+    if torchrun:
+        run_ = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        cmd = [sys.executable, *run_, *module]
+    else:
+        cmd = [sys.executable, *module]
+        if nproc > 1:
+            cmd += ["--nproc-per-node", str(nproc)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("MEGATRON_NPU_DEVICE", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{output[-6000:]}"
+    return Run(json.loads(metrics_path.read_text()), output, metrics_path)
+
+
+def max_abs_diff(a: dict[int, float], b: dict[int, float], steps) -> float:
+    return max(abs(a[s] - b[s]) for s in steps)

@@ -1,0 +1,152 @@
+"""The train command line: Megatron's names and rules, the fused-attention gate, launch options."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_npu.ops import settings
+from megatron_npu.training import arguments, launch
+
+BASE = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 3 --lr 1e-3 --mock-data"
+).split()
+
+
+def parse(*extra: str):
+    return arguments.parse_args([*BASE, *extra])
+
+
+def error_of(capsys, *extra: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(*extra)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_megatron_defaults_and_derived_sizes():
+    args = parse()
+    assert args.ffn_hidden_size == 256 and args.max_position_embeddings == 32
+    assert args.num_query_groups == 4 and args.lr_decay_iters == 3
+    assert (args.clip_grad, args.weight_decay, args.initial_loss_scale) == (1.0, 0.01, 2.0**32)
+    assert args.vocab_size == 512 and args.seed == 1234
+    arguments.finalize(args, world_size=4)
+    assert args.data_parallel_size == 4 and args.global_batch_size == 8
+    assert args.num_microbatches == 1
+
+
+def test_swiglu_ffn_size_and_virtual_pipeline():
+    args = parse(
+        "--swiglu", "--pipeline-model-parallel-size", "2",
+        "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+    )  # fmt: skip
+    assert args.ffn_hidden_size == 128  # int(8 * 64 / 3 / 64) * 64
+    assert args.virtual_pipeline_model_parallel_size == 2
+    arguments.finalize(args, world_size=2)
+    assert args.num_microbatches == 4
+
+
+def test_sequence_parallel_is_dropped_without_tp():
+    assert parse("--sequence-parallel").sequence_parallel is False
+    assert parse("--sequence-parallel", "--tensor-model-parallel-size", "2").sequence_parallel
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fp16", "--bf16"], "not allowed with argument"),
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (["--tensor-model-parallel-size", "3"], "divisible by the TP size"),
+        (["--force-overflow-step", "2"], "needs --fp16"),
+        (["--data-path", "x"], "exclude each other"),
+        (["--save-interval", "5"], "--save-interval needs --save"),
+    ],
+)
+def test_inconsistent_options_fail(capsys, extra, message):
+    assert message in error_of(capsys, *extra)
+
+
+def test_batch_must_divide_into_micro_batches():
+    args = parse("--global-batch-size", "6")
+    with pytest.raises(arguments.ArgumentError, match="not divisible"):
+        arguments.finalize(args, world_size=2)
+
+
+def test_force_overflow_env_and_hidden_argument(monkeypatch):
+    monkeypatch.setenv(arguments.FORCE_OVERFLOW_ENV, "3")
+    assert parse("--fp16").force_overflow_step == 3
+    monkeypatch.delenv(arguments.FORCE_OVERFLOW_ENV)
+    assert parse("--fp16", "--force-overflow-step", "5").force_overflow_step == 5
+    assert "--force-overflow-step" not in arguments.build_parser().format_help()
+
+
+def test_fused_attention_options_need_an_attention_patch(capsys, monkeypatch):
+    monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: [])
+    err = error_of(capsys, "--pre-tokens", "2048")
+    assert "--pre-tokens 2048 needs the fused attention patch (attention.*), which this build " \
+        "does not have" in err  # fmt: skip
+    assert "need the fused attention patch" in error_of(
+        capsys, "--use-flash-attn", "--shape-order", "BSH"
+    )
+    # values Megatron's own attention expresses need no patch
+    args = parse("--shape-order", "SBH", "--pre-tokens", "65536", "--next-tokens", "65536")
+    assert arguments.fused_attention_requests(args) == []
+
+
+def test_fused_attention_gate_keys_off_the_registry(monkeypatch):
+    monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: ["attention.x"])
+    args = parse("--use-flash-attn", "--pre-tokens", "2048", "--next-tokens", "0")
+    assert arguments.fused_attention_requests(args) == [
+        "--use-flash-attn", "--pre-tokens 2048", "--next-tokens 0",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--use-flash-attn"], ["--shape-order", "BSH"], ["--pre-tokens", "2048"],
+     ["--next-tokens", "0"]],
+)  # fmt: skip
+def test_gate_agrees_with_the_op_settings(monkeypatch, extra):
+    monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: ["attention.x"])
+    args = parse(*extra)
+    chosen = settings.FusedAttentionSettings(
+        use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
+        pre_tokens=args.pre_tokens, next_tokens=args.next_tokens,
+    )  # fmt: skip
+    assert bool(arguments.fused_attention_requests(args)) == chosen.needs_fused_kernel
+
+
+def test_tokenizer_names_are_the_data_packages():
+    from megatron_npu.data.tokenizers import TOKENIZER_TYPES
+
+    assert arguments.TOKENIZER_TYPES == TOKENIZER_TYPES
+
+
+def test_launcher_options_are_not_passed_to_workers():
+    argv = ["--nproc-per-node", "2", "--nnodes=1", "--node-rank", "0", "--lr", "1", "--fp16"]
+    assert launch.strip_launch_options(argv) == ["--lr", "1", "--fp16"]
+
+
+def test_torchrun_environment_is_read(monkeypatch):
+    for key, value in dict(
+        RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="1234"
+    ).items():
+        monkeypatch.setenv(key, value)
+    assert launch.dist_env() == launch.DistEnv(3, 4, 1, "10.0.0.1", 1234)
+
+
+def test_cli_train_reports_bad_options(capsys):
+    from megatron_npu import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *BASE, "--fp16", "--bf16"])
+    assert exc.value.code == 2
+    assert "megatron-npu train" in capsys.readouterr().err
+
+
+def test_launcher_checks_world_size_rules_before_starting_ranks(capsys):
+    from megatron_npu import train
+
+    rc = train.main([*BASE, "--global-batch-size", "6", "--nproc-per-node", "2", "--device", "cpu"])
+    assert rc == 2
+    assert "not divisible by micro batch size x data-parallel size = 4" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""Save at step 5 with TP2, resume with TP1 and with PP2: steps 6-10 are the uninterrupted TP2
+run's (model, optimizer state, scheduler and data position restored); files 0640, dirs 0750."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from ._runner import TINY, max_abs_diff, train
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+TOLERANCE = 1e-5
+RESUMED = range(6, 11)
+
+
+def test_checkpoint_layout_and_modes(tp2_saved):
+    _, save = tp2_saved
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert (save / "iter_0000005").is_dir() and (save / "iter_0000010").is_dir()
+    seen_files = 0
+    for directory, _dirs, files in os.walk(save):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o750, directory
+        for name in files:
+            path = os.path.join(directory, name)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o640, path
+            seen_files += 1
+    assert seen_files > 4
+
+
+def test_checkpoint_holds_optimizer_scheduler_and_rng(tp2_saved):
+    from megatron.core import dist_checkpointing
+
+    _, save = tp2_saved
+    path = str(save / "iter_0000005")
+    keys = set(dist_checkpointing.load_tensors_metadata(path))
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in keys)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in keys)
+    common = dist_checkpointing.load_common_state_dict(path)
+    assert common["iteration"] == 5 and common["consumed_train_samples"] == 40
+    assert common["opt_param_scheduler"]["num_steps"] == 40
+    assert common["layout"]["tensor_model_parallel_size"] == 2
+    assert common["saved_rng"] is True
+
+
+def test_metrics_file_is_private(tp2_saved):
+    run, _ = tp2_saved
+    assert stat.S_IMODE(os.stat(run.metrics_path).st_mode) == 0o640
+
+
+@pytest.mark.parametrize(
+    "name, nproc, layout",
+    [("tp1", 1, []), ("pp2", 2, ["--pipeline-model-parallel-size", "2"])],
+)
+def test_resume_into_another_layout(name, nproc, layout, tp2_saved, train_tmp):
+    uninterrupted, save = tp2_saved
+    run = train(
+        train_tmp, *TINY, "--train-iters", "10", *layout,
+        "--load", str(save), "--ckpt-step", "5",
+        nproc=nproc, name=f"resume-{name}",
+    )  # fmt: skip
+    assert [s["step"] for s in run.steps] == list(RESUMED)
+    assert run.metrics["config"]["resumed_from"].endswith("iter_0000005")
+    assert "RNG state not restored" in run.stdout  # another (TP, PP) layout
+    diff = max_abs_diff(run.losses, uninterrupted.losses, RESUMED)
+    print(f"\nresume TP2@5 -> {name}: max |loss - uninterrupted TP2| over steps 6-10 = {diff:.3e}")
+    assert diff <= TOLERANCE, (run.losses, uninterrupted.losses)
+
+
+def test_resume_distributed_optimizer_into_another_dp_and_tp(dp2_saved, train_tmp):
+    """DP2 distributed-optimizer state (fully_reshardable) loads into TP2 x DP1."""
+    uninterrupted, save = dp2_saved
+    run = train(
+        train_tmp, *TINY, "--train-iters", "10", "--tensor-model-parallel-size", "2",
+        "--use-distributed-optimizer", "--load", str(save), "--ckpt-step", "5",
+        nproc=2, name="resume-distopt-tp2",
+    )  # fmt: skip
+    assert [s["step"] for s in run.steps] == list(RESUMED)
+    diff = max_abs_diff(run.losses, uninterrupted.losses, RESUMED)
+    print(f"\nresume DP2 distopt@5 -> TP2 distopt: max |loss diff| over steps 6-10 = {diff:.3e}")
+    assert diff <= TOLERANCE, (run.losses, uninterrupted.losses)
+
+
+def test_optimizer_kind_mismatch_is_refused(dp2_saved, train_tmp):
+    _, save = dp2_saved
+    with pytest.raises(AssertionError, match="was saved with --use-distributed-optimizer"):
+        train(
+            train_tmp, *TINY, "--train-iters", "6", "--load", str(save), "--ckpt-step", "5",
+            name="resume-kind-mismatch",
+        )  # fmt: skip
