@@ -17,7 +17,14 @@ import torch
 from megatron_npu.ops.adamw import adamw_step_
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with its update done by the op layer.
+
+    A subclass, so every ``isinstance(optimizer, torch.optim.AdamW)`` check in Megatron (the
+    distributed optimizer accepts only Adam-like optimizers, and lays out checkpoint state by
+    that test) keeps holding.
+    """
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
@@ -35,19 +42,11 @@ class FusedAdamW(torch.optim.Optimizer):
     ) -> None:
         if capturable or differentiable:
             raise ValueError("FusedAdamW: capturable/differentiable are not supported")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"FusedAdamW: invalid learning rate {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdamW: invalid epsilon {eps}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= float(beta) < 1.0:
-                raise ValueError(f"FusedAdamW: invalid beta{i + 1} {beta}")
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
-            fused=fused,
+            fused=None,
         )  # fmt: skip
-        super().__init__(params, defaults)
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
         state = self.state[p]

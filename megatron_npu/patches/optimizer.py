@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from megatron_npu import devices
+from megatron_npu.devices.torch_namespace import TorchNamespace
 from megatron_npu.ops.multi_tensor import (
     check_finite_and_unscale_,
     multi_tensor_l2norm,
@@ -50,6 +54,29 @@ def multi_tensor_scale_impl(chunk_size, noop_flag, tensor_lists, scale):
         noop_flag.copy_(torch.maximum(noop_flag, found.to(noop_flag).reshape(noop_flag.shape)))
 
 
+class _OptimWithFusedAdamW(ModuleType):
+    """``torch.optim`` as megatron-core's optimizer factory sees it: ``AdamW`` is fused."""
+
+    AdamW = FusedAdamW
+
+    def __init__(self) -> None:
+        super().__init__("torch.optim", "torch.optim with megatron-npu's fused AdamW")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.optim, name)
+
+
+class _TorchForOptimizerFactory(TorchNamespace):
+    """Device routing plus ``torch.optim.AdamW`` -> :class:`FusedAdamW`.
+
+    From megatron-core 0.15 the factory builds ``torch.optim.AdamW`` itself whenever apex and
+    TransformerEngine are absent (instead of the module's ``Adam`` name), so the fused AdamW has
+    to be reached through the module's ``torch``.
+    """
+
+    optim = _OptimWithFusedAdamW()
+
+
 _CLIP = "megatron.core.optimizer.clip_grads"
 
 PATCHES = [
@@ -57,10 +84,22 @@ PATCHES = [
         id="optimizer.adam",
         target="megatron.core.optimizer.Adam",
         replacement=FusedAdamW,
-        reason="apex/TE FusedAdam is CUDA-only: fused AdamW via npu_apply_adam_w / _fused_adamw_",
+        reason="apex/TE FusedAdam is CUDA-only: fused AdamW via npu_apply_adam_w / _fused_adamw_ "
+        "(the factory's choice up to 0.14; 0.15+ see optimizer.factory-torch-adamw)",
         versions=">=0.13",
         rebind_copies=False,  # the fallback *is* torch.optim.AdamW: never rebind torch's own name
         parity="parity.cases.optimizer:ADAMW",
+    ),
+    Patch(
+        id="optimizer.factory-torch-adamw",
+        target="megatron.core.optimizer.torch",
+        replacement=_TorchForOptimizerFactory(),
+        reason="0.15+ builds torch.optim.AdamW directly without apex/TE: route it to FusedAdamW",
+        versions=">=0.15",
+        check_signature=False,
+        rebind_copies=False,
+        parity_exempt="routing only: FusedAdamW's numerics are the optimizer.adam parity case, "
+        "tests/test_optimizer_routing.py checks get_megatron_optimizer builds it",
     ),
     Patch(
         id="optimizer.unscale-and-check-nan",
