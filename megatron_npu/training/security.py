@@ -71,8 +71,10 @@ def make_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def write_private(path: str | os.PathLike[str], data: str) -> None:
-    """Write ``data`` atomically (temp file + rename) with mode 0640."""
+    """Write ``data`` atomically (temp file + rename) with mode 0640, creating missing parent
+    directories 0750 (a run must never lose its results to a missing folder at the end)."""
     path = Path(path)
+    make_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:

@@ -120,3 +120,13 @@ def test_root_warning_is_given_once(monkeypatch):
         warnings.simplefilter("always")
         assert not security.warn_if_root()
     assert not caught
+
+
+def test_results_land_even_when_their_folder_does_not_exist_yet(tmp_path):
+    from megatron_npu.training.security import write_private
+
+    target = tmp_path / "runs" / "default" / "metrics.json"
+    write_private(target, "{}\n")
+    assert target.read_text() == "{}\n"
+    assert oct(target.stat().st_mode & 0o777) == "0o640"
+    assert oct(target.parent.stat().st_mode & 0o777) == "0o750"
