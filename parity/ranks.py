@@ -31,7 +31,11 @@ class RankTimeout(RankError):
     """One or more ranks did not answer in time."""
 
 
-def _worker(rank: int, world: int, store: str, conn: Any) -> None:
+#: What each rank runs for a job, as "module:function" (tests swap in failing/hanging ones).
+DEFAULT_RUNNER = "parity.harness:run_examples"
+
+
+def _worker(rank: int, world: int, store: str, conn: Any, runner: str = DEFAULT_RUNNER) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -44,10 +48,14 @@ def _worker(rank: int, world: int, store: str, conn: Any) -> None:
             world_size=world,
             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
         )
+        import importlib
+
         from megatron.core import parallel_state
 
         import megatron_npu
-        from parity.harness import run_examples
+
+        module_name, _, function = runner.partition(":")
+        run_job = getattr(importlib.import_module(module_name), function)
     except BaseException:  # noqa: BLE001  (report anything, including import errors)
         conn.send(("error", traceback.format_exc()))
         return
@@ -64,7 +72,7 @@ def _worker(rank: int, world: int, store: str, conn: Any) -> None:
                     parallel_state.destroy_model_parallel()
                 parallel_state.initialize_model_parallel(job.parallel.tp, job.parallel.pp)
                 layout = (job.parallel.tp, job.parallel.pp)
-            conn.send(("ok", run_examples(job)))
+            conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
     torch.distributed.destroy_process_group()
@@ -73,7 +81,9 @@ def _worker(rank: int, world: int, store: str, conn: Any) -> None:
 class RankPool:
     """``world`` worker processes in one gloo group."""
 
-    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, runner: str = DEFAULT_RUNNER
+    ) -> None:
         self.world = world
         self.timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="megatron-npu-ranks-")
@@ -84,7 +94,7 @@ class RankPool:
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world, store, child), daemon=True,
+                target=_worker, args=(rank, world, store, child, runner), daemon=True,
                 name=f"parity-rank{rank}",
             )  # fmt: skip
             proc.start()
