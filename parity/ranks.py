@@ -110,9 +110,10 @@ class RankPool:
     def _collect(self, what: str) -> list[Any]:
         deadline = time.monotonic() + self.timeout_s
         answers: dict[int, tuple[str, Any]] = {}
+        limit = deadline
         while len(answers) < self.world:
-            failed = any(kind == "error" for kind, _ in answers.values())
-            limit = min(deadline, time.monotonic() + _GRACE_S) if failed else deadline
+            if limit == deadline and any(kind == "error" for kind, _ in answers.values()):
+                limit = min(deadline, time.monotonic() + _GRACE_S)  # once, at the first error
             for rank, conn in enumerate(self._conns):
                 if rank in answers:
                     continue
