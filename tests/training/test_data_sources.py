@@ -56,3 +56,28 @@ def test_preprocess_then_train_on_data_path(train_tmp, capsys):
     assert run.metrics["config"]["data"]["source"] == "data-path"
     losses = [s["lm_loss"] for s in run.steps]
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_train_on_a_weighted_blend_of_two_preprocessed_prefixes(train_tmp, capsys):
+    prefixes = []
+    for name, phrase in (("alpha", "alpha beta gamma. "), ("omega", "zeta eta theta iota. ")):
+        corpus = train_tmp / f"{name}.jsonl"
+        with corpus.open("w", encoding="utf-8") as handle:
+            for i in range(120):
+                handle.write(json.dumps({"text": f"{name} {i}: " + phrase * (2 + i % 5)}) + "\n")
+        assert cli.main([
+            "preprocess", "--input", str(corpus), "--output-prefix", str(train_tmp / name),
+            "--tokenizer-type", "ByteLevel",
+        ]) == 0  # fmt: skip
+        prefixes.append(f"{train_tmp / name}_text_document")
+    capsys.readouterr()
+    run = train(
+        train_tmp, *SMALL, "--train-iters", "6", "--lr", "3e-3",
+        "--data-path", "0.7", prefixes[0], "0.3", prefixes[1], "--tokenizer-type", "ByteLevel",
+        "--data-cache-path", str(train_tmp / "blend-cache"), name="blend",
+    )  # fmt: skip
+    assert run.metrics["config"]["data"]["source"] == "data-path"
+    description = run.metrics["config"]["data"]["description"]
+    assert f"0.7 {prefixes[0]} 0.3 {prefixes[1]}" in description  # proportions: tests/data
+    losses = [s["lm_loss"] for s in run.steps]
+    assert len(losses) == 6 and losses[-1] < losses[0]
