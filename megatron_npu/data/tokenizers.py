@@ -35,7 +35,21 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from megatron.core.tokenizers import MegatronTokenizerBase
+try:  # megatron-core >= 0.14
+    from megatron.core.tokenizers import MegatronTokenizerBase
+
+    def _init_base(tokenizer: MegatronTokenizerBase, paths: list[str]) -> None:
+        MegatronTokenizerBase.__init__(tokenizer, paths[0] if paths else "", {})
+
+except ImportError:  # megatron-core 0.13: the dataset package's abstract tokenizer
+    from megatron.core.datasets.megatron_tokenizer import (
+        MegatronTokenizer as MegatronTokenizerBase,
+    )
+
+    def _init_base(tokenizer: MegatronTokenizerBase, paths: list[str]) -> None:
+        # its __init__ only stores unique_identifiers/unique_description, which NpuTokenizer
+        # provides as properties; calling it would try to overwrite them
+        return None
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -63,7 +77,7 @@ class NpuTokenizer(MegatronTokenizerBase):
     def __init__(self, *paths: str | None, **options: object) -> None:
         self._paths = [os.fspath(p) for p in paths if p is not None]
         self._options = options
-        super().__init__(self._paths[0] if self._paths else "", {})
+        _init_base(self, self._paths)
 
     # -- identity -------------------------------------------------------------------------------
     @property

@@ -6,12 +6,12 @@ import json
 import random
 
 import pytest
-from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_npu.data.tokenizers import (
     BertWordPieceTokenizer,
     ByteLevelTokenizer,
     GPT2BPETokenizer,
+    MegatronTokenizerBase,
     TokenizerError,
     bert_basic_tokenize,
     build_tokenizer,
