@@ -19,6 +19,9 @@ from typing import Any
 
 #: Seconds a job may take on the slowest rank before the pool is killed.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_NPU_PARITY_TIMEOUT", "240"))
+#: Seconds the ranks get to start (import torch and Megatron, join the group): a loaded CI
+#: machine needs far longer than a job's own deadline for that.
+STARTUP_TIMEOUT_S = 180.0
 #: How long the remaining ranks get to report after one rank failed.
 _GRACE_S = 5.0
 
@@ -101,14 +104,15 @@ class RankPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._collect("start-up")
+        self._collect("start-up", max(self.timeout_s, STARTUP_TIMEOUT_S))
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
-    def _collect(self, what: str) -> list[Any]:
-        deadline = time.monotonic() + self.timeout_s
+    def _collect(self, what: str, timeout_s: float | None = None) -> list[Any]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         answers: dict[int, tuple[str, Any]] = {}
         limit = deadline
         while len(answers) < self.world:
@@ -133,7 +137,7 @@ class RankPool:
             self.close(force=True)
             parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             if silent:
-                parts.append(f"ranks {silent} gave no answer within {self.timeout_s:.0f}s")
+                parts.append(f"ranks {silent} gave no answer within {timeout_s:.0f}s")
             kind = RankTimeout if silent and not errors else RankError
             raise kind(f"{what} failed on {self.world} ranks:\n" + "\n".join(parts))
         return [answers[r][1] for r in range(self.world)]
