@@ -158,25 +158,47 @@ def check_signature(patch: Patch, original: Any, replacement: Any) -> None:
         )
 
 
-def _copy_sites(owner: Any, name: str, original: Any) -> list[tuple[Any, str]]:
-    """Module globals elsewhere that hold ``original`` (``from owner import name`` copies)."""
-    if not inspect.ismodule(owner) or not (inspect.isroutine(original) or isinstance(original, type)):
-        return []
-    sites = []
+def _rebindable(owner: Any, original: Any) -> bool:
+    return inspect.ismodule(owner) and (inspect.isroutine(original) or isinstance(original, type))
+
+
+def _copy_index(originals: Iterable[Any]) -> dict[int, list[tuple[Any, str]]]:
+    """Where each of ``originals`` is bound as a module global (``from x import f`` copies),
+    found in one pass over ``sys.modules`` for the whole apply (not one pass per patch)."""
+    wanted = {id(o) for o in originals}
+    index: dict[int, list[tuple[Any, str]]] = {}
+    if not wanted:
+        return index
     for modname, module in list(sys.modules.items()):
-        if module is None or module is owner or modname.split(".")[0] == "megatron_npu":
+        if module is None or modname.split(".")[0] == "megatron_npu":
             continue
         try:
             namespace = vars(module)
         except TypeError:
             continue
         for key, value in list(namespace.items()):
-            if value is original:
-                sites.append((module, key))
-    return sites
+            if id(value) in wanted:
+                index.setdefault(id(value), []).append((module, key))
+    return index
 
 
-def _install(patch: Patch) -> list[_Site]:
+def _rebind_candidates(patches: Iterable[Patch]) -> list[Any]:
+    """Originals of the patches that rebind copies (unresolvable targets are left to apply)."""
+    found = []
+    for patch in patches:
+        if not patch.rebind_copies:
+            continue
+        try:
+            owner, name = resolve(patch.target)
+        except (ImportError, AttributeError):
+            continue
+        original = _unwrap_descriptor(_raw_attribute(owner, name)[0])[0]
+        if _rebindable(owner, original):
+            found.append(original)
+    return found
+
+
+def _install(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]:
     owner, name = resolve(patch.target)
     raw, own = _raw_attribute(owner, name)
     original, descriptor = _unwrap_descriptor(raw)
@@ -187,7 +209,12 @@ def _install(patch: Patch) -> list[_Site]:
     installed = descriptor(new) if descriptor is not None and not isinstance(new, descriptor) else new
     sites = [_Site(owner, name, raw if own else _MISSING, installed)]
     if patch.rebind_copies:
-        sites += [_Site(mod, key, original, new) for mod, key in _copy_sites(owner, name, original)]
+        if _rebindable(owner, original):
+            sites += [
+                _Site(mod, key, original, new)
+                for mod, key in copies.get(id(original), ())
+                if mod is not owner
+            ]
     for site in sites:
         setattr(site.owner, site.name, site.installed)
     return sites
@@ -242,13 +269,15 @@ def apply(
         results: list[PatchResult] = []
         sites: list[_Site] = []
         errors: list[PatchError] = []
+        wanted = [p for p in patch_list if not plan_status(p, dev.name, version)[0]]
+        copies = _copy_index(_rebind_candidates(wanted))
         for patch in patch_list:
             status, reason = plan_status(patch, dev.name, version)
             if status:
                 results.append(PatchResult(patch.id, patch.target, status, reason))
                 continue
             try:
-                new_sites = _install(patch)
+                new_sites = _install(patch, copies)
             except PatchError as exc:
                 errors.append(exc)
                 results.append(PatchResult(patch.id, patch.target, FAILED, str(exc)))
