@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -48,7 +47,6 @@ class Patch:
     parity: Any = None
     parity_exempt: str = ""
     rebind_copies: bool = True
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -105,5 +103,3 @@ def get_patch(patch_id: str) -> Patch:
             return patch
     raise KeyError(f"no patch with id {patch_id!r}")
 
-
-PatchFactory = Callable[[Any], Any]

@@ -16,11 +16,6 @@ def generator(params: dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(params.get("seed", 0)))
 
 
-def randn(params: dict[str, Any], *shape: int, scale: float = 1.0, g=None) -> torch.Tensor:
-    g = g or generator(params)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
-
-
 def megatron_config(**overrides: Any) -> Any:
     """A minimal TransformerConfig for building one Megatron module."""
     from megatron.core.transformer.transformer_config import TransformerConfig
