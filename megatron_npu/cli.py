@@ -42,6 +42,12 @@ def _parity(args: argparse.Namespace) -> int:
     return runner.main(args)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from reports.cli import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-npu", description="Megatron-Core on Ascend NPU, with a CPU parity harness"
@@ -71,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parity_arguments(p_parity)
     p_parity.set_defaults(func=_parity)
+    p_report = sub.add_parser(
+        "report", help="one self-contained HTML page from parity, compare and benchmark results"
+    )
+    from reports.cli import add_arguments as add_report_arguments
+
+    add_report_arguments(p_report)
+    p_report.set_defaults(func=_report)
     return parser
 
 

@@ -1,0 +1,11 @@
+"""HTML accuracy and performance reports: one self-contained page from parity records,
+``compare`` results, pytest-benchmark JSON and ``info --json`` output (issue 11).
+
+``build_report(inputs, output, *, diff_base=None) -> Path`` is the API; ``megatron-npu report``
+the command (:mod:`reports.cli`).
+"""
+
+from reports.build import build_report
+from reports.errors import ReportInputError, Skipped
+
+__all__ = ["ReportInputError", "Skipped", "build_report"]

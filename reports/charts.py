@@ -1,0 +1,82 @@
+"""Plotly figures as HTML fragments; the page inlines plotly.js once (no CDN, works offline)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+#: Plotly options for every figure: no link out to plotly's cloud, no logo.
+CONFIG = {"displaylogo": False, "showLink": False, "responsive": True,
+          "modeBarButtonsToRemove": ["sendDataToCloud"]}  # fmt: skip
+
+
+@cache
+def plotly_js() -> str:
+    """The full plotly.js bundle, inlined once per page."""
+    return get_plotlyjs()
+
+
+def to_div(fig: go.Figure, div_id: str) -> str:
+    fig.update_layout(margin={"l": 60, "r": 20, "t": 40, "b": 50}, template="plotly_white")
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG)
+
+
+def loss_curves(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
+    """One trace per run: loss against iteration; hover shows every run's value at a step."""
+    fig = go.Figure()
+    for run in runs:
+        fig.add_trace(
+            go.Scatter(
+                x=run["iterations"], y=run["losses"], mode="lines+markers", name=run["legend"],
+                marker={"size": 4}, hovertemplate="step %{x}<br>loss %{y:.6g}<extra>%{fullData.name}</extra>",
+            )
+        )  # fmt: skip
+    fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="lm loss",
+                      hovermode="x unified", height=360)  # fmt: skip
+    return to_div(fig, div_id)
+
+
+def relative_difference(
+    title: str,
+    iterations: list[int],
+    rel_diff: list[float | None],
+    band: float | None,
+    div_id: str,
+) -> str:
+    """Per-step relative difference candidate vs baseline, the tolerance band shaded."""
+    fig = go.Figure(
+        go.Scatter(
+            x=iterations, y=rel_diff, mode="lines+markers", name="relative difference",
+            marker={"size": 4}, hovertemplate="step %{x}<br>rel. diff %{y:.3e}<extra></extra>",
+        )
+    )  # fmt: skip
+    if band is not None:
+        fig.add_hrect(y0=-band, y1=band, fillcolor="green", opacity=0.12, line_width=0,
+                      annotation_text=f"tolerance ±{band:g}", annotation_position="top left")  # fmt: skip
+    fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="(candidate - baseline) / |baseline|",
+                      height=300, showlegend=False)  # fmt: skip
+    return to_div(fig, div_id)
+
+
+def benchmark_bars(title: str, lines: list[dict[str, Any]], div_id: str) -> str:
+    """Median time per op, one bar group per op, one colour per path, whiskers to q1/q3."""
+    paths = sorted({row["path"] for line in lines for row in line["rows"]})
+    fig = go.Figure()
+    for path in paths:
+        xs, ys, lo, hi = [], [], [], []
+        for line in lines:
+            for row in line["rows"]:
+                if row["path"] == path:
+                    xs.append(line["label"])
+                    ys.append(row["median"])
+                    lo.append(row["median"] - row["q1"])
+                    hi.append(row["q3"] - row["median"])
+        fig.add_trace(go.Bar(x=xs, y=ys, name=path,
+                             error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
+                             hovertemplate="%{x}<br>median %{y:.4g} s<extra>" + path + "</extra>"))  # fmt: skip
+    fig.update_layout(title=title, barmode="group", yaxis_title="seconds (median, q1-q3)",
+                      yaxis_type="log", height=380)  # fmt: skip
+    return to_div(fig, div_id)

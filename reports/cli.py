@@ -1,0 +1,33 @@
+"""``megatron-npu report INPUT... -o report.html [--diff-base OLD...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reports.errors import ReportInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT",
+        help="parity results folders, compare output folders, pytest-benchmark JSON files, "
+        "info --json files (any mix; the kind is read from the content)",
+    )  # fmt: skip
+    parser.add_argument("-o", "--output", default="report.html", help="HTML file to write")
+    parser.add_argument(
+        "--diff-base", nargs="+", metavar="OLD", default=None,
+        help="an older result set: the page then opens with what changed against it",
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    from reports.build import build_report
+
+    try:
+        path = build_report(args.inputs, args.output, diff_base=args.diff_base)
+    except (ReportInputError, OSError) as exc:
+        print(f"megatron-npu report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written to {path}")
+    return 0

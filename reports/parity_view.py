@@ -1,0 +1,142 @@
+"""The parity sections: the matrix of cells and the coverage table, both from records and the
+registry (every patch, its case and matrix cells come from :mod:`megatron_npu.registry` and
+:mod:`parity.matrix`)."""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter, defaultdict
+from typing import Any
+
+from parity.verdict import ABS_PASS, COSINE_MIN, STATUSES
+from reports.formatting import device_label, number
+from reports.parity_records import ParityCell
+
+SEVERITY = {s: i for i, s in enumerate(STATUSES)}
+
+
+def worst_status(statuses: list[str]) -> str | None:
+    return max(statuses, key=SEVERITY.__getitem__) if statuses else None
+
+
+def default_tolerance(dtype: str) -> dict[str, Any]:
+    """The thresholds :func:`parity.verdict.verdict` uses when a case has no override."""
+    rules = importlib.import_module("parity.verdict")  # parity.verdict is also a function name
+    error_n, warning_n = rules._DUAL_DEFAULTS.get(dtype, (None, None))
+    return {"cosine": COSINE_MIN, "abs_pass": ABS_PASS, "dual_error": error_n,
+            "dual_warning": warning_n}  # fmt: skip
+
+
+def _tensor_rows(cell: ParityCell) -> list[dict[str, Any]]:
+    rows = []
+    for name, entry in cell.tensors.items():
+        verdict = entry.get("verdict") or {}
+        metrics = entry.get("metrics") or {}
+        rows.append(
+            {
+                "name": name,
+                "status": verdict.get("status", "-"),
+                "reason": verdict.get("reason", "-"),
+                "metrics": [(k, number(v, 6)) for k, v in sorted(metrics.items())],
+            }
+        )
+    return rows
+
+
+def matrix_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
+    """One row per cell, sorted by patch, case, dtype, parallel sizes and device."""
+    rows = []
+    for cell in sorted(cells, key=lambda c: c.key):
+        rows.append(
+            {
+                "key": "|".join(cell.key),
+                "patch": cell.patch_id,
+                "target": cell.target,
+                "case": cell.case,
+                "dtype": cell.dtype,
+                "parallel": cell.parallel_label,
+                "device": device_label(cell.device),
+                "status": cell.status,
+                "rule": cell.rule,
+                "reason": cell.reason,
+                "override": cell.override,
+                "tolerance": cell.tolerance,
+                "default_tolerance": default_tolerance(cell.dtype),
+                "tensors": _tensor_rows(cell),
+                "kernels": cell.kernels,
+                "npu_kernel_exercised": cell.npu_kernel_exercised,
+                "benchmark": cell.benchmark,
+                "seed": cell.provenance.get("seed"),
+                "wall_time_s": number(cell.provenance.get("wall_time_s")),
+                "schema_version": cell.schema_version,
+                "source": cell.source,
+            }
+        )
+    return rows
+
+
+def filter_values(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The distinct values of each filterable column, for the filter controls."""
+    columns = ("patch", "dtype", "parallel", "device", "status")
+    values: dict[str, set[str]] = {c: set() for c in columns}
+    for row in rows:
+        for c in columns:
+            values[c].add(row[c]["name"] if c == "device" else row[c])
+    order = {"status": lambda s: SEVERITY.get(s, 99)}
+    return {c: sorted(v, key=order.get(c, str)) for c, v in values.items()}
+
+
+def _expected_cells(devices_seen: set[str]) -> dict[str, set[tuple[str, ...]]]:
+    """Per patch, the keys of every cell the registry's matrix defines on ``devices_seen``."""
+    from parity.matrix import cells
+    from parity.metrics import dtype_name
+
+    expected: dict[str, set[tuple[str, ...]]] = defaultdict(set)
+    for cell in cells(tuple(sorted(devices_seen))):
+        parallel = "-".join(f"{k}{v}" for k, v in cell.parallel.as_dict().items())
+        expected[cell.patch.id].add(
+            (cell.patch.id, cell.case.name, dtype_name(cell.dtype), parallel, cell.device)
+        )
+    return expected
+
+
+def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
+    """Every registry patch: its case and how many of its matrix cells this report holds, or
+    its written exemption; plus any record whose patch the registry does not know."""
+    from megatron_npu.registry import all_patches
+    from parity.case import load_case
+
+    by_patch: dict[str, list[ParityCell]] = defaultdict(list)
+    for cell in cells:
+        by_patch[cell.patch_id].append(cell)
+    expected = _expected_cells({c.device for c in cells})
+    rows = []
+    for patch in all_patches():
+        have = by_patch.pop(patch.id, [])
+        want = expected.get(patch.id, set())
+        missing = sorted(want - {c.key for c in have})
+        rows.append(
+            {
+                "patch": patch.id,
+                "target": patch.target,
+                "devices": sorted(patch.devices),
+                "case": load_case(patch.parity).name if patch.parity else None,
+                "exemption": patch.parity_exempt or None,
+                "records": len(have),
+                "expected": len(want),
+                "missing": [" / ".join(k[1:]) for k in missing],
+                "counts": dict(Counter(c.status for c in have)),
+                "worst": worst_status([c.status for c in have]),
+                "in_registry": True,
+            }
+        )
+    for patch_id, have in sorted(by_patch.items()):
+        rows.append(
+            {
+                "patch": patch_id, "target": have[0].target, "devices": [], "case": None,
+                "exemption": None, "records": len(have), "expected": 0, "missing": [],
+                "counts": dict(Counter(c.status for c in have)),
+                "worst": worst_status([c.status for c in have]), "in_registry": False,
+            }
+        )  # fmt: skip
+    return rows
