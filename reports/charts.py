@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 #: Plotly options for every figure: no link out to plotly's cloud, no logo.
-CONFIG = {"displaylogo": False, "showLink": False, "responsive": True,
+CONFIG = {"displaylogo": False, "responsive": True,
           "modeBarButtonsToRemove": ["sendDataToCloud"]}  # fmt: skip
 
 

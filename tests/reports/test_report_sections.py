@@ -1,0 +1,93 @@
+"""The report's sections, computed from the records and the registry."""
+
+from __future__ import annotations
+
+import pytest
+import report_fixtures as fx
+
+from megatron_npu.registry import all_patches
+from parity.results import read_records
+from reports.bench_view import NOT_COMPARED_EMULATED
+from reports.build import context
+from reports.inputs import load
+
+
+@pytest.fixture(scope="module")
+def ctx(parity_runs, compare_dir, bench_file, info_file):
+    return context(load([parity_runs["base"], compare_dir, bench_file, info_file]))
+
+
+def test_matrix_has_one_row_per_record(ctx, parity_runs):
+    expected = {
+        (r.patch_id, r.case, r.dtype, r.device, r.verdict.status)
+        for r in read_records(parity_runs["base"])  # the harness's own reader
+    }
+    rows = {(r["patch"], r["case"], r["dtype"], r["device"]["name"], r["status"])
+            for r in ctx["parity_rows"]}  # fmt: skip
+    assert rows == expected
+    assert ctx["parity_filters"]["device"] == sorted(fx.PARITY_DEVICES)
+
+
+def test_every_cell_opens_to_metrics_tolerance_and_reason(ctx):
+    for row in ctx["parity_rows"]:
+        assert row["tensors"] and row["reason"]
+        for tensor in row["tensors"]:
+            assert dict(tensor["metrics"])["cosine"] != "-"
+        assert row["tolerance"] or row["default_tolerance"]["cosine"] == 0.99
+
+
+def test_coverage_lists_every_registry_patch(ctx):
+    rows = {r["patch"]: r for r in ctx["coverage"]}
+    patches = all_patches()
+    assert set(rows) == {p.id for p in patches}
+    for patch in patches:
+        row = rows[patch.id]
+        assert (row["case"] is not None) == bool(patch.parity)
+        assert row["exemption"] == (patch.parity_exempt or None)
+    swiglu = rows[fx.PARITY_PATCH]
+    assert swiglu["records"] == len(fx.PARITY_DEVICES) * len(fx.PARITY_DTYPES)
+    # the quick matrix has this patch in float16 too, which the fixture did not run
+    assert any("float16" in m for m in swiglu["missing"])
+
+
+def test_emulated_devices_are_labelled_and_never_merged(ctx):
+    parity = next(row for row in ctx["banner"] if row["kind"] == "parity cells")
+    assert {d["name"]: d["emulated"] for d in parity["devices"]} == {
+        "cpu": False, "npu-emulated": True,
+    }  # fmt: skip
+    runs = next(row for row in ctx["banner"] if row["kind"] == "training runs")
+    assert {d["name"]: d["emulated"] for d in runs["devices"]} == {
+        device: emulated for _, device, emulated, *_ in fx.RUNS
+    }
+
+
+def test_benchmark_ratios_and_flags(ctx):
+    rows = {(line["op"], line["device"]["name"], r["path"]): r
+            for line in ctx["bench_lines"] for r in line["rows"]}  # fmt: skip
+    assert rows[("rms_norm", "cpu", "native")]["ratio"] == "0.5"
+    assert rows[("rms_norm", "cpu", "native")]["flag"] == "faster"
+    assert rows[("swiglu", "cpu", "native")]["ratio"] == "1.5"
+    assert rows[("swiglu", "cpu", "native")]["flag"] == "slower"
+    emulated = rows[("rms_norm", "npu-emulated", "npu-binding")]
+    assert emulated["flag"] == NOT_COMPARED_EMULATED and emulated["ratio"] == "-"
+    assert len(ctx["bench_charts"]) == 1  # cpu only: emulated timings are not charted
+
+
+def test_loss_curves_table2_and_verdicts(ctx):
+    [comp] = ctx["comparisons"]
+    assert comp["run_names"] == [r[0] for r in fx.RUNS]
+    for name, device, *_ in fx.RUNS:  # one trace each; the browser test counts them on the page
+        assert f'"name":"{name} ({device})' in comp["loss_div"]
+    approximate = [v for v in comp["verdicts"] if v["rule"] == "approximate"]
+    assert approximate and all(v["band"] == 0.05 and v["plot"] for v in approximate)
+    table = comp["table2"]
+    assert "emulated" not in table["columns"] and table["columns"][0] == "name"
+    assert [row["device"]["emulated"] for row in table["rows"]] == [r[2] for r in fx.RUNS]
+
+
+def test_provenance_has_commands_seeds_and_versions(ctx):
+    [cmp] = ctx["provenance"]["compare"]
+    assert [r["command"] for r in cmp["runs"]][0].startswith("megatron-npu train")
+    assert cmp["runs"][0]["seed"] == 1234
+    [parity] = [p for p in ctx["provenance"]["parity"] if p["device"]["name"] == "cpu"]
+    assert parity["seeds"] == "7" and parity["fields"]["torch"].startswith("2.")
