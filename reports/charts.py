@@ -78,5 +78,5 @@ def benchmark_bars(title: str, lines: list[dict[str, Any]], div_id: str) -> str:
                              error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
                              hovertemplate="%{x}<br>median %{y:.4g} s<extra>" + path + "</extra>"))  # fmt: skip
     fig.update_layout(title=title, barmode="group", yaxis_title="seconds (median, q1-q3)",
-                      yaxis_type="log", height=380)  # fmt: skip
+                      height=380)  # fmt: skip
     return to_div(fig, div_id)
