@@ -25,12 +25,23 @@
         Array.prototype.forEach.call(headers, function (h) { h.removeAttribute("data-order"); });
         th.setAttribute("data-order", asc ? "asc" : "desc");
         var body = table.tBodies[0];
-        var rows = Array.prototype.slice.call(body.rows);
-        rows.sort(function (r1, r2) {
-          var d = compareValues(cellValue(r1, index), cellValue(r2, index));
+        // a row's detail row (class cell-detail, right after it) travels with it
+        var rows = Array.prototype.filter.call(body.rows, function (r) {
+          return !r.classList.contains("cell-detail");
+        });
+        var details = rows.map(function (r) {
+          var next = r.nextElementSibling;
+          return next && next.classList.contains("cell-detail") ? next : null;
+        });
+        var order = rows.map(function (r, i) { return i; });
+        order.sort(function (i, j) {
+          var d = compareValues(cellValue(rows[i], index), cellValue(rows[j], index));
           return asc ? d : -d;
         });
-        rows.forEach(function (r) { body.appendChild(r); });
+        order.forEach(function (i) {
+          body.appendChild(rows[i]);
+          if (details[i]) body.appendChild(details[i]);
+        });
       });
     });
   }
@@ -47,7 +58,8 @@
     function apply() {
       var text = search ? search.value.toLowerCase() : "";
       var shown = 0;
-      Array.prototype.forEach.call(table.tBodies[0].rows, function (row) {
+      var rows = table.tBodies[0].querySelectorAll(":scope > tr.cell-row");
+      Array.prototype.forEach.call(rows, function (row) {
         var ok = true;
         Array.prototype.forEach.call(selects, function (s) {
           if (s.value && row.getAttribute("data-" + s.getAttribute("data-filter")) !== s.value) ok = false;
@@ -55,9 +67,13 @@
         if (status && row.getAttribute("data-status") !== status) ok = false;
         if (text && row.textContent.toLowerCase().indexOf(text) < 0) ok = false;
         row.hidden = !ok;
+        var detail = row.nextElementSibling;
+        if (detail && detail.classList.contains("cell-detail")) {
+          detail.hidden = !ok || !row.classList.contains("open");
+        }
         if (ok) shown += 1;
       });
-      if (count) count.textContent = shown + " of " + table.tBodies[0].rows.length + " cells shown";
+      if (count) count.textContent = shown + " of " + rows.length + " cells shown";
     }
 
     Array.prototype.forEach.call(selects, function (s) { s.addEventListener("change", apply); });
@@ -69,6 +85,15 @@
       });
     });
     if (search) search.addEventListener("input", apply);
+    // a click on a cell's row opens its metrics, tolerance and reason (and closes them again)
+    Array.prototype.forEach.call(table.tBodies[0].querySelectorAll(":scope > tr.cell-row"), function (row) {
+      row.addEventListener("click", function () {
+        var detail = row.nextElementSibling;
+        if (!detail || !detail.classList.contains("cell-detail")) return;
+        row.classList.toggle("open");
+        detail.hidden = !row.classList.contains("open");
+      });
+    });
     apply();
   }
 

@@ -57,7 +57,7 @@ class Opened:
 
     def visible_rows(self) -> list[str]:
         return self.page.eval_on_selector_all(
-            "#parity-table > tbody > tr",
+            "#parity-table > tbody > tr.cell-row",
             "rows => rows.filter(r => !r.hidden).map(r => r.dataset.key)",
         )
 
@@ -102,9 +102,19 @@ def test_report_in_chromium(browser, report, tmp_path):
     assert {k.rsplit("|", 1)[1] for k in opened.visible_rows()} == {"npu-emulated"}
     page.select_option('select[data-filter="device"]', "")
     # a cell opens to its metrics, tolerance and reason
-    page.click(f'tr[data-key="{error_row}"] details summary')
-    details = page.inner_text(f'tr[data-key="{error_row}"] details')
-    assert "cosine" in details and "tolerance" in details
+    detail = page.locator(f'tr.cell-detail[data-for="{error_row}"]')
+    assert detail.is_hidden()
+    page.click(f'tr.cell-row[data-key="{error_row}"]')
+    assert detail.is_visible()
+    text = detail.inner_text()
+    assert "cosine" in text and "tolerance" in text and "dual_hundredth" in text
+    page.click('th:has-text("dtype")')  # sorting keeps each detail row under its cell
+    assert (
+        page.eval_on_selector(
+            f'tr.cell-row[data-key="{error_row}"]', "r => r.nextElementSibling.dataset.for"
+        )
+        == error_row
+    )
 
     # the emulation label wherever an emulated device ran, and nowhere else
     labelled = page.eval_on_selector_all(
