@@ -91,3 +91,33 @@ def test_provenance_has_commands_seeds_and_versions(ctx):
     assert cmp["runs"][0]["seed"] == 1234
     [parity] = [p for p in ctx["provenance"]["parity"] if p["device"]["name"] == "cpu"]
     assert parity["seeds"] == "7" and parity["fields"]["torch"].startswith("2.")
+
+
+def test_a_failed_run_keeps_its_trace_and_error(tmp_path):
+    import json
+
+    from reports.compare_view import comparison_section
+
+    folder = fx.compare_results(tmp_path / "cmp")
+    data = json.loads((folder / "results.json").read_text())
+    data["runs"][1].update(status="failed", error="rank 1 exited with code 1", steps=[])
+    (folder / "results.json").write_text(json.dumps(data))
+    [comp] = load([folder]).comparisons
+    section = comparison_section(comp, 0)
+    assert section["run_count"] == len(fx.RUNS)
+    assert f"{fx.RUNS[1][0]} ({fx.RUNS[1][1]}) - no steps (failed)" in section["loss_div"]
+    assert section["failed_runs"] == [
+        {"name": fx.RUNS[1][0], "status": "failed", "error": "rank 1 exited with code 1"}
+    ]
+
+
+def test_page_is_self_contained(parity_runs, compare_dir, bench_file, tmp_path):
+    import re
+
+    from reports import build_report
+
+    html = build_report([parity_runs["base"], compare_dir, bench_file], tmp_path / "r.html")
+    text = html.read_text()
+    assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=", text)
+    assert not re.search(r"<link\b", text)
+    assert "Content-Security-Policy" in text and "default-src 'none'" in text
