@@ -43,6 +43,45 @@ def _tensor_rows(cell: ParityCell) -> list[dict[str, Any]]:
     return rows
 
 
+def benchmark_section(benchmark: Any) -> dict[str, Any] | None:
+    """A schema-2 record's msprobe stage-2 benchmark: per tensor, each metric's error on the
+    tested path and on the stock path, their ratio and its limit, and the verdict."""
+    if not isinstance(benchmark, dict):
+        return None
+    tensors = []
+    for name, entry in (benchmark.get("tensors") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        parts = {k: entry.get(k) if isinstance(entry.get(k), dict) else {}
+                 for k in ("tested", "benchmark", "ratios", "limits")}  # fmt: skip
+        metrics = list(dict.fromkeys([*parts["ratios"], *parts["tested"], *parts["benchmark"]]))
+        verdict = entry.get("verdict") if isinstance(entry.get("verdict"), dict) else {}
+        tensors.append(
+            {
+                "name": name,
+                "level": entry.get("level", benchmark.get("level")),
+                "status": verdict.get("status", "-"),
+                "reason": verdict.get("reason", ""),
+                "rows": [
+                    (
+                        m,
+                        *(
+                            number(parts[k].get(m), 4)
+                            for k in ("tested", "benchmark", "ratios", "limits")
+                        ),
+                    )
+                    for m in metrics
+                ],
+            }
+        )
+    return {
+        "path": benchmark.get("path", "-"),
+        "level": benchmark.get("level", "-"),
+        "unavailable": benchmark.get("unavailable"),
+        "tensors": tensors,
+    }
+
+
 def matrix_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
     """One row per cell, sorted by patch, case, dtype, parallel sizes and device."""
     rows = []
@@ -65,7 +104,7 @@ def matrix_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
                 "tensors": _tensor_rows(cell),
                 "kernels": cell.kernels,
                 "npu_kernel_exercised": cell.npu_kernel_exercised,
-                "benchmark": cell.benchmark,
+                "benchmark": benchmark_section(cell.benchmark),
                 "seed": cell.provenance.get("seed"),
                 "wall_time_s": number(cell.provenance.get("wall_time_s")),
                 "schema_version": cell.schema_version,

@@ -10,7 +10,18 @@ import pytest
 import report_fixtures as fx
 
 from reports import ReportInputError, build_report
+from reports.build import context
 from reports.inputs import load
+
+#: a schema-2 ``benchmark`` object as parity/results.py (i8-verdicts) writes it
+BENCHMARK_SECTION = {
+    "path": "stock Megatron path in the same dtype", "level": "L0", "unavailable": None,
+    "tensors": {"out": {
+        "level": "L0", "tested": {"max_rel_error": 0.02}, "benchmark": {"max_rel_error": 0.01},
+        "ratios": {"max_rel_error": 2.0}, "limits": {"max_rel_error": 10.0},
+        "verdict": {"status": "pass", "reason": "every ratio within L0"},
+    }},
+}  # fmt: skip
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -69,7 +80,7 @@ def test_schema_2_records_and_crash_records_are_read(parity_runs, tmp_path):
     first, second = _records(folder)[:2]
     data = json.loads(first.read_text())
     data.update(schema_version=2, kernels={"npu_swiglu": 3}, npu_kernel_exercised=True,
-                benchmark={"verdict": "pass", "max_rel_error_ratio": 1.2})  # fmt: skip
+                benchmark=BENCHMARK_SECTION)  # fmt: skip
     first.write_text(json.dumps(data))
     crash = json.loads(second.read_text())
     crash.update(schema_version=2, kernels={}, npu_kernel_exercised=False, benchmark=None,
@@ -80,7 +91,11 @@ def test_schema_2_records_and_crash_records_are_read(parity_runs, tmp_path):
     assert rs.skipped == []
     cells = {c.source: c for c in rs.parity}
     assert cells[str(first)].kernels == {"npu_swiglu": 3}
-    assert cells[str(first)].benchmark["max_rel_error_ratio"] == 1.2
+    assert cells[str(first)].benchmark == BENCHMARK_SECTION
+    [row] = [r for r in context(rs)["parity_rows"] if r["source"] == str(first)]
+    [tensor] = row["benchmark"]["tensors"]
+    assert tensor["rows"][0] == ("max_rel_error", "0.02", "0.01", "2", "10")
+    assert tensor["status"] == "pass"
     assert cells[str(second)].rule == "crash" and cells[str(second)].tensors == {}
 
 
