@@ -90,12 +90,12 @@ def build_report(
     """
     if diff_base is not None and not diff_base:
         raise ReportInputError("diff_base needs at least one path")
-    new = load(inputs)
-    base = load(diff_base) if diff_base is not None else None
-    html = render(new, base)
     out = Path(output)
     if out.is_dir():
         raise ReportInputError(f"output {str(out)!r} is a directory; name the .html file")
+    new = load(inputs)
+    base = load(diff_base) if diff_base is not None else None
+    html = render(new, base)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
