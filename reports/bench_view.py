@@ -43,7 +43,7 @@ def lines(benches: list[Bench]) -> list[dict[str, Any]]:
             if emulated:
                 ratio, flag = None, NOT_COMPARED_EMULATED
             elif bench is baseline:
-                ratio, flag = 1.0, "baseline"
+                ratio, flag = 1.0, BASELINE_FLAG
             elif baseline is None:
                 ratio, flag = None, NO_BASELINE
             else:
@@ -80,9 +80,14 @@ def charts_by_device(bench_lines: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+BASELINE_FLAG = "baseline"
+
+
 def flag_counts(bench_lines: list[dict[str, Any]]) -> dict[str, int]:
+    """How many paths were flagged each way (the baseline rows themselves are not counted)."""
     counts: dict[str, int] = defaultdict(int)
     for line in bench_lines:
         for row in line["rows"]:
-            counts[row["flag"]] += 1
+            if row["flag"] != BASELINE_FLAG:
+                counts[row["flag"]] += 1
     return dict(counts)

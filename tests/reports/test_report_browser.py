@@ -20,6 +20,8 @@ from reports import build_report
 
 BROWSER_ENV = "REPORT_CHROMIUM"
 ARTIFACTS_ENV = "REPORT_ARTIFACTS"
+#: generous: parsing the inlined plotly.js on a loaded 2-core CI machine can take many seconds
+PAGE_TIMEOUT_MS = 180_000
 
 
 def _chromium() -> str:
@@ -47,6 +49,7 @@ class Opened:
     def __init__(self, browser, path: Path):
         self.url = path.resolve().as_uri()
         self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.set_default_timeout(PAGE_TIMEOUT_MS)
         self.errors: list[str] = []
         self.requests: list[str] = []
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
