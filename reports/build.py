@@ -49,7 +49,7 @@ def context(rs: ResultSet, base: ResultSet | None = None) -> dict[str, Any]:
         "skipped": rs.skipped,
         "parity_rows": parity_view.matrix_rows(rs.parity),
         "parity_filters": parity_view.filter_values(parity_view.matrix_rows(rs.parity)),
-        "coverage": parity_view.coverage_rows(rs.parity),
+        "coverage": parity_view.coverage_rows(rs.parity) if rs.parity else [],
         "comparisons": [
             compare_view.comparison_section(c, i) for i, c in enumerate(rs.comparisons)
         ],

@@ -24,7 +24,7 @@ class BadCompareResults(ValueError):
 @dataclass(frozen=True)
 class Run:
     name: str
-    device: str
+    device: str | None  # None: none of the run's devices was available
     emulated: bool
     status: str
     error: str | None
@@ -48,6 +48,8 @@ class Comparison:
     runs: list[Run]
     verdicts: list[dict[str, Any]]
     table2: list[dict[str, Any]]
+    skipped_runs: list[dict[str, Any]]  # optional runs not run here, with the reason
+    notes: list[str]
 
     def run(self, name: str) -> Run | None:
         return next((r for r in self.runs if r.name == name), None)
@@ -80,7 +82,7 @@ def _run(data: Any, index: int) -> Run:
         losses.append(_number(step.get("loss")) if isinstance(step, dict) else None)
     return Run(
         name=_need(data, "name", str, where),
-        device=_need(data, "device", str, where),
+        device=_need(data, "device", (str, type(None)), where),
         emulated=_need(data, "emulated", bool, where),
         status=_need(data, "status", str, where),
         error=data.get("error"),
@@ -120,6 +122,8 @@ def parse(data: Any, source: str) -> Comparison:
         runs=runs,
         verdicts=verdicts,
         table2=table2,
+        skipped_runs=[r for r in data.get("skipped") or [] if isinstance(r, dict)],
+        notes=[str(n) for n in data.get("notes") or []],
     )
 
 

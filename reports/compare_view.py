@@ -9,23 +9,35 @@ from reports import charts
 from reports.compare_results import Comparison
 from reports.formatting import command_line, device_label, number
 
-#: Tolerance keys that bound the per-step relative difference (the band that is drawn).
-RELATIVE_KEYS = ("rtol", "rel", "relative")
+#: Tolerance keys (docs/compare-results.md) that bound every step's relative loss difference:
+#: ``rtol`` of the approximate rule, ``per_step_rel`` of the layout rule. The deterministic
+#: rule's ``bitwise`` limits are a band of zero.
+RELATIVE_KEYS = ("rtol", "per_step_rel")
+BITWISE = "bitwise"
 
 
 def band(tolerance: Any) -> float | None:
-    """The relative bound of a verdict's tolerance, if it has one."""
+    """The per-step relative bound of a verdict's tolerance, if it has one."""
     if not isinstance(tolerance, dict):
         return None
     for key in RELATIVE_KEYS:
         value = tolerance.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+    if BITWISE in tolerance.values():
+        return 0.0
     return None
 
 
+def _finite_or_none(values: Any) -> list[float | None]:
+    """Plot values: non-finite figures (written as "NaN"/"Infinity" strings) become gaps."""
+    if not isinstance(values, list):
+        return []
+    return [v if isinstance(v, int | float) and not isinstance(v, bool) else None for v in values]
+
+
 def _legend(run: Any) -> str:
-    text = f"{run.name} ({run.device})"
+    text = f"{run.name} ({run.device or 'no device'})"
     if run.emulated:
         text += " [emulated]"
     if not run.iterations:
@@ -45,7 +57,7 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
         if isinstance(per_step, dict) and per_step.get("iteration"):
             plot = charts.relative_difference(
                 f"{v['candidate']} vs {v['baseline']}: {v['rule']}",
-                per_step.get("iteration", []), per_step.get("rel_diff", []),
+                per_step.get("iteration", []), _finite_or_none(per_step.get("rel_diff")),
                 band(v.get("tolerance")), f"reldiff-{index}-{j}",
             )  # fmt: skip
         verdicts.append(
@@ -69,6 +81,8 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
             {"name": r.name, "status": r.status, "error": r.error} for r in comp.runs if r.error
         ],
         "table2": table2(comp),
+        "not_run": comp.skipped_runs,
+        "notes": comp.notes,
     }
 
 
@@ -87,7 +101,8 @@ def table2(comp: Comparison) -> dict[str, Any]:
             if col == "device" and isinstance(device, str):
                 cells[col] = device_label(device, emulated if isinstance(emulated, bool) else None)
             else:
-                cells[col] = number(value)
+                numeric = isinstance(value, int | float | list) and not isinstance(value, bool)
+                cells[col] = {"text": number(value), "numeric": numeric}
         rows.append(cells)
     return {"columns": columns, "rows": rows}
 
@@ -95,7 +110,7 @@ def table2(comp: Comparison) -> dict[str, Any]:
 def run_provenance(comp: Comparison) -> list[dict[str, Any]]:
     return [
         {
-            "name": r.name, "device": device_label(r.device, r.emulated), "status": r.status,
+            "name": r.name, "device": device_label(r.device or "none", r.emulated), "status": r.status,
             "command": command_line(r.command),
             "seed": r.options.get("seed", r.options.get("--seed")),
             "wall_s": number(r.wall_s),

@@ -120,7 +120,7 @@ def compare_diff(old: ResultSet, new: ResultSet) -> dict[str, list[dict[str, Any
                 continue
             if _overlap(a.get("ci95_s_per_step"), b.get("ci95_s_per_step")) is False:
                 old_s, new_s = a["median_s_per_step"], b["median_s_per_step"]
-                speed.append({"what": f"{comp.title}: {run.name}", "device": device_label(run.device),
+                speed.append({"what": f"{comp.title}: {run.name}", "device": device_label(run.device or "none"),
                               "old": number(old_s), "new": number(new_s),
                               "ratio": number(new_s / old_s, 3),
                               "flag": "slower" if new_s > old_s else "faster"})  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from typing import Any
 
@@ -17,8 +18,17 @@ STATUS_CLASS = {
 }  # fmt: skip
 
 
+_CLASS_ORDER = ("neutral", "pass", "warning", "error")
+
+
 def status_class(status: Any) -> str:
-    return STATUS_CLASS.get(str(status), "neutral")
+    """The colour of a status word, or of a status phrase (Table 2's ``FAIL layout vs emu``,
+    ``pass approximate vs ref; SLOWER``): its most severe status word decides."""
+    text = str(status)
+    if text in STATUS_CLASS:
+        return STATUS_CLASS[text]
+    found = [STATUS_CLASS[w] for w in re.findall(r"[a-z]+", text.lower()) if w in STATUS_CLASS]
+    return max(found, key=_CLASS_ORDER.index, default="neutral")
 
 
 def number(value: Any, digits: int = 4) -> str:
@@ -31,6 +41,8 @@ def number(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return str(value)
+        if 1e4 <= abs(value) < 1e12:  # throughputs and byte counts: whole numbers with separators
+            return f"{value:,.0f}"
         return f"{value:.{digits}g}"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(number(v, digits) for v in value) + "]"

@@ -32,9 +32,9 @@ def banner(rs: ResultSet, bench_flags: dict[str, int]) -> list[dict[str, Any]]:
         runs = [r for comp in rs.comparisons for r in comp.runs]
         rows.append({"kind": "end-to-end rule verdicts",
                      "counts": Counter(v["status"] for comp in rs.comparisons for v in comp.verdicts),
-                     "devices": _devices([(r.device, r.emulated) for r in runs])})  # fmt: skip
+                     "devices": _devices([(r.device, r.emulated) for r in runs if r.device])})  # fmt: skip
         rows.append({"kind": "training runs", "counts": Counter(r.status for r in runs),
-                     "devices": _devices([(r.device, r.emulated) for r in runs])})  # fmt: skip
+                     "devices": _devices([(r.device, r.emulated) for r in runs if r.device])})  # fmt: skip
     if rs.benchmark_files:
         rows.append({"kind": "benchmarks", "counts": Counter(bench_flags),
                      "devices": _devices([(b.device, b.emulated) for b in rs.benches])})  # fmt: skip

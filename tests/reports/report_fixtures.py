@@ -86,7 +86,7 @@ def compare_results(directory: Path, *, slower: float = 1.0) -> Path:
         verdicts.append({
             "candidate": name, "baseline": "cpu-tp1", "rule": "approximate", "status": "pass",
             "detail": f"max relative difference {max(map(abs, rel)):.2e} <= 0.05",
-            "tolerance": {"rtol": 0.05, "allowed_failing_steps": 1},
+            "tolerance": {"rtol": 0.05, "mean_rtol": 0.02, "late_window": 10, "late_growth": 0.01},
             "per_step": {"iteration": list(range(1, STEPS + 1)), "rel_diff": rel},
         })  # fmt: skip
         verdicts.append({
@@ -108,6 +108,8 @@ def compare_results(directory: Path, *, slower: float = 1.0) -> Path:
         "provenance": {"megatron_npu": "0.1.0", "megatron_core": "0.16.1", "torch": "2.13.0+cpu",
                        "commit": "abc1234", "host": "ci", "command": ["megatron-npu", "compare"]},
         "baseline": "cpu-tp1", "runs": runs, "verdicts": verdicts, "table2": table2,
+        "skipped": [{"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}],
+        "notes": ["vocabulary padding aligned to a multiple of 256"],
     }  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(data, indent=1), encoding="utf-8")

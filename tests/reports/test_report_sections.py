@@ -121,3 +121,34 @@ def test_page_is_self_contained(parity_runs, compare_dir, bench_file, tmp_path):
     assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=", text)
     assert not re.search(r"<link\b", text)
     assert "Content-Security-Policy" in text and "default-src 'none'" in text
+
+
+def test_compare_extras_and_a_run_without_device(tmp_path):
+    import json
+
+    from reports.compare_view import band, comparison_section
+
+    folder = fx.compare_results(tmp_path / "cmp")
+    data = json.loads((folder / "results.json").read_text())
+    data["runs"][2].update(device=None, emulated=False, status="failed", steps=[], perf=None,
+                           error="no device of its list is available")  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(data))
+    rs = load([folder])
+    assert rs.skipped == []
+    section = comparison_section(rs.comparisons[0], 0)
+    assert section["not_run"] == data["skipped"] and section["notes"] == data["notes"]
+    runs = next(row for row in context(rs)["banner"] if row["kind"] == "training runs")
+    assert [d["name"] for d in runs["devices"]] == ["cpu"]
+    assert band({"per_step_rel": 1e-5}) == 1e-5
+    assert band({"losses": "bitwise", "grad_norms": "bitwise"}) == 0.0
+    assert band({"threshold": 0.1, "ci": 0.95}) is None
+
+
+def test_status_phrases_take_their_most_severe_word():
+    from reports.formatting import status_class
+
+    assert status_class("pass approximate vs ref") == "pass"
+    assert status_class("pass approximate vs ref; SLOWER") == "error"
+    assert status_class("FAIL layout vs emu") == "error"
+    assert status_class("REFUSED (fingerprint)") == "warning"
+    assert status_class("baseline") == "neutral"
