@@ -3,8 +3,9 @@
 ``measured_peak_flops(device, dtype)`` times square matrix multiplications on the device's torch
 backend (the largest of a few sizes, best of several repetitions, after a warm-up) and keeps the
 best rate. The figure is cached in ``~/.cache/megatron-npu/peak.json`` (``$XDG_CACHE_HOME`` is
-honoured) under a key naming the host, device, dtype, torch version and CPU thread count, so the
-probe runs once per machine and configuration. ``$MEGATRON_NPU_PEAK_TFLOPS`` (or ``train
+honoured) under a key naming the host, device, dtype, torch version and core count, so the
+probe runs once per machine and configuration. On the CPU the probe uses every core of the host
+(whatever thread count the calling rank was given). ``$MEGATRON_NPU_PEAK_TFLOPS`` (or ``train
 --peak-tflops``) states the peak instead and skips the probe.
 
 The peak is *per device*. On ``cpu`` and ``npu-emulated`` every rank shares one host, so the
@@ -61,10 +62,16 @@ def cache_path() -> Path:
     return Path(base) / "megatron-npu" / "peak.json"
 
 
+def host_cores() -> int:
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
+
+
 def _cache_key(device: str, dtype: torch.dtype) -> str:
     return (
         f"{platform.node()}|{device}|{_dtype_name(dtype)}|torch {torch.__version__}"
-        f"|threads {torch.get_num_threads()}"
+        f"|cores {host_cores()}"
     )
 
 
@@ -145,7 +152,13 @@ def measured_peak_flops(device: str, dtype: torch.dtype, *, refresh: bool = Fals
 
     dev = devices.make(device)
     sync = getattr(dev.accelerator, "synchronize", None) if dev.torch_type != "cpu" else None
-    tflops, detail = probe_gemm_tflops(dev.torch_type, dtype, sync or (lambda: None))
+    threads = torch.get_num_threads()
+    if dev.torch_type == "cpu":  # the host's peak: every core, whatever this rank was given
+        torch.set_num_threads(host_cores())
+    try:
+        tflops, detail = probe_gemm_tflops(dev.torch_type, dtype, sync or (lambda: None))
+    finally:
+        torch.set_num_threads(threads)
     entries[key] = {
         "tflops": tflops,
         "detail": detail,
