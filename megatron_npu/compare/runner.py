@@ -9,6 +9,7 @@ folder), the rerun index, and the megatron-npu / megatron-core / torch versions.
 ``run.json`` has the same hash and status ``ok`` and whose ``metrics.json`` is there is reused
 ("cached"), so re-running a matrix only runs what changed or failed.
 
+Each rank runs with one host thread unless ``OMP_NUM_THREADS`` is set (:func:`run_environment`).
 A run is killed (its whole process group) after ``timeout_s``; a non-zero exit or a kill is
 recorded as ``failed`` with the reason and the log's tail, and the comparison goes on.
 """
@@ -119,6 +120,13 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_private(path, json.dumps(data, indent=2) + "\n")
 
 
+def run_environment() -> dict[str, str]:
+    """The runs' environment: unbuffered output, and one host thread per rank unless
+    ``OMP_NUM_THREADS`` is set (CPU rows then compare like with like, and OpenMP barriers do not
+    stall on a loaded machine)."""
+    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
 def stream(
     command: list[str], log_path: Path, timeout_s: float, echo: TextIO
 ) -> tuple[int | None, list[str], float]:
@@ -129,7 +137,7 @@ def stream(
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True, env=run_environment(),
         )  # fmt: skip
 
         def pump() -> None:
