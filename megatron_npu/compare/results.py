@@ -6,7 +6,6 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,31 +16,19 @@ SCHEMA = "megatron-npu/compare"
 SCHEMA_VERSION = 1
 
 
-def _commit() -> str | None:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and len(sha) == 40 else None
-
-
 def provenance(argv: list[str] | None) -> dict[str, Any]:
+    from parity.results import git_info
+
     versions = library_versions()
+    git = git_info()
     return {
         "megatron_npu": versions.get("megatron-npu"),
         "megatron_core": versions.get("megatron-core"),
         "torch": versions.get("torch"),
         "torch_npu": versions.get("torch_npu"),
         "python": versions.get("python"),
-        "commit": _commit(),
+        "commit": git.commit if git else None,
+        "dirty": git.dirty if git else None,
         "host": platform.node(),
         "command": list(argv if argv is not None else sys.argv),
     }
