@@ -260,6 +260,13 @@ def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) ->
             raise arguments.ArgumentError(str(exc)) from None
         run_metrics.peak = figure.as_dict()
         run_metrics.peak_devices = peak.aggregate_devices(device.name, args.world_size)
+        print(
+            f" model FLOPs per step: {run_metrics.model_flops_per_step:.4g} (Megatron-LM's GPT "
+            f"formula: attention, MLP and logits GEMMs, forward + backward) | MFU against "
+            f"{figure.tflops:.4g} TFLOP/s x {run_metrics.peak_devices} ({figure.source}: "
+            f"{figure.detail})",
+            flush=True,
+        )
 
 
 def _throughput_note(summary: dict) -> str:

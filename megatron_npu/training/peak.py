@@ -8,7 +8,8 @@ probe runs once per machine and configuration. On the CPU the probe uses every c
 (whatever thread count the calling rank was given). ``$MEGATRON_NPU_PEAK_TFLOPS`` (or ``train
 --peak-tflops``) states the peak instead and skips the probe.
 
-The peak is *per device*. On ``cpu`` and ``npu-emulated`` every rank shares one host, so the
+A probe taken while the machine is busy reads low (and MFU high): delete the cache file, or state
+the peak, to measure again. The peak is *per device*. On ``cpu`` and ``npu-emulated`` every rank shares one host, so the
 aggregate peak of a run is one host's; on ``npu`` and ``cuda`` it is the per-device peak times the
 world size (:func:`aggregate_devices`). A measured GEMM peak is what the hardware sustains on dense
 matmuls, below the datasheet figure; MFU against it reads higher than against a datasheet peak.
