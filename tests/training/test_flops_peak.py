@@ -89,3 +89,25 @@ def test_mfu_counts_devices_that_own_their_peak():
     assert peak.aggregate_devices("npu-emulated", 4) == 1
     with pytest.raises(ValueError, match="--peak-tflops"):
         peak.resolve_peak("cpu", torch.float32, 0.0)
+
+
+def test_metrics_summary_and_log_line_carry_flops_and_mfu():
+    from megatron_npu.training import metrics
+
+    run = metrics.RunMetrics(config={}, tokens_per_step=1024)
+    run.model_flops_per_step = 2e9
+    run.peak = peak.PeakFlops(0.5, "user", "npu", "bfloat16", "stated").as_dict()
+    run.peak_devices = 2
+    for step, seconds in enumerate([9.0, 9.0, 0.5, 0.4, 0.6], 1):
+        run.add(metrics.StepRecord(step, 3.0, 1.0, 1e-3, 1.0, False, seconds, 1024 / seconds))
+    summary = run.summary()
+    assert summary["median_step_time_s"] == 0.5  # after the two warm-up steps
+    assert summary["achieved_tflops_per_s"] == pytest.approx(2e9 / 0.5 / 1e12)
+    assert summary["mfu"] == pytest.approx(2e9 / 0.5 / (0.5e12 * 2))
+    interval = metrics.IntervalLog()
+    for record in run.steps[2:]:
+        interval.add(record)
+    line = interval.line(5, 40, 8, run)
+    assert "model TFLOP/s: 0.004 |" in line and "MFU: 0.40% |" in line
+    no_peak = metrics.RunMetrics(config={}, tokens_per_step=1)
+    assert no_peak.throughput(0.5) == (None, None)
