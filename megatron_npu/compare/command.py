@@ -177,7 +177,11 @@ def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str
         return f"run failed: {(result.outcome.error if result.outcome else 'not run') or ''}"[:120]
     if result.spec.name == baseline:
         return "baseline"
+    if not result.spec.judged:
+        return "reference row"
     mine = [v for v in verdicts if v.candidate == result.spec.name]
+    if len(mine) == 1 and mine[0].status == rules.NOT_APPLICABLE:
+        return f"not compared: {mine[0].detail}"
     refused = [v for v in mine if v.status == rules.REFUSED and v.rule == "fingerprint"]
     if refused:
         return "REFUSED (fingerprint)"
@@ -191,7 +195,7 @@ def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str
     return cell
 
 
-def _run_entry(result: RunResult, out_dir: Path, warmup: int) -> dict[str, Any]:
+def _run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
     curve = result.curve()
     outcome = result.outcome
     return {
@@ -299,7 +303,7 @@ def run_compare(
         )  # fmt: skip
         result = RunResult(spec, device, outcome)
         if outcome.status in ("ok", "cached"):
-            result.metrics = runner._read_json(run_dir / "metrics.json")
+            result.metrics = runner.read_json(run_dir / "metrics.json")
             if result.metrics is None:
                 outcome.status, outcome.error = "failed", "metrics.json is missing or unreadable"
         else:
@@ -317,10 +321,10 @@ def run_compare(
     base = results.get(s.baseline)
     verdicts: list[rules.Verdict] = []
     for result in results.values():
-        if result.spec.reference is None or not result.ok or base is None:
+        if not result.spec.judged or not result.ok or base is None:
             continue
         verdicts += judge(result, results[result.spec.reference], base, matrix)
-    entries = [_run_entry(r, out_dir, s.warmup_steps) for r in results.values()]
+    entries = [_run_entry(r, s.warmup_steps) for r in results.values()]
     rows = [
         _table_row(r, e, verdict_cell(r, verdicts, s.baseline))
         for r, e in zip(results.values(), entries)

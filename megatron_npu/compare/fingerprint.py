@@ -5,7 +5,9 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
 
 * model shape: ``num_layers, hidden_size, ffn_hidden_size, num_attention_heads,
   num_query_groups, kv_channels, seq_length, max_position_embeddings, position_embedding_type,
-  normalization, swiglu, bias_linear, tied_embeddings, init_method_std``;
+  normalization, swiglu, bias_linear, tied_embeddings, init_method_std, attention_window``
+  (the fused attention's pre/next-token window: a sparse window computes another function than
+  full causal attention; the flash kernel with the full window does not);
 * ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
   :mod:`.matrix`);
 * ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
@@ -37,6 +39,7 @@ MODEL_FIELDS = (
     "bias_linear",
     "tied_embeddings",
     "init_method_std",
+    "attention_window",
 )
 FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "tokenizer")
 
@@ -54,6 +57,16 @@ def _is_number(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _window(args: dict[str, Any]) -> str:
+    from megatron_npu.ops.settings import FULL_WINDOW
+
+    pre = args.get("pre_tokens", FULL_WINDOW)
+    nxt = args.get("next_tokens", FULL_WINDOW)
+    pre = "full" if pre is None or pre >= FULL_WINDOW else pre
+    nxt = "full" if nxt is None or nxt >= FULL_WINDOW else nxt
+    return f"causal, pre {pre}, next {nxt}"
 
 
 def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +92,7 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         "tied_embeddings": not args.get("untie_embeddings_and_output_weights"),
         "init_method_std": args.get("init_method_std"),
         "padded_vocab_size": config.get("padded_vocab_size"),
+        "attention_window": _window(args),
     }
     data = config.get("data", {}) or {}
     source = data.get("source")

@@ -24,7 +24,8 @@ bf16 = false                   # true -> "--bf16"; false/absent -> left out
 name = "ref-fp32"
 device = "cpu"                 # or a list: the first one available here, e.g. ["npu", "npu-emulated"]
 options = { }                  # this run's train options, over [defaults]
-reference = "ref-fp32"         # what its verdict compares against (default: the baseline)
+reference = "ref-fp32"         # what its verdict compares against (default: the baseline);
+                               # false: a reference row only (no accuracy verdict of its own)
 rerun_of = "ref-fp32"          # the same configuration again: the deterministic rule
 optional = true                # skipped (and said so) when none of its devices is here
 timeout_s = 300                # this run's own limit
@@ -97,7 +98,8 @@ class RunSpec:
     name: str
     devices: tuple[str, ...]  # candidates in order; the first available one runs
     options: dict[str, Any]
-    reference: str | None = None  # None for the baseline
+    reference: str | None = None  # None for the baseline and reference-only rows
+    judged: bool = False  # has an accuracy verdict against ``reference``
     rerun_of: str | None = None
     optional: bool = False
     timeout_s: float | None = None  # overrides [compare] timeout_s
@@ -246,12 +248,17 @@ def parse(data: dict, source: str) -> Matrix:
                 raise MatrixError(f"{where}: rerun_of {rerun_of!r} must name an earlier run")
             options, devices = dict(original.options), original.devices
         reference = raw.get("reference", rerun_of or settings.baseline)
+        if reference is False:
+            reference = None
+        elif not isinstance(reference, str):
+            raise MatrixError(f"{where}: reference must be a run name or false, got {reference!r}")
         runs.append(
             RunSpec(
                 name=name,
                 devices=devices,
                 options=options,
                 reference=None if name == settings.baseline else reference,
+                judged=name != settings.baseline and reference is not None,
                 rerun_of=rerun_of,
                 optional=bool(raw.get("optional", False)),
                 timeout_s=_timeout(raw.get("timeout_s"), where),

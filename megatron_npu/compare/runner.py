@@ -106,7 +106,7 @@ def config_hash(spec: RunSpec, device: str, rerun_index: int, checkpoint: bool) 
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -181,7 +181,7 @@ def execute(
     digest = config_hash(spec, device, rerun_index, checkpoint)
     command = train_command(spec, device, run_dir, corpus_dir, checkpoint)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
-    cached = _read_json(record_path)
+    cached = read_json(record_path)
     if (
         cached
         and cached.get("config_hash") == digest
@@ -243,10 +243,10 @@ def evaluate_lambada(
     ]  # fmt: skip
     echo.write(f" [compare] {spec.name}: LAMBADA on its final checkpoint\n")
     code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s, echo)
-    result = _read_json(out)
+    result = read_json(out)
     if code != 0 or result is None:
         return None, _failure(code, tail, timeout_s) if code != 0 else "no lambada.json was written"
-    record = _read_json(run_dir / "run.json") or {}
+    record = read_json(run_dir / "run.json") or {}
     record["lambada"] = result
     _write_json(run_dir / "run.json", record)
     return result, None

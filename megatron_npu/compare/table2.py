@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_npu.ops.settings import FULL_WINDOW
+
 COLUMNS = (
     ("name", "name"),
     ("device", "device"),
@@ -46,7 +48,7 @@ def precision_of(arguments: dict[str, Any]) -> str:
     if arguments.get("use_flash_attn"):
         attention.append("flash")
     window = (arguments.get("pre_tokens"), arguments.get("next_tokens"))
-    if window[0] is not None and window[0] < 65536 or window[1] is not None and window[1] < 65536:
+    if any(w is not None and w < FULL_WINDOW for w in window):
         attention.append(f"window {window[0]}/{window[1]}")
     if arguments.get("shape_order") == "BSH":
         attention.append("BSH")

@@ -103,3 +103,17 @@ def test_the_default_matrix_has_the_rows_the_issue_asks_for():
     assert any(r.rerun_of == "ref-fp32" for r in matrix.runs)
     cuda = [r for r in matrix.runs if "cuda" in r.devices]
     assert cuda and all(r.optional for r in cuda)
+
+
+def test_reference_rows_are_not_judged(tmp_path):
+    matrix = m.load(
+        write(
+            tmp_path,
+            BASE + '[[run]]\nname = "w"\nreference = false\n[[run]]\nname = "x"\nreference = "w"\n',
+        )
+    )
+    a, w, x = matrix.runs
+    assert not a.judged and not w.judged and w.reference is None
+    assert x.judged and x.reference == "w"
+    with pytest.raises(m.MatrixError, match="reference must be a run name or false"):
+        m.load(write(tmp_path, BASE + '[[run]]\nname = "w"\nreference = 3\n'))

@@ -155,3 +155,16 @@ def test_fingerprint_names_the_differing_fields():
         "padded_vocab_size (384 vs 512)" in verdict.detail and "seed (1234 vs 7)" in verdict.detail
     )
     assert [d[0] for d in fp.differences(ref, cand, vary=("seed",))] == ["padded_vocab_size"]
+
+
+def test_a_sparse_window_is_another_model():
+    full = fp.fingerprint(_config(arguments={"pre_tokens": 65536, "next_tokens": 65536}))
+    assert (
+        full["attention_window"]
+        == fp.fingerprint(_config())["attention_window"]
+        == "causal, pre full, next full"
+    )
+    sparse = fp.fingerprint(_config(arguments={"pre_tokens": 32, "next_tokens": 0}))
+    assert fp.differences(full, sparse) == [
+        ("attention_window", "causal, pre full, next full", "causal, pre 32, next 0")
+    ]
