@@ -39,7 +39,6 @@ def _own_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--strict-lambada", action="store_true")
     parser.add_argument("--results-out", default=None)
-    parser.add_argument("-h", "--help", action="store_true")
     return parser
 
 
@@ -59,13 +58,14 @@ def main(argv: list[str]) -> int:
 
     security.set_umask()
     quiet_expected_warnings()
+    if "-h" in argv or "--help" in argv:
+        _own_parser().print_usage()
+        print(__doc__)
+        return 0
     try:
         own, train_argv = split_argv(list(argv))
     except SystemExit as exc:
         return int(exc.code or 2)
-    if own.help:
-        print(__doc__)
-        return 0
     args = arguments.parse_args(train_argv)
     if not args.load:
         print("megatron-npu evaluate: error: --load CKPT is required", file=sys.stderr)
