@@ -25,6 +25,7 @@ from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare import rules, runner, table2
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
+from megatron_npu.training.peak import plausible
 
 DEFAULT_OUT = "compare-out"
 
@@ -96,9 +97,10 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
     tokens = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
     flops = summary.get("model_flops_per_step")
     peak = summary.get("peak") or {}
-    mfu = None
+    raw_mfu = None
     if stats and flops and peak.get("tflops"):
-        mfu = flops / stats.median / (peak["tflops"] * 1e12 * summary.get("peak_devices", 1))
+        raw_mfu = flops / stats.median / (peak["tflops"] * 1e12 * summary.get("peak_devices", 1))
+    mfu = plausible(raw_mfu)
     memory = summary.get("peak_memory_bytes")
     return {
         "median_s_per_step": stats.median if stats else None,
@@ -108,6 +110,7 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         "mfu": mfu,
         "peak_tflops": peak.get("tflops"),
         "peak_source": peak.get("source"),
+        "peak_understated": raw_mfu is not None and mfu is None,
         "peak_memory_mib": memory / 2**20 if memory is not None else None,
         "speed_comparable": not result.emulated,
     }
@@ -248,8 +251,10 @@ def _table_row(result: RunResult, entry: dict[str, Any], cell: str) -> dict[str,
         "s_per_step_ci95": perf.get("ci95_s_per_step"),
         "tokens_per_s": perf.get("tokens_per_s"),
         "mfu": perf.get("mfu"),
+        "peak_understated": perf.get("peak_understated", False),
         "peak_memory_mib": perf.get("peak_memory_mib"),
         "lambada": (result.lambada or {}).get("accuracy"),
+        "lambada_nll": (result.lambada or {}).get("target_nll"),
         "verdict": cell,
     }
 

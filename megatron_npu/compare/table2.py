@@ -21,7 +21,7 @@ COLUMNS = (
     ("tokens_per_s", "tokens/s"),
     ("mfu", "MFU"),
     ("peak_memory_mib", "peak MiB"),
-    ("lambada", "LAMBADA"),
+    ("lambada", "LAMBADA acc (target nll)"),
     ("verdict", "verdict"),
 )
 EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance."
@@ -59,6 +59,8 @@ def _fmt(key: str, row: dict[str, Any]) -> str:
     value = row.get(key)
     if key == "device":
         return f"{value}*" if row.get("emulated") else str(value)
+    if key == "mfu" and row.get("peak_understated"):
+        return "n/a (peak understated)"
     if value is None:
         return "-"
     if key in ("first_loss", "last_loss"):
@@ -73,7 +75,8 @@ def _fmt(key: str, row: dict[str, Any]) -> str:
     if key == "peak_memory_mib":
         return f"{value:.0f}"
     if key == "lambada":
-        return f"{100 * value:.1f}%"
+        nll = row.get("lambada_nll")
+        return f"{100 * value:.1f}%" + (f" (nll {nll:.3f})" if nll is not None else "")
     return str(value)
 
 

@@ -273,6 +273,11 @@ def _throughput_note(summary: dict) -> str:
     if summary.get("achieved_tflops_per_s") is None:
         return ""
     note = f"{summary['achieved_tflops_per_s']:.4g} model TFLOP/s | "
+    if summary.get("peak_understated"):
+        note += (
+            f"MFU n/a: above the {summary['peak']['tflops']:.4g} TFLOP/s peak "
+            f"({summary['peak']['source']}; state --peak-tflops or delete the probe cache) | "
+        )
     if summary.get("mfu") is not None:
         note += f"MFU {100.0 * summary['mfu']:.2f}% of {summary['peak']['tflops']:.4g} TFLOP/s peak"
         note += f" ({summary['peak']['source']}) | "

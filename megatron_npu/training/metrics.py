@@ -11,7 +11,8 @@ The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``)
   accelerator memory (``max_memory_allocated``, the largest over all ranks), skipped steps;
   and throughput: ``model_flops_per_step`` (Megatron-LM's GPT formula, :mod:`.flops`),
   ``achieved_tflops_per_s`` at the median step time, ``mfu`` against ``peak`` (the per-device
-  peak of :mod:`.peak` -- measured GEMM probe, cached, or stated -- times ``peak_devices``).
+  peak of :mod:`.peak` -- measured GEMM probe, cached, or stated -- times ``peak_devices``; null
+  with ``peak_understated: true`` when the model ran faster than that peak).
 
 The loss lives on the last pipeline stage; :mod:`megatron_npu.training.loop` sums it onto every
 rank with one all-reduce per step (see ``loop.reduce_loss``), so rank 0 writes it here.
@@ -30,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_npu.training.peak import plausible
 from megatron_npu.training.security import write_private
 
 #: Steps excluded from the steady-state timing (start-up, first allocations, warm caches).
@@ -65,14 +67,18 @@ class RunMetrics:
     peak: dict[str, Any] | None = None  # PeakFlops.as_dict()
     peak_devices: int = 1
 
-    def throughput(self, step_time_s: float | None) -> tuple[float | None, float | None]:
-        """Achieved model TFLOP/s and MFU at ``step_time_s`` (None where not known)."""
+    def throughput(
+        self, step_time_s: float | None, raw: bool = False
+    ) -> tuple[float | None, float | None]:
+        """Achieved model TFLOP/s and MFU at ``step_time_s`` (None where not known, and MFU None
+        above 1 -- an understated peak -- unless ``raw``)."""
         if not step_time_s or self.model_flops_per_step is None:
             return None, None
         tflops = self.model_flops_per_step / step_time_s / 1e12
         if not self.peak or not self.peak.get("tflops"):
             return tflops, None
-        return tflops, tflops / (self.peak["tflops"] * self.peak_devices)
+        utilisation = tflops / (self.peak["tflops"] * self.peak_devices)
+        return tflops, utilisation if raw else plausible(utilisation)
 
     def add(self, record: StepRecord) -> None:
         self.steps.append(record)
@@ -94,6 +100,7 @@ class RunMetrics:
             "model_flops_per_step": self.model_flops_per_step,
             "achieved_tflops_per_s": self.throughput(median)[0],
             "mfu": self.throughput(median)[1],
+            "peak_understated": (self.throughput(median, raw=True)[1] or 0.0) > 1.0,
             "peak": self.peak,
             "peak_devices": self.peak_devices,
         }

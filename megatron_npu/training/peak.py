@@ -181,6 +181,12 @@ def aggregate_devices(device: str, world_size: int) -> int:
     return 1 if device in HOST_SHARED else max(1, world_size)
 
 
+def plausible(utilisation: float | None) -> float | None:
+    """``utilisation`` unless it exceeds 1: then the peak was understated (a probe taken on a busy
+    machine, or a wrong stated figure) and there is no meaningful MFU."""
+    return utilisation if utilisation is not None and utilisation <= 1.0 else None
+
+
 def mfu(flops_per_s: float, peak: PeakFlops, *, devices: int = 1) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over ``devices`` x the per-device peak."""
     if peak.tflops <= 0:

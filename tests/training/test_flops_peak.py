@@ -111,3 +111,16 @@ def test_metrics_summary_and_log_line_carry_flops_and_mfu():
     assert "model TFLOP/s: 0.004 |" in line and "MFU: 0.40% |" in line
     no_peak = metrics.RunMetrics(config={}, tokens_per_step=1)
     assert no_peak.throughput(0.5) == (None, None)
+
+
+def test_an_understated_peak_gives_no_mfu():
+    from megatron_npu.training import metrics
+
+    run = metrics.RunMetrics(config={}, tokens_per_step=1)
+    run.model_flops_per_step = 1e9
+    run.peak = peak.PeakFlops(1e-4, "measured", "cpu", "bfloat16", "probe").as_dict()
+    run.add(metrics.StepRecord(1, 3.0, 1.0, 1e-3, 1.0, False, 1.0, 1.0))
+    summary = run.summary()
+    assert summary["achieved_tflops_per_s"] == pytest.approx(1e-3)
+    assert summary["mfu"] is None and summary["peak_understated"] is True
+    assert peak.plausible(1.5) is None and peak.plausible(0.5) == 0.5
