@@ -151,3 +151,23 @@ def test_the_report_is_built_when_the_reports_package_imports(tmp_path, monkeypa
     out = tmp_path / "out"
     assert seen == [([out], out / "report.html")]
     assert f"report: {out / 'report.html'}" in printed
+
+
+def test_a_performance_flag_is_reported_but_does_not_fail_the_comparison(tmp_path, monkeypatch):
+    def execute(spec, device, run_dir, **kwargs):
+        metrics = _metrics(spec, device, list(np.linspace(6, 3, 12)))
+        for i, step in enumerate(metrics["steps"]):
+            step["step_time_s"] = (0.3 if spec.name == "slow" else 0.1) + 0.001 * (i % 3)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        return runner.Outcome("ok", None, 1.0, ["train"], "h")
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setitem(sys.modules, "reports", None)
+    path = tmp_path / "m.toml"
+    path.write_text('[[run]]\nname = "ref"\n[[run]]\nname = "slow"\noptions = { lr = 1e-3 }\n')
+    document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
+    perf = next(v for v in document["verdicts"] if v["rule"] == "performance")
+    assert perf["status"] == "fail" and "2.98x" in perf["detail"]
+    assert document["table2"][1]["verdict"].endswith("; SLOWER")
+    assert status == 0
