@@ -48,6 +48,18 @@ def _report(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from megatron_npu.compare.command import main
+
+    return main(args)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from megatron_npu.evaluate.command import main
+
+    return main(args.evaluate_argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-npu", description="Megatron-Core on Ascend NPU, with a CPU parity harness"
@@ -84,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_arguments(p_report)
     p_report.set_defaults(func=_report)
+    p_compare = sub.add_parser(
+        "compare", help="run a matrix of training configurations and judge them (Table 2)"
+    )
+    from megatron_npu.compare.command import add_arguments as add_compare_arguments
+
+    add_compare_arguments(p_compare)
+    p_compare.set_defaults(func=_compare)
+    p_evaluate = sub.add_parser(
+        "evaluate", help="zero-shot evaluation of a checkpoint (--task lambada)", add_help=False
+    )
+    p_evaluate.set_defaults(func=_evaluate)
     return parser
 
 
@@ -91,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # train parses its own (Megatron-named) options
         return _train(argparse.Namespace(train_argv=argv[1:]))
+    if argv[:1] == ["evaluate"]:  # evaluate takes train's model options too
+        return _evaluate(argparse.Namespace(evaluate_argv=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

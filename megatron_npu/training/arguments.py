@@ -205,6 +205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--metrics-out", default=None, help="write run metrics JSON here (rank 0)")
     g.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="per-device peak TFLOP/s for MFU (default: $MEGATRON_NPU_PEAK_TFLOPS, else a GEMM "
+        "probe cached in ~/.cache/megatron-npu/peak.json)",
+    )
+    g.add_argument(
         "--progress", choices=("auto", "rich", "plain", "none"), default="auto",
         help="progress display: rich bar on a TTY, plain lines otherwise (auto)",
     )

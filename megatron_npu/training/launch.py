@@ -57,9 +57,10 @@ def dist_env(master_addr: str = "127.0.0.1", master_port: int | None = None) -> 
     return DistEnv(0, 1, 0, master_addr, master_port or free_port(master_addr))
 
 
-def launch(argv: Sequence[str], args) -> int:
-    """Start ``args.nproc_per_node`` local workers running ``megatron_npu.train`` on ``argv``
-    through torch's elastic launcher (static rendezvous, no restarts). Returns 0 on success."""
+def launch(argv: Sequence[str], args, entry=None) -> int:
+    """Start ``args.nproc_per_node`` local workers running ``entry`` (default
+    ``megatron_npu.train.main``) on ``argv`` through torch's elastic launcher (static rendezvous,
+    no restarts). ``entry`` must be a module-level function (spawn pickles it). 0 on success."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -80,13 +81,15 @@ def launch(argv: Sequence[str], args) -> int:
     )
     from megatron_npu.train import main  # imported by name, so spawn can pickle it
 
+    entry = entry or main
+
     if args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun's rule: several ranks on one host must not each spawn a thread per core.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // args.nproc_per_node))
     worker_argv = strip_launch_options(argv)
     try:
-        elastic_launch(config, main)(worker_argv)
+        elastic_launch(config, entry)(worker_argv)
     except ChildFailedError as exc:
         failures = ", ".join(
             f"rank {rank}: exit code {f.exitcode}" for rank, f in sorted(exc.failures.items())

@@ -39,8 +39,10 @@ from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
     arguments,
     checkpointing,
+    flops,
     launch,
     metrics,
+    peak,
     quiet_expected_warnings,
     security,
 )
@@ -235,6 +237,53 @@ def _describe_layout(args, device) -> str:
     )
 
 
+def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) -> None:
+    """Model FLOPs per step (Megatron-LM's formula; causal attention, a pre/next window is not
+    credited, as in Megatron) and, on rank 0, the peak MFU is measured against."""
+    run_metrics.model_flops_per_step = flops.gpt_model_flops_per_iteration(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+        padded_vocab_size=vocab,
+        global_batch_size=args.global_batch_size,
+        swiglu=args.swiglu,
+        causal=True,
+        kv_channels=args.kv_channels,
+    )
+    if rank0:
+        try:
+            figure = peak.resolve_peak(device.name, model_mod.params_dtype(args), args.peak_tflops)
+        except ValueError as exc:
+            raise arguments.ArgumentError(str(exc)) from None
+        run_metrics.peak = figure.as_dict()
+        run_metrics.peak_devices = peak.aggregate_devices(device.name, args.world_size)
+        print(
+            f" model FLOPs per step: {run_metrics.model_flops_per_step:.4g} (Megatron-LM's GPT "
+            f"formula: attention, MLP and logits GEMMs, forward + backward) | MFU against "
+            f"{figure.tflops:.4g} TFLOP/s x {run_metrics.peak_devices} ({figure.source}: "
+            f"{figure.detail})",
+            flush=True,
+        )
+
+
+def _throughput_note(summary: dict) -> str:
+    if summary.get("achieved_tflops_per_s") is None:
+        return ""
+    note = f"{summary['achieved_tflops_per_s']:.4g} model TFLOP/s | "
+    if summary.get("peak_understated"):
+        note += (
+            f"MFU n/a: above the {summary['peak']['tflops']:.4g} TFLOP/s peak "
+            f"({summary['peak']['source']}; state --peak-tflops or delete the probe cache) | "
+        )
+    if summary.get("mfu") is not None:
+        note += f"MFU {100.0 * summary['mfu']:.2f}% of {summary['peak']['tflops']:.4g} TFLOP/s peak"
+        note += f" ({summary['peak']['source']}) | "
+    return note
+
+
 def _train(args, env, device) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -264,9 +313,13 @@ def _train(args, env, device) -> int:
 
     tokens_per_step = args.global_batch_size * args.seq_length
     run_metrics = metrics.RunMetrics(metrics.run_config(args, device), tokens_per_step)
-    run_metrics.config["data"] = {"source": train_data.source, "description": train_data.description}
+    run_metrics.config["data"] = {
+        "source": train_data.source,
+        "description": train_data.description,
+    }
     run_metrics.config["padded_vocab_size"] = vocab
     run_metrics.config["resumed_from"] = resume.loaded_from
+    _set_throughput_basis(args, device, vocab, run_metrics, rank0)
     interval = metrics.IntervalLog()
     if rank0:
         print(
@@ -274,7 +327,9 @@ def _train(args, env, device) -> int:
             f"training iterations {resume.iteration + 1}..{args.train_iters}",
             flush=True,
         )
-    progress = metrics.Progress(args.progress, args.train_iters, resume.iteration) if rank0 else None
+    progress = (
+        metrics.Progress(args.progress, args.train_iters, resume.iteration) if rank0 else None
+    )
     for chunk in model:
         chunk.train()
     device.accelerator.reset_peak_memory_stats()
@@ -305,7 +360,9 @@ def _train(args, env, device) -> int:
                 interval.add(record)
                 if log_now:
                     progress.print(
-                        interval.line(args.train_iters, consumed, args.global_batch_size)
+                        interval.line(
+                            args.train_iters, consumed, args.global_batch_size, run_metrics
+                        )
                     )
                     if args.metrics_out:
                         run_metrics.write(args.metrics_out)
@@ -340,7 +397,7 @@ def _train(args, env, device) -> int:
         print(
             f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
             f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
-            f"{summary['skipped_steps']} | peak memory {summary['peak_memory_bytes'] / 2**20:.0f} "
+            f"{summary['skipped_steps']} | {_throughput_note(summary)}peak memory {summary['peak_memory_bytes'] / 2**20:.0f} "
             f"MiB{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
             flush=True,
         )

@@ -8,7 +8,11 @@ The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``)
   step_time_s, tokens_per_s`` (+ ``params_norm`` with ``--log-params-norm``);
 * ``summary``: median steady-state seconds per step (steps after the first
   :data:`WARMUP_STEPS`; all steps if there are no others), tokens/s at that median, the peak
-  accelerator memory (``max_memory_allocated``, the largest over all ranks), skipped steps.
+  accelerator memory (``max_memory_allocated``, the largest over all ranks), skipped steps;
+  and throughput: ``model_flops_per_step`` (Megatron-LM's GPT formula, :mod:`.flops`),
+  ``achieved_tflops_per_s`` at the median step time, ``mfu`` against ``peak`` (the per-device
+  peak of :mod:`.peak` -- measured GEMM probe, cached, or stated -- times ``peak_devices``; null
+  with ``peak_understated: true`` when the model ran faster than that peak).
 
 The loss lives on the last pipeline stage; :mod:`megatron_npu.training.loop` sums it onto every
 rank with one all-reduce per step (see ``loop.reduce_loss``), so rank 0 writes it here.
@@ -27,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_npu.training.peak import plausible
 from megatron_npu.training.security import write_private
 
 #: Steps excluded from the steady-state timing (start-up, first allocations, warm caches).
@@ -58,6 +63,22 @@ class RunMetrics:
     tokens_per_step: int
     steps: list[StepRecord] = field(default_factory=list)
     peak_memory_bytes: int | None = None
+    model_flops_per_step: float | None = None
+    peak: dict[str, Any] | None = None  # PeakFlops.as_dict()
+    peak_devices: int = 1
+
+    def throughput(
+        self, step_time_s: float | None, raw: bool = False
+    ) -> tuple[float | None, float | None]:
+        """Achieved model TFLOP/s and MFU at ``step_time_s`` (None where not known, and MFU None
+        above 1 -- an understated peak -- unless ``raw``)."""
+        if not step_time_s or self.model_flops_per_step is None:
+            return None, None
+        tflops = self.model_flops_per_step / step_time_s / 1e12
+        if not self.peak or not self.peak.get("tflops"):
+            return tflops, None
+        utilisation = tflops / (self.peak["tflops"] * self.peak_devices)
+        return tflops, utilisation if raw else plausible(utilisation)
 
     def add(self, record: StepRecord) -> None:
         self.steps.append(record)
@@ -76,6 +97,12 @@ class RunMetrics:
             "skipped_steps": sum(1 for r in self.steps if r.skipped),
             "first_lm_loss": losses[0] if losses else None,
             "last_lm_loss": losses[-1] if losses else None,
+            "model_flops_per_step": self.model_flops_per_step,
+            "achieved_tflops_per_s": self.throughput(median)[0],
+            "mfu": self.throughput(median)[1],
+            "peak_understated": (self.throughput(median, raw=True)[1] or 0.0) > 1.0,
+            "peak": self.peak,
+            "peak_devices": self.peak_devices,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,11 +161,17 @@ def log_line(
     grad_norm: float | None,
     params_norm: float | None,
     skipped: int,
+    tflops_per_s: float | None = None,
+    mfu: float | None = None,
 ) -> str:
     """One Megatron-LM training log line (values averaged over the log interval)."""
     line = f" iteration {step:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {ms_per_step:.1f} |"
+    if tflops_per_s is not None:
+        line += f" model TFLOP/s: {tflops_per_s:.4g} |"
+    if mfu is not None:
+        line += f" MFU: {100.0 * mfu:.2f}% |"
     line += f" learning rate: {lr:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {_fmt_or_nan(lm_loss, '.6E')} |"
@@ -160,16 +193,26 @@ class IntervalLog:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
 
-    def line(self, train_iters: int, consumed_samples: int, global_batch_size: int) -> str:
+    def line(
+        self,
+        train_iters: int,
+        consumed_samples: int,
+        global_batch_size: int,
+        run: RunMetrics | None = None,
+    ) -> str:
         records, self.records = self.records, []
         last = records[-1]
         applied = [r for r in records if not r.skipped and r.lm_loss is not None]
         loss = sum(r.lm_loss for r in applied) / len(applied) if applied else None
+        mean_step = sum(r.step_time_s for r in records) / len(records)
+        tflops, mfu = run.throughput(mean_step) if run is not None else (None, None)
         return log_line(
             step=last.step,
             train_iters=train_iters,
             consumed_samples=consumed_samples,
-            ms_per_step=1000.0 * sum(r.step_time_s for r in records) / len(records),
+            ms_per_step=1000.0 * mean_step,
+            tflops_per_s=tflops,
+            mfu=mfu,
             lr=last.lr,
             global_batch_size=global_batch_size,
             lm_loss=loss,

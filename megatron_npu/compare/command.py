@@ -1,0 +1,389 @@
+"""``megatron-npu compare [MATRIX.toml] [--out DIR]``: run a matrix, judge it, write Table 2.
+
+Runs execute one after another (train's progress lines are shown), each cached by config hash
+(:mod:`.runner`); a failed run is reported and the rest go on. Then, per candidate, the rules of
+:mod:`.rules` give one verdict each against its reference (fingerprint first; then
+``deterministic`` for a rerun, ``layout`` for an fp32 run on the same device whose options differ
+only in layout options, ``approximate`` otherwise) and ``performance`` against the baseline.
+Outputs: ``<out>/results.json``, ``<out>/table2.md``, ``<out>/runs/<name>/metrics.json``, and the
+report of the reports package (``<out>/report.html``) when that package is importable.
+
+Exit status: 0 when every run finished and no accuracy or fingerprint verdict failed or was
+refused (a performance flag is reported, not an error: timings belong to the machine); 1
+otherwise; 2 for a matrix that cannot be used.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from megatron_npu.compare import fingerprint as fp
+from megatron_npu.compare import results as results_mod
+from megatron_npu.compare import rules, runner, table2
+from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
+from megatron_npu.training.peak import plausible
+
+DEFAULT_OUT = "compare-out"
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    device: str | None
+    outcome: runner.Outcome | None
+    metrics: dict[str, Any] | None = None
+    lambada: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.outcome is not None
+            and self.outcome.status in ("ok", "cached")
+            and self.metrics is not None
+        )
+
+    @property
+    def emulated(self) -> bool:
+        if self.metrics is not None:
+            return bool(self.metrics["config"].get("device_emulated"))
+        return self.device == "npu-emulated"
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        return self.metrics["config"].get("arguments", {}) if self.metrics else {}
+
+    def curve(self) -> rules.Curve:
+        steps = self.metrics["steps"] if self.metrics else []
+        return rules.Curve(
+            iterations=[s["step"] for s in steps],
+            losses=[None if s.get("skipped") else s.get("lm_loss") for s in steps],
+            grad_norms=[s.get("grad_norm") for s in steps],
+            step_times=[s["step_time_s"] for s in steps],
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        return fp.fingerprint(self.metrics["config"]) if self.metrics else {}
+
+
+def _precision(options: dict[str, Any]) -> str:
+    return "bf16" if options.get("bf16") else "fp16" if options.get("fp16") else "fp32"
+
+
+def accuracy_rule(cand: RunResult, ref: RunResult) -> str:
+    """Which rule judges ``cand`` against ``ref`` (see the module docstring)."""
+    if cand.spec.rerun_of == ref.spec.name:
+        return "deterministic"
+    keys = set(cand.spec.options) | set(ref.spec.options)
+    differing = {k for k in keys if cand.spec.options.get(k) != ref.spec.options.get(k)}
+    same_model_path = cand.device == ref.device
+    fp32 = _precision(cand.spec.options) == _precision(ref.spec.options) == "fp32"
+    if same_model_path and fp32 and differing and differing <= LAYOUT_OPTIONS:
+        return "layout"
+    return "approximate"
+
+
+def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
+    if not result.metrics:
+        return None
+    curve = result.curve()
+    stats = rules.step_time_stats(curve.step_times, warmup)
+    summary = result.metrics.get("summary", {})
+    args = result.arguments
+    tokens = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
+    flops = summary.get("model_flops_per_step")
+    peak = summary.get("peak") or {}
+    raw_mfu = None
+    if stats and flops and peak.get("tflops"):
+        raw_mfu = flops / stats.median / (peak["tflops"] * 1e12 * summary.get("peak_devices", 1))
+    mfu = plausible(raw_mfu)
+    memory = summary.get("peak_memory_bytes")
+    return {
+        "median_s_per_step": stats.median if stats else None,
+        "ci95_s_per_step": list(stats.ci95) if stats else None,
+        "tokens_per_s": tokens / stats.median if stats and stats.median else None,
+        "model_flops_per_step": flops,
+        "mfu": mfu,
+        "peak_tflops": peak.get("tflops"),
+        "peak_source": peak.get("source"),
+        "peak_understated": raw_mfu is not None and mfu is None,
+        "peak_memory_mib": memory / 2**20 if memory is not None else None,
+        "speed_comparable": not result.emulated,
+    }
+
+
+def judge(cand: RunResult, ref: RunResult, base: RunResult, matrix: Matrix) -> list[rules.Verdict]:
+    s = matrix.settings
+    name = cand.spec.name
+    if not ref.ok:
+        return [
+            rules.Verdict(
+                name,
+                ref.spec.name,
+                "fingerprint",
+                rules.NOT_APPLICABLE,
+                f"reference run {ref.spec.name} did not finish",
+            )
+        ]
+    out = [
+        rules.fingerprint_rule(
+            name,
+            ref.spec.name,
+            fp.differences(ref.fingerprint(), cand.fingerprint(), s.vary),
+            s.vary,
+        )
+    ]
+    rule = accuracy_rule(cand, ref)
+    if out[0].status == rules.REFUSED:
+        out.append(
+            rules.Verdict(
+                name, ref.spec.name, rule, rules.REFUSED, "not compared: the fingerprint differs"
+            )
+        )
+    elif rule == "deterministic":
+        out.append(rules.deterministic(name, ref.spec.name, ref.curve(), cand.curve()))
+    elif rule == "layout":
+        out.append(rules.layout(name, ref.spec.name, ref.curve(), cand.curve(), s.layout_tol))
+    else:
+        out.append(
+            rules.approximate(
+                name,
+                ref.spec.name,
+                ref.curve(),
+                cand.curve(),
+                rtol=s.rtol,
+                mean_rtol=s.mean_rtol,
+                late_window=s.late_window,
+                late_growth=s.late_growth,
+            )  # fmt: skip
+        )
+    if base.ok and cand is not base:
+        out.append(
+            rules.performance(
+                name,
+                base.spec.name,
+                rules.step_time_stats(base.curve().step_times, s.warmup_steps),
+                rules.step_time_stats(cand.curve().step_times, s.warmup_steps),
+                comparable=not cand.emulated and not base.emulated,
+                threshold=s.perf_threshold,
+            )  # fmt: skip
+        )
+    return out
+
+
+def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str) -> str:
+    if result.outcome is None or not result.ok:
+        return f"run failed: {(result.outcome.error if result.outcome else 'not run') or ''}"[:120]
+    if result.spec.name == baseline:
+        return "baseline"
+    if not result.spec.judged:
+        return "reference row"
+    mine = [v for v in verdicts if v.candidate == result.spec.name]
+    if len(mine) == 1 and mine[0].status == rules.NOT_APPLICABLE:
+        return f"not compared: {mine[0].detail}"
+    refused = [v for v in mine if v.status == rules.REFUSED and v.rule == "fingerprint"]
+    if refused:
+        return "REFUSED (fingerprint)"
+    accuracy = [v for v in mine if v.rule not in ("fingerprint", "performance")]
+    if not accuracy:
+        return "; ".join(f"{v.rule}: {v.status}" for v in mine) or "-"
+    head = accuracy[0]
+    cell = f"{'pass' if head.status == rules.PASS else head.status.upper()} {head.rule} vs {head.baseline}"
+    if any(v.rule == "performance" and v.status == rules.FAIL for v in mine):
+        cell += "; SLOWER"
+    return cell
+
+
+def _run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
+    curve = result.curve()
+    outcome = result.outcome
+    return {
+        "name": result.spec.name,
+        "device": result.device,
+        "emulated": result.emulated,
+        "options": result.spec.options,
+        "config_hash": outcome.config_hash if outcome else None,
+        "fingerprint": result.fingerprint() if result.metrics else {},
+        "status": outcome.status if outcome else "failed",
+        "error": outcome.error if outcome else "not run",
+        "wall_s": outcome.wall_s if outcome else 0.0,
+        "command": outcome.command if outcome else [],
+        "metrics_path": f"runs/{result.spec.name}/metrics.json",
+        "steps": [
+            {"iteration": i, "loss": loss, "grad_norm": g, "step_time_s": t}
+            for i, loss, g, t in zip(
+                curve.iterations, curve.losses, curve.grad_norms, curve.step_times
+            )
+        ],
+        "perf": perf_record(result, warmup),
+        "lambada": result.lambada,
+        "reference": result.spec.reference,
+        "notes": result.notes,
+    }
+
+
+def _table_row(result: RunResult, entry: dict[str, Any], cell: str) -> dict[str, Any]:
+    perf = entry["perf"] or {}
+    summary = (result.metrics or {}).get("summary", {})
+    args = result.arguments or {k.replace("-", "_"): v for k, v in result.spec.options.items()}
+    world = (result.metrics or {}).get("config", {}).get("world_size")
+    return {
+        "name": result.spec.name,
+        "device": result.device or "/".join(result.spec.devices),
+        "emulated": result.emulated,
+        "layout": table2.layout_of(
+            {
+                **args,
+                "data_parallel_size": (result.metrics or {})
+                .get("config", {})
+                .get("data_parallel_size"),
+            },
+            world,
+        ),
+        "precision": table2.precision_of(args),
+        "first_loss": summary.get("first_lm_loss"),
+        "last_loss": summary.get("last_lm_loss"),
+        "s_per_step": perf.get("median_s_per_step"),
+        "s_per_step_ci95": perf.get("ci95_s_per_step"),
+        "tokens_per_s": perf.get("tokens_per_s"),
+        "mfu": perf.get("mfu"),
+        "peak_understated": perf.get("peak_understated", False),
+        "peak_memory_mib": perf.get("peak_memory_mib"),
+        "lambada": (result.lambada or {}).get("accuracy"),
+        "lambada_nll": (result.lambada or {}).get("target_nll"),
+        "verdict": cell,
+    }
+
+
+def build_report(out_dir: Path, echo: TextIO) -> Path | None:
+    """``reports.build_report([out_dir], out_dir / "report.html")`` when the reports package is
+    importable; otherwise say so (nothing else is lost: results.json is already written)."""
+    try:
+        import reports
+    except ImportError:
+        echo.write(
+            " [compare] no report.html: the `reports` package is not importable here (results.json and table2.md are written)\n"
+        )
+        return None
+    try:
+        path = Path(reports.build_report([out_dir], out_dir / "report.html"))
+    except Exception as exc:  # the comparison is done; a report failure must not hide it
+        echo.write(f" [compare] report.html failed: {type(exc).__name__}: {exc}\n")
+        return None
+    echo.write(f" [compare] report: {path}\n")
+    return path
+
+
+def run_compare(
+    matrix: Matrix, out_dir: Path, *, argv: list[str] | None = None, echo: TextIO = sys.stdout
+) -> tuple[dict[str, Any], int]:
+    """Run, judge and write one comparison; returns (results document, exit status)."""
+    s = matrix.settings
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for note in matrix.notes:
+        echo.write(f" [compare] {note}\n")
+    results: dict[str, RunResult] = {}
+    skipped: list[dict[str, str]] = []
+    for spec in matrix.runs:
+        device = runner.resolve_device(spec)
+        if device is None:
+            reason = f"none of its devices ({', '.join(spec.devices)}) is available here"
+            if spec.optional:
+                echo.write(f" [compare] {spec.name}: skipped, {reason}\n")
+                skipped.append({"name": spec.name, "reason": reason})
+                continue
+            results[spec.name] = RunResult(
+                spec, None, runner.Outcome("failed", reason, 0.0, [], "")
+            )
+            continue
+        run_dir = out_dir / "runs" / spec.name
+        outcome = runner.execute(
+            spec, device, run_dir, corpus_dir=out_dir / "corpus", timeout_s=spec.timeout_s or s.timeout_s,
+            rerun_index=1 if spec.rerun_of else 0, checkpoint=s.lambada, echo=echo,
+        )  # fmt: skip
+        result = RunResult(spec, device, outcome)
+        if outcome.status in ("ok", "cached"):
+            result.metrics = runner.read_json(run_dir / "metrics.json")
+            if result.metrics is None:
+                outcome.status, outcome.error = "failed", "metrics.json is missing or unreadable"
+        else:
+            echo.write(f" [compare] {spec.name}: FAILED ({outcome.error})\n")
+        if s.lambada and result.ok:
+            result.lambada = outcome.lambada
+            if result.lambada is None:
+                result.lambada, why = runner.evaluate_lambada(
+                    spec, device, run_dir, s.lambada_data, timeout_s=s.timeout_s, echo=echo
+                )
+                if why:
+                    result.notes.append(f"LAMBADA evaluation failed: {why}")
+                    echo.write(f" [compare] {spec.name}: LAMBADA evaluation failed ({why})\n")
+        results[spec.name] = result
+    base = results.get(s.baseline)
+    verdicts: list[rules.Verdict] = []
+    for result in results.values():
+        if not result.spec.judged or not result.ok or base is None:
+            continue
+        verdicts += judge(result, results[result.spec.reference], base, matrix)
+    entries = [_run_entry(r, s.warmup_steps) for r in results.values()]
+    rows = [
+        _table_row(r, e, verdict_cell(r, verdicts, s.baseline))
+        for r, e in zip(results.values(), entries)
+    ]
+    document = results_mod.document(
+        matrix=matrix.source, baseline=s.baseline, runs=entries, verdicts=[v.as_dict() for v in verdicts],
+        table2=rows, skipped=skipped, notes=list(matrix.notes), argv=argv,
+    )  # fmt: skip
+    title = f"Table 2: {matrix.source} matrix, baseline {s.baseline}"
+    text = table2.markdown(rows, title)
+    results_path, table_path = results_mod.write(out_dir, document, text)
+    echo.write("\n" + text + "\n")
+    for v in verdicts:
+        echo.write(f" {v.candidate:<22} {v.rule:<13} {v.status:<14} {v.detail}\n")
+    for item in skipped:
+        echo.write(f" {item['name']:<22} skipped: {item['reason']}\n")
+    wall = time.perf_counter() - started
+    echo.write(
+        f"\n [compare] wrote {results_path} and {table_path} ({len(results)} runs, {wall:.0f} s)\n"
+    )
+    build_report(out_dir, echo)
+    bad_runs = any(not r.ok for r in results.values())
+    bad_verdicts = any(
+        v.status in (rules.FAIL, rules.REFUSED) and v.rule != "performance" for v in verdicts
+    )
+    return document, 1 if bad_runs or bad_verdicts else 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "matrix", nargs="?", default=None, help="matrix TOML (default: the shipped default matrix)"
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})"
+    )
+
+
+def main(args) -> int:
+    from megatron_npu.compare.matrix import MatrixError, load
+
+    try:
+        matrix = load(args.matrix)
+    except MatrixError as exc:
+        print(f"megatron-npu compare: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _, status = run_compare(matrix, Path(args.out), argv=sys.argv)
+    except OSError as exc:
+        print(f"megatron-npu compare: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+def load_results(out_dir: str | Path) -> dict[str, Any]:
+    """Read a comparison's ``results.json`` (for readers such as the reports package)."""
+    return json.loads((Path(out_dir) / "results.json").read_text(encoding="utf-8"))

@@ -1,0 +1,125 @@
+"""The config fingerprint: what must be equal for two runs to be the same model on the same data.
+
+Read from each run's ``metrics.json`` ``config`` (what the run actually used, after Megatron's
+derivations such as the padded vocabulary), never from the matrix text. Fields:
+
+* model shape: ``num_layers, hidden_size, ffn_hidden_size, num_attention_heads,
+  num_query_groups, kv_channels, seq_length, max_position_embeddings, position_embedding_type,
+  normalization, swiglu, bias_linear, tied_embeddings, init_method_std, attention_window``
+  (the fused attention's pre/next-token window: a sparse window computes another function than
+  full causal attention; the flash kernel with the full window does not);
+* ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
+  :mod:`.matrix`);
+* ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
+  embedded corpus's carries its content hash -- or the mock vocabulary), plus ``--split``;
+* ``seed``;
+* ``tokenizer``: type and vocab/merge file names.
+
+A candidate whose fingerprint differs from its reference on a field the matrix does not list in
+``[compare] vary`` is *refused*: no loss verdict is given, and the refusal names the fields.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "bias_linear",
+    "tied_embeddings",
+    "init_method_std",
+    "attention_window",
+)
+FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "tokenizer")
+
+
+def _names(paths: Any) -> list[str]:
+    if not paths:
+        return []
+    items = paths if isinstance(paths, list) else [paths]
+    return [os.path.basename(str(p)) if not _is_number(p) else str(p) for p in items]
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _window(args: dict[str, Any]) -> str:
+    from megatron_npu.ops.settings import FULL_WINDOW
+
+    pre = args.get("pre_tokens", FULL_WINDOW)
+    nxt = args.get("next_tokens", FULL_WINDOW)
+    pre = "full" if pre is None or pre >= FULL_WINDOW else pre
+    nxt = "full" if nxt is None or nxt >= FULL_WINDOW else nxt
+    return f"causal, pre {pre}, next {nxt}"
+
+
+def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint of one run from its ``metrics.json`` ``config`` block."""
+    args = config.get("arguments", {})
+    heads = args.get("num_attention_heads")
+    kv = args.get("kv_channels") or (
+        args["hidden_size"] // heads if heads and args.get("hidden_size") else None
+    )
+    out: dict[str, Any] = {
+        "num_layers": args.get("num_layers"),
+        "hidden_size": args.get("hidden_size"),
+        "ffn_hidden_size": args.get("ffn_hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": args.get("num_query_groups"),
+        "kv_channels": kv,
+        "seq_length": args.get("seq_length"),
+        "max_position_embeddings": args.get("max_position_embeddings"),
+        "position_embedding_type": args.get("position_embedding_type"),
+        "normalization": args.get("normalization"),
+        "swiglu": bool(args.get("swiglu")),
+        "bias_linear": not args.get("disable_bias_linear"),
+        "tied_embeddings": not args.get("untie_embeddings_and_output_weights"),
+        "init_method_std": args.get("init_method_std"),
+        "padded_vocab_size": config.get("padded_vocab_size"),
+        "attention_window": _window(args),
+    }
+    data = config.get("data", {}) or {}
+    source = data.get("source")
+    if args.get("mock_data"):
+        identity = f"vocab {args.get('vocab_size')}"
+    elif args.get("data_path"):
+        identity = " ".join(_names(args.get("data_path")))
+    else:
+        described = str(data.get("description", ""))
+        prefix = next((w for w in described.split() if os.sep in w), "")
+        identity = os.path.basename(prefix.rstrip(",")) or described
+    out["data"] = f"{source}: {identity} split {args.get('split') or '100,0,0'}"
+    out["seed"] = args.get("seed")
+    tokenizer = args.get("tokenizer_type") or (
+        "NullTokenizer" if args.get("mock_data") else "ByteLevel"
+    )
+    files = _names([f for f in (args.get("vocab_file"), args.get("merge_file")) if f])
+    out["tokenizer"] = " ".join([tokenizer, *files])
+    return out
+
+
+def differences(
+    reference: dict[str, Any], candidate: dict[str, Any], vary: tuple[str, ...] = ()
+) -> list[tuple[str, Any, Any]]:
+    """``(field, reference value, candidate value)`` for every differing field not in ``vary``."""
+    return [
+        (name, reference.get(name), candidate.get(name))
+        for name in FIELDS
+        if name not in vary and reference.get(name) != candidate.get(name)
+    ]

@@ -1,0 +1,325 @@
+"""A comparison matrix: TOML (stdlib ``tomllib``) into typed dataclasses.
+
+```toml
+[compare]                      # all optional
+baseline = "ref-fp32"          # default: the first [[run]]
+timeout_s = 900                # per run; a run past it is killed and reported failed
+lambada = true                 # evaluate each run's final checkpoint on LAMBADA (zero-shot cloze)
+lambada_data = "default"       # or a lambada_test.jsonl-format file
+vary = []                      # fingerprint fields this matrix may vary (e.g. ["seed"])
+align_vocab = true             # pad every run's vocabulary to the same size (see below)
+rtol = 0.05                    # approximate: every step within this relative error
+mean_rtol = 0.02               # approximate: mean relative error below this (MindSpeed's bar)
+late_window = 10               # approximate: steps in the late-divergence window
+late_growth = 0.01             # approximate: error growth over that window that flags a drift
+layout_tol = 1e-5              # layout: per-step relative loss difference for fp32 layouts
+perf_threshold = 0.10          # performance: slower than the baseline by more than this flags
+warmup_steps = 2               # performance: steps left out of the s/step statistics
+
+[defaults]                     # train options of every run (Megatron's names, without "--")
+num-layers = 2
+bf16 = false                   # true -> "--bf16"; false/absent -> left out
+
+[[run]]
+name = "ref-fp32"
+device = "cpu"                 # or a list: the first one available here, e.g. ["npu", "npu-emulated"]
+options = { }                  # this run's train options, over [defaults]
+reference = "ref-fp32"         # what its verdict compares against (default: the baseline);
+                               # false: a reference row only (no accuracy verdict of its own)
+rerun_of = "ref-fp32"          # the same configuration again: the deterministic rule
+optional = true                # skipped (and said so) when none of its devices is here
+timeout_s = 300                # this run's own limit
+```
+
+``align_vocab``: Megatron pads the vocabulary to a multiple of ``make-vocab-size-divisible-by x
+TP``, so a TP1 and a TP2 run of the same flags are *different models*. With ``align_vocab`` each
+run's divisible-by becomes ``lcm(divisible-by_i x TP_i) / TP_i`` over all runs, so all pad alike;
+without it the fingerprint rule refuses such a pair (naming ``padded_vocab_size``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from megatron_npu.registry import DEVICES
+
+DEFAULT_MATRIX = Path(__file__).with_name("default_matrix.toml")
+#: Options a matrix run may not set: compare sets them per run.
+RESERVED_OPTIONS = frozenset({"device", "metrics-out", "progress", "save", "load"})
+#: Options that choose a layout (the layout rule applies when only these differ, in fp32).
+LAYOUT_OPTIONS = frozenset(
+    {
+        "nproc-per-node",
+        "tensor-model-parallel-size",
+        "pipeline-model-parallel-size",
+        "num-layers-per-virtual-pipeline-stage",
+        "sequence-parallel",
+        "use-distributed-optimizer",
+        "overlap-grad-reduce",
+        "overlap-param-gather",
+        "make-vocab-size-divisible-by",
+    }
+)
+DEFAULT_DIVISIBLE_BY = 128
+
+
+class MatrixError(ValueError):
+    """A matrix file that cannot be used; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    baseline: str
+    timeout_s: float = 900.0
+    lambada: bool = False
+    lambada_data: str = "default"
+    vary: tuple[str, ...] = ()
+    align_vocab: bool = True
+    rtol: float = 0.05
+    mean_rtol: float = 0.02
+    late_window: int = 10
+    late_growth: float = 0.01
+    layout_tol: float = 1e-5
+    perf_threshold: float = 0.10
+    warmup_steps: int = 2
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    devices: tuple[str, ...]  # candidates in order; the first available one runs
+    options: dict[str, Any]
+    reference: str | None = None  # None for the baseline and reference-only rows
+    judged: bool = False  # has an accuracy verdict against ``reference``
+    rerun_of: str | None = None
+    optional: bool = False
+    timeout_s: float | None = None  # overrides [compare] timeout_s
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return self.options.get(name, default)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.options.get("tensor-model-parallel-size", 1))
+
+
+@dataclass(frozen=True)
+class Matrix:
+    source: str  # the path, or "default"
+    settings: Settings
+    runs: tuple[RunSpec, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def run(self, name: str) -> RunSpec:
+        for spec in self.runs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def option_argv(options: dict[str, Any]) -> list[str]:
+    """``{"num-layers": 2, "bf16": True, "data-path": ["a", "b"]}`` -> train's argv."""
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = f"--{key}"
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _table(data: dict, key: str, where: str) -> dict:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise MatrixError(f"{where}: [{key}] must be a table")
+    return value
+
+
+def _check_options(options: dict, where: str) -> dict[str, Any]:
+    out = {}
+    for key, value in options.items():
+        key = str(key).removeprefix("--")
+        if key in RESERVED_OPTIONS:
+            raise MatrixError(f"{where}: option {key!r} is set by compare itself; leave it out")
+        if isinstance(value, dict):
+            raise MatrixError(f"{where}: option {key!r} must be a value or a list, not a table")
+        out[key] = value
+    return out
+
+
+def _devices(value: Any, where: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
+    if not names:
+        raise MatrixError(f"{where}: device must be a name or a list of names")
+    unknown = [n for n in names if n not in DEVICES]
+    if unknown:
+        raise MatrixError(f"{where}: unknown device(s) {unknown}: choose from {sorted(DEVICES)}")
+    return names
+
+
+_SETTING_TYPES = {
+    "timeout_s": float, "lambada": bool, "lambada_data": str, "align_vocab": bool,
+    "rtol": float, "mean_rtol": float, "late_window": int, "late_growth": float,
+    "layout_tol": float, "perf_threshold": float, "warmup_steps": int,
+}  # fmt: skip
+
+
+def _settings(raw: dict, runs: list[dict], where: str) -> Settings:
+    known = set(_SETTING_TYPES) | {"baseline", "vary"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise MatrixError(f"{where}: unknown [compare] key(s) {unknown}: known are {sorted(known)}")
+    values: dict[str, Any] = {}
+    for key, kind in _SETTING_TYPES.items():
+        if key in raw:
+            value = raw[key]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise MatrixError(
+                    f"{where}: [compare] {key} must be {kind.__name__}, got {value!r}"
+                )
+            values[key] = value
+    vary = raw.get("vary", [])
+    if not isinstance(vary, list) or not all(isinstance(v, str) for v in vary):
+        raise MatrixError(f"{where}: [compare] vary must be a list of fingerprint field names")
+    from megatron_npu.compare.fingerprint import FIELDS
+
+    bad = sorted(set(vary) - set(FIELDS))
+    if bad:
+        raise MatrixError(
+            f"{where}: [compare] vary names unknown fingerprint field(s) {bad}: known are {list(FIELDS)}"
+        )
+    baseline = raw.get("baseline", runs[0].get("name") if runs else None)
+    return Settings(baseline=str(baseline), vary=tuple(vary), **values)
+
+
+def parse(data: dict, source: str) -> Matrix:
+    """Build a :class:`Matrix` from parsed TOML ``data`` (``source`` names it in errors)."""
+    raw_runs = data.get("run", [])
+    if not isinstance(raw_runs, list) or not raw_runs:
+        raise MatrixError(f"{source}: no [[run]] entries")
+    unknown_tables = sorted(set(data) - {"compare", "defaults", "run"})
+    if unknown_tables:
+        raise MatrixError(
+            f"{source}: unknown top-level key(s) {unknown_tables}: use [compare], [defaults], [[run]]"
+        )
+    settings = _settings(_table(data, "compare", source), raw_runs, source)
+    defaults = _check_options(_table(data, "defaults", source), f"{source} [defaults]")
+    runs: list[RunSpec] = []
+    names: set[str] = set()
+    for index, raw in enumerate(raw_runs):
+        where = f"{source} [[run]] #{index + 1}"
+        if not isinstance(raw, dict):
+            raise MatrixError(f"{where}: must be a table")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise MatrixError(f"{where}: needs a name (a plain folder name), got {name!r}")
+        where = f"{source} run {name!r}"
+        if name in names:
+            raise MatrixError(f"{where}: the name is used twice")
+        names.add(name)
+        extra = sorted(
+            set(raw)
+            - {"name", "device", "options", "reference", "rerun_of", "optional", "timeout_s"}
+        )
+        if extra:
+            raise MatrixError(f"{where}: unknown key(s) {extra}")
+        rerun_of = raw.get("rerun_of")
+        options = {**defaults, **_check_options(raw.get("options", {}), where)}
+        devices = _devices(raw.get("device", "cpu"), where)
+        if rerun_of is not None:
+            original = next((r for r in runs if r.name == rerun_of), None)
+            if original is None:
+                raise MatrixError(f"{where}: rerun_of {rerun_of!r} must name an earlier run")
+            options, devices = dict(original.options), original.devices
+        reference = raw.get("reference", rerun_of or settings.baseline)
+        if reference is False:
+            reference = None
+        elif not isinstance(reference, str):
+            raise MatrixError(f"{where}: reference must be a run name or false, got {reference!r}")
+        runs.append(
+            RunSpec(
+                name=name,
+                devices=devices,
+                options=options,
+                reference=None if name == settings.baseline else reference,
+                judged=name != settings.baseline and reference is not None,
+                rerun_of=rerun_of,
+                optional=bool(raw.get("optional", False)),
+                timeout_s=_timeout(raw.get("timeout_s"), where),
+            )
+        )
+    if settings.baseline not in names:
+        raise MatrixError(
+            f"{source}: baseline {settings.baseline!r} is not one of the runs {sorted(names)}"
+        )
+    for spec in runs:
+        if spec.reference is not None and spec.reference not in names:
+            raise MatrixError(
+                f"{source} run {spec.name!r}: reference {spec.reference!r} is not a run"
+            )
+    notes: list[str] = []
+    if settings.align_vocab:
+        runs, notes = align_vocab_padding(runs)
+    return Matrix(source=source, settings=settings, runs=tuple(runs), notes=tuple(notes))
+
+
+def align_vocab_padding(runs: list[RunSpec]) -> tuple[list[RunSpec], list[str]]:
+    """Give every run the same padded vocabulary (see the module docstring)."""
+    multiples = [
+        int(r.option("make-vocab-size-divisible-by", DEFAULT_DIVISIBLE_BY)) * r.tensor_parallel
+        for r in runs
+    ]
+    common = math.lcm(*multiples)
+    out, changed = [], {}
+    for spec in runs:
+        wanted = common // spec.tensor_parallel
+        current = int(spec.option("make-vocab-size-divisible-by", DEFAULT_DIVISIBLE_BY))
+        if wanted != current:
+            spec = replace(spec, options={**spec.options, "make-vocab-size-divisible-by": wanted})
+            changed.setdefault((current, wanted, spec.tensor_parallel), []).append(spec.name)
+        out.append(spec)
+    notes = [
+        f"vocabulary padding aligned to a multiple of {common}: make-vocab-size-divisible-by "
+        f"{current} -> {wanted} for the TP{tp} run(s) {', '.join(names)}"
+        for (current, wanted, tp), names in changed.items()
+    ]
+    return out, notes
+
+
+def _timeout(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise MatrixError(f"{where}: timeout_s must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def load(path: str | Path | None) -> Matrix:
+    """Read a matrix file; ``None`` reads the shipped default matrix."""
+    source = "default" if path is None else str(path)
+    file = DEFAULT_MATRIX if path is None else Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise MatrixError(f"cannot read matrix {source}: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MatrixError(f"{source}: not valid TOML: {exc}") from None
+    return parse(data, source)

@@ -1,0 +1,289 @@
+"""The verdict rules, each a pure function of curves (so tests drive them with synthetic data).
+
+* ``fingerprint`` -- the two runs are the same model on the same data (:mod:`.fingerprint`);
+  otherwise the candidate is *refused* and the differing fields are named.
+* ``deterministic`` -- the same configuration run twice: losses and grad norms bitwise equal.
+* ``layout`` -- an fp32 run in another parallel layout of the same model: every step's loss within
+  ``layout_tol`` (relative, default 1e-5) of the reference layout's.
+* ``approximate`` -- across devices or precisions: (a) *every* step within ``rtol`` (relative,
+  default 5 %, Megatron's functional-test tolerance -- every step, not "any" step: megatron-core
+  0.16's check passes a 50-step curve when one step is close); (b) the mean relative error below
+  ``mean_rtol`` (2 %, MindSpeed's acceptance bar); (c) no late divergence: over the last
+  ``late_window`` steps, the mean relative error stays below ``mean_rtol`` and its least-squares
+  trend, projected over the window, grows by less than ``late_growth`` (1 %).
+* ``performance`` -- median s/step after ``warmup_steps`` with a 95 % bootstrap confidence
+  interval; the candidate is flagged (``fail``) when its median is more than ``perf_threshold``
+  (10 %) above the baseline's and the two intervals do not overlap. Never judged on emulated
+  figures ("not NPU performance": ``not-applicable``).
+
+Relative error of a step is ``|candidate - reference| / |reference|``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+RULES = ("fingerprint", "deterministic", "layout", "approximate", "performance")
+PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not-applicable"
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass
+class Verdict:
+    candidate: str
+    baseline: str
+    rule: str
+    status: str
+    detail: str
+    tolerance: dict[str, Any] = field(default_factory=dict)
+    per_step: dict[str, list] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's per-step series (losses may hold None for a skipped step)."""
+
+    iterations: list[int]
+    losses: list[float | None]
+    grad_norms: list[float | None]
+    step_times: list[float]
+
+
+def relative_errors(reference: Sequence[float], candidate: Sequence[float]) -> np.ndarray:
+    ref = np.asarray(reference, dtype=np.float64)
+    cand = np.asarray(candidate, dtype=np.float64)
+    return np.abs(cand - ref) / np.maximum(np.abs(ref), np.finfo(np.float64).tiny)
+
+
+def _aligned(ref: Curve, cand: Curve) -> tuple[list[int], list[float], list[float]] | str:
+    """Steps both runs have a loss for, or a reason they cannot be lined up."""
+    if ref.iterations != cand.iterations:
+        return (
+            f"the runs have different steps ({len(ref.iterations)} vs {len(cand.iterations)}, "
+            f"{ref.iterations[:1]}..{ref.iterations[-1:]} vs {cand.iterations[:1]}..{cand.iterations[-1:]})"
+        )
+    pairs = [
+        (i, r, c)
+        for i, r, c in zip(ref.iterations, ref.losses, cand.losses)
+        if r is not None and c is not None
+    ]
+    if not pairs:
+        return "no step has a loss in both runs"
+    its, r, c = zip(*pairs)
+    return list(its), list(r), list(c)
+
+
+def fingerprint_rule(
+    name: str, reference: str, diffs: list[tuple[str, Any, Any]], vary: Sequence[str]
+) -> Verdict:
+    tol = {"vary": list(vary)}
+    if not diffs:
+        return Verdict(
+            name,
+            reference,
+            "fingerprint",
+            PASS,
+            "same model shape, padded vocab, data, seed and tokenizer",
+            tol,
+        )
+    listed = ", ".join(f"{f} ({a!r} vs {b!r})" for f, a, b in diffs)
+    return Verdict(
+        name, reference, "fingerprint", REFUSED,
+        f"refused: differs from {reference} on {listed}; the matrix does not vary "
+        f"{'this field' if len(diffs) == 1 else 'these fields'} (align them, or list them in [compare] vary)",
+        tol,
+    )  # fmt: skip
+
+
+def deterministic(name: str, reference: str, ref: Curve, cand: Curve) -> Verdict:
+    tol = {"losses": "bitwise", "grad_norms": "bitwise"}
+    if ref.iterations != cand.iterations:
+        return Verdict(
+            name,
+            reference,
+            "deterministic",
+            FAIL,
+            f"different steps: {len(ref.iterations)} vs {len(cand.iterations)}",
+            tol,
+        )
+    loss_diff = [i for i, a, b in zip(ref.iterations, ref.losses, cand.losses) if a != b]
+    norm_diff = [i for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms) if a != b]
+    per_step = {
+        "iteration": list(ref.iterations),
+        "rel_diff": _rel_or_zero(ref.losses, cand.losses),
+    }
+    if not loss_diff and not norm_diff:
+        return Verdict(
+            name,
+            reference,
+            "deterministic",
+            PASS,
+            f"{len(ref.iterations)} steps: losses and grad norms bitwise identical",
+            tol,
+            per_step,
+        )
+    parts = []
+    if loss_diff:
+        parts.append(f"loss differs at {len(loss_diff)} step(s), first {loss_diff[0]}")
+    if norm_diff:
+        parts.append(f"grad norm differs at {len(norm_diff)} step(s), first {norm_diff[0]}")
+    return Verdict(name, reference, "deterministic", FAIL, "; ".join(parts), tol, per_step)
+
+
+def _rel_or_zero(a: Sequence[float | None], b: Sequence[float | None]) -> list[float | None]:
+    return [
+        float(relative_errors([x], [y])[0]) if x is not None and y is not None else None
+        for x, y in zip(a, b)
+    ]
+
+
+def layout(name: str, reference: str, ref: Curve, cand: Curve, tol: float = 1e-5) -> Verdict:
+    tolerance = {"per_step_rel": tol}
+    lined = _aligned(ref, cand)
+    if isinstance(lined, str):
+        return Verdict(name, reference, "layout", FAIL, lined, tolerance)
+    its, r, c = lined
+    err = relative_errors(r, c)
+    per_step = {"iteration": its, "rel_diff": err.tolist()}
+    worst = int(np.argmax(err))
+    if err[worst] <= tol:
+        return Verdict(
+            name,
+            reference,
+            "layout",
+            PASS,
+            f"all {len(its)} steps within {tol:g} (max {err[worst]:.2e} at step {its[worst]})",
+            tolerance,
+            per_step,
+        )
+    over = int(np.sum(err > tol))
+    return Verdict(
+        name, reference, "layout", FAIL,
+        f"{over} of {len(its)} steps beyond {tol:g}; max {err[worst]:.2e} at step {its[worst]}", tolerance, per_step,
+    )  # fmt: skip
+
+
+def late_trend(errors: np.ndarray, window: int) -> tuple[float, float]:
+    """Mean relative error over the last ``window`` steps and its fitted growth over the window."""
+    tail = errors[-window:] if window > 0 else errors
+    if len(tail) < 2:
+        return float(tail.mean()) if len(tail) else 0.0, 0.0
+    slope = float(np.polyfit(np.arange(len(tail), dtype=np.float64), tail, 1)[0])
+    return float(tail.mean()), slope * (len(tail) - 1)
+
+
+def approximate(
+    name: str, reference: str, ref: Curve, cand: Curve, *,
+    rtol: float = 0.05, mean_rtol: float = 0.02, late_window: int = 10, late_growth: float = 0.01,
+) -> Verdict:  # fmt: skip
+    window = min(late_window, len(ref.iterations))
+    tolerance = {
+        "rtol": rtol,
+        "mean_rtol": mean_rtol,
+        "late_window": window,
+        "late_growth": late_growth,
+    }
+    lined = _aligned(ref, cand)
+    if isinstance(lined, str):
+        return Verdict(name, reference, "approximate", FAIL, lined, tolerance)
+    its, r, c = lined
+    err = relative_errors(r, c)
+    per_step = {"iteration": its, "rel_diff": err.tolist()}
+    problems = []
+    over = np.flatnonzero(err > rtol)
+    if len(over):
+        problems.append(
+            f"{len(over)} of {len(its)} steps beyond {rtol:.0%} (first at step {its[over[0]]}: {err[over[0]]:.2%})"
+        )
+    mean = float(err.mean())
+    if mean >= mean_rtol:
+        problems.append(f"mean relative error {mean:.2%} >= {mean_rtol:.0%}")
+    late_mean, growth = late_trend(err, window)
+    if late_mean >= mean_rtol or growth >= late_growth:
+        problems.append(
+            f"late divergence over the last {window} steps: mean {late_mean:.2%}, trend +{growth:.2%} "
+            f"(limits {mean_rtol:.0%} and +{late_growth:.0%})"
+        )
+    summary = f"max {err.max():.2%}, mean {mean:.2%}, last {window} steps mean {late_mean:.2%} trend {growth:+.2%}"
+    if problems:
+        return Verdict(
+            name,
+            reference,
+            "approximate",
+            FAIL,
+            "; ".join(problems) + f" ({summary})",
+            tolerance,
+            per_step,
+        )
+    return Verdict(
+        name,
+        reference,
+        "approximate",
+        PASS,
+        f"all {len(its)} steps within {rtol:.0%}: {summary}",
+        tolerance,
+        per_step,
+    )
+
+
+@dataclass(frozen=True)
+class StepTimeStats:
+    median: float
+    ci95: tuple[float, float]
+    samples: int
+
+
+def step_time_stats(
+    times: Sequence[float], warmup: int = 2, *, resamples: int = BOOTSTRAP_RESAMPLES
+) -> StepTimeStats | None:
+    """Median s/step after ``warmup`` steps, with a percentile-bootstrap 95 % interval."""
+    steady = np.asarray(list(times)[warmup:] or list(times), dtype=np.float64)
+    if steady.size == 0:
+        return None
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    medians = np.median(rng.choice(steady, size=(resamples, steady.size), replace=True), axis=1)
+    lo, hi = np.percentile(medians, [2.5, 97.5])
+    return StepTimeStats(float(np.median(steady)), (float(lo), float(hi)), int(steady.size))
+
+
+def performance(
+    name: str, reference: str, base: StepTimeStats | None, cand: StepTimeStats | None, *,
+    comparable: bool, threshold: float = 0.10,
+) -> Verdict:  # fmt: skip
+    tolerance = {"threshold": threshold, "ci": 0.95}
+    if not comparable:
+        return Verdict(
+            name,
+            reference,
+            "performance",
+            NOT_APPLICABLE,
+            "emulated figures: not NPU performance, never compared for speed",
+            tolerance,
+        )
+    if base is None or cand is None:
+        return Verdict(
+            name, reference, "performance", NOT_APPLICABLE, "no step times to compare", tolerance
+        )
+    ratio = cand.median / base.median if base.median > 0 else float("inf")
+    text = (
+        f"{cand.median:.4f} s/step [{cand.ci95[0]:.4f}, {cand.ci95[1]:.4f}] vs {base.median:.4f} "
+        f"[{base.ci95[0]:.4f}, {base.ci95[1]:.4f}]: {ratio:.2f}x"
+    )
+    if ratio > 1 + threshold and cand.ci95[0] > base.ci95[1]:
+        return Verdict(
+            name,
+            reference,
+            "performance",
+            FAIL,
+            f"slower than {reference} beyond {threshold:.0%}: {text}",
+            tolerance,
+        )
+    return Verdict(name, reference, "performance", PASS, text, tolerance)

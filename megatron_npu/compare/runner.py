@@ -1,0 +1,252 @@
+"""Run one matrix entry as a ``megatron-npu train ... --metrics-out`` subprocess, cached by hash.
+
+A run's folder ``<out>/runs/<name>/`` holds ``metrics.json`` (train's own), ``train.log`` (its
+console output), ``run.json`` (compare's record: config hash, status, command, wall time, LAMBADA
+result) and, with LAMBADA on, ``ckpt/`` (the final checkpoint, model weights only).
+
+The config hash covers the resolved device, the exact train argv (minus paths inside the output
+folder), the rerun index, and the megatron-npu / megatron-core / torch versions. A run whose
+``run.json`` has the same hash and status ``ok`` and whose ``metrics.json`` is there is reused
+("cached"), so re-running a matrix only runs what changed or failed.
+
+Each rank runs with one host thread unless ``OMP_NUM_THREADS`` is set (:func:`run_environment`).
+A run is killed (its whole process group) after ``timeout_s``; a non-zero exit or a kill is
+recorded as ``failed`` with the reason and the log's tail, and the comparison goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
+from megatron_npu.versions import library_versions
+
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | cached | failed
+    error: str | None
+    wall_s: float
+    command: list[str]
+    config_hash: str
+    lambada: dict[str, Any] | None = None
+
+
+def device_available(name: str) -> bool:
+    """Whether runs on ``name`` can start here (cpu and npu-emulated always can)."""
+    if name in ("cpu", "npu-emulated"):
+        return True
+    if name == "cuda":
+        import torch
+
+        return torch.cuda.is_available()
+    from megatron_npu import devices
+    from megatron_npu.devices import npu
+
+    if not npu.torch_npu_installed():
+        return False
+    try:
+        devices.make("npu")
+    except devices.DeviceUnavailableError:
+        return False
+    return True
+
+
+def resolve_device(spec: RunSpec) -> str | None:
+    return next((name for name in spec.devices if device_available(name)), None)
+
+
+def uses_default_corpus(options: dict[str, Any]) -> bool:
+    return not options.get("data-path") and not options.get("mock-data")
+
+
+def train_command(
+    spec: RunSpec, device: str, run_dir: Path, corpus_dir: Path, checkpoint: bool
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "megatron_npu.cli",
+        "train",
+        *option_argv(spec.options),
+        "--device",
+        device,
+    ]
+    if uses_default_corpus(spec.options) and "default-corpus-dir" not in spec.options:
+        argv += ["--default-corpus-dir", str(corpus_dir)]
+    argv += ["--metrics-out", str(run_dir / "metrics.json"), "--progress", "plain"]
+    if checkpoint:
+        argv += ["--save", str(run_dir / "ckpt"), "--no-save-optim", "--no-save-rng"]
+    return argv
+
+
+def config_hash(spec: RunSpec, device: str, rerun_index: int, checkpoint: bool) -> str:
+    versions = library_versions()
+    identity = {
+        "device": device,
+        "options": option_argv(dict(sorted(spec.options.items()))),
+        "rerun": rerun_index,
+        "checkpoint": checkpoint,
+        "versions": {
+            k: versions.get(k) for k in ("megatron-npu", "megatron-core", "torch", "torch_npu")
+        },
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    from megatron_npu.training.security import write_private
+
+    write_private(path, json.dumps(data, indent=2) + "\n")
+
+
+def run_environment() -> dict[str, str]:
+    """The runs' environment: unbuffered output, and one host thread per rank unless
+    ``OMP_NUM_THREADS`` is set (CPU rows then compare like with like, and OpenMP barriers do not
+    stall on a loaded machine)."""
+    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def stream(
+    command: list[str], log_path: Path, timeout_s: float, echo: TextIO
+) -> tuple[int | None, list[str], float]:
+    """Run ``command`` in its own process group, copying its output to ``echo`` and ``log_path``.
+    Returns (exit code or None if killed at the timeout, the log's last lines, seconds)."""
+    tail: list[str] = []
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            start_new_session=True, env=run_environment(),
+        )  # fmt: skip
+
+        def pump() -> None:
+            for line in proc.stdout:
+                log.write(line)
+                echo.write(line)
+                echo.flush()
+                tail.append(line.rstrip("\n"))
+                del tail[:-LOG_TAIL_LINES]
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and the ranks it launched
+            proc.wait()
+            code = None
+        reader.join(timeout=10)
+    return code, list(tail), time.perf_counter() - start
+
+
+def _failure(code: int | None, tail: list[str], timeout_s: float) -> str:
+    if code is None:
+        reason = f"killed after the {timeout_s:g} s timeout"
+    elif code < 0:
+        reason = f"killed by signal {-code}"
+    else:
+        reason = f"exit code {code}"
+    lines = [line.strip() for line in tail if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    shown = errors[-3:] or lines[-5:]
+    return reason + (": " + " / ".join(shown) if shown else "")
+
+
+def execute(
+    spec: RunSpec, device: str, run_dir: Path, *, corpus_dir: Path, timeout_s: float,
+    rerun_index: int = 0, checkpoint: bool = False, echo: TextIO = sys.stdout,
+) -> Outcome:  # fmt: skip
+    """Train ``spec`` on ``device`` unless an identical finished run is cached in ``run_dir``."""
+    digest = config_hash(spec, device, rerun_index, checkpoint)
+    command = train_command(spec, device, run_dir, corpus_dir, checkpoint)
+    record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
+    cached = read_json(record_path)
+    if (
+        cached
+        and cached.get("config_hash") == digest
+        and cached.get("status") == "ok"
+        and metrics_path.is_file()
+    ):
+        echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
+        return Outcome(
+            "cached", None, float(cached.get("wall_s", 0.0)), command, digest, cached.get("lambada")
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (metrics_path, record_path):
+        stale.unlink(missing_ok=True)
+    echo.write(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}\n")
+    echo.flush()
+    code, tail, wall = stream(command, run_dir / "train.log", timeout_s, echo)
+    ok = code == 0 and metrics_path.is_file()
+    error = (
+        None
+        if ok
+        else _failure(code, tail, timeout_s)
+        if code != 0
+        else "no metrics.json was written"
+    )
+    _write_json(
+        record_path,
+        {
+            "config_hash": digest,
+            "status": "ok" if ok else "failed",
+            "error": error,
+            "wall_s": wall,
+            "command": command,
+        },
+    )
+    return Outcome("ok" if ok else "failed", error, wall, command, digest)
+
+
+def evaluation_options(spec: RunSpec) -> dict[str, Any]:
+    """The run's options for a one-process TP1/PP1 evaluation of its checkpoint: layout options
+    dropped, the vocabulary padded as the run padded it."""
+    options = {k: v for k, v in spec.options.items() if k not in LAYOUT_OPTIONS}
+    from megatron_npu.compare.matrix import DEFAULT_DIVISIBLE_BY
+
+    divisible = int(spec.options.get("make-vocab-size-divisible-by", DEFAULT_DIVISIBLE_BY))
+    options["make-vocab-size-divisible-by"] = divisible * spec.tensor_parallel
+    return options
+
+
+def evaluate_lambada(
+    spec: RunSpec, device: str, run_dir: Path, data: str, *, timeout_s: float, echo: TextIO = sys.stdout,
+) -> tuple[dict[str, Any] | None, str | None]:  # fmt: skip
+    """LAMBADA accuracy of the run's final checkpoint (one process), or (None, why not)."""
+    out = run_dir / "lambada.json"
+    out.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "megatron_npu.cli", "evaluate", "--task", "lambada",
+        "--load", str(run_dir / "ckpt"), "--valid-data", data, "--device", device,
+        "--results-out", str(out), *option_argv(evaluation_options(spec)),
+    ]  # fmt: skip
+    echo.write(f" [compare] {spec.name}: LAMBADA on its final checkpoint\n")
+    code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s, echo)
+    result = read_json(out)
+    if code != 0 or result is None:
+        return None, _failure(code, tail, timeout_s) if code != 0 else "no lambada.json was written"
+    record = read_json(run_dir / "run.json") or {}
+    record["lambada"] = result
+    _write_json(run_dir / "run.json", record)
+    return result, None

@@ -1,0 +1,72 @@
+"""Model FLOPs per training iteration for GPT: Megatron-LM's ``num_floating_point_operations``.
+
+Megatron-LM (``megatron/training/training.py``) counts only the matrix multiplications of a dense
+GPT, forward plus backward, as
+
+    12 * B * s * L * h^2 * ( attention + mlp + logits )
+
+where the factor 12 = 3 * 2 * 2:
+
+* 3: every GEMM runs three times per step (forward, backward data-gradient, backward
+  weight-gradient), so a training step costs three forward passes;
+* 2: the GEMMs of a transformer layer come in pairs of the same size (QKV/projection, h->ffn and
+  ffn->h);
+* 2: an ``m x n`` by ``n x k`` GEMM costs ``2 m n k`` floating-point operations (multiply + add).
+
+and the bracket, with ``r = kv_channels * heads / h`` (1 when ``kv_channels = h / heads``):
+
+* **attention** ``(1 + groups / heads + s / h * c) * r``: the query and output projections (1),
+  the key/value projections shrunk by grouped-query attention (``groups / heads``), and the two
+  batched GEMMs ``Q K^T`` and ``softmax(Q K^T) V`` (``s / h``); ``c = 1/2`` for causal attention
+  because only the lower triangle of the score matrix is non-zero (Megatron-LM counts the half since
+  late 2024; ``causal=False`` gives the older full-matrix count);
+* **MLP** ``ffn / h * g``: the two MLP GEMMs, ``g = 3/2`` with SwiGLU (its gate is a third GEMM of
+  the same size);
+* **logits** ``V / (2 L h)``: the output layer's ``h x V`` GEMM, once per model rather than per layer.
+
+Not counted (as in Megatron-LM): embeddings lookups, norms, softmax, activations, the loss, the
+optimizer step, and recomputation. The result is the work of the *whole model* for one global batch
+(all data-parallel replicas together), independent of the TP/PP layout.
+"""
+
+from __future__ import annotations
+
+
+def gpt_model_flops_per_iteration(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    seq_length: int,
+    padded_vocab_size: int,
+    global_batch_size: int,
+    swiglu: bool,
+    causal: bool,
+    kv_channels: int | None = None,
+) -> float:
+    """Forward + backward FLOPs of one GPT training iteration (one global batch)."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("hidden_size", hidden_size),
+        ("ffn_hidden_size", ffn_hidden_size),
+        ("num_attention_heads", num_attention_heads),
+        ("num_query_groups", num_query_groups),
+        ("seq_length", seq_length),
+        ("padded_vocab_size", padded_vocab_size),
+        ("global_batch_size", global_batch_size),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if kv_channels is None:
+        kv_channels = hidden_size // num_attention_heads
+    h = float(hidden_size)
+    query_ratio = kv_channels * num_attention_heads / h
+    causal_share = 0.5 if causal else 1.0
+    attention = (
+        1.0 + num_query_groups / num_attention_heads + seq_length / h * causal_share
+    ) * query_ratio
+    mlp = ffn_hidden_size / h * (1.5 if swiglu else 1.0)
+    logits = padded_vocab_size / (2.0 * num_layers * h)
+    return 12.0 * global_batch_size * seq_length * num_layers * h * h * (attention + mlp + logits)

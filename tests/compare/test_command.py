@@ -1,0 +1,173 @@
+"""The compare command's orchestration with a stand-in runner (no training): failures, outputs,
+verdict selection, the Table 2 file and the optional report call."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from megatron_npu.compare import command, runner
+from megatron_npu.compare import matrix as m
+
+MATRIX = """
+[compare]
+baseline = "ref"
+[defaults]
+num-layers = 2
+[[run]]
+name = "ref"
+device = "cpu"
+[[run]]
+name = "ref-rerun"
+rerun_of = "ref"
+[[run]]
+name = "emu"
+device = ["npu", "npu-emulated"]
+[[run]]
+name = "emu-tp2"
+device = "npu-emulated"
+reference = "emu"
+options = { nproc-per-node = 2, tensor-model-parallel-size = 2 }
+[[run]]
+name = "broken"
+device = "cpu"
+options = { lr = 0.5 }
+[[run]]
+name = "gpu"
+device = "cuda"
+optional = true
+"""
+
+
+def _metrics(spec, device, losses):
+    args = {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+        "num_query_groups": 4, "seq_length": 128, "max_position_embeddings": 128, "seed": 1234,
+        "global_batch_size": 8, "tensor_model_parallel_size": spec.tensor_parallel,
+        "pipeline_model_parallel_size": 1, "init_method_std": 0.02,
+    }  # fmt: skip
+    steps = [
+        {
+            "step": i + 1,
+            "lm_loss": loss,
+            "grad_norm": 1.0 / (i + 1),
+            "skipped": False,
+            "step_time_s": 0.1,
+        }
+        for i, loss in enumerate(losses)
+    ]
+    summary = {
+        "first_lm_loss": losses[0], "last_lm_loss": losses[-1], "model_flops_per_step": 1e9,
+        "peak": {"tflops": 0.05, "source": "user"}, "peak_devices": 1, "peak_memory_bytes": 100 * 2**20,
+    }  # fmt: skip
+    config = {
+        "arguments": args, "padded_vocab_size": 512, "device": device,
+        "device_emulated": device == "npu-emulated", "world_size": spec.tensor_parallel,
+        "data": {"source": "default-corpus", "description": "corpus /x/stdlib_docs_ab_text_document, vocab 257"},
+    }  # fmt: skip
+    return {"config": config, "steps": steps, "summary": summary}
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """execute() writes a synthetic metrics.json; 'broken' fails as a killed run would."""
+    calls = []
+
+    def execute(spec, device, run_dir, **kwargs):
+        calls.append(spec.name)
+        if spec.name == "broken":
+            return runner.Outcome("failed", "killed after the 5 s timeout", 5.0, ["train"], "h")
+        losses = list(np.linspace(6, 3, 12))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.json").write_text(json.dumps(_metrics(spec, device, losses)))
+        return runner.Outcome("ok", None, 1.0, ["train", spec.name], "h")
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "device_available", lambda name: name in ("cpu", "npu-emulated"))
+    return calls
+
+
+def _run(tmp_path, monkeypatch, reports_module):
+    if reports_module is None:
+        monkeypatch.setitem(sys.modules, "reports", None)  # import reports -> ImportError
+    else:
+        monkeypatch.setitem(sys.modules, "reports", reports_module)
+    path = tmp_path / "m.toml"
+    path.write_text(MATRIX)
+    echo = io.StringIO()
+    document, status = command.run_compare(
+        m.load(path), tmp_path / "out", argv=["compare"], echo=echo
+    )
+    return document, status, echo.getvalue()
+
+
+def test_a_failed_run_is_reported_and_the_others_complete(tmp_path, monkeypatch, fake_runs):
+    document, status, printed = _run(tmp_path, monkeypatch, None)
+    assert fake_runs == ["ref", "ref-rerun", "emu", "emu-tp2", "broken"]
+    runs = {r["name"]: r for r in document["runs"]}
+    assert runs["broken"]["status"] == "failed" and "timeout" in runs["broken"]["error"]
+    assert all(runs[n]["status"] == "ok" for n in ("ref", "ref-rerun", "emu", "emu-tp2"))
+    assert status == 1  # a failed run fails the comparison, after everything else ran
+    assert document["skipped"] == [
+        {"name": "gpu", "reason": "none of its devices (cuda) is available here"}
+    ]
+    rules_by_candidate = {(v["candidate"], v["rule"]): v["status"] for v in document["verdicts"]}
+    assert rules_by_candidate[("ref-rerun", "deterministic")] == "pass"
+    assert rules_by_candidate[("emu", "approximate")] == "pass"
+    assert rules_by_candidate[("emu-tp2", "layout")] == "pass"
+    assert rules_by_candidate[("emu", "performance")] == "not-applicable"
+    assert runs["emu"]["device"] == "npu-emulated" and runs["emu"]["emulated"] is True
+    assert runs["emu"]["perf"]["speed_comparable"] is False
+    assert runs["ref"]["perf"]["mfu"] == pytest.approx(1e9 / 0.1 / 0.05e12)
+    table = (tmp_path / "out" / "table2.md").read_text()
+    assert "| emu | npu-emulated* |" in table and "not NPU performance" in table
+    assert "run failed: killed after the 5 s timeout" in table
+    assert "no report.html: the `reports` package is not importable" in printed
+    on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert on_disk["schema"] == "megatron-npu/compare" and on_disk["schema_version"] == 1
+    assert {row["name"] for row in on_disk["table2"]} == {
+        "ref",
+        "ref-rerun",
+        "emu",
+        "emu-tp2",
+        "broken",
+    }
+
+
+def test_the_report_is_built_when_the_reports_package_imports(tmp_path, monkeypatch, fake_runs):
+    seen = []
+
+    def build_report(inputs, output, *, diff_base=None):
+        seen.append((list(inputs), output))
+        output.write_text("<html></html>")
+        return output
+
+    _, _, printed = _run(tmp_path, monkeypatch, types.SimpleNamespace(build_report=build_report))
+    out = tmp_path / "out"
+    assert seen == [([out], out / "report.html")]
+    assert f"report: {out / 'report.html'}" in printed
+
+
+def test_a_performance_flag_is_reported_but_does_not_fail_the_comparison(tmp_path, monkeypatch):
+    def execute(spec, device, run_dir, **kwargs):
+        metrics = _metrics(spec, device, list(np.linspace(6, 3, 12)))
+        for i, step in enumerate(metrics["steps"]):
+            step["step_time_s"] = (0.3 if spec.name == "slow" else 0.1) + 0.001 * (i % 3)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        return runner.Outcome("ok", None, 1.0, ["train"], "h")
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setitem(sys.modules, "reports", None)
+    path = tmp_path / "m.toml"
+    path.write_text('[[run]]\nname = "ref"\n[[run]]\nname = "slow"\noptions = { lr = 1e-3 }\n')
+    document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
+    perf = next(v for v in document["verdicts"] if v["rule"] == "performance")
+    assert perf["status"] == "fail" and "2.98x" in perf["detail"]
+    assert document["table2"][1]["verdict"].endswith("; SLOWER")
+    assert status == 0

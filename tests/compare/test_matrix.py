@@ -1,0 +1,119 @@
+"""Matrix files: typed loading, clear errors, vocabulary alignment, the shipped default."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_npu.compare import matrix as m
+
+
+def write(tmp_path, text):
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+[defaults]
+num-layers = 2
+[[run]]
+name = "a"
+device = "cpu"
+"""
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ('[[run]]\nname = "b"\ndevice = "tpu"\n', "unknown device(s) ['tpu']"),
+        (
+            '[[run]]\nname = "b"\noptions = { metrics-out = "x" }\n',
+            "option 'metrics-out' is set by compare",
+        ),
+        ('[[run]]\nname = "b"\nrerun_of = "zz"\n', "rerun_of 'zz' must name an earlier run"),
+        ('[[run]]\nname = "a"\n', "the name is used twice"),
+        ('[[run]]\nname = "b"\nreference = "nope"\n', "reference 'nope' is not a run"),
+        ('[[run]]\nname = "b"\ncolour = 1\n', "unknown key(s) ['colour']"),
+        ('[compare]\nrtol = "five"\n', "rtol must be float"),
+        ('[compare]\nvary = ["sed"]\n', "unknown fingerprint field(s) ['sed']"),
+        ('[compare]\nbaseline = "zz"\n', "baseline 'zz' is not one of the runs"),
+        ('[[run]]\nname = "b"\ntimeout_s = -1\n', "timeout_s must be a positive number"),
+    ],
+)
+def test_bad_matrices_are_named(tmp_path, extra, needle):
+    with pytest.raises(m.MatrixError) as info:
+        m.load(write(tmp_path, BASE + extra))
+    assert needle in str(info.value)
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    with pytest.raises(m.MatrixError, match="cannot read matrix"):
+        m.load(tmp_path / "missing.toml")
+    with pytest.raises(m.MatrixError, match="not valid TOML"):
+        m.load(write(tmp_path, "[[run]\nname="))
+
+
+def test_runs_are_typed_and_reruns_copy_their_original(tmp_path):
+    matrix = m.load(
+        write(
+            tmp_path,
+            BASE
+            + '[[run]]\nname = "b"\ndevice = ["npu", "npu-emulated"]\noptions = { bf16 = true, lr = 2e-3 }\n'
+            + '[[run]]\nname = "a2"\nrerun_of = "a"\n',
+        )
+    )
+    a, b, a2 = matrix.runs
+    assert matrix.settings.baseline == "a" and a.reference is None
+    assert b.devices == ("npu", "npu-emulated") and b.reference == "a"
+    assert m.option_argv({k: v for k, v in b.options.items() if k != "make-vocab-size-divisible-by"}) == [
+        "--num-layers", "2", "--bf16", "--lr", "0.002",
+    ]  # fmt: skip
+    assert (
+        a2.options == a.options
+        and a2.devices == a.devices
+        and a2.reference == "a"
+        and a2.rerun_of == "a"
+    )
+
+
+def test_vocab_padding_is_aligned_across_tensor_parallel_sizes(tmp_path):
+    text = BASE + '[[run]]\nname = "tp2"\noptions = { tensor-model-parallel-size = 2 }\n'
+    matrix = m.load(write(tmp_path, text))
+    by_name = {r.name: r for r in matrix.runs}
+    # Megatron pads to divisible-by x TP: 256 x 1 == 128 x 2
+    assert by_name["a"].options["make-vocab-size-divisible-by"] * 1 == 256
+    assert by_name["tp2"].options.get("make-vocab-size-divisible-by", 128) * 2 == 256
+    assert any("multiple of 256" in note for note in matrix.notes)
+    unaligned = m.load(write(tmp_path, "[compare]\nalign_vocab = false\n" + text))
+    assert all("make-vocab-size-divisible-by" not in r.options for r in unaligned.runs)
+
+
+def test_the_default_matrix_has_the_rows_the_issue_asks_for():
+    matrix = m.load(None)
+    runs = {r.name: r for r in matrix.runs}
+    assert matrix.source == "default" and matrix.settings.baseline == "ref-fp32"
+    assert runs["ref-fp32"].devices == ("cpu",)
+    npu_rows = [r for r in matrix.runs if r.devices == ("npu", "npu-emulated")]
+    assert {r.option("bf16", False) for r in npu_rows} == {False, True}
+    assert any(r.tensor_parallel == 2 for r in npu_rows)
+    assert any(r.option("pipeline-model-parallel-size") == 2 for r in npu_rows)
+    assert any(r.option("use-flash-attn") and r.option("pre-tokens") == 65536 for r in npu_rows)
+    sparse = [r for r in npu_rows if r.option("pre-tokens", 65536) < 65536]
+    assert sparse and all(r.option("pre-tokens") < r.option("seq-length") for r in sparse)
+    assert any(r.rerun_of == "ref-fp32" for r in matrix.runs)
+    cuda = [r for r in matrix.runs if "cuda" in r.devices]
+    assert cuda and all(r.optional for r in cuda)
+
+
+def test_reference_rows_are_not_judged(tmp_path):
+    matrix = m.load(
+        write(
+            tmp_path,
+            BASE + '[[run]]\nname = "w"\nreference = false\n[[run]]\nname = "x"\nreference = "w"\n',
+        )
+    )
+    a, w, x = matrix.runs
+    assert not a.judged and not w.judged and w.reference is None
+    assert x.judged and x.reference == "w"
+    with pytest.raises(m.MatrixError, match="reference must be a run name or false"):
+        m.load(write(tmp_path, BASE + '[[run]]\nname = "w"\nreference = 3\n'))

@@ -1,0 +1,126 @@
+"""Model FLOPs (Megatron-LM's formula) against a GEMM-by-GEMM count, and the peak probe's cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_npu.training import peak
+from megatron_npu.training.flops import gpt_model_flops_per_iteration
+
+
+def _gemm_count(*, L, h, ffn, heads, groups, kv, s, V, B, swiglu, causal):
+    """Forward FLOPs listed GEMM by GEMM, times 3 for forward + backward."""
+    tokens = B * s
+    qkv = 2 * tokens * h * (heads * kv + 2 * groups * kv)
+    proj = 2 * tokens * heads * kv * h
+    share = 0.5 if causal else 1.0
+    scores = 2 * B * heads * s * s * kv * share
+    context = 2 * B * heads * s * s * kv * share
+    mlp = 2 * tokens * h * ffn * (3 if swiglu else 2)
+    logits = 2 * tokens * h * V
+    return 3 * (L * (qkv + proj + scores + context + mlp) + logits)
+
+
+@pytest.mark.parametrize(
+    "swiglu,causal,groups,kv", [(False, True, 4, 32), (True, False, 2, 32), (False, True, 4, 16)]
+)
+def test_flops_match_gemm_count(swiglu, causal, groups, kv):
+    shape = dict(
+        L=3, h=128, ffn=352 if swiglu else 512, heads=4, groups=groups, kv=kv, s=64, V=384, B=6
+    )
+    expected = _gemm_count(**shape, swiglu=swiglu, causal=causal)
+    got = gpt_model_flops_per_iteration(
+        num_layers=3,
+        hidden_size=128,
+        ffn_hidden_size=shape["ffn"],
+        num_attention_heads=4,
+        num_query_groups=groups,
+        seq_length=64,
+        padded_vocab_size=384,
+        global_batch_size=6,
+        swiglu=swiglu,
+        causal=causal,
+        kv_channels=kv,
+    )
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_flops_refuses_nonpositive_sizes():
+    with pytest.raises(ValueError, match="seq_length"):
+        gpt_model_flops_per_iteration(
+            num_layers=1,
+            hidden_size=8,
+            ffn_hidden_size=32,
+            num_attention_heads=2,
+            num_query_groups=2,
+            seq_length=0,
+            padded_vocab_size=16,
+            global_batch_size=1,
+            swiglu=False,
+            causal=True,
+        )
+
+
+def test_peak_probe_is_cached_and_env_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(peak.ENV_VAR, raising=False)
+    monkeypatch.setattr(peak, "PROBE_SIZES", {"cpu": (64,)})
+    first = peak.measured_peak_flops("cpu", torch.float32)
+    assert first.source == "measured" and first.tflops > 0
+    stored = json.loads(peak.cache_path().read_text())
+    assert len(stored) == 1
+    again = peak.measured_peak_flops("cpu", torch.float32)
+    assert again.source == "cached" and again.tflops == first.tflops
+    monkeypatch.setenv(peak.ENV_VAR, "2.5")
+    stated = peak.measured_peak_flops("cpu", torch.float32)
+    assert stated.source == "user" and stated.tflops == 2.5
+    monkeypatch.setenv(peak.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="MEGATRON_NPU_PEAK_TFLOPS"):
+        peak.measured_peak_flops("cpu", torch.float32)
+
+
+def test_mfu_counts_devices_that_own_their_peak():
+    p = peak.PeakFlops(1.0, "user", "npu", "bfloat16", "stated")
+    assert peak.mfu(0.5e12, p) == pytest.approx(0.5)
+    assert peak.mfu(0.5e12, p, devices=peak.aggregate_devices("npu", 4)) == pytest.approx(0.125)
+    assert peak.aggregate_devices("npu-emulated", 4) == 1
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        peak.resolve_peak("cpu", torch.float32, 0.0)
+
+
+def test_metrics_summary_and_log_line_carry_flops_and_mfu():
+    from megatron_npu.training import metrics
+
+    run = metrics.RunMetrics(config={}, tokens_per_step=1024)
+    run.model_flops_per_step = 2e9
+    run.peak = peak.PeakFlops(0.5, "user", "npu", "bfloat16", "stated").as_dict()
+    run.peak_devices = 2
+    for step, seconds in enumerate([9.0, 9.0, 0.5, 0.4, 0.6], 1):
+        run.add(metrics.StepRecord(step, 3.0, 1.0, 1e-3, 1.0, False, seconds, 1024 / seconds))
+    summary = run.summary()
+    assert summary["median_step_time_s"] == 0.5  # after the two warm-up steps
+    assert summary["achieved_tflops_per_s"] == pytest.approx(2e9 / 0.5 / 1e12)
+    assert summary["mfu"] == pytest.approx(2e9 / 0.5 / (0.5e12 * 2))
+    interval = metrics.IntervalLog()
+    for record in run.steps[2:]:
+        interval.add(record)
+    line = interval.line(5, 40, 8, run)
+    assert "model TFLOP/s: 0.004 |" in line and "MFU: 0.40% |" in line
+    no_peak = metrics.RunMetrics(config={}, tokens_per_step=1)
+    assert no_peak.throughput(0.5) == (None, None)
+
+
+def test_an_understated_peak_gives_no_mfu():
+    from megatron_npu.training import metrics
+
+    run = metrics.RunMetrics(config={}, tokens_per_step=1)
+    run.model_flops_per_step = 1e9
+    run.peak = peak.PeakFlops(1e-4, "measured", "cpu", "bfloat16", "probe").as_dict()
+    run.add(metrics.StepRecord(1, 3.0, 1.0, 1e-3, 1.0, False, 1.0, 1.0))
+    summary = run.summary()
+    assert summary["achieved_tflops_per_s"] == pytest.approx(1e-3)
+    assert summary["mfu"] is None and summary["peak_understated"] is True
+    assert peak.plausible(1.5) is None and peak.plausible(0.5) == 0.5
