@@ -2,9 +2,9 @@
 
 :func:`run_examples` is what runs on every rank: it applies the adaptor for the device, runs the
 patched path in the tested dtype (counting the emulated NPU kernels it calls) and, on rank 0,
-the reference in the upcast dtype and the same reference in the tested dtype: the benchmark,
-which scales the relative L2 bound in every dtype and is msprobe's stage-2 benchmark for
-fp16/bf16. References and benchmarks run under :func:`reference_environment`:
+the reference in the upcast dtype and, as a benchmark, the same reference in the tested dtype:
+always for fp16/bf16 (msprobe's stage-2 benchmark), for fp32 only when an output exceeds the
+dtype's relative L2 floor (the benchmark then shows how ill-conditioned the output is). References and benchmarks run under :func:`reference_environment`:
 on the CPU, with Megatron's ``"cuda"`` allocations routed to the CPU and every site of the patch
 under test replaced by a tripwire, so a reference that reaches the implementation is caught.
 

@@ -365,7 +365,7 @@ class ParityRecord:
         implementation: an error without tensors. ``identity``: ``patch_id``, ``target``,
         ``case``, ``dtype``, ``parallel`` and optionally ``tolerance``, as for :meth:`build`."""
         return cls(
-            **{**identity, "parallel": dict(identity["parallel"])},
+            **{"tolerance": None, **identity, "parallel": dict(identity["parallel"])},
             device=provenance.device, tensors={},
             verdict=Verdict("error", f"{rule}: {reason}", rule),
             provenance=provenance, kernels={}, npu_kernel_exercised=False,
