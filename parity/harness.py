@@ -346,13 +346,20 @@ def _deadline(seconds: float) -> Iterator[None]:
     def expire(signum: int, frame: Any) -> None:
         raise CellTimeout(f"the cell ran past its {seconds:.0f}s deadline")
 
+    # an outer SIGALRM user (e.g. pytest-timeout's signal method) gets its handler and the rest
+    # of its timer back afterwards
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds if not outer_left else min(seconds, outer_left))
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left:
+            left = outer_left - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
 
 
 def _failure_rule(exc: BaseException) -> str:
