@@ -391,13 +391,15 @@ def _grad(scale: float, n: int = 256, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g, dtype=F64) * scale
 
 
+@pytest.mark.parametrize("factor", [2.0, 0.5])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
-def test_doubled_small_gradient_is_an_error_in_every_dtype(dtype):
-    """A 2x error on a gradient of magnitude 1e-4: max abs error < 1e-3 and cosine 1, so the
-    msprobe shortcut would pass it; the relative L2 rule does not."""
+def test_scaled_small_gradient_is_an_error_in_every_dtype(dtype, factor):
+    """A 2x error on a gradient of magnitude 1e-4, or halved moments (halved gradients into
+    AdamW): max abs error < 1e-3 and cosine 1, so the msprobe shortcut would pass them; the
+    relative L2 rule does not."""
     ref = _grad(1e-4)
     want = ref.to(dtype).to(F64 if dtype is F32 else F32)
-    c = compare((ref * 2).to(dtype), want, dtype)
+    c = compare((ref * factor).to(dtype), want, dtype)
     assert c.max_abs_error < 1e-3 and c.cosine > 0.99
     v = verdict(c)
     assert (v.status, v.rule) == ("error", "rel_l2")
