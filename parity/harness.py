@@ -36,6 +36,7 @@ import torch
 import megatron_npu
 from megatron_npu import devices, patcher
 from megatron_npu.registry import Patch, get_patch
+from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
 from parity.benchmark import BenchmarkResult, benchmark_result, level_of, with_benchmark
 from parity.case import Context, Parallel, ParityCase, load_case, upcast
@@ -257,6 +258,44 @@ def _off_cpu(outputs: dict[str, torch.Tensor], case: ParityCase, what: str) -> N
 # --------------------------------------------------------------------------- running a job
 
 
+@contextlib.contextmanager
+def kernel_calls() -> Iterator[Counter]:
+    """Count the NPU kernels the op layer calls in the block, by torch_npu name.
+
+    The emulation counts its own calls (:func:`count_kernel_calls`); a real torch_npu module
+    (an ``npu`` cell) gets counting wrappers on the same kernel names for the block, since the
+    op layer looks its kernels up on the module at call time.
+    """
+    from megatron_npu.ops.kernels import npu_kernels
+
+    module = npu_kernels()
+    if module is None or module is torch_npu_emulation:
+        with count_kernel_calls() as counter:
+            yield counter
+        return
+    counter: Counter = Counter()
+    wrapped = {}
+    for name in torch_npu_emulation.KERNELS:
+        kernel = getattr(module, name, None)
+        if callable(kernel):
+            wrapped[name] = kernel
+            setattr(module, name, _counting(kernel, name, counter))
+    try:
+        yield counter
+    finally:
+        for name, kernel in wrapped.items():
+            setattr(module, name, kernel)
+
+
+def _counting(kernel: Any, name: str, counter: Counter) -> Any:
+    @functools.wraps(kernel)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        counter[name] += 1
+        return kernel(*args, **kwargs)
+
+    return call
+
+
 def _rank_key(outcome: TensorOutcome, tolerance: Any) -> tuple[int, float]:
     v = final_verdict(outcome.comparison, tolerance, outcome.benchmark)
     cos = outcome.comparison.cosine
@@ -280,7 +319,7 @@ def run_examples(job: Job) -> CellOutcome | None:
     kernels: Counter = Counter()
     for params in job.examples:
         inputs = case.make_inputs(params)
-        with _planted(job.mutation), count_kernel_calls() as calls:
+        with _planted(job.mutation), kernel_calls() as calls:
             got = case.run(
                 Context(params, tested, tested, device, original, job.parallel, rank), inputs
             )

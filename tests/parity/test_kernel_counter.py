@@ -41,3 +41,25 @@ def test_op_layer_calls_are_counted_and_native_paths_are_not():
 def test_every_public_kernel_is_counted():
     assert set(emulation.KERNELS) == {n for n in emulation.__all__ if n.startswith("npu_")}
     assert all(getattr(emulation, n).__wrapped__ for n in emulation.KERNELS)
+
+
+def test_harness_counts_a_real_torch_npu_module_too():
+    """An ``npu`` cell's kernels come from the real torch_npu: the harness wraps the same
+    kernel names on whatever module the op layer uses, and puts them back."""
+    import types
+
+    from parity.harness import kernel_calls
+
+    real = types.ModuleType("torch_npu")
+    raw = emulation.npu_swiglu.__wrapped__
+    real.npu_swiglu = raw
+    before = npu_kernels()
+    try:
+        use_npu_kernels(real)
+        with kernel_calls() as counted:
+            swiglu_op.swiglu(torch.randn(4, 8))
+            swiglu_op.swiglu(torch.randn(4, 8))
+    finally:
+        use_npu_kernels(before)
+    assert counted == {"npu_swiglu": 2}
+    assert real.npu_swiglu is raw
