@@ -1,7 +1,9 @@
 """Generated parity tests: one per (patch, dtype, parallel size, device) of the registry.
 
 Each writes its JSON record into the results directory (``--parity-results``) and fails on an
-``error`` verdict; ``warning`` is recorded and shown but does not fail (msprobe's meaning).
+``error`` verdict; ``warning`` is recorded and shown but does not fail (msprobe's meaning). A
+cell that crashes or hangs still writes a record (an ``error`` with rule ``crash`` /
+``timeout``, see :func:`parity.harness.evaluate`), so the summary counts it.
 Collected by ``tests/parity/test_parity_matrix.py`` in CI and run directly by
 ``megatron-npu parity``.
 """
@@ -29,8 +31,25 @@ def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
         parallel=cell.parallel,
         examples=case_examples(cell.case.name, parity_mode),
     )
-    pool = rank_pools.get(cell.parallel.world) if cell.parallel.world > 1 else None
+    pool = None
+    if cell.parallel.world > 1:
+        try:
+            pool = rank_pools.get(cell.parallel.world)
+        except Exception as exc:  # noqa: BLE001 - a pool that cannot start fails this cell
+            pool = _Unstartable(exc)
     record = evaluate(job, pool=pool)
     write_record(record, parity_results)
     failing = {n: t.verdict.reason for n, t in record.tensors.items() if t.verdict.status == "error"}
+    if record.verdict.status == "error" and not failing:
+        failing = {"cell": record.verdict.reason}
     assert not failing, f"{cell.id}: {failing}"
+
+
+class _Unstartable:
+    """Stands in for a rank pool that failed to start: every submit raises its error."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def submit(self, job):
+        raise self.exc

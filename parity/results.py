@@ -24,8 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from parity.metrics import TensorComparison, dtype_config
-from parity.verdict import Tolerance, Verdict, verdict, worst
+from parity.verdict import Tolerance, Verdict, final_verdict, worst
 
 __all__ = [
     "DEVICES",
@@ -43,11 +44,17 @@ __all__ = [
     "print_summary",
     "read_records",
     "record_filename",
+    "summary_counts",
+    "summary_lines",
     "summary_table",
     "write_record",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: versions read_records accepts (a schema-1 record has no kernels / benchmark keys)
+READABLE_VERSIONS = (1, 2)
+#: verdict rules of a record that compared nothing (the cell failed before any comparison)
+NO_TENSOR_RULES = ("crash", "timeout", "reference_hygiene")
 # "npu" only for a real Ascend NPU through torch_npu; the CPU emulation of torch_npu's kernels
 # is "npu-emulated", never "npu".
 DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
@@ -229,6 +236,22 @@ class TensorResult:
 
 
 @dataclass(frozen=True)
+class BenchmarkSection:
+    """msprobe's stage-2 benchmark of a 16-bit cell (see :mod:`parity.benchmark`)."""
+
+    path: str  # what ran as the benchmark, in words
+    level: str  # msprobe level L0 / L1 / L2
+    tensors: dict[str, BenchmarkResult]  # per float tensor
+    unavailable: str | None = None  # why the benchmark could not run (then tensors is empty)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "level": self.level, "unavailable": self.unavailable,
+            "tensors": {n: b.to_dict() for n, b in self.tensors.items()},
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ParityRecord:
     """The result of one parity case; ``to_dict`` gives the JSON object of the schema."""
 
@@ -243,6 +266,9 @@ class ParityRecord:
     tolerance: Tolerance | None
     provenance: Provenance
     schema_version: int = SCHEMA_VERSION
+    kernels: dict[str, int] | None = None  # emulated NPU kernel -> calls in the tested path
+    npu_kernel_exercised: bool | None = None  # None only in a schema-1 record (unknown)
+    benchmark: BenchmarkSection | None = None
 
     def __post_init__(self) -> None:
         for name in ("patch_id", "target", "case"):
@@ -261,17 +287,28 @@ class ParityRecord:
                 "device 'npu' needs provenance.torch_npu; emulated runs are 'npu-emulated'"
             )
         if not self.tensors:
-            raise ValueError("a parity record needs at least one compared tensor")
-        worst_status = worst(t.verdict for t in self.tensors.values()).status
-        if self.verdict.status != worst_status:
+            if self.verdict.status != "error" or self.verdict.rule not in NO_TENSOR_RULES:
+                raise ValueError(
+                    "a parity record needs at least one compared tensor, unless it is an error "
+                    f"with rule {' / '.join(NO_TENSOR_RULES)}"
+                )
+        else:
+            worst_status = worst(t.verdict for t in self.tensors.values()).status
+            if self.verdict.status != worst_status:
+                raise ValueError(
+                    f"overall verdict {self.verdict.status!r} is not the worst tensor verdict "
+                    f"{worst_status!r}"
+                )
+        if self.schema_version not in READABLE_VERSIONS:
             raise ValueError(
-                f"overall verdict {self.verdict.status!r} is not the worst tensor verdict "
-                f"{worst_status!r}"
+                f"schema_version {self.schema_version} is not supported (expected one of "
+                f"{READABLE_VERSIONS})"
             )
-        if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is not supported (expected {SCHEMA_VERSION})"
-            )
+        if self.schema_version >= 2:
+            if not isinstance(self.kernels, dict) or not isinstance(self.npu_kernel_exercised, bool):
+                raise ValueError("a schema-2 record needs kernels (dict) and npu_kernel_exercised")
+            if self.npu_kernel_exercised != any(v > 0 for v in self.kernels.values()):
+                raise ValueError("npu_kernel_exercised must say whether any kernel was called")
 
     @classmethod
     def build(
@@ -285,12 +322,29 @@ class ParityRecord:
         comparisons: Mapping[str, TensorComparison],
         provenance: Provenance,
         tolerance: Tolerance | None = None,
+        benchmarks: Mapping[str, BenchmarkResult | None] | None = None,
+        benchmark_level: str = "L0",
+        benchmark_unavailable: str | None = None,
+        kernels: Mapping[str, int] | None = None,
     ) -> ParityRecord:
-        """A record whose tensor and overall verdicts are computed from ``comparisons``."""
+        """A record whose tensor and overall verdicts are computed from ``comparisons`` and,
+        for 16-bit cells, the stage-2 ``benchmarks`` (tensor name -> result or None)."""
+        benchmarks = dict(benchmarks or {})
         tensors = {
-            name: TensorResult(comp, verdict(comp, tolerance)) for name, comp in comparisons.items()
+            name: TensorResult(comp, final_verdict(comp, tolerance, benchmarks.get(name)))
+            for name, comp in comparisons.items()
         }
+        judged = {n: b for n, b in benchmarks.items() if b is not None}
+        section = None
+        if judged or benchmark_unavailable:
+            section = BenchmarkSection(
+                BENCHMARK_PATH, benchmark_level, judged, benchmark_unavailable
+            )
+        kernels = {k: int(v) for k, v in (kernels or {}).items()}
         return cls(
+            kernels=kernels,
+            npu_kernel_exercised=any(v > 0 for v in kernels.values()),
+            benchmark=section,
             patch_id=patch_id,
             target=target,
             case=case,
@@ -303,10 +357,27 @@ class ParityRecord:
             provenance=provenance,
         )
 
+    @classmethod
+    def failed(
+        cls, *, rule: str, reason: str, provenance: Provenance, **identity: Any
+    ) -> ParityRecord:
+        """The record of a cell that crashed, timed out or whose reference touched the
+        implementation: an error without tensors. ``identity``: ``patch_id``, ``target``,
+        ``case``, ``dtype``, ``parallel`` and optionally ``tolerance``, as for :meth:`build`."""
+        return cls(
+            **{"tolerance": None, **identity, "parallel": dict(identity["parallel"])},
+            device=provenance.device, tensors={},
+            verdict=Verdict("error", f"{rule}: {reason}", rule),
+            provenance=provenance, kernels={}, npu_kernel_exercised=False,
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         prov = self.provenance
         return {
             "schema_version": self.schema_version,
+            "kernels": dict(self.kernels or {}),
+            "npu_kernel_exercised": self.npu_kernel_exercised,
+            "benchmark": None if self.benchmark is None else self.benchmark.to_dict(),
             "patch_id": self.patch_id,
             "target": self.target,
             "case": self.case,
@@ -404,10 +475,20 @@ _NONE = type(None)
 
 def _parse_record(data: Any) -> ParityRecord:
     version = _get(data, "schema_version", "", int)
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise RecordError(
-            f"bad key 'schema_version': {version} is not supported (expected {SCHEMA_VERSION})"
+            f"bad key 'schema_version': {version} is not supported (expected one of "
+            f"{READABLE_VERSIONS})"
         )
+    kernels: dict[str, int] | None = None
+    exercised: bool | None = None
+    benchmark: BenchmarkSection | None = None
+    if version >= 2:
+        kernels = _get(data, "kernels", "", dict)
+        for name in kernels:
+            _get(kernels, name, "kernels", int)
+        exercised = _get(data, "npu_kernel_exercised", "", bool)
+        benchmark = _parse_benchmark(_get(data, "benchmark", "", (dict, _NONE)))
     patch_id = _get(data, "patch_id", "", str)
     target = _get(data, "target", "", str)
     case = _get(data, "case", "", str)
@@ -477,9 +558,31 @@ def _parse_record(data: Any) -> ParityRecord:
             tolerance=tolerance,
             provenance=provenance,
             schema_version=version,
+            kernels=kernels,
+            npu_kernel_exercised=exercised,
+            benchmark=benchmark,
         )
     except ValueError as exc:
         raise RecordError(f"invalid record: {exc}") from None
+
+
+def _parse_benchmark(raw: dict[str, Any] | None) -> BenchmarkSection | None:
+    if raw is None:
+        return None
+    tensors = {}
+    for name, entry in _get(raw, "tensors", "benchmark", dict).items():
+        try:
+            tensors[name] = BenchmarkResult.from_dict(entry)
+        except KeyError as exc:
+            raise RecordError(f"missing key 'benchmark.tensors.{name}.{exc.args[0]}'") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"bad key in 'benchmark.tensors.{name}': {exc}") from None
+    return BenchmarkSection(
+        path=_get(raw, "path", "benchmark", str),
+        level=_get(raw, "level", "benchmark", str),
+        tensors=tensors,
+        unavailable=_get(raw, "unavailable", "benchmark", (str, _NONE)),
+    )
 
 
 def _parse_verdict(data: Any, where: str) -> Verdict:
@@ -592,6 +695,7 @@ class SummaryRow(NamedTuple):
     parallel: str  # "tp2 pp1 dp1 w2"
     device: str
     verdict: str
+    npu_code: str  # npu/npu-emulated cells: "NPU kernel" or "same code as cpu"; else "-"
     worst_metric: str  # "<tensor>: <deciding rule and numbers>" of the worst tensor
 
 
@@ -619,6 +723,7 @@ def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
                     parallel=_parallel_text(rec.parallel),
                     device=rec.device,
                     verdict=rec.verdict.status,
+                    npu_code=npu_code(rec),
                     worst_metric=rec.verdict.reason,
                 ),
             )
@@ -628,6 +733,59 @@ def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
 
 
 _STYLE = {"pass": "green", "warning": "yellow", "error": "bold red"}
+#: devices whose cells can run an NPU kernel (real or emulated)
+NPU_DEVICES = ("npu", "npu-emulated")
+KERNEL_EXERCISED = "NPU kernel"
+SAME_AS_CPU = "same code as cpu"
+
+
+def npu_code(record: ParityRecord) -> str:
+    """What an npu / npu-emulated cell ran: an NPU kernel, or the same code as the cpu cell
+    ("unknown" for a schema-1 record); "-" for other devices."""
+    if record.device not in NPU_DEVICES:
+        return "-"
+    if record.npu_kernel_exercised is None:
+        return "unknown"
+    return KERNEL_EXERCISED if record.npu_kernel_exercised else SAME_AS_CPU
+
+
+def summary_counts(records: Iterable[ParityRecord]) -> dict[str, Any]:
+    """Verdict counts, failed cells (crash / timeout / reference hygiene) and, per NPU device,
+    how many cells exercised an NPU kernel and how many ran the same code as cpu."""
+    records = list(records)
+    verdicts: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    npu: dict[str, dict[str, int]] = {}
+    for rec in records:
+        verdicts[rec.verdict.status] = verdicts.get(rec.verdict.status, 0) + 1
+        if not rec.tensors:
+            failed[rec.verdict.rule] = failed.get(rec.verdict.rule, 0) + 1
+        if rec.device in NPU_DEVICES:
+            per = npu.setdefault(rec.device, {})
+            key = npu_code(rec)
+            per[key] = per.get(key, 0) + 1
+    return {"records": len(records), "verdicts": verdicts, "failed": failed, "npu": npu}
+
+
+def summary_lines(records: Iterable[ParityRecord]) -> list[str]:
+    """The summary's count lines (what ``megatron-npu parity`` prints under the table)."""
+    c = summary_counts(records)
+    lines = [
+        f"{c['records']} records: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(c["verdicts"].items()))
+    ]
+    if c["failed"]:
+        lines.append(
+            "cells that failed before comparing: "
+            + ", ".join(f"{n} {rule}" for rule, n in sorted(c["failed"].items()))
+        )
+    for device, per in sorted(c["npu"].items()):
+        lines.append(
+            f"{device} cells: {per.get(KERNEL_EXERCISED, 0)} exercised an NPU kernel, "
+            f"{per.get(SAME_AS_CPU, 0)} ran the same code as cpu"
+            + (f", {per['unknown']} unknown (schema 1)" if per.get("unknown") else "")
+        )
+    return lines
 
 
 def print_summary(records: Iterable[ParityRecord], console: Any = None) -> Any:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parity.results import print_summary, read_records
+from parity.results import print_summary, read_records, summary_lines
 
 CI_DEVICES = ("cpu", "npu-emulated")
 
@@ -82,10 +82,8 @@ def main(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         print_summary(records, console=Console(width=max(160, Console().width)))
-    counts: dict[str, int] = {}
-    for record in records:
-        counts[record.verdict.status] = counts.get(record.verdict.status, 0) + 1
-    print(f"{len(records)} records: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    for line in summary_lines(records):
+        print(line)
     if not records:
         print("parity: no records were written", file=sys.stderr)
         return code or 1

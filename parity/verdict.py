@@ -1,21 +1,30 @@
 """pass / warning / error for a :class:`~parity.metrics.TensorComparison` (REFERENCE.md section 3).
 
-Rules, applied in order; the first that decides wins:
+Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that decides wins):
 
 1. exact kind (integer / bool): any differing element -> error, else pass.
-2. any inf/nan mismatch -> error.
-3. nothing to compare (empty tensor, or only matching inf/nan) -> pass.
-4. cosine must be > 0.99, else error (skipped for a single compared element, where cosine
-   is only a sign test and an exactly-zero side makes it 0: msprobe skips it for scalars too).
-5. max abs error < 1e-3 -> pass.
-6. fp16/bf16: dual hundredth fails -> error; dual thousandth fails -> warning.
+2. any inf/nan mismatch -> error (added: msprobe only counts such positions as failing in the
+   dual-N shares).
+3. empty tensor -> pass (msprobe: SKIP).
+4. cosine must be > 0.99, else error; not judged for a single element or when NaN (a non-finite
+   value present), as in msprobe.
+5. relative L2 error above the dtype's bound -> error (added: the relative rule the max-abs
+   shortcut cannot bypass; bounds in :mod:`parity.metrics`).
+6. max abs error < 1e-3 -> pass.
+7. fp16/bf16: dual hundredth fails -> error; dual thousandth fails -> warning.
    fp32: dual thousandth fails -> error; dual ten-thousandth fails -> warning.
    "dual-N fails" means the share of elements with relative error below N is not > 1 - N.
-7. otherwise pass.
+8. otherwise pass.
 
-A :class:`Tolerance` override may replace the cosine bound, the abs-error pass bound and the
-dual-N levels used at error / warning level, and must carry a written reason; a verdict reached
-under an override says so.
+Stage 2 (fp16/bf16 cells with a benchmark, :mod:`parity.benchmark`): when rules 1-5 gave no
+error, msprobe's "benchmark" standard decides pass or error in place of rules 6-8 (the max-abs
+shortcut and the dual-N shares), as msprobe's newer standard replaces its dual-N rules for float
+outputs; :func:`final_verdict` combines the two. Rules 6-8 are still computed and quoted in the
+reason.
+
+A :class:`Tolerance` override may replace the cosine bound, the relative L2 bound, the abs-error
+pass bound and the dual-N levels used at error / warning level, and must carry a written reason;
+a verdict reached under an override says so.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ __all__ = [
     "STATUSES",
     "Tolerance",
     "Verdict",
+    "final_verdict",
     "verdict",
     "worst",
 ]
@@ -56,8 +66,9 @@ _LEVEL_FIELD = {v: f"dual_{k}" for k, v in DUAL_LEVELS.items()}
 class Tolerance:
     """A per-case loosening (or tightening) of the default thresholds, with its reason.
 
-    ``cosine``: cosine must be > this (default 0.99). ``abs_pass``: max abs error < this passes
-    at once (default 1e-3). ``dual_error`` / ``dual_warning``: the N (one of 0.01, 0.001,
+    ``cosine``: cosine must be > this (default 0.99). ``rel_l2``: relative L2 error must be <=
+    this (default: the dtype's bound). ``abs_pass``: max abs error < this passes at once
+    (default 1e-3). ``dual_error`` / ``dual_warning``: the N (one of 0.01, 0.001,
     0.0001) of the dual-N check at error / warning level (defaults: fp16/bf16 0.01 / 0.001,
     fp32 0.001 / 0.0001). ``None`` keeps the default.
     """
@@ -67,16 +78,22 @@ class Tolerance:
     abs_pass: float | None = None
     dual_error: float | None = None
     dual_warning: float | None = None
+    rel_l2: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError("a Tolerance override needs a written reason")
-        if all(v is None for v in (self.cosine, self.abs_pass, self.dual_error, self.dual_warning)):
+        if all(
+            v is None
+            for v in (self.cosine, self.abs_pass, self.dual_error, self.dual_warning, self.rel_l2)
+        ):
             raise ValueError("a Tolerance override must change at least one threshold")
         if self.cosine is not None and not -1.0 <= self.cosine < 1.0:
             raise ValueError(f"Tolerance.cosine must be in [-1, 1), got {self.cosine}")
-        if self.abs_pass is not None and not (self.abs_pass > 0 and math.isfinite(self.abs_pass)):
-            raise ValueError(f"Tolerance.abs_pass must be a positive number, got {self.abs_pass}")
+        for name in ("abs_pass", "rel_l2"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"Tolerance.{name} must be a positive number, got {value}")
         for name in ("dual_error", "dual_warning"):
             value = getattr(self, name)
             if value is not None and value not in _LEVEL_NAME:
@@ -92,8 +109,10 @@ class Tolerance:
         if "reason" not in data:
             raise KeyError("reason")
         kwargs = {"reason": data["reason"]}
-        for name in ("cosine", "abs_pass", "dual_error", "dual_warning"):
+        for name in ("cosine", "abs_pass", "dual_error", "dual_warning", "rel_l2"):
             if name not in data:
+                if name == "rel_l2":  # schema 1
+                    continue
                 raise KeyError(name)
             kwargs[name] = decode_float(data[name], name)
         return cls(**kwargs)
@@ -103,8 +122,9 @@ class Tolerance:
 class Verdict:
     """``status`` in pass / warning / error; ``reason`` names the deciding rule and numbers.
 
-    ``rule`` is the deciding rule's id (exact, inf_nan, empty, cosine, max_abs, dual_hundredth,
-    dual_thousandth, dual_ten_thousandth); ``override`` says a Tolerance was in effect.
+    ``rule`` is the deciding rule's id (exact, inf_nan, empty, cosine, rel_l2, max_abs,
+    dual_hundredth, dual_thousandth, dual_ten_thousandth, benchmark; crash and timeout for a
+    cell that produced no comparison); ``override`` says a Tolerance was in effect.
     """
 
     status: str
@@ -139,8 +159,14 @@ def _fmt(value: float) -> str:
     return f"{value:.6g}"
 
 
-def verdict(comparison: TensorComparison, tolerance: Tolerance | None = None) -> Verdict:
-    """Apply the msprobe rules (module docstring) to one comparison."""
+def verdict(
+    comparison: TensorComparison, tolerance: Tolerance | None = None, *, hard_only: bool = False
+) -> Verdict | None:
+    """Apply the stage-1 rules (module docstring) to one comparison.
+
+    With ``hard_only`` only rules 1-5 run (the ones that stand whatever a benchmark says) and
+    None means none of them decided.
+    """
     c = comparison
     tol = tolerance
     used = tol is not None
@@ -163,15 +189,26 @@ def verdict(comparison: TensorComparison, tolerance: Tolerance | None = None) ->
 
     if c.inf_nan_mismatch_count:
         return make("error", f"{c.inf_nan_mismatch_count} inf/nan positions differ", "inf_nan")
-    if c.compared_count == 0:
-        what = "empty tensor" if c.numel == 0 else f"all {c.numel} elements are matching inf/nan"
-        return make("pass", f"{what}: nothing to compare numerically", "empty")
+    if c.numel == 0:
+        return make("pass", "empty tensor: nothing to compare", "empty")
 
     cos_min = COSINE_MIN if tol is None or tol.cosine is None else tol.cosine
     cos_over = tol is not None and tol.cosine is not None
-    assert c.cosine is not None and c.max_abs_error is not None
-    if c.compared_count > 1 and not c.cosine > cos_min:
+    assert c.max_abs_error is not None
+    if c.cosine is not None and not math.isnan(c.cosine) and not c.cosine > cos_min:
         return make("error", f"cosine {_fmt(c.cosine)} <= {_fmt(cos_min)}", "cosine", cos_over)
+
+    l2_over = tol is not None and tol.rel_l2 is not None
+    l2_bound = tol.rel_l2 if l2_over else c.rel_l2_bound
+    if c.rel_l2 is not None and l2_bound is not None and not c.rel_l2 <= l2_bound:
+        return make(
+            "error",
+            f"relative L2 error {_fmt(c.rel_l2)} > {_fmt(l2_bound)} ({c.dtype} bound)",
+            "rel_l2",
+            l2_over,
+        )
+    if hard_only:
+        return None
 
     abs_pass = ABS_PASS if tol is None or tol.abs_pass is None else tol.abs_pass
     abs_over = tol is not None and tol.abs_pass is not None
@@ -219,3 +256,24 @@ def worst(verdicts: Iterable[Verdict]) -> Verdict:
     if best is None:
         raise ValueError("worst() needs at least one verdict")
     return best
+
+
+def final_verdict(
+    comparison: TensorComparison, tolerance: Tolerance | None, benchmark: Any = None
+) -> Verdict:
+    """Stage 1; for a 16-bit tensor with a benchmark, rules 1-5 then stage 2 (module docstring).
+
+    ``benchmark`` is a :class:`parity.benchmark.BenchmarkResult` or None.
+    """
+    if benchmark is None:
+        return verdict(comparison, tolerance)
+    hard = verdict(comparison, tolerance, hard_only=True)
+    if hard is not None and (hard.status == "error" or comparison.kind == "exact"):
+        return hard
+    first = verdict(comparison, tolerance)
+    return Verdict(
+        benchmark.status,
+        f"{benchmark.reason} (stage-1 rules 6-8 would say {first.status}: {first.reason})",
+        "benchmark",
+        first.override,
+    )

@@ -1,4 +1,4 @@
-"""Metrics and verdicts against hand-computed numbers (REFERENCE.md section 3)."""
+"""Metrics and verdicts against hand-computed numbers (REFERENCE.md sections 3 and 6)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_fp32_four_elements_every_metric():
     act = [1.0, 2.0 + 2**-20, 4.0 - 2**-10, 0.5]
     c = compare(t(act, F32), t(ref, F64), F32)
 
-    eps = 2**-24
+    eps = 2**-52  # msprobe: finfo of the (fp64) reference's dtype
     assert c.kind == "float"
     assert c.rel_eps == eps
     assert (c.dtype, c.actual_dtype, c.reference_dtype) == ("float32", "float32", "float64")
@@ -55,6 +55,10 @@ def test_fp32_four_elements_every_metric():
     assert c.ulp_mean == (0 + 4 + 2048 + 0) / 4
     assert c.ulp_bad_bound == 32.0
     assert c.ulp_bad_share == 0.25
+    # relative L2 error: sqrt(2**-40 + 2**-20) / sqrt(21.25) = 2.1e-4, far above fp32's 64 u
+    assert c.rel_l2 == pytest.approx(math.sqrt(2**-40 + 2**-20) / math.sqrt(21.25), rel=1e-12)
+    assert c.rel_l2_bound == 64 * 2**-24
+    assert (verdict(c).status, verdict(c).rule) == ("error", "rel_l2")
 
 
 def test_fp16_small_values_rel_eps_and_ulp():
@@ -63,26 +67,33 @@ def test_fp16_small_values_rel_eps_and_ulp():
     act = [2**-9, 2**-11, 0.0, 0.5]
     c = compare(t(act, F16), t(ref, F32), F16)
 
-    assert c.rel_eps == 2**-11
+    assert c.rel_eps == 2**-23  # msprobe: finfo(float32).eps of the reference
     assert c.small_value_threshold == t_small
-    # small: |ref| <= 2**-10 -> first three; abs errors 2**-9, 0, 2**-10; only 2**-9 > 2**-10
+    # small: |ref| <= 2**-10 -> first three; abs errors 2**-9, 0, 2**-10 vs atol T*eps = 2**-20
+    assert c.small_value_atol == 2**-20
     assert c.small_value_count == 3
-    assert c.small_value_error_share == pytest.approx(1 / 3)
-    # rel: 2**-9 / 2**-11 = 4 ; 2**-10 / (2**-10 + 2**-11) = 2/3
-    assert c.max_rel_error == 4.0
-    assert c.mean_rel_error == pytest.approx((4.0 + 0 + 2 / 3 + 0) / 4)
-    # ULP: ref 0 -> fp16 subnormal spacing 2**-24 -> 2**15 ULP; ref 2**-10 -> 2**-20 -> 1024
-    assert c.ulp_max == 2.0**15
+    assert c.small_value_error_share == pytest.approx(2 / 3)
+    # max / mean relative error leave small values out (msprobe's benchmark standard)
+    assert (c.max_rel_error, c.mean_rel_error) == (0.0, 0.0)
+    # dual shares count every element: rel errors 2**14, 0, ~1, 0 -> half below any level
+    assert (c.dual_hundredth, c.dual_thousandth) == (0.5, 0.5)
+    # ULP (msprobe): ref 0 uses exponent 0 -> 2**-9 * 2**10 = 2; ref 2**-10 -> 2**-10 * 2**20
+    assert c.ulp_max == 1024.0
+    assert c.ulp_mean == (2 + 0 + 1024 + 0) / 4
     assert c.ulp_bad_share == 0.5
     assert c.ulp_bad_bound == 1.0
     # x > ref at 0, x < ref at 2
     assert c.error_balance == 0.0
+    # the reference is mostly small: rel_l2 divides by max(|r|, sqrt(4) * T)
+    assert c.rel_l2 == pytest.approx(
+        math.sqrt(2**-18 + 2**-20) / math.sqrt(2**-22 + 2**-20 + 0.25), rel=1e-12
+    )
 
 
 def test_bf16_eps_is_2_pow_minus_8():
-    c = compare(t([2**-10, 1.0], BF16), t([0.0, 1.0], F32), BF16)
+    c = compare(t([0.5 + 2**-8, 1.0], BF16), t([0.5, 1.0], F32), BF16)
     assert c.rel_eps == 2**-8
-    assert c.max_rel_error == 0.25  # 2**-10 / 2**-8
+    assert c.max_rel_error == pytest.approx(2**-8 / (0.5 + 2**-8), rel=1e-6)
     assert c.small_value_threshold == 2**-10
 
 
@@ -335,6 +346,7 @@ def test_override_dual_levels():
         {"reason": "bad level", "dual_error": 0.005},
         {"reason": "bad cosine", "cosine": 1.5},
         {"reason": "bad abs", "abs_pass": -1.0},
+        {"reason": "bad rel_l2", "rel_l2": 0.0},
     ],
 )
 def test_tolerance_validation(kwargs):
@@ -360,10 +372,54 @@ def test_verdict_status_is_validated():
 
 
 def test_single_element_skips_the_cosine_rule():
-    """One element: cosine is a sign test; a zero reference must not force an error."""
-    c = compare(torch.tensor([1e-9]), torch.tensor([0.0], dtype=torch.float64), torch.float32)
-    assert c.cosine == 0.0
+    """One element: cosine is a sign test (msprobe does not compute it); a zero reference must
+    not force an error when the error is within fp32's resolution at the small-value threshold
+    (rel_l2 = 1e-12 / 2**-20 ~ 1e-6 < 64 u)."""
+    c = compare(torch.tensor([1e-12]), torch.tensor([0.0], dtype=torch.float64), torch.float32)
+    assert c.cosine is None
     assert verdict(c).status == "pass"
     two = compare(torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0], dtype=torch.float64),
                   torch.float32)
     assert verdict(two).status == "error" and verdict(two).rule == "cosine"
+
+
+# --------------------------------------------------------------------------- relative L2 rule
+
+
+def _grad(scale: float, n: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=F64) * scale
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_scaled_small_gradient_is_an_error_in_every_dtype(dtype, factor):
+    """A 2x error on a gradient of magnitude 1e-4, or halved moments (halved gradients into
+    AdamW): max abs error < 1e-3 and cosine 1, so the msprobe shortcut would pass them; the
+    relative L2 rule does not."""
+    ref = _grad(1e-4)
+    want = ref.to(dtype).to(F64 if dtype is F32 else F32)
+    c = compare((ref * factor).to(dtype), want, dtype)
+    assert c.max_abs_error < 1e-3 and c.cosine > 0.99
+    v = verdict(c)
+    assert (v.status, v.rule) == ("error", "rel_l2")
+
+
+def test_six_percent_error_on_five_percent_of_elements_is_an_error():
+    ref = _grad(3e-3, n=1000)
+    bad = ref.clone()
+    bad[:50] *= 1.06
+    for dtype in (F32, F16):
+        want = ref.to(dtype).to(F64 if dtype is F32 else F32)
+        c = compare(bad.to(dtype), want, dtype)
+        assert c.max_abs_error < 1e-3
+        assert (verdict(c).status, verdict(c).rule) == ("error", "rel_l2"), dtype
+
+
+def test_correct_rounding_passes_the_relative_rule():
+    ref = _grad(1.0, n=4096)
+    for dtype in (F32, F16, BF16):
+        want = ref.to(F64 if dtype is F32 else F32)
+        c = compare(ref.to(dtype), want, dtype)
+        assert c.rel_l2 <= torch.finfo(dtype).eps / 2  # one rounding: at most u
+        assert verdict(c, hard_only=True) is None

@@ -34,3 +34,16 @@ def test_hanging_rank_is_named_and_killed():
     with pytest.raises(RankTimeout, match=r"ranks \[1\] gave no answer within 8s"):
         pool.submit(JOB)
     assert not any(p.is_alive() for p in procs)
+
+
+def test_a_crashing_rank_pool_cell_is_an_error_record():
+    from megatron_npu.registry import get_patch
+    from parity.harness import evaluate
+
+    patch = get_patch("cross-entropy.vocab-parallel")
+    job = Job(patch.id, "cpu", "float32", Parallel(tp=2), ())
+    pool = RankPool(2, timeout_s=60, runner="parity._selftest:fail_on_rank_1")
+    record = evaluate(job, pool=pool)
+    assert (record.verdict.status, record.verdict.rule) == ("error", "crash")
+    assert "deliberate failure on rank 1" in record.verdict.reason
+    assert record.tensors == {} and not pool.alive

@@ -46,6 +46,9 @@ TOP_KEYS = {
     "verdict",
     "tolerance",
     "provenance",
+    "kernels",
+    "npu_kernel_exercised",
+    "benchmark",
 }
 PROVENANCE_KEYS = {
     "device",
@@ -345,7 +348,10 @@ def _write_raw(tmp_path, mutate):
         (lambda d: d["verdict"].pop("status"), "verdict.status"),
         (lambda d: d["parallel"].pop("world"), "parallel.world"),
         (lambda d: d["provenance"]["git"].pop("dirty"), "provenance.git.dirty"),
-        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d.update(schema_version=3), "schema_version"),
+        (lambda d: d.update(kernels={"npu_swiglu": "2"}), "kernels.npu_swiglu"),
+        (lambda d: d.update(npu_kernel_exercised="yes"), "npu_kernel_exercised"),
+        (lambda d: d.pop("benchmark"), "benchmark"),
         (lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "world": 2}), "parallel.tp"),
         (lambda d: d["provenance"].update(seed=True), "provenance.seed"),
         (lambda d: d.update(device="npu-ish"), "device"),
@@ -437,5 +443,84 @@ def test_documented_example_is_a_valid_record():
     rec = ParityRecord.from_dict(data)
     assert rec.to_dict() == data
     # every metric key is documented in the metrics table
-    for key in rec.tensors["output"].comparison.to_dict():
+    for key in next(iter(rec.tensors.values())).comparison.to_dict():
         assert f"`{key}`" in doc, key
+
+
+# --------------------------------------------------------------------------- schema 2
+
+
+def _bench(dtype: str = "bfloat16", scale: float = 1.0):
+    from parity.benchmark import benchmark_result
+
+    tdt = getattr(torch, dtype)
+    ref = torch.linspace(-2, 2, 64, dtype=torch.float32)
+    tested = compare((ref * scale).to(tdt), ref, tdt)
+    bench = compare(ref.to(tdt), ref, tdt)
+    return tested, benchmark_result(tested, bench, "L0")
+
+
+def test_schema_2_record_with_kernels_and_benchmark_round_trips(tmp_path):
+    tested, bres = _bench()
+    rec = ParityRecord.build(
+        patch_id="p", target="m.f", case="c", dtype="bfloat16", parallel=PAR,
+        comparisons={"out": tested}, benchmarks={"out": bres}, benchmark_level="L0",
+        kernels={"npu_rms_norm": 3}, provenance=provenance("npu-emulated"),
+    )  # fmt: skip
+    assert rec.schema_version == 2
+    assert (rec.kernels, rec.npu_kernel_exercised) == ({"npu_rms_norm": 3}, True)
+    assert rec.tensors["out"].verdict.rule == "benchmark"
+    assert rec.benchmark is not None and rec.benchmark.tensors["out"].status == "pass"
+    write_record(rec, tmp_path)
+    (back,) = read_records(tmp_path)
+    assert back == rec
+    assert summary_table([back])[0].npu_code == results.KERNEL_EXERCISED
+
+
+def test_benchmark_error_decides_a_bf16_tensor_that_stage_1_passes():
+    tested, bres = _bench(scale=1.03)  # 3 % off everywhere: a bf16-only bug
+    assert bres.status == "error" and "mean_rel_error" in bres.reason
+    rec = ParityRecord.build(
+        patch_id="p", target="m.f", case="c", dtype="bfloat16", parallel=PAR,
+        comparisons={"out": tested}, benchmarks={"out": bres}, provenance=provenance(),
+    )  # fmt: skip
+    assert (rec.verdict.status, rec.verdict.rule) == ("error", "benchmark")
+
+
+def test_schema_1_records_are_still_read(tmp_path):
+    def to_v1(d):
+        d["schema_version"] = 1
+        for key in ("kernels", "npu_kernel_exercised", "benchmark"):
+            d.pop(key)
+        for t in d["tensors"].values():
+            for key in ("rel_l2", "rel_l2_bound", "small_value_atol", "rel_l2_benchmark"):
+                t["metrics"].pop(key)
+
+    _write_raw(tmp_path, to_v1)
+    (rec,) = read_records(tmp_path)
+    assert rec.schema_version == 1
+    assert (rec.kernels, rec.npu_kernel_exercised, rec.benchmark) == (None, None, None)
+    assert rec.tensors["out"].comparison.rel_l2 is None
+    assert results.npu_code(dataclasses.replace(rec, device="cpu")) == "-"
+
+
+def test_crashed_cell_is_an_error_record_without_tensors(tmp_path):
+    rec = ParityRecord.failed(
+        patch_id="p", target="m.f", case="c", dtype="float32", parallel=PAR,
+        provenance=provenance("npu-emulated"), rule="crash", reason="RuntimeError: boom",
+    )  # fmt: skip
+    assert (rec.verdict.status, rec.verdict.rule, rec.tensors) == ("error", "crash", {})
+    write_record(rec, tmp_path)
+    (back,) = read_records(tmp_path)
+    assert back == rec
+    lines = results.summary_lines([back, make_record()])
+    assert lines[0] == "2 records: 1 error, 1 pass"
+    assert "cells that failed before comparing: 1 crash" in lines
+    assert "npu-emulated cells: 0 exercised an NPU kernel, 1 ran the same code as cpu" in lines
+
+
+def test_only_failure_rules_may_have_no_tensors():
+    with pytest.raises(ValueError, match="at least one compared tensor"):
+        dataclasses.replace(make_record(), tensors={})
+    with pytest.raises(ValueError, match="npu_kernel_exercised"):
+        dataclasses.replace(make_record(), kernels={"npu_swiglu": 1})
