@@ -7,7 +7,9 @@ Semantics shared by both paths (and by :func:`fused_attention`, which picks one 
   long as the query head count is a multiple of theirs; query head ``n`` reads key/value head
   ``n // (Nq // Nkv)``.
 * ``attention_mask`` is bool or uint8, **True/1 means masked out**, shaped ``(B, N, Sq, Skv)``,
-  ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``.
+  ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``. With ``causal`` both apply (a key
+  is visible where the mask and causality allow it); a mask that is exactly the causal one is
+  recognised and dropped (see :func:`without_redundant_causal_mask`).
 * Window: with ``offset = Skv - Sq`` (queries aligned to the *end* of the keys, bottom-right, as
   in torch_npu ``sparse_mode`` 3/4 and flash-attention), query ``i`` may attend key ``j`` iff
   ``-pre_tokens <= j - i - offset <= next_tokens``; ``causal=True`` additionally caps the upper
@@ -178,6 +180,31 @@ def window_bounds(
     return max(lo, -(skv - 1)), min(hi, sq - 1)
 
 
+_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def without_redundant_causal_mask(
+    mask: torch.Tensor | None, shape: AttentionShape, causal: bool
+) -> torch.Tensor | None:
+    """``mask``, or None when ``causal`` already hides exactly what it hides.
+
+    Causal attention applies a supplied mask *as well* (a key is visible only where both allow
+    it), so a document mask (``--reset-attention-mask``) is honoured. Megatron's data loader
+    hands every causal run its plain causal mask; recognising it keeps the unmasked kernels
+    (one O(B*S^2) bool comparison instead of a masked attention)."""
+    if mask is None or not causal:
+        return mask
+    sq, skv = shape.sq, shape.skv
+    key = (sq, skv, mask.device)
+    hidden = _causal_masks.get(key)
+    if hidden is None:
+        hidden = ~visible_keys(0, sq, 0, skv, skv - sq, -(skv - 1), 0, mask.device)
+        _causal_masks.clear()  # one shape per run in practice: keep the cache small
+        _causal_masks[key] = hidden
+    same = bool((mask.reshape(-1, sq, skv).bool() == hidden).all())
+    return None if same else mask
+
+
 def check_dropout(dropout_p: float, op: str = _OP) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1) (keep_prob in (0, 1]), got {dropout_p}")
@@ -264,6 +291,7 @@ def native_fused_attention(
     shape = attention_shape(query, key, value, head_num, input_layout)
     check_attention_mask(attention_mask, shape)
     check_dropout(dropout_p)
+    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
     sq, skv = shape.sq, shape.skv
     lo, hi = window_bounds(sq, skv, causal, pre_tokens, next_tokens)
     offset = skv - sq
@@ -555,6 +583,7 @@ def npu_fused_attention(
     shape = attention_shape(query, key, value, head_num, input_layout)
     check_attention_mask(attention_mask, shape)
     check_dropout(dropout_p)
+    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
     plan = npu_sparse_plan(
         shape.sq,
         shape.skv,

@@ -1,7 +1,7 @@
 """Megatron's core attention: stock unfused ``DotProductAttention`` vs the fused-attention op.
 
 ``megatron``: Megatron's own unfused path (baddbmm, its torch softmax with the causal mask,
-bmm), as Megatron runs without TransformerEngine. ``native``/``npu-binding``: the same module with
+bmm), as Megatron runs without TransformerEngine. Attention dropout off (kernel vs kernel). ``native``/``npu-binding``: the same module with
 the fused kernel turned on (``--use-flash-attn``), causal, SBH layout. Hidden 1024 (16 heads x
 64), sequence 4096, batch 1.
 """
@@ -26,6 +26,7 @@ def build(cell: Cell) -> Built:
     config = TransformerConfig(
         num_layers=1, hidden_size=n * d, num_attention_heads=n, use_cpu_initialization=True,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
+        attention_dropout=0.0,
     )  # fmt: skip
     module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                  attention_type="self")  # fmt: skip

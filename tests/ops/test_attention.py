@@ -459,3 +459,71 @@ def test_dispatch_uses_the_installed_kernels():
     with emulated_kernels():
         att.fused_attention(q, q, q, head_num=2)
     assert len(rec.calls) == 1  # the recorder is no longer in use
+
+
+# ----------------------------------------------------------------------------- supplied masks
+
+
+def _document_mask(seq, starts):
+    """Megatron's ``--reset-attention-mask`` mask (True = hidden): causal within documents."""
+    doc = torch.zeros(seq, dtype=torch.long)
+    for s in starts:
+        doc[s:] += 1
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    return ((j > i) | (doc[:, None] != doc[None, :]))[None, None]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_causal_attention_honours_a_document_mask(path):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=gen) for _ in range(3))
+    mask = _document_mask(12, [5, 9])
+    out = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True,
+                 attention_mask=mask)
+    ref = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0, masked=mask)
+    assert_accurate(out, ref, torch.float32, "document mask")
+    plain = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0)
+    assert (out.double() - plain).abs().max() > 1e-2  # the mask really changed the result
+
+
+def test_plain_causal_mask_is_recognised_and_dropped():
+    shape = att.AttentionShape(2, 2, 2, 12, 12, 8)
+    causal = _document_mask(12, [])
+    assert att.without_redundant_causal_mask(causal.expand(2, 1, 12, 12), shape, True) is None
+    doc = _document_mask(12, [4])
+    assert att.without_redundant_causal_mask(doc, shape, True) is doc
+    assert att.without_redundant_causal_mask(causal, shape, False) is causal
+
+
+def test_megatron_attention_with_a_document_mask_equals_megatron_unfused(gloo_world_of_one):
+    """The patched DotProductAttention (fused kernel on) with a causal mask type and a document
+    mask gives Megatron's own unfused result for that mask, instead of dropping the mask."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_npu
+    from megatron_npu import patcher
+    from megatron_npu.ops import settings
+    from megatron_npu.registry import get_patch
+
+    megatron_npu.apply("cpu")
+    try:
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                   use_cpu_initialization=True, masked_softmax_fusion=False,
+                                   attention_dropout=0.0)
+        module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self")
+        gen = torch.Generator().manual_seed(4)
+        q, k, v = (torch.randn(10, 1, 2, 8, generator=gen) for _ in range(3))
+        mask = _document_mask(10, [4, 7])
+        stock = patcher.original(get_patch("attention.dot-product"))
+        expected = stock(module, q, k, v, mask, AttnMaskType.causal)
+        settings.set_fused_attention(use_flash_attn=True)
+        fused = module(q, k, v, mask, AttnMaskType.causal)
+        torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        settings.reset()
+        megatron_npu.restore()
