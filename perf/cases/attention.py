@@ -3,7 +3,7 @@
 ``megatron``: Megatron's own unfused path (baddbmm, its torch softmax with the causal mask,
 bmm), as Megatron runs without TransformerEngine. Attention dropout off (kernel vs kernel). ``native``/``npu-binding``: the same module with
 the fused kernel turned on (``--use-flash-attn``), causal, SBH layout. Hidden 1024 (16 heads x
-64), sequence 4096, batch 1.
+64), sequence 2048, batch 1.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def build(cell: Cell) -> Built:
 
 DOT_PRODUCT_ATTENTION = BenchCase(
     op="attention",
-    shapes={"full": {"seq": 4096, "batch": 1, "heads": 16, "head_dim": 64},
+    shapes={"full": {"seq": 2048, "batch": 1, "heads": 16, "head_dim": 64},
             "quick": {"seq": 512, "batch": 1, "heads": 4, "head_dim": 64}},
     build=build,
     rounds=2,
