@@ -67,6 +67,8 @@ def run_cell(benchmark: Any, cell: Cell, build: Callable[[Cell], Built], rounds:
         built = build(cell)
         fn = timed_call(cell, built)
         fn()  # warm-up outside the profiler: lazy initialisation is not the op's memory
+        for leaf in built.leaves:  # free the warm-up's grads before, not during, the probe
+            leaf.grad = None
         peak = peak_allocated_bytes(fn)
         benchmark.group = cell.op
         benchmark.extra_info.update(
