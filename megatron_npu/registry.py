@@ -33,7 +33,8 @@ class Patch:
     ``original -> new object`` that is always handed the pristine original, so wrappers never stack.
     ``versions`` is a PEP 440 specifier on the installed megatron-core version ("" means any).
     ``parity`` is the patch's parity case (see :mod:`parity`); ``parity_exempt`` the written reason
-    when a patch has none.
+    when a patch has none. ``benchmark`` is the patch's benchmark case (``"module:NAME"``, see
+    :mod:`perf`); ``benchmark_exempt`` the written reason when it has none (pure plumbing).
     """
 
     id: str
@@ -46,6 +47,8 @@ class Patch:
     check_signature: bool = True
     parity: Any = None
     parity_exempt: str = ""
+    benchmark: str = ""
+    benchmark_exempt: str = ""
     rebind_copies: bool = True
 
     def __post_init__(self) -> None:

@@ -7,7 +7,9 @@ Semantics shared by both paths (and by :func:`fused_attention`, which picks one 
   long as the query head count is a multiple of theirs; query head ``n`` reads key/value head
   ``n // (Nq // Nkv)``.
 * ``attention_mask`` is bool or uint8, **True/1 means masked out**, shaped ``(B, N, Sq, Skv)``,
-  ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``.
+  ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``. With ``causal`` both apply (a key
+  is visible where the mask and causality allow it); a mask that is exactly the causal one is
+  recognised and dropped (see :func:`without_redundant_causal_mask`).
 * Window: with ``offset = Skv - Sq`` (queries aligned to the *end* of the keys, bottom-right, as
   in torch_npu ``sparse_mode`` 3/4 and flash-attention), query ``i`` may attend key ``j`` iff
   ``-pre_tokens <= j - i - offset <= next_tokens``; ``causal=True`` additionally caps the upper
@@ -178,6 +180,31 @@ def window_bounds(
     return max(lo, -(skv - 1)), min(hi, sq - 1)
 
 
+_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def without_redundant_causal_mask(
+    mask: torch.Tensor | None, shape: AttentionShape, causal: bool
+) -> torch.Tensor | None:
+    """``mask``, or None when ``causal`` already hides exactly what it hides.
+
+    Causal attention applies a supplied mask *as well* (a key is visible only where both allow
+    it), so a document mask (``--reset-attention-mask``) is honoured. Megatron's data loader
+    hands every causal run its plain causal mask; recognising it keeps the unmasked kernels
+    (one O(B*S^2) bool comparison instead of a masked attention)."""
+    if mask is None or not causal:
+        return mask
+    sq, skv = shape.sq, shape.skv
+    key = (sq, skv, mask.device)
+    hidden = _causal_masks.get(key)
+    if hidden is None:
+        hidden = ~visible_keys(0, sq, 0, skv, skv - sq, -(skv - 1), 0, mask.device)
+        _causal_masks.clear()  # one shape per run in practice: keep the cache small
+        _causal_masks[key] = hidden
+    same = bool((mask.reshape(-1, sq, skv).bool() == hidden).all())
+    return None if same else mask
+
+
 def check_dropout(dropout_p: float, op: str = _OP) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1) (keep_prob in (0, 1]), got {dropout_p}")
@@ -264,6 +291,7 @@ def native_fused_attention(
     shape = attention_shape(query, key, value, head_num, input_layout)
     check_attention_mask(attention_mask, shape)
     check_dropout(dropout_p)
+    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
     sq, skv = shape.sq, shape.skv
     lo, hi = window_bounds(sq, skv, causal, pre_tokens, next_tokens)
     offset = skv - sq
@@ -292,6 +320,8 @@ def native_fused_attention(
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
+    elif user_visible is None and dropout_p == 0.0 and (plan := _band_plan(q, sq, skv, lo, hi)):
+        out = _BandAttention.apply(q, k, v, plan, scale)
     else:
         band_width = hi - lo + 1
         block = _block_size(band_width)
@@ -329,6 +359,142 @@ def _windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gq
             _sdpa(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible, scale, dropout_p, gqa)
         )
     return torch.cat(outs, dim=2)
+
+
+# --------------------------------------------------------------------------- band path (CPU)
+#
+# A window (``lo``/``hi`` bounds) seen by a block of ``n <= hi - lo`` consecutive queries splits
+# into three key ranges, each of which the flash kernel computes without a mask:
+#
+# * the left triangle ``[a, a + n)``: query ``t`` sees key ``u`` iff ``u >= t``, i.e. causal
+#   after reversing both the queries and the keys;
+# * the middle ``[a + n, b)``: seen by every query of the block (no mask);
+# * the right triangle ``[b, b + n)``: query ``t`` sees key ``u`` iff ``u <= t`` (causal),
+#
+# with ``a``/``b`` the first query's lowest/highest visible key. Keys cut off by the sequence
+# ends are handled by trimming the piece's queries: a triangle that loses keys at its start keeps
+# the kernel's top-left causal alignment on the keys left, one that loses keys at its far end
+# drops the queries that would only have seen those keys. The pieces' outputs are merged with
+# their log-sum-exps. The backward calls the kernel's backward per piece with the *merged* output
+# and log-sum-exp: that is exactly the gradient of the whole softmax restricted to the piece's
+# keys, so the pieces' gradients add up to the true one.
+
+#: Query block of the band path: at most this many queries per block, and never more than the
+#: window is wide (``hi - lo``). Windows narrower than ``BAND_MIN_BLOCK`` use the masked blocks.
+BAND_MAX_BLOCK = 2048
+BAND_MIN_BLOCK = 64
+
+_FULL, _CAUSAL, _REVERSED_CAUSAL = "full", "causal", "reversed-causal"
+
+
+class _Piece(NamedTuple):
+    """Queries ``[q0, q1)`` against keys ``[k0, k1)``, unmasked or (reversed-)causal."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: str
+
+
+def _band_plan(q: torch.Tensor, sq: int, skv: int, lo: int, hi: int):
+    """The band path's pieces, or None where it does not apply (not CPU, or a window narrower
+    than :data:`BAND_MIN_BLOCK`)."""
+    width = hi - lo
+    if q.device.type != "cpu" or width < BAND_MIN_BLOCK:
+        return None
+    offset, block = skv - sq, min(BAND_MAX_BLOCK, width)
+    pieces = []
+    for q0 in range(0, sq, block):
+        n = min(sq, q0 + block) - q0
+        a, b = q0 + offset + lo, q0 + offset + hi
+        lost_at_end = max(0, a + n - skv)  # left triangle: its last queries see only these
+        if a + n > 0 and lost_at_end < n:
+            pieces.append(_Piece(q0, q0 + n - lost_at_end, max(a, 0), a + n - lost_at_end,
+                                 _REVERSED_CAUSAL))  # fmt: skip
+        m0, m1 = max(a + n, 0), min(b, skv)
+        if m1 > m0:
+            pieces.append(_Piece(q0, q0 + n, m0, m1, _FULL))
+        lost_at_start = max(0, -b)  # right triangle: its first queries see only these
+        if b < skv and lost_at_start < n:
+            pieces.append(_Piece(q0 + lost_at_start, q0 + n, b + lost_at_start,
+                                 min(b + n, skv), _CAUSAL))  # fmt: skip
+    return tuple(pieces)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+#: slot of each piece kind in the merge buffers; reversed pieces live in reversed order.
+_SLOTS = {_REVERSED_CAUSAL: 0, _FULL: 1, _CAUSAL: 2}
+
+
+def _band_pieces(plan, sq: int, skv: int):
+    """``(slot, causal, query rows, key columns)`` per piece, reversed pieces as rows/columns of
+    the sequence-reversed tensors (so they run as plain causal pieces on them)."""
+    for p in plan:
+        if p.kind == _REVERSED_CAUSAL:
+            rows, keys = slice(sq - p.q1, sq - p.q0), slice(skv - p.k1, skv - p.k0)
+        else:
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        yield _SLOTS[p.kind], p.kind != _FULL, rows, keys
+
+
+class _BandAttention(torch.autograd.Function):
+    """Windowed attention on (B, N, S, D) fp32 CPU tensors through the flash kernel's pieces.
+
+    Work is batched to keep the number of kernel launches low: the sequences are reversed once
+    for all reversed pieces, each piece writes its output and log-sum-exp into its slot of one
+    buffer, and one log-sum-exp merge over the three slots produces the result.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale):
+        b, n, sq, _ = q.shape
+        skv = k.shape[2]
+        pieces = list(_band_pieces(plan, sq, skv))
+        slots = sorted({slot for slot, *_ in pieces})  # only the kinds this window needs
+        index = {slot: i for i, slot in enumerate(slots)}
+        reversed_qkv = [t.flip(2) for t in (q, k, v)] if 0 in index else None
+        outs = q.new_zeros(len(slots), b, n, sq, v.shape[3])
+        lses = q.new_full((len(slots), b, n, sq), float("-inf"), dtype=torch.float32)
+        for slot, causal, rows, keys in pieces:
+            qq, kk, vv = reversed_qkv if slot == 0 else (q, k, v)
+            out, lse = _flash(qq[:, :, rows], kk[:, :, keys], vv[:, :, keys], 0.0, causal,
+                              scale=scale)  # fmt: skip
+            outs[index[slot], :, :, rows] = out
+            lses[index[slot], :, :, rows] = lse
+        if 0 in index:
+            outs[0] = outs[0].flip(2)
+            lses[0] = lses[0].flip(2)
+        total = torch.logsumexp(lses, dim=0)
+        weights = (lses - total).exp_()
+        if not bool(torch.isfinite(total).all()):  # rows that see no key at all stay zero
+            weights = torch.where(torch.isfinite(total), weights, 0.0)
+        out = (outs * weights.unsqueeze(-1)).sum(dim=0)
+        ctx.save_for_backward(q, k, v, out, total)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        sq, skv = q.shape[2], k.shape[2]
+        plain = (grad_out.contiguous(), q, k, v, out, lse)
+        reversed_ = [t.flip(2) for t in plain]
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        reversed_grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for slot, causal, rows, keys in _band_pieces(ctx.plan, sq, skv):
+            g, qq, kk, vv, oo, ll = reversed_ if slot == 0 else plain
+            dq, dk, dv = reversed_grads if slot == 0 else grads
+            gq, gk, gv = _flash_backward(
+                g[:, :, rows], qq[:, :, rows], kk[:, :, keys], vv[:, :, keys], oo[:, :, rows],
+                ll[:, :, rows], 0.0, causal, scale=ctx.scale,
+            )  # fmt: skip
+            dq[:, :, rows] += gq
+            dk[:, :, keys] += gk
+            dv[:, :, keys] += gv
+        dq, dk, dv = (g.add_(r.flip(2)) for g, r in zip(grads, reversed_grads))
+        return dq, dk, dv, None, None
 
 
 # --------------------------------------------------------------------------- NPU binding
@@ -417,6 +583,7 @@ def npu_fused_attention(
     shape = attention_shape(query, key, value, head_num, input_layout)
     check_attention_mask(attention_mask, shape)
     check_dropout(dropout_p)
+    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
     plan = npu_sparse_plan(
         shape.sq,
         shape.skv,

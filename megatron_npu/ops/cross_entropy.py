@@ -17,7 +17,18 @@ on every device (on an NPU the collectives run over HCCL).
 
 Label smoothing follows Megatron's formula with the *global* vocab size
 ``K = sum(V_local)``: ``loss = (1 - s) * nll - s * mean(log_probs)``, ``s = alpha*K/(K-1)``.
-(Megatron itself uses the local shard size and the local mean there, which differs for TP>1.)
+**Deliberate difference from Megatron**: Megatron's ``_VocabParallelCrossEntropy`` uses each
+rank's shard size and the mean over the shard, so with TP > 1 every rank computes another loss
+and a TP2 run does not train the TP1 objective. Here every rank gets the TP1 loss (one extra
+all-reduce of one number per token), which keeps TP layouts equivalent; without smoothing, and at
+TP1, the two are the same (``tests/ops/test_cross_entropy.py`` runs Megatron's own function at
+TP2 beside this one).
+
+Memory: the logits are processed in row chunks of at most :data:`CHUNK_BYTES` of fp32, the
+forward keeps only per-row statistics, and the backward recomputes the softmax per chunk; the
+gradient of fp32 activation logits is written into their storage (Megatron overwrites them
+already in its forward). Peak extra memory is one chunk (plus the gradient for 16-bit logits,
+which is half the size of Megatron's fp32 copy).
 """
 
 from __future__ import annotations
@@ -60,52 +71,86 @@ def _reducers(all_reduce_max, all_reduce_sum, group) -> tuple[Reduce, Reduce]:
     return _identity, _identity
 
 
+#: fp32 working set of one row chunk; the op never holds more than this beyond its input/output.
+CHUNK_BYTES = 32 * 2**20
+
+
+def _fp32_chunks(rows: torch.Tensor):
+    """``(row slice, fp32 copy of those rows)`` per chunk, all in one reused buffer (a fresh
+    allocation per chunk would page-fault its memory in every time)."""
+    count, vocab = rows.shape
+    step = max(1, min(count, CHUNK_BYTES // (4 * max(vocab, 1))))
+    buffer = torch.empty(step, vocab, dtype=torch.float32, device=rows.device)
+    for start in range(0, count, step):
+        chunk = slice(start, min(count, start + step))
+        work = buffer[: chunk.stop - start]
+        work.copy_(rows[chunk])
+        yield chunk, work
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Chunked over rows: no [tokens, V] fp32 temporary is ever whole.
+
+    The forward keeps only per-row statistics (max, log-sum-exp) and the logits themselves; the
+    backward recomputes each chunk's softmax from them. For fp32 logits that are an activation
+    (not a leaf), the gradient is written into the logits' own storage, as Megatron's in-place
+    kernel does (Megatron already overwrites them in its forward); a leaf keeps its values.
+    """
+
     @staticmethod
     def forward(ctx, logits, target, vocab_start, label_smoothing, reduce_max, reduce_sum):
         local_vocab = logits.shape[-1]
-        x = logits.float()
-        row_max = reduce_max(x.amax(dim=-1))
-        shifted = x - row_max.unsqueeze(-1)
-
-        outside = (target < vocab_start) | (target >= vocab_start + local_vocab)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        rows = logits.reshape(-1, local_vocab)
+        flat_target = target.reshape(-1)
+        row_max = reduce_max(rows.amax(dim=-1).float())
+        outside = (flat_target < vocab_start) | (flat_target >= vocab_start + local_vocab)
+        local_target = (flat_target - vocab_start).masked_fill(outside, 0)
+        picked = rows.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - row_max
         picked = reduce_sum(picked.masked_fill(outside, 0.0))
 
-        exp = shifted.exp()
-        sum_exp = reduce_sum(exp.sum(dim=-1))
-        log_sum_exp = sum_exp.log()
+        smoothing = label_smoothing > 0.0
+        sum_exp = torch.empty_like(row_max)
+        sum_shifted = torch.empty_like(row_max) if smoothing else None
+        for chunk, shifted in _fp32_chunks(rows):
+            shifted.sub_(row_max[chunk].unsqueeze(-1))
+            if smoothing:
+                sum_shifted[chunk] = shifted.sum(dim=-1)
+            sum_exp[chunk] = shifted.exp_().sum(dim=-1)
+        log_sum_exp = reduce_sum(sum_exp).log_()
         loss = log_sum_exp - picked
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
 
-        smoothing, vocab = 0.0, local_vocab
-        if label_smoothing > 0.0:
-            vocab = int(reduce_sum(torch.tensor(float(local_vocab), device=x.device)).item())
+        coeff, vocab = 0.0, local_vocab
+        if smoothing:
+            vocab = int(reduce_sum(torch.tensor(float(local_vocab), device=logits.device)).item())
             if vocab < 2:
                 raise ValueError(
                     "vocab_parallel_cross_entropy: label smoothing needs a vocab of at least 2"
                 )
-            smoothing = label_smoothing * vocab / (vocab - 1)
+            coeff = label_smoothing * vocab / (vocab - 1)
             # sum over the local shard of log p = sum(shifted) - V_local * log_sum_exp
-            sum_log_probs = reduce_sum(shifted.sum(dim=-1) - local_vocab * log_sum_exp)
-            loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab
+            sum_log_probs = reduce_sum(sum_shifted - local_vocab * log_sum_exp)
+            loss = (1.0 - coeff) * loss - coeff * sum_log_probs / vocab
 
-        ctx.smoothing, ctx.vocab = smoothing, vocab
-        ctx.logits_dtype = logits.dtype
-        ctx.save_for_backward(softmax, outside, local_target)
-        return loss
+        ctx.smoothing, ctx.vocab = coeff, vocab
+        ctx.reuse_logits = logits.dtype == torch.float32 and not logits.is_leaf
+        ctx.save_for_backward(logits, row_max + log_sum_exp, outside, local_target)
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax.clone()
-        hit = (~outside).float() * (1.0 - ctx.smoothing)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        if ctx.smoothing > 0.0:
-            grad.sub_(ctx.smoothing / ctx.vocab)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        logits, log_norm, outside, local_target = ctx.saved_tensors
+        local_vocab = logits.shape[-1]
+        rows = logits.reshape(-1, local_vocab)
+        grad = rows if ctx.reuse_logits else torch.empty_like(rows)
+        hit = (~outside).float().mul_(1.0 - ctx.smoothing)
+        upstream = grad_loss.reshape(-1).float()
+        for chunk, softmax in _fp32_chunks(rows):
+            softmax.sub_(log_norm[chunk].unsqueeze(-1)).exp_()
+            softmax.scatter_add_(-1, local_target[chunk].unsqueeze(-1), -hit[chunk].unsqueeze(-1))
+            if ctx.smoothing > 0.0:
+                softmax.sub_(ctx.smoothing / ctx.vocab)
+            grad[chunk] = softmax.mul_(upstream[chunk].unsqueeze(-1))
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -3,7 +3,9 @@
 ``DotProductAttention.forward`` keeps Megatron's unfused path unless the run asked for the fused
 kernel (``--use-flash-attn``, or a pre/next-token window, or the BSH layout: see
 :mod:`megatron_npu.ops.settings`). The fused path lays q/k/v out as SBH or BSH as configured,
-applies the causal mask and pre/next window through the op, the softmax scale Megatron computed,
+applies the causal mask and pre/next window through the op, and a supplied attention mask too
+(document masks from ``--reset-attention-mask`` are honoured; Megatron's plain causal mask is
+recognised and costs nothing), the softmax scale Megatron computed,
 attention dropout inside the model-parallel RNG fork, and grouped-query attention natively.
 """
 
@@ -40,7 +42,7 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
     def run():
         return fused_attention(
             q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=causal,
-            attention_mask=attention_mask if not causal else None,
+            attention_mask=attention_mask,
             pre_tokens=chosen.pre_tokens, next_tokens=chosen.next_tokens,
             scale=scale, dropout_p=dropout_p,
         )  # fmt: skip
@@ -85,5 +87,6 @@ PATCHES = [
         reason="flash/sparse attention (SBH/BSH, pre/next window) through the fused-attention op",
         versions=">=0.13",
         parity="parity.cases.attention:DOT_PRODUCT_ATTENTION",
+        benchmark="perf.cases.attention:DOT_PRODUCT_ATTENTION",
     ),
 ]

@@ -83,6 +83,7 @@ PATCHES = [
         versions=">=0.16",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
     Patch(
         id="checkpoint.distopt-load-torch-adam-step",
@@ -94,6 +95,7 @@ PATCHES = [
         versions=">=0.16",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
     Patch(
         id="checkpoint.distopt-load-unshare-step",
@@ -104,5 +106,6 @@ PATCHES = [
         versions=">=0.16",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
 ]

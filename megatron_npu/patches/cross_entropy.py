@@ -28,5 +28,6 @@ PATCHES = [
         reason="seeds' _VocabParallelCrossEntropy forward/backward -> one fp32 op with TP reduces",
         versions=">=0.13",
         parity="parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
+        benchmark="perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
     ),
 ]

@@ -24,6 +24,7 @@ PATCHES = [
         reason="GPT sample index in numpy: no compiled helpers_cpp needed",
         versions=">=0.13",
         parity="parity.cases.data:BUILD_SAMPLE_IDX",
+        benchmark="perf.cases.data:BUILD_SAMPLE_IDX",
     ),
     Patch(
         id="data.build-blending-indices",
@@ -33,6 +34,7 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,  # the target is a pybind11 builtin
         parity="parity.cases.data:BUILD_BLENDING_INDICES",
+        benchmark="perf.cases.data:BUILD_BLENDING_INDICES",
     ),
     Patch(
         id="data.build-exhaustive-blending-indices",
@@ -42,5 +44,6 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,
         parity="parity.cases.data:BUILD_EXHAUSTIVE_BLENDING_INDICES",
+        benchmark="perf.cases.data:BUILD_EXHAUSTIVE_BLENDING_INDICES",
     ),
 ]

@@ -65,6 +65,8 @@ PATCHES = [
         rebind_copies=False,
         parity=_PARITY.get(module),
         parity_exempt="" if module in _PARITY else _EXEMPT,
+        benchmark_exempt="device-namespace plumbing: its per-call cost is "
+        "perf/test_device_routing_bench.py",
     )
     for module in MODULES
 ]

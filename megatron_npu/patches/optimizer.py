@@ -89,6 +89,7 @@ PATCHES = [
         versions=">=0.13",
         rebind_copies=False,  # the fallback *is* torch.optim.AdamW: never rebind torch's own name
         parity="parity.cases.optimizer:ADAMW",
+        benchmark="perf.cases.optimizer:ADAMW",
     ),
     Patch(
         id="optimizer.factory-torch-adamw",
@@ -100,6 +101,7 @@ PATCHES = [
         rebind_copies=False,
         parity_exempt="routing only: FusedAdamW's numerics are the optimizer.adam parity case, "
         "tests/test_optimizer_routing.py checks get_megatron_optimizer builds it",
+        benchmark_exempt="routing only: the AdamW it routes to is optimizer.adam's benchmark",
     ),
     Patch(
         id="optimizer.unscale-and-check-nan",
@@ -109,6 +111,7 @@ PATCHES = [
         reason="fp16 loss-scale unscale and inf/nan check through the op layer on the device",
         versions=">=0.13",
         parity="parity.cases.optimizer:UNSCALE_AND_CHECK",
+        benchmark="perf.cases.optimizer:UNSCALE_AND_CHECK",
     ),
     Patch(
         id="optimizer.l2-norm",
@@ -118,6 +121,7 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,  # amp_C's kernel has no Python signature
         parity="parity.cases.optimizer:GRAD_NORM",
+        benchmark="perf.cases.optimizer:L2_NORM",
     ),
     Patch(
         id="optimizer.multi-tensor-scale",
@@ -127,5 +131,6 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,
         parity="parity.cases.optimizer:GRAD_CLIP_SCALE",
+        benchmark="perf.cases.optimizer:MULTI_TENSOR_SCALE",
     ),
 ]

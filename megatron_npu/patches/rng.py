@@ -66,6 +66,7 @@ PATCHES = [
         reason="read the active device's generator instead of torch.cuda.default_generators",
         versions=">=0.13",
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
     Patch(
         id="rng.set-state",
@@ -74,6 +75,7 @@ PATCHES = [
         reason="stock version queues a lazy CUDA call that never runs without CUDA",
         versions=">=0.13",
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
     Patch(
         id="rng.fork-shared-generator",
@@ -84,5 +86,6 @@ PATCHES = [
         versions=">=0.13",
         devices=frozenset({"cpu", "npu-emulated"}),
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
 ]

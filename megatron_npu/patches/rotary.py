@@ -39,5 +39,6 @@ PATCHES = [
         reason="--position-embedding-type rope through npu_rotary_mul (half / interleave)",
         versions=">=0.13",
         parity="parity.cases.rotary:ROTARY_BSHD",
+        benchmark="perf.cases.layers:ROTARY",
     ),
 ]

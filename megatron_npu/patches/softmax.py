@@ -45,6 +45,8 @@ PATCHES = [
         versions=">=0.13",
         parity_exempt="a shape predicate, no numerics: tests/patches/test_softmax_rule.py "
         "checks it against the kernel's documented limits; its numerics are softmax.fused",
+        benchmark_exempt="a shape predicate evaluated once per layer call; timed within "
+        "softmax.fused's benchmark",
     ),
     Patch(
         id="softmax.fused",
@@ -53,5 +55,6 @@ PATCHES = [
         reason="CUDA-only scaled_(upper_triang_)masked_softmax kernels -> the op layer",
         versions=">=0.13",
         parity="parity.cases.softmax:FUSED_SOFTMAX",
+        benchmark="perf.cases.layers:FUSED_SOFTMAX",
     ),
 ]

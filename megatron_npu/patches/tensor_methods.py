@@ -85,6 +85,7 @@ PATCHES = [
         reason="Tensor.cuda() in Megatron must land on the active device",
         check_signature=False,
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
     Patch(
         id="tensor.type",
@@ -93,6 +94,7 @@ PATCHES = [
         kind="wrap",
         reason="report torch.cuda.* type names inside Megatron's type-string checks only",
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     ),
 ] + [
     Patch(
@@ -103,6 +105,7 @@ PATCHES = [
         reason="compares Tensor.type() against 'torch.cuda.*' names",
         versions=">=0.13",
         parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
     )
     for pid, target in _SCOPED
 ]

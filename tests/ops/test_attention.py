@@ -236,13 +236,13 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch):
     q = torch.randn(1, 2, seq, 4, generator=gen)
     k, v = (torch.randn(1, 1, seq, 4, generator=gen) for _ in range(2))
     calls = []
-    real = att._windowed
-    monkeypatch.setattr(att, "_windowed", lambda *a: calls.append(1) or real(*a))
+    real = att._band_plan
+    monkeypatch.setattr(att, "_band_plan", lambda *a: calls.append(1) or real(*a))
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = attend(path, qs, ks, vs, head_num=2, input_layout="BNSD", causal=True,
                  pre_tokens=window, next_tokens=0)
     out.sum().backward()
-    assert bool(calls) == (path == "native")  # native takes the windowed (blocked) path
+    assert bool(calls) == (path == "native")  # native takes the band (flash pieces) path
 
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
     band_hidden = (j > i) | (j < i - window)  # sliding causal window of 2048 (+ itself)
@@ -256,6 +256,42 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch):
     assert (out[:, :, window + 1 :].double() - full_causal[:, :, window + 1 :]).abs().max() > 1e-3
     torch.testing.assert_close(out[:, :, : window + 1].double(), full_causal[:, :, : window + 1],
                                rtol=1e-5, atol=1e-5)
+
+
+BAND_WINDOWS = [  # (sq, skv, causal, pre, nxt): causal bands, offsets, symmetric windows
+    (23, 23, True, 5, 0), (23, 23, True, 8, BIG), (17, 29, True, 6, 0), (29, 17, True, 9, 0),
+    (29, 17, False, 3, 5), (17, 29, False, 9, 3),
+    (23, 23, False, 4, 4), (23, 23, False, 3, 7), (20, 26, False, 6, 2), (26, 20, False, 2, 9),
+    (19, 19, False, 13, 0), (19, 31, True, 40, 0),
+]
+
+
+@pytest.mark.parametrize("block", [2, 5])
+@pytest.mark.parametrize("window", BAND_WINDOWS, ids=lambda w: "-".join(map(str, w)))
+def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, monkeypatch):
+    """The band path (flash pieces merged by log-sum-exp, per-piece backward with the merged
+    statistics) at tiny blocks, so every piece kind and every cut at the sequence ends occurs."""
+    sq, skv, causal, pre, nxt = window
+    monkeypatch.setattr(att, "BAND_MIN_BLOCK", 2)
+    monkeypatch.setattr(att, "BAND_MAX_BLOCK", block)
+    gen = torch.Generator().manual_seed(sq * 100 + skv + block)
+    q = torch.randn(2, 2, sq, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, skv, 8, generator=gen, requires_grad=True) for _ in range(2))
+    lo, hi = att.window_bounds(sq, skv, causal, pre, nxt)
+    plan = att._band_plan(q, sq, skv, lo, hi)
+    assert plan is not None and len({p.q0 for p in plan}) > 1  # several query blocks
+    assert {p.kind for p in plan} & {"reversed-causal", "causal"}
+    out = att.native_fused_attention(q, k, v, head_num=2, input_layout="BNSD", causal=causal,
+                                     pre_tokens=pre, next_tokens=nxt)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad)
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_bnsd(rq, rk, rv, causal=causal, pre=pre, nxt=nxt)
+    ref.backward(grad.double())
+    assert_accurate(out, ref, torch.float32, "band out")
+    assert_accurate(q.grad, rq.grad, torch.float32, "band dq")
+    assert_accurate(k.grad, rk.grad, torch.float32, "band dk")
+    assert_accurate(v.grad, rv.grad, torch.float32, "band dv")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -423,3 +459,71 @@ def test_dispatch_uses_the_installed_kernels():
     with emulated_kernels():
         att.fused_attention(q, q, q, head_num=2)
     assert len(rec.calls) == 1  # the recorder is no longer in use
+
+
+# ----------------------------------------------------------------------------- supplied masks
+
+
+def _document_mask(seq, starts):
+    """Megatron's ``--reset-attention-mask`` mask (True = hidden): causal within documents."""
+    doc = torch.zeros(seq, dtype=torch.long)
+    for s in starts:
+        doc[s:] += 1
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    return ((j > i) | (doc[:, None] != doc[None, :]))[None, None]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_causal_attention_honours_a_document_mask(path):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=gen) for _ in range(3))
+    mask = _document_mask(12, [5, 9])
+    out = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True,
+                 attention_mask=mask)
+    ref = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0, masked=mask)
+    assert_accurate(out, ref, torch.float32, "document mask")
+    plain = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0)
+    assert (out.double() - plain).abs().max() > 1e-2  # the mask really changed the result
+
+
+def test_plain_causal_mask_is_recognised_and_dropped():
+    shape = att.AttentionShape(2, 2, 2, 12, 12, 8)
+    causal = _document_mask(12, [])
+    assert att.without_redundant_causal_mask(causal.expand(2, 1, 12, 12), shape, True) is None
+    doc = _document_mask(12, [4])
+    assert att.without_redundant_causal_mask(doc, shape, True) is doc
+    assert att.without_redundant_causal_mask(causal, shape, False) is causal
+
+
+def test_megatron_attention_with_a_document_mask_equals_megatron_unfused(gloo_world_of_one):
+    """The patched DotProductAttention (fused kernel on) with a causal mask type and a document
+    mask gives Megatron's own unfused result for that mask, instead of dropping the mask."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_npu
+    from megatron_npu import patcher
+    from megatron_npu.ops import settings
+    from megatron_npu.registry import get_patch
+
+    megatron_npu.apply("cpu")
+    try:
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                   use_cpu_initialization=True, masked_softmax_fusion=False,
+                                   attention_dropout=0.0)
+        module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self")
+        gen = torch.Generator().manual_seed(4)
+        q, k, v = (torch.randn(10, 1, 2, 8, generator=gen) for _ in range(3))
+        mask = _document_mask(10, [4, 7])
+        stock = patcher.original(get_patch("attention.dot-product"))
+        expected = stock(module, q, k, v, mask, AttnMaskType.causal)
+        settings.set_fused_attention(use_flash_attn=True)
+        fused = module(q, k, v, mask, AttnMaskType.causal)
+        torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        settings.reset()
+        megatron_npu.restore()

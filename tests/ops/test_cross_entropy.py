@@ -135,3 +135,104 @@ def test_cross_entropy_invalid_inputs():
         vocab_parallel_cross_entropy(logits, target, all_reduce_max=lambda t: t)
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
         vocab_parallel_cross_entropy(logits, target, label_smoothing=1.0)
+
+
+# ----------------------------------------------------------------------------- memory and Megatron
+
+
+def test_chunked_rows_and_in_place_gradient_match_the_reference(monkeypatch):
+    """Rows are processed in chunks (a tiny chunk budget forces many); fp32 activation logits
+    receive their gradient in their own storage, a leaf keeps its values."""
+    import megatron_npu.ops.cross_entropy as ce
+
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * 7 * 3)  # 3 rows of a 7-wide vocab per chunk
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(4, 5, 7, generator=gen, requires_grad=True)
+    target = torch.randint(0, 7, (4, 5), generator=gen)
+    grad_loss = torch.rand(4, 5, generator=gen)
+    logits = base * 1.0  # an activation, like the output layer's
+    loss = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1)
+    loss.backward(grad_loss)
+    ref_leaf = base.detach().double().requires_grad_()
+    ref = reference(ref_leaf, target, 0.1)
+    ref.backward(grad_loss.double())
+    assert_accurate(loss, ref, torch.float32, "loss")
+    assert_accurate(base.grad, ref_leaf.grad, torch.float32, "dlogits")
+    assert torch.equal(logits.detach(), base.grad)  # the activation's storage holds its grad
+
+    leaf = base.detach().clone().requires_grad_()
+    before = leaf.detach().clone()
+    vocab_parallel_cross_entropy(leaf, target).backward(grad_loss)
+    assert torch.equal(leaf.detach(), before)
+
+
+def test_in_place_gradient_refuses_to_corrupt_another_user_of_the_logits():
+    base = torch.randn(3, 6, requires_grad=True)
+    logits = base * 1.0
+    squared = logits * logits  # saves logits itself for its backward
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2])).sum() + squared.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+class _MegatronThreads:
+    """Megatron's own ``vocab_parallel_cross_entropy`` at TP ``size`` on threads: its
+    parallel-state getters read the thread's rank and ``torch.distributed.all_reduce`` reduces
+    over the threads."""
+
+    def __init__(self, size, monkeypatch):
+        import megatron.core.tensor_parallel.cross_entropy as mce
+
+        self.group, self.local = ThreadGroup(size), threading.local()
+        monkeypatch.setattr(mce, "get_tensor_model_parallel_rank", lambda: self.local.rank)
+        monkeypatch.setattr(mce, "get_tensor_model_parallel_world_size", lambda: size)
+        monkeypatch.setattr(mce, "get_tensor_model_parallel_group", lambda: None)
+        monkeypatch.setattr(dist, "all_reduce", self._all_reduce)
+        self.fn = mce.vocab_parallel_cross_entropy
+
+    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        rmax, rsum = self.group.reducers(self.local.rank)
+        tensor.copy_((rmax if op == dist.ReduceOp.MAX else rsum)(tensor))
+
+    def run(self, logits, target, smoothing):
+        shards = logits.chunk(self.group.size, dim=-1)
+        losses = [None] * self.group.size
+
+        def rank_main(r):
+            self.local.rank = r
+            losses[r] = self.fn(shards[r].clone(), target, smoothing)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(shards))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return losses
+
+
+def test_equals_megatron_at_tp2_and_documents_its_label_smoothing(monkeypatch):
+    """Without smoothing the op equals Megatron's at TP2. With smoothing Megatron averages the
+    log-probabilities over each rank's shard (each rank gets another loss); the op smooths over
+    the global vocab, so its loss is the same on every rank and equals Megatron's at TP1 -- the
+    documented deliberate difference that keeps TP layouts equivalent."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 2, 16, generator=gen) * 2
+    target = torch.randint(0, 16, (3, 2), generator=gen)
+    megatron = _MegatronThreads(2, monkeypatch)
+    ours, _ = run_tp(logits, target, 2, 0.0, torch.ones(3, 2))
+    for rank_loss in megatron.run(logits, target, 0.0):
+        torch.testing.assert_close(ours, rank_loss, rtol=1e-6, atol=1e-6)
+
+    smoothed, _ = run_tp(logits, target, 2, 0.1, torch.ones(3, 2))
+    meg_tp2 = megatron.run(logits, target, 0.1)
+    assert (meg_tp2[0] - meg_tp2[1]).abs().max() > 1e-3  # Megatron: rank-dependent loss
+    megatron_tp1 = _MegatronThreads(1, monkeypatch).run(logits, target, 0.1)[0]
+    torch.testing.assert_close(smoothed, megatron_tp1, rtol=1e-6, atol=1e-6)
+    local = logits.chunk(2, dim=-1)
+    for rank, rank_loss in enumerate(meg_tp2):  # Megatron's formula on the shard's vocab
+        lp = (logits.double().log_softmax(-1)).chunk(2, dim=-1)[rank]
+        k = local[rank].shape[-1]
+        s = 0.1 * k / (k - 1)
+        nll = -logits.double().log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(rank_loss.double(), (1 - s) * nll - s * lp.mean(-1),
+                                   rtol=1e-5, atol=1e-5)

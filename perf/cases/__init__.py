@@ -1,0 +1,1 @@
+"""Benchmark cases, one module per area like :mod:`megatron_npu.patches`."""

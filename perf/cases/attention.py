@@ -1,0 +1,48 @@
+"""Megatron's core attention: stock unfused ``DotProductAttention`` vs the fused-attention op.
+
+``megatron``: Megatron's own unfused path (baddbmm, its torch softmax with the causal mask,
+bmm), as Megatron runs without TransformerEngine. Attention dropout off (kernel vs kernel). ``native``/``npu-binding``: the same module with
+the fused kernel turned on (``--use-flash-attn``), causal, SBH layout. Hidden 1024 (16 heads x
+64), sequence 2048, batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_npu.ops import settings
+from perf.case import BenchCase, Built, Cell, implementation
+
+
+def build(cell: Cell) -> Built:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s, b, n, d = (cell.shape[k] for k in ("seq", "batch", "heads", "head_dim"))
+    model_parallel_cuda_manual_seed(0)  # Megatron's attention forks its RNG tracker
+    dtype = cell.torch_dtype
+    config = TransformerConfig(
+        num_layers=1, hidden_size=n * d, num_attention_heads=n, use_cpu_initialization=True,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                 attention_type="self")  # fmt: skip
+    if cell.path != "megatron":
+        settings.set_fused_attention(use_flash_attn=True)
+    forward = implementation(cell)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    return Built(lambda: forward(module, q, k, v, None, AttnMaskType.causal), (q, k, v))
+
+
+DOT_PRODUCT_ATTENTION = BenchCase(
+    op="attention",
+    shapes={"full": {"seq": 2048, "batch": 1, "heads": 16, "head_dim": 64},
+            "quick": {"seq": 512, "batch": 1, "heads": 4, "head_dim": 64}},
+    build=build,
+    rounds=2,
+)
