@@ -23,8 +23,9 @@ def _apply_rotary_pos_emb_bshd(
     cos = (torch.cos(freqs) * mscale).to(t.dtype)
     sin = (torch.sin(freqs) * mscale).to(t.dtype)
     mode = "interleave" if rotary_interleaved else "half"
-    if cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[2] == 1:
-        # [s, 1, 1, d]: the S11D broadcast layout the kernel accepts in both modes
+    if cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[2] == 1 and abs(mscale) <= 1.0:
+        # [s, 1, 1, d]: the S11D broadcast layout the kernel accepts in both modes; the kernel
+        # takes r1/r2 only in [-1, 1], so a YaRN mscale > 1 keeps Megatron's formula
         out = rotary_mul(t_rot, cos, sin, rotary_mode=mode)
     else:  # per-batch/per-head frequencies: no kernel layout for them, Megatron's formula
         out = t_rot * cos + rotate(t_rot, mode) * sin
