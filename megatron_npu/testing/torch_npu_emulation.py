@@ -24,7 +24,12 @@ the native op path with this one is a real check.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +40,7 @@ DEVICE_LABEL = "npu-emulated"
 __all__ = [
     "DEVICE_LABEL",
     "IS_EMULATION",
+    "count_kernel_calls",
     "npu_apply_adam_w",
     "npu_fast_gelu",
     "npu_fusion_attention",
@@ -525,3 +531,49 @@ def npu_apply_adam_w(
     m.copy_(m_new)
     v.copy_(v_new)
     return var, m, v
+
+
+# ============================================================================ call counting
+
+_counters: list[Counter] = []
+_counters_lock = threading.Lock()
+
+
+@contextmanager
+def count_kernel_calls() -> Iterator[Counter]:
+    """Count every emulated kernel call by name while the block runs.
+
+    Yields a :class:`collections.Counter` (kernel name -> calls) that fills in as kernels run;
+    nested or concurrent blocks each see every call made while they are active. Counting wraps
+    the public ``npu_*`` functions of this module, so it sees calls through ``torch_npu.<name>``
+    and ``megatron_npu.ops.kernels`` alike, never the native torch paths.
+    """
+    counter: Counter = Counter()
+    with _counters_lock:
+        _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        with _counters_lock:
+            _counters.remove(counter)
+
+
+def _counted(kernel):
+    name = kernel.__name__
+
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        if _counters:
+            with _counters_lock:
+                for counter in _counters:
+                    counter[name] += 1
+        return kernel(*args, **kwargs)
+
+    return call
+
+
+#: the emulated kernels, by torch_npu name
+KERNELS: tuple[str, ...] = tuple(name for name in __all__ if name.startswith("npu_"))
+for _name_ in KERNELS:
+    globals()[_name_] = _counted(globals()[_name_])
+del _name_
