@@ -30,6 +30,7 @@ PATCHES = [
         reason="route --swiglu's fused bias-SwiGLU to npu_swiglu / the native op",
         versions=">=0.13",
         parity="parity.cases.activation:BIAS_SWIGLU",
+        npu_kernels=("npu_swiglu",),
     ),
     Patch(
         id="activation.bias-gelu",
@@ -39,5 +40,6 @@ PATCHES = [
         versions=">=0.13",
         check_signature=False,  # the target is an autograd Function's apply (no signature)
         parity="parity.cases.activation:BIAS_GELU",
+        npu_kernels=("npu_gelu",),
     ),
 ]

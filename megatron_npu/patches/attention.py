@@ -85,5 +85,6 @@ PATCHES = [
         reason="flash/sparse attention (SBH/BSH, pre/next window) through the fused-attention op",
         versions=">=0.13",
         parity="parity.cases.attention:DOT_PRODUCT_ATTENTION",
+        npu_kernels=("npu_fusion_attention",),
     ),
 ]

@@ -32,5 +32,6 @@ PATCHES = [
         reason="stock norm refuses sequence parallelism; route LayerNorm/RMSNorm to the op layer",
         versions=">=0.13",
         parity="parity.cases.norm:WRAPPED_TORCH_NORM",
+        npu_kernels=("npu_rms_norm",),
     ),
 ]

@@ -42,5 +42,6 @@ PATCHES = [
         reason="--position-embedding-type rope through npu_rotary_mul (half / interleave)",
         versions=">=0.13",
         parity="parity.cases.rotary:ROTARY_BSHD",
+        npu_kernels=("npu_rotary_mul",),
     ),
 ]
