@@ -11,7 +11,6 @@ from megatron_npu.devices import Device, resolve
 from megatron_npu.registry import Patch, all_patches
 from megatron_npu.versions import library_versions
 
-
 #: what a patch's NPU path runs, as ``info`` says it
 NPU_KERNEL, SAME_AS_CPU = "npu kernel", "same code as cpu"
 
