@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("ops", "patches", "modules", "optim")
-#: share of branches taken (measured 2026-11-22 with the quick examples: see the module doc)
-FLOOR = 0.0
+#: share of branches taken: 221 of 334 (0.662) measured 2026-11-22 with the quick examples,
+#: fp32 + fp16, cpu + npu-emulated, world size 1 (see the module doc); the floor sits just below
+FLOOR = 0.65
 DTYPES = (torch.float32, torch.float16)
 
 
