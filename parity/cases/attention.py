@@ -78,7 +78,8 @@ def _params(draw):
         "layer_number": draw(st.integers(1, 3)),
         "dropout": 0.0,
         "training": draw(st.booleans()),
-        "sp": draw(st.booleans()),
+        # the SP config asks for TP 2, which must divide the heads and the query groups
+        "sp": draw(st.booleans()) if heads % 2 == 0 and groups % 2 == 0 else False,
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -88,10 +89,11 @@ def _dropout_params(draw):
     """Dropout examples: one-hot values need head_dim == kv_seq (see the module docstring)."""
     seq = draw(st.sampled_from([16, 32]))
     heads = draw(st.sampled_from([2, 4]))
+    groups = draw(st.sampled_from([1, 2]))
     return _edge(
         mask=draw(st.sampled_from(["causal", "padding"])), seq=seq, kv_seq=seq, head_dim=seq,
-        heads=heads, groups=draw(st.sampled_from([1, 2])), dropout=draw(st.sampled_from([0.1, 0.3])),
-        training=True, sp=draw(st.booleans()), batch=draw(st.integers(1, 2)),
+        heads=heads, groups=groups, dropout=draw(st.sampled_from([0.1, 0.3])),
+        training=True, sp=groups == 2 and draw(st.booleans()), batch=draw(st.integers(1, 2)),
         layout=draw(st.sampled_from(["SBH", "BSH"])), seed=draw(st.integers(0, 2**16)),
     )  # fmt: skip
 
