@@ -8,8 +8,20 @@ from typing import Any
 
 from megatron_npu import patcher
 from megatron_npu.devices import Device, resolve
-from megatron_npu.registry import all_patches
+from megatron_npu.registry import Patch, all_patches
 from megatron_npu.versions import library_versions
+
+#: what a patch's NPU path runs, as ``info`` says it
+NPU_KERNEL, SAME_AS_CPU = "npu kernel", "same code as cpu"
+
+
+def npu_path(patch: Patch) -> dict[str, Any]:
+    """Whether ``patch`` exercises a torch_npu kernel on npu / npu-emulated (and which), or
+    runs there the same code as on the CPU, from the registry's ``npu_kernels``."""
+    return {
+        "npu_path": NPU_KERNEL if patch.exercises_npu_kernel else SAME_AS_CPU,
+        "npu_kernels": list(patch.npu_kernels),
+    }
 
 
 def collect(device: str | None = None) -> dict[str, Any]:
@@ -32,6 +44,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
                 "kind": by_id[r.id].kind,
                 "versions": by_id[r.id].versions or "any",
                 "devices": sorted(by_id[r.id].devices),
+                **npu_path(by_id[r.id]),
             }
             for r in results
         ],
@@ -47,17 +60,27 @@ def render(data: dict[str, Any], file: Any = None) -> None:
     for name, version in data["versions"].items():
         console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")
     table = Table(title="patches", show_lines=False)
-    for column in ("id", "target", "status", "reason"):
+    for column in ("id", "target", "status", "npu path", "reason"):
         table.add_column(column, overflow="fold")
     styles = {"applied": "green", "failed": "bold red"}
     for row in data["patches"]:
         style = styles.get(row["status"], "dim")
-        table.add_row(row["id"], row["target"], f"[{style}]{row['status']}[/]", row["reason"])
+        npu = row["npu_path"]
+        if row["npu_kernels"]:
+            npu = f"[cyan]{npu}[/]: {', '.join(row['npu_kernels'])}"
+        table.add_row(
+            row["id"], row["target"], f"[{style}]{row['status']}[/]", npu, row["reason"]
+        )
     console.print(table)
     counts: dict[str, int] = {}
     for row in data["patches"]:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     console.print(", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    kernel = sum(row["npu_path"] == NPU_KERNEL for row in data["patches"])
+    console.print(
+        f"on npu / npu-emulated: {kernel} patches exercise an NPU kernel, "
+        f"{len(data['patches']) - kernel} run the same code as cpu"
+    )
 
 
 def main(device: str | None, as_json: bool) -> int:

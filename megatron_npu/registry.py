@@ -33,8 +33,12 @@ class Patch:
     ``original -> new object`` that is always handed the pristine original, so wrappers never stack.
     ``versions`` is a PEP 440 specifier on the installed megatron-core version ("" means any).
     ``parity`` is the patch's parity case (see :mod:`parity`); ``parity_exempt`` the written reason
-    when a patch has none. ``benchmark`` is the patch's benchmark case (``"module:NAME"``, see
-    :mod:`perf`); ``benchmark_exempt`` the written reason when it has none (pure plumbing).
+    when a patch has none, and ``exempt_test`` the pytest node id (``path::test[param]``) of
+    the test that fails when this patch is disabled (the parity gate runs it with
+    ``MEGATRON_NPU_DISABLE=<id>``). ``npu_kernels`` names the torch_npu kernels the
+    replacement calls on the NPU; empty means it runs the same code on the NPU as on the CPU.
+    ``benchmark`` is the patch's benchmark case (``"module:NAME"``, see :mod:`perf`);
+    ``benchmark_exempt`` the written reason when it has none (pure plumbing).
     """
 
     id: str
@@ -49,6 +53,8 @@ class Patch:
     parity_exempt: str = ""
     benchmark: str = ""
     benchmark_exempt: str = ""
+    exempt_test: str = ""
+    npu_kernels: tuple[str, ...] = ()
     rebind_copies: bool = True
 
     def __post_init__(self) -> None:
@@ -63,8 +69,15 @@ class Patch:
             SpecifierSet(self.versions)
         except InvalidSpecifier as exc:
             raise ValueError(f"patch {self.id!r}: bad version specifier {self.versions!r}") from exc
+        if self.parity_exempt and not self.exempt_test:
+            raise ValueError(f"patch {self.id!r}: a parity exemption must name its exempt_test")
         if self.kind == "wrap" and not callable(self.replacement):
             raise ValueError(f"patch {self.id!r}: a wrap patch needs a callable original -> new")
+
+    @property
+    def exercises_npu_kernel(self) -> bool:
+        """True when the NPU path calls a torch_npu kernel, False when it is the CPU's code."""
+        return bool(self.npu_kernels)
 
     def applies_to_version(self, version: str) -> bool:
         return SpecifierSet(self.versions).contains(version, prereleases=True)

@@ -7,6 +7,10 @@ around ``case.run`` only (never the reference) when a :class:`~parity.harness.Jo
 ``mutation=<name>``, on every rank of a rank pool, so a bug inside a collective is planted in
 every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
 bug and requires ``error`` only with it.
+
+A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
+changes the case itself, e.g. a reference that calls the patched implementation); one with
+``depends_on`` needs a harness check another branch adds (named there).
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ class Mutation:
     device: str = "cpu"
     dtype: str = "float32"
     parallel: Parallel = Parallel()
+    #: "run": planted around ``case.run`` by the harness (every rank); "job": around the whole
+    #: in-process evaluation (world size 1 only)
+    scope: str = "run"
+    #: the harness feature (and the branch adding it) that turns this bug into an error
+    depends_on: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("run", "job"):
+            raise ValueError(f"mutation {self.name!r}: scope must be 'run' or 'job'")
+        if self.scope == "job" and self.parallel.world > 1:
+            raise ValueError(f"mutation {self.name!r}: a job-scope bug runs in-process only")
 
     def plant(self) -> contextlib.AbstractContextManager[None]:
         return _swap(self.target, self.make)
@@ -56,8 +71,18 @@ class Mutation:
         return Job(
             patch_id=self.patch_id, device=self.device, dtype=self.dtype,
             parallel=self.parallel, examples=self.examples,
-            mutation=self.name if with_bug else None,
+            mutation=self.name if with_bug and self.scope == "run" else None,
         )  # fmt: skip
+
+    def evaluate(self, with_bug: bool, pool: Any = None) -> Any:
+        """The parity record of this mutation's job, with or without the bug in place."""
+        from parity.harness import evaluate
+
+        job = self.job(with_bug)
+        if with_bug and self.scope == "job":
+            with self.plant():
+                return evaluate(job)
+        return evaluate(job, pool=pool)
 
 
 # ---------------------------------------------------------------------------- the bugs
@@ -171,28 +196,228 @@ def _l2norm_without_sqrt(original):
     return multi_tensor_l2norm
 
 
+def _windowed_off_by_one(original):
+    """``_windowed`` with each query block's first key one too far right."""
+
+    def windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gqa):
+        import torch
+
+        from megatron_npu.ops import attention as ops
+
+        sq, skv = q.shape[2], k.shape[2]
+        outs = []
+        for q0 in range(0, sq, block):
+            q1 = min(sq, q0 + block)
+            k0 = max(0, q0 + offset + lo + 1)  # off by one: should be q0 + offset + lo
+            k1 = min(skv, q1 - 1 + offset + hi + 1)
+            visible = ops.visible_keys(q0, q1, k0, k1, offset, lo, hi, q.device)
+            if user_visible is not None:
+                visible = visible & user_visible[..., q0:q1, k0:k1]
+            outs.append(ops._sdpa(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible,
+                                  scale, dropout_p, gqa))  # fmt: skip
+        return torch.cat(outs, dim=2)
+
+    return windowed
+
+
+def _dropout_in_eval(original):
+    def fused_core_attention(module, *args, **kwargs):
+        was = module.training
+        module.train(True)  # the dropout probability read without looking at eval mode
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            module.train(was)
+
+    return fused_core_attention
+
+
+def _dropout_rate_halved(original):
+    def fused_attention(*args, dropout_p=0.0, **kwargs):
+        return original(*args, dropout_p=dropout_p / 2, **kwargs)
+
+    return fused_attention
+
+
+def _kernel_dropout_not_rescaled(original):
+    def npu_fusion_attention(*args, keep_prob=1.0, **kwargs):
+        out = original(*args, keep_prob=keep_prob, **kwargs)
+        return (out[0] * keep_prob, *out[1:])  # kept probabilities not divided by keep_prob
+
+    return npu_fusion_attention
+
+
+def _rms_norm_bf16_eps(original):
+    def rms_norm(x, weight, eps=1e-6):
+        import torch
+
+        if x.dtype == torch.bfloat16:  # the bf16 branch reads the wrong epsilon
+            eps = 1e-2
+        return original(x, weight, eps)
+
+    return rms_norm
+
+
+def _norm_option_dropped(option):
+    def make(original):
+        def from_megatron_config(config, hidden_size, eps):
+            norm = original(config, hidden_size, eps)
+            if option == "zero_centered_gamma":
+                norm.zero_centered_gamma = False
+            else:
+                for param in norm.parameters():
+                    param.sequence_parallel = False
+            return norm
+
+        return from_megatron_config
+
+    return make
+
+
+def _rotate_wrong_sign(original):
+    def rotate(x, mode="half"):
+        return -original(x, mode)  # (x2, -x1) instead of (-x2, x1)
+
+    return rotate
+
+
+def _kernel_r1_r2_swapped(original):
+    def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002
+        return original(input, r2, r1, rotary_mode=rotary_mode)
+
+    return npu_rotary_mul
+
+
+def _causal_mask_with_diagonal(original):
+    def causal_mask(sq, sk, device):
+        import torch
+
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(diagonal=0)
+
+    return causal_mask
+
+
+def _swiglu_bias_half_dropped(original):
+    def bias_swiglu(x, bias, dim=-1):
+        import torch
+
+        if bias is not None:  # the bias reaches only the second (linear) half
+            half = bias.shape[-1] // 2
+            bias = torch.cat((bias[..., :half] * 0, bias[..., half:]), dim=-1)
+        return original(x, bias, dim=dim)
+
+    return bias_swiglu
+
+
+def _gelu_exact(original):
+    def bias_gelu(x, bias, approximate="tanh"):
+        return original(x, bias, approximate="none")  # erf GELU where Megatron fuses tanh
+
+    return bias_gelu
+
+
+def _shard_offset_off_by_one(original):
+    def vocab_parallel_cross_entropy(logits, target, *, vocab_start_index, **kwargs):
+        start = vocab_start_index + 1 if vocab_start_index > 0 else 0
+        return original(logits, target, vocab_start_index=start, **kwargs)
+
+    return vocab_parallel_cross_entropy
+
+
+def _adamw_eps_inside_sqrt(original):
+    def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.01, max_exp_avg_sqs=None, amsgrad=False,
+                    maximize=False):  # fmt: skip
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            p.mul_(1.0 - lr * weight_decay)
+            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            m_hat = m / (1.0 - beta1**step)
+            v_hat = v / (1.0 - beta2**step)
+            p.addcdiv_(m_hat, (v_hat + eps).sqrt(), value=-lr)  # eps inside the root
+
+    return adamw_step_
+
+
+def _nan_not_flagged(original):
+    def check_finite_and_unscale_(tensors, inv_scale):
+        import torch
+
+        for t in tensors:
+            torch.nan_to_num_(t, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        return original(tensors, inv_scale)
+
+    return check_finite_and_unscale_
+
+
+def _scale_squared(original):
+    def multi_tensor_scale_(src, dst, scale):
+        return original(src, dst, scale * scale)
+
+    return multi_tensor_scale_
+
+
+def _sample_offsets_late(original):
+    def build(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out[1:, 1] += 1  # every sample boundary one token late
+        return out
+
+    return build
+
+
+def _reference_calls_implementation(case):
+    """The rotary case with a reference that calls the patched function itself: the
+    comparison then agrees with any bug, so only a harness check can catch it."""
+    import dataclasses
+
+    def reference(ctx, inputs):
+        import torch
+        from megatron.core.models.common.embeddings import rope_utils
+
+        p = ctx.params
+        # the implementation in the tested dtype, its results upcast as a reference's would be
+        t = inputs["t"].to(ctx.tested_dtype).requires_grad_(True)
+        freqs = inputs["freqs"].to(torch.float32)
+        out = rope_utils._apply_rotary_pos_emb_bshd(
+            t, freqs, rotary_interleaved=p["interleaved"], multi_latent_attention=p["mla"],
+            mscale=p["mscale"],
+        )  # fmt: skip
+        out.backward(inputs["grad_out"].to(ctx.tested_dtype))
+        return {"out": out.detach().to(ctx.dtype), "grad_t": t.grad.to(ctx.dtype)}
+
+    return dataclasses.replace(case, reference=reference)
+
+
 # ---------------------------------------------------------------------------- examples
 
+from parity.cases.attention import _edge as _attention  # noqa: E402
+from parity.cases.norm import _edge as _norm  # noqa: E402
+from parity.cases.rotary import _edge as _rotary  # noqa: E402
+
 _SWIGLU = {"seq": 4, "batch": 2, "hidden": 64, "bias": True, "scale": 1.0, "seed": 1}
-_ATTENTION = {
-    "layout": "SBH", "mask": "causal", "pre": 65536, "next": 65536, "seq": 32, "kv_seq": 32,
-    "batch": 2, "heads": 4, "groups": 2, "head_dim": 16, "qk_scale": 1.0, "softmax_scale": None,
-    "layer_scaling": False, "layer_number": 1, "seed": 11,
-}  # fmt: skip
-_ATTENTION_PADDING = {**_ATTENTION, "layout": "BSH", "mask": "padding", "seq": 24, "kv_seq": 24,
-                      "heads": 2, "seed": 15}  # fmt: skip
+_ATTENTION = _attention()
+_ATTENTION_PADDING = _attention(layout="BSH", mask="padding", seq=24, kv_seq=24, heads=2, seed=15)
+_ATTENTION_WINDOW = _attention(seq=160, kv_seq=160, pre=16, next=0, heads=2, groups=1,
+                               head_dim=8, seed=18)  # fmt: skip
+_ATTENTION_DROPOUT = _attention(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20)
+_ATTENTION_EVAL = _attention(dropout=0.2, training=False, seed=22)
 _SOFTMAX = {"batch": 2, "heads": 2, "sq": 64, "sk": 64, "x_scale": 1.0, "seed": 1}
-_RMS_TINY = {"normalization": "RMSNorm", "seq": 4, "batch": 2, "hidden": 64, "scale": 1e-3,
-             "eps": 1e-6, "seed": 1}  # fmt: skip
-_RMS = {**_RMS_TINY, "scale": 1.0, "eps": 1e-5, "seed": 7}
+_RMS_TINY = _norm(scale=1e-3, eps=1e-6, seed=1)
+_RMS = _norm(eps=1e-5, seed=7)
+_NORM_ZERO_CENTERED = _norm(hidden=32, zero_centered=True, seed=6)
+_NORM_SP = _norm(normalization="LayerNorm", hidden=24, sp=True, seed=7)
 _CROSS_ENTROPY = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
                   "seed": 1}  # fmt: skip
-_ROTARY = {"seq": 16, "batch": 2, "heads": 2, "head_dim": 32, "rot_dim": 32,
-           "interleaved": False, "mla": False, "mscale": 1.0, "seed": 1}  # fmt: skip
+_ROTARY = _rotary()
+_ROTARY_PER_BATCH = _rotary(per_batch=True, rot_dim=16, seed=7)
 _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 0, "seed": 1}
 _ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
           "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1}  # fmt: skip
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
+_CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
+_SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": True,
+               "extra": True, "seed": 3}  # fmt: skip
 
 
 _ALL = (
@@ -258,6 +483,116 @@ _ALL = (
         "all-reduces their squares)",
         "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_without_sqrt,
         "optimizer.l2-norm", (_GRAD_NORM,), parallel=Parallel(tp=2),
+    ),
+    # ---- attention: a window narrower than the sequence, dropout in training and eval
+    Mutation(
+        "attention-window-key-off-by-one", "the windowed query blocks start their key range one "
+        "key late (only a window narrower than the sequence, with several blocks, runs them)",
+        "megatron_npu.ops.attention._windowed", _windowed_off_by_one,
+        "attention.dot-product", (_ATTENTION_WINDOW,),
+    ),
+    Mutation(
+        "attention-dropout-in-eval", "attention dropout applied although the module is in eval "
+        "mode",
+        "megatron_npu.patches.attention.fused_core_attention", _dropout_in_eval,
+        "attention.dot-product", (_ATTENTION_EVAL,),
+    ),
+    Mutation(
+        "attention-dropout-rate-halved", "the fused op gets half the configured attention "
+        "dropout",
+        "megatron_npu.patches.attention.fused_attention", _dropout_rate_halved,
+        "attention.dot-product", (_ATTENTION_DROPOUT,),
+    ),
+    Mutation(
+        "attention-kernel-dropout-not-rescaled", "the NPU kernel's kept probabilities are not "
+        "divided by keep_prob",
+        "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention",
+        _kernel_dropout_not_rescaled, "attention.dot-product", (_ATTENTION_DROPOUT,),
+        device="npu-emulated",
+    ),
+    # ---- norm: a bf16-only bug, zero-centred gamma, sequence parallelism
+    Mutation(
+        "rmsnorm-bf16-branch-eps", "the bf16 branch of rms_norm uses eps 1e-2 (fp32 and fp16 "
+        "are right, so only the bf16 cell can see it)",
+        "megatron_npu.ops.norm.rms_norm", _rms_norm_bf16_eps,
+        "norm.wrapped-torch-norm", (_RMS_TINY,), dtype="bfloat16",
+    ),
+    Mutation(
+        "norm-zero-centered-gamma-ignored", "layernorm_zero_centered_gamma read but not applied "
+        "(gamma = w instead of 1 + w)",
+        "megatron_npu.patches.norm.from_megatron_config", _norm_option_dropped("zero_centered_gamma"),
+        "norm.wrapped-torch-norm", (_NORM_ZERO_CENTERED,),
+    ),
+    Mutation(
+        "norm-sequence-parallel-unmarked", "with sequence parallelism the norm's parameters are "
+        "not marked, so their grads are never all-reduced over TP",
+        "megatron_npu.patches.norm.from_megatron_config", _norm_option_dropped("sequence_parallel"),
+        "norm.wrapped-torch-norm", (_NORM_SP,),
+    ),
+    # ---- rotary: the per-batch formula path, the kernel's argument order
+    Mutation(
+        "rotary-per-batch-wrong-sign", "the per-batch-frequency path rotates (x2, -x1)",
+        "megatron_npu.patches.rotary.rotate", _rotate_wrong_sign,
+        "rotary.apply-bshd", (_ROTARY_PER_BATCH,),
+    ),
+    Mutation(
+        "rotary-kernel-r1-r2-swapped", "the NPU binding passes sin as r1 and cos as r2",
+        "megatron_npu.testing.torch_npu_emulation.npu_rotary_mul", _kernel_r1_r2_swapped,
+        "rotary.apply-bshd", (_ROTARY,), device="npu-emulated",
+    ),
+    # ---- softmax, activations
+    Mutation(
+        "softmax-causal-masks-diagonal", "the causal mask also hides each query's own key",
+        "megatron_npu.ops.softmax._causal_mask", _causal_mask_with_diagonal,
+        "softmax.fused", ({**_SOFTMAX, "mask": "causal", "scale": None},),
+    ),
+    Mutation(
+        "swiglu-gate-bias-dropped", "the fused bias-SwiGLU adds the bias to the linear half only",
+        "megatron_npu.patches.activation.bias_swiglu", _swiglu_bias_half_dropped,
+        "activation.bias-swiglu", (_SWIGLU,),
+    ),
+    Mutation(
+        "gelu-exact-not-tanh", "bias-GeLU uses the erf GELU where Megatron's fused kernel uses "
+        "the tanh approximation",
+        "megatron_npu.patches.activation.bias_gelu", _gelu_exact,
+        "activation.bias-gelu", ({**_SWIGLU, "scale": 4.0},),
+    ),
+    # ---- cross entropy under TP2, optimizer, data
+    Mutation(
+        "cross-entropy-shard-offset-off-by-one", "the second TP rank's vocab shard starts one id "
+        "late (only TP > 1 has a shard that does not start at 0)",
+        "megatron_npu.patches.cross_entropy._op", _shard_offset_off_by_one,
+        "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,), parallel=Parallel(tp=2),
+    ),
+    Mutation(
+        "adamw-eps-inside-sqrt", "AdamW adds eps inside the square root of v_hat",
+        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_eps_inside_sqrt,
+        "optimizer.adam", ({**_ADAMW, "grad_scale": 1e-4, "eps": 1e-6, "weight_decay": 0.0},),
+    ),
+    Mutation(
+        "unscale-nan-not-flagged", "the inf check zeroes NaN grads instead of flagging them",
+        "megatron_npu.patches.optimizer.check_finite_and_unscale_", _nan_not_flagged,
+        "optimizer.unscale-and-check-nan",
+        ({**_UNSCALE, "plant": "nan", "loss_scale": 1024.0, "seed": 3},),
+    ),
+    Mutation(
+        "clip-scale-squared", "multi_tensor_scale applies the clip coefficient squared",
+        "megatron_npu.patches.optimizer.multi_tensor_scale_", _scale_squared,
+        "optimizer.multi-tensor-scale", (_CLIP,),
+    ),
+    Mutation(
+        "sample-index-offsets-late", "the GPT sample index puts every boundary one token late",
+        "megatron_npu.data.index_helpers._build_sample_idx_impl", _sample_offsets_late,
+        "data.build-sample-idx", (_SAMPLE_IDX,),
+    ),
+    # ---- a reference that calls the implementation
+    Mutation(
+        "reference-calls-implementation", "the rotary case's reference calls the patched "
+        "_apply_rotary_pos_emb_bshd, so any bug in it agrees with itself",
+        "parity.cases.rotary.ROTARY_BSHD", _reference_calls_implementation,
+        "rotary.apply-bshd", (_ROTARY,), scope="job",
+        depends_on="i8-verdicts: the harness's check that a reference does not call the "
+        "patched object",
     ),
 )  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -42,3 +43,22 @@ def test_registry_entries_are_well_formed():
     for p in patches:
         assert p.reason.strip(), p.id
         assert p.parity is not None or p.parity_exempt.strip(), f"{p.id}: no parity case"
+
+
+def test_info_separates_npu_kernels_from_cpu_code():
+    """Per patch: an NPU kernel binding (named) or the same code as cpu, from the registry."""
+    from megatron_npu.info import NPU_KERNEL, SAME_AS_CPU, collect, render
+
+    data = collect("cpu")
+    by_id = {p.id: p for p in all_patches()}
+    for row in data["patches"]:
+        patch = by_id[row["id"]]
+        assert row["npu_kernels"] == list(patch.npu_kernels)
+        assert row["npu_path"] == (NPU_KERNEL if patch.npu_kernels else SAME_AS_CPU)
+    kernels = {r["id"]: r["npu_kernels"] for r in data["patches"] if r["npu_path"] == NPU_KERNEL}
+    assert kernels["activation.bias-swiglu"] == ["npu_swiglu"]
+    assert kernels["attention.dot-product"] == ["npu_fusion_attention"]
+    assert "cross-entropy.vocab-parallel" not in kernels  # an fp32 torch op on every device
+    out = io.StringIO()
+    render(data, file=out)
+    assert f"{len(kernels)} patches exercise an NPU kernel" in out.getvalue()

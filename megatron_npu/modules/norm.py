@@ -46,7 +46,11 @@ class Norm(torch.nn.Module):
             param.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        weight = self.weight
+        if self.zero_centered_gamma:
+            # 1 + w in fp32: in a 16-bit parameter dtype the sum would be rounded once more
+            # (bf16 step 2**-7 near 1), an error the stored w does not have
+            weight = self.weight.float() + 1
         if self.normalization == "RMSNorm":
             return norm_ops.rms_norm(x, weight, self.eps)[0]
         # fp16/bf16: normalise in fp32 so the weight/bias gradients are summed over tokens in

@@ -18,7 +18,8 @@ Semantics shared by both paths (and by :func:`fused_attention`, which picks one 
   sliding window: each query sees itself and the 2048 keys before it.
 * ``scale`` defaults to ``1/sqrt(D)``; ``dropout_p`` is the attention dropout (the kernel is
   passed ``keep_prob = 1 - dropout_p``; pass 0 when not training).
-* A query row with no visible key outputs zeros (and gets zero gradient).
+* A query row with no visible key outputs zeros (and gets zero gradient); the NPU binding then
+  passes ``inner_precise=2``, the kernel's documented invalid-row mode.
 * On CPU, fp16/bf16 inputs are computed in fp32 and the output rounded once.
 
 The native path uses ``torch.nn.functional.scaled_dot_product_attention``. When the window is
@@ -48,6 +49,8 @@ COMPRESSED_MASK_SIZE = 2048
 SPARSE_MODE_DEFAULT = 0
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 SPARSE_MODE_BAND = 4
+#: ``inner_precise`` value that turns on the kernel's invalid-row (fully masked row) handling
+INNER_PRECISE_INVALID_ROWS = 2
 
 _OP = "fused_attention"
 
@@ -595,6 +598,11 @@ def npu_fused_attention(
     )
     if scale is None:  # the kernel's own default is 1.0, not 1/sqrt(D)
         scale = 1.0 / math.sqrt(shape.head_dim)
+    # A fully masked query row ("invalid row") is computed correctly (output 0) only with
+    # inner_precise=2 under an explicit mask; the kernel finds such rows itself in modes 2-4.
+    dead_rows = plan.atten_mask is not None and plan.sparse_mode == SPARSE_MODE_DEFAULT and bool(
+        plan.atten_mask.bool().all(dim=-1).any()
+    )
     outputs = kernels.npu_fusion_attention(
         query,
         key,
@@ -607,6 +615,7 @@ def npu_fused_attention(
         pre_tockens=plan.pre_tockens,
         next_tockens=plan.next_tockens,
         sparse_mode=plan.sparse_mode,
+        inner_precise=INNER_PRECISE_INVALID_ROWS if dead_rows else 0,
     )
     return outputs[0]
 

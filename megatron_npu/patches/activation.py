@@ -31,6 +31,7 @@ PATCHES = [
         versions=">=0.13",
         parity="parity.cases.activation:BIAS_SWIGLU",
         benchmark="perf.cases.layers:BIAS_SWIGLU",
+        npu_kernels=("npu_swiglu",),
     ),
     Patch(
         id="activation.bias-gelu",
@@ -41,5 +42,6 @@ PATCHES = [
         check_signature=False,  # the target is an autograd Function's apply (no signature)
         parity="parity.cases.activation:BIAS_GELU",
         benchmark="perf.cases.layers:BIAS_GELU",
+        npu_kernels=("npu_gelu",),
     ),
 ]

@@ -88,5 +88,6 @@ PATCHES = [
         versions=">=0.13",
         parity="parity.cases.attention:DOT_PRODUCT_ATTENTION",
         benchmark="perf.cases.attention:DOT_PRODUCT_ATTENTION",
+        npu_kernels=("npu_fusion_attention",),
     ),
 ]

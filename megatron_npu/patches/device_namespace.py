@@ -52,7 +52,8 @@ _PARITY = {
     "megatron.core.pipeline_parallel.p2p_communication": "parity.cases.communication:P2P",
     "megatron.core.tensor_parallel.mappings": "parity.cases.communication:TP_MAPPINGS",
 }
-_EXEMPT = "device routing, no numerics: covered by the GPT forward/backward tests"
+_EXEMPT = "device routing, no numerics of its own"
+_EXEMPT_TEST = "tests/patches/test_device_namespace.py::test_module_torch_routes_cuda_to_the_active_device"
 
 PATCHES = [
     Patch(
@@ -67,6 +68,9 @@ PATCHES = [
         parity_exempt="" if module in _PARITY else _EXEMPT,
         benchmark_exempt="device-namespace plumbing: its per-call cost is "
         "perf/test_device_routing_bench.py",
+        exempt_test="" if module in _PARITY else (
+            f"{_EXEMPT_TEST}[torch-namespace:{module.removeprefix('megatron.core.')}]"
+        ),
     )
     for module in MODULES
 ]

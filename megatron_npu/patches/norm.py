@@ -33,5 +33,6 @@ PATCHES = [
         versions=">=0.13",
         parity="parity.cases.norm:WRAPPED_TORCH_NORM",
         benchmark="perf.cases.layers:RMS_NORM",
+        npu_kernels=("npu_rms_norm",),
     ),
 ]

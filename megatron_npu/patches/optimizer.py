@@ -90,6 +90,7 @@ PATCHES = [
         rebind_copies=False,  # the fallback *is* torch.optim.AdamW: never rebind torch's own name
         parity="parity.cases.optimizer:ADAMW",
         benchmark="perf.cases.optimizer:ADAMW",
+        npu_kernels=("npu_apply_adam_w",),
     ),
     Patch(
         id="optimizer.factory-torch-adamw",
@@ -99,9 +100,11 @@ PATCHES = [
         versions=">=0.15",
         check_signature=False,
         rebind_copies=False,
-        parity_exempt="routing only: FusedAdamW's numerics are the optimizer.adam parity case, "
-        "tests/test_optimizer_routing.py checks get_megatron_optimizer builds it",
         benchmark_exempt="routing only: the AdamW it routes to is optimizer.adam's benchmark",
+        parity_exempt="routing only: FusedAdamW's numerics are the optimizer.adam parity case; "
+        "the named test checks get_megatron_optimizer builds it",
+        exempt_test="tests/test_optimizer_routing.py::"
+        "test_megatron_optimizer_is_the_fused_adamw_when_applied",
     ),
     Patch(
         id="optimizer.unscale-and-check-nan",

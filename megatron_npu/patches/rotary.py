@@ -23,11 +23,14 @@ def _apply_rotary_pos_emb_bshd(
     cos = (torch.cos(freqs) * mscale).to(t.dtype)
     sin = (torch.sin(freqs) * mscale).to(t.dtype)
     mode = "interleave" if rotary_interleaved else "half"
-    if cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[2] == 1:
-        # [s, 1, 1, d]: the S11D broadcast layout the kernel accepts in both modes
+    if cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[2] == 1 and abs(mscale) <= 1.0:
+        # [s, 1, 1, d]: the S11D broadcast layout the kernel accepts in both modes; the kernel
+        # takes r1/r2 only in [-1, 1], so a YaRN mscale > 1 keeps Megatron's formula
         out = rotary_mul(t_rot, cos, sin, rotary_mode=mode)
-    else:  # per-batch/per-head frequencies: no kernel layout for them, Megatron's formula
-        out = t_rot * cos + rotate(t_rot, mode) * sin
+    else:  # per-batch frequencies or mscale > 1: Megatron's formula, in fp32 like the kernel
+        # (cos/sin already rounded to t's dtype as Megatron does; one rounding at the end)
+        xf = t_rot.float()
+        out = (xf * cos.float() + rotate(xf, mode) * sin.float()).to(t.dtype)
     return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
 
 
@@ -40,5 +43,6 @@ PATCHES = [
         versions=">=0.13",
         parity="parity.cases.rotary:ROTARY_BSHD",
         benchmark="perf.cases.layers:ROTARY",
+        npu_kernels=("npu_rotary_mul",),
     ),
 ]

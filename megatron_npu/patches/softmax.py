@@ -43,10 +43,11 @@ PATCHES = [
         replacement=is_kernel_available,
         reason="the NPU kernel's shape rule (32..4096, multiple of 32; fp16/bf16) replaces CUDA's",
         versions=">=0.13",
-        parity_exempt="a shape predicate, no numerics: tests/patches/test_softmax_rule.py "
-        "checks it against the kernel's documented limits; its numerics are softmax.fused",
         benchmark_exempt="a shape predicate evaluated once per layer call; timed within "
         "softmax.fused's benchmark",
+        parity_exempt="a shape predicate, no numerics: the named test checks it against the "
+        "kernel's documented limits; its numerics are softmax.fused",
+        exempt_test="tests/patches/test_softmax_rule.py::test_cuda_only_conditions_are_dropped",
     ),
     Patch(
         id="softmax.fused",
@@ -56,5 +57,6 @@ PATCHES = [
         versions=">=0.13",
         parity="parity.cases.softmax:FUSED_SOFTMAX",
         benchmark="perf.cases.layers:FUSED_SOFTMAX",
+        npu_kernels=("npu_scaled_masked_softmax",),
     ),
 ]

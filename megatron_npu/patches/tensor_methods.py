@@ -75,7 +75,16 @@ _SCOPED = (
     ),
 )
 
-_EXEMPT = "type/placement plumbing, no numerics: exercised by every optimizer parity case"
+_EXEMPT = "type/placement plumbing, no numerics of its own"
+_DEVICES_TEST = "tests/test_devices.py::"
+_PLUMBING_TEST = "tests/patches/test_exempt_plumbing.py::test_megatron_optimizers_build_on_cpu"
+#: the test that fails without each scoped entry
+_SCOPED_TESTS = {
+    "scope.clip-grads": _DEVICES_TEST + "test_megatron_grad_clip_type_check_passes_on_cpu",
+    "scope.distopt-param-groups": _PLUMBING_TEST + "[distributed-optimizer]",
+    "scope.distopt-init": _PLUMBING_TEST + "[distributed-optimizer]",
+    "scope.fp16-optimizer-init": _PLUMBING_TEST + "[float16-optimizer]",
+}
 
 PATCHES = [
     Patch(
@@ -86,6 +95,7 @@ PATCHES = [
         check_signature=False,
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
+        exempt_test=_DEVICES_TEST + "test_tensor_cuda_and_scoped_type_names",
     ),
     Patch(
         id="tensor.type",
@@ -95,6 +105,7 @@ PATCHES = [
         reason="report torch.cuda.* type names inside Megatron's type-string checks only",
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
+        exempt_test=_DEVICES_TEST + "test_tensor_cuda_and_scoped_type_names",
     ),
 ] + [
     Patch(
@@ -106,6 +117,7 @@ PATCHES = [
         versions=">=0.13",
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
+        exempt_test=_SCOPED_TESTS[pid],
     )
     for pid, target in _SCOPED
 ]

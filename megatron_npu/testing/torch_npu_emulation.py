@@ -198,6 +198,22 @@ def _fa_visible(atten_mask, sparse_mode, pre, nxt, b, n, sq, skv, device):
     return keep & band
 
 
+def _fa_check_dead_rows(dead: torch.Tensor, sparse_mode: int, inner_precise: int) -> None:
+    """Fully masked query rows ("invalid rows") output 0 only where the docs promise it:
+    ``inner_precise=2`` enables invalid-row computation, and the kernel enables it by itself
+    where the sparse mode lets it find such rows (the causal / band modes 2, 3 and 4, e.g.
+    mode 3 with Sq > Skv). A fully masked row of an explicit mask under modes 0/1 with
+    ``inner_precise`` 0 or 1 is documented to lose accuracy, so the emulation refuses it."""
+    if sparse_mode in (2, 3, 4) or inner_precise == 2 or not bool(dead.any()):
+        return
+    rows = int(dead.sum())
+    raise ValueError(
+        f"npu_fusion_attention: {rows} query row(s) are fully masked under sparse_mode "
+        f"{sparse_mode} with inner_precise={inner_precise}; the kernel computes such invalid "
+        "rows correctly only with inner_precise=2 (or sparse_mode 2/3/4)"
+    )
+
+
 def npu_fusion_attention(
     query,
     key,
@@ -254,6 +270,7 @@ def npu_fusion_attention(
         scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # a shift softmax is invariant to
     dead = torch.isneginf(row_max)  # rows with nothing to attend
+    _fa_check_dead_rows(dead, sparse_mode, inner_precise)
     row_max = torch.where(dead, torch.zeros_like(row_max), row_max)
     weights = torch.exp(scores - row_max)
     row_sum = weights.sum(dim=-1, keepdim=True)
@@ -284,7 +301,8 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
     _float_dtype(op, "gamma", gamma)
     if gamma.dtype not in (x.dtype, torch.float32):
         raise TypeError(f"{op}: gamma dtype {_name(gamma.dtype)} must equal x dtype "
-                        f"{_name(x.dtype)} or be float32")
+                        f"{_name(x.dtype)} (documented rule) or be float32 (the kernel's "
+                        "mixed-precision form for float16/bfloat16 x)")
     if not 2 <= x.dim() <= 8:
         raise ValueError(f"{op}: x must have 2 to 8 dims, got {x.dim()}")
     k = gamma.dim()
@@ -349,10 +367,42 @@ def npu_fast_gelu(input):  # noqa: A002 - torch_npu's parameter name
 # ============================================================================ rotary
 
 
+#: r1/r2 layouts the kernel takes, as (first three dims) patterns over x's dims "0", "1",
+#: "2" ("1" = broadcast), grouped by the x layout they imply (torch_npu docs, half mode):
+#: x BNSD: 11SD, B1SD, BNSD; x BSND: 1S1D, BS1D, BSND; x SBND: S11D, SB1D, SBND.
+_ROTARY_HALF_LAYOUTS = {
+    "11SD": (None, None, 2), "B1SD": (0, None, 2), "1S1D": (None, 1, None),
+    "BS1D": (0, 1, None), "S11D": (0, None, None), "SB1D": (0, 1, None), "full": (0, 1, 2),
+}  # fmt: skip
+#: interleave mode takes only the sequence-broadcast layouts
+_ROTARY_INTERLEAVE_LAYOUTS = ("11SD", "1S1D", "S11D")
+#: the S axis of x each r layout implies (None: any layout)
+_ROTARY_SEQ_AXIS = {"11SD": 2, "B1SD": 2, "1S1D": 1, "BS1D": 1, "S11D": 0, "SB1D": 0}
+_ROTARY_MAX_BN = 1000  # B, N < 1000 (half); B * N < 1000 (interleave)
+_ROTARY_MAX_BN_GRAD = 1024  # B * N <= 1024 when r1/r2 need gradients
+
+
+def _rotary_layout(op, r_shape, x_shape, mode):
+    names = _ROTARY_HALF_LAYOUTS if mode == "half" else _ROTARY_INTERLEAVE_LAYOUTS
+    for name in names:
+        pattern = _ROTARY_HALF_LAYOUTS[name]
+        if all(r_shape[i] == (1 if src is None else x_shape[src]) for i, src in enumerate(pattern)):
+            return name
+    raise ValueError(
+        f"{op}: r1/r2 shape {tuple(r_shape)} is not a layout the kernel takes for input "
+        f"{tuple(x_shape)} in {mode} mode (documented: {', '.join(n for n in names)})"
+    )
+
+
 def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu's name
     """Emulates ``torch_npu.npu_rotary_mul``: ``input * r1 + rotate(input) * r2``; 'half'
     rotates ``(x1, x2) -> (-x2, x1)`` over the two halves of D, 'interleave' over even/odd
-    pairs."""
+    pairs.
+
+    Documented limits enforced (torch_npu 7.x, A2/A3): 4-D tensors in one dtype; D even and
+    < 896; r1/r2 in one of the listed broadcast layouts with the full D; r1/r2 values in
+    [-1, 1] (they are cos and sin); half mode B, N < 1000, interleave mode B * N < 1000; and
+    B * N <= 1024 when r1/r2 need gradients."""
     op = "npu_rotary_mul"
     for arg, t in (("input", input), ("r1", r1), ("r2", r2)):
         _float_dtype(op, arg, t)
@@ -368,13 +418,24 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu
         raise ValueError(f"{op}: D={d} must be even and < 896")
     if tuple(r1.shape) != tuple(r2.shape):
         raise ValueError(f"{op}: r1 and r2 shapes differ: {tuple(r1.shape)} vs {tuple(r2.shape)}")
-    for i, (rs, xs) in enumerate(zip(r1.shape, input.shape)):
-        if rs not in (1, xs) or (i == 3 and rs != xs):
-            raise ValueError(f"{op}: r1/r2 shape {tuple(r1.shape)} must broadcast to input "
-                             f"{tuple(input.shape)} with the full D")
-    if rotary_mode == "interleave" and sum(s != 1 for s in r1.shape[:3]) > 1:
-        raise ValueError(f"{op}: interleave mode takes r1/r2 shaped 11SD, 1S1D or S11D, got "
-                         f"{tuple(r1.shape)}")
+    if r1.shape[3] != d:
+        raise ValueError(f"{op}: r1/r2 last dim {r1.shape[3]} must be the full D={d}")
+    layout = _rotary_layout(op, r1.shape, input.shape, rotary_mode)
+    seq_axis = _ROTARY_SEQ_AXIS.get(layout)
+    if seq_axis is not None:
+        b, n = (input.shape[i] for i in range(3) if i != seq_axis)
+        if rotary_mode == "half" and max(b, n) >= _ROTARY_MAX_BN:
+            raise ValueError(f"{op}: half mode needs B, N < {_ROTARY_MAX_BN}, got B={b}, N={n}")
+        if rotary_mode == "interleave" and b * n >= _ROTARY_MAX_BN:
+            raise ValueError(f"{op}: interleave mode needs B * N < {_ROTARY_MAX_BN}, got "
+                             f"B={b}, N={n}")
+        if (r1.requires_grad or r2.requires_grad) and b * n > _ROTARY_MAX_BN_GRAD:
+            raise ValueError(f"{op}: gradients of r1/r2 need B * N <= {_ROTARY_MAX_BN_GRAD}, "
+                             f"got B={b}, N={n}")
+    for arg, t in (("r1", r1), ("r2", r2)):
+        if t.numel() and float(t.detach().abs().amax()) > 1.0:
+            raise ValueError(f"{op}: {arg} values must lie in [-1, 1] (cos/sin), got max |{arg}| "
+                             f"= {float(t.detach().abs().amax()):.4g}")
     x = input.float()
     idx = torch.arange(d, device=input.device)
     if rotary_mode == "half":
@@ -392,7 +453,9 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu
 
 def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
     """Emulates ``torch_npu.npu_scaled_masked_softmax``: softmax over the last dim of
-    ``x * scale`` with positions where ``mask`` is True replaced by -10000 (fp32 inside)."""
+    ``x * scale`` with positions where ``mask`` is True replaced by -10000 (fp32 inside), so a
+    fully masked row comes out uniform, never zero. ``fixed_triu_mask=True``: the kernel builds
+    the causal upper-triangular mask itself (``mask`` must still be a valid bool tensor)."""
     op = "npu_scaled_masked_softmax"
     _float_dtype(op, "x", x)
     if x.dim() != 4:
@@ -407,8 +470,9 @@ def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
     if len(shape) > 4 or any(m not in (1, s) for m, s in zip(reversed(shape), reversed(x.shape))):
         raise ValueError(f"{op}: mask shape {shape} must broadcast to x {tuple(x.shape)}")
     if fixed_triu_mask:
-        raise ValueError(f"{op}: fixed_triu_mask is a reserved parameter, only False is "
-                         "supported; pass an explicit upper-triangular mask")
+        # documented: the kernel generates the upper-triangular mask itself (True above the
+        # diagonal) and ignores the values of the one passed in
+        mask = torch.ones(h, w, dtype=torch.bool, device=x.device).triu_(diagonal=1)
     logits = (x.float() * scale).masked_fill(mask, -10000.0)
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     e = torch.exp(shifted)

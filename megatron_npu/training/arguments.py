@@ -117,6 +117,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="vocabulary of the NullTokenizer used with --mock-data (default 512)",
     )
 
+    g = parser.add_argument_group(
+        "fusions (Megatron-LM's flags and defaults; on npu / npu-emulated they route to the "
+        "fused-op patches)"
+    )
+    g.add_argument(
+        "--bias-swiglu-fusion", action=argparse.BooleanOptionalAction, default=True,
+        help="with --swiglu: fused bias-SwiGLU (npu_swiglu on the NPU)",
+    )  # fmt: skip
+    g.add_argument(
+        "--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=True,
+        help="without --swiglu: fused bias-GeLU, tanh approximation (off with "
+        "--disable-bias-linear, as in Megatron-LM)",
+    )  # fmt: skip
+    g.add_argument(
+        "--masked-softmax-fusion", action=argparse.BooleanOptionalAction, default=True,
+        help="fp16/bf16 attention softmax through the fused scaled-masked softmax "
+        "(npu_scaled_masked_softmax on the NPU) where the kernel's shape rule allows it",
+    )  # fmt: skip
+
     g = parser.add_argument_group("fused attention (seeds' large-kernel options)")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument("--shape-order", choices=("SBH", "BSH"), default="SBH")
@@ -292,6 +311,8 @@ def check(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    if args.disable_bias_linear:  # Megatron-LM: no bias to fuse into the GeLU
+        args.bias_gelu_fusion = False
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     elif args.num_attention_heads % args.num_query_groups:

@@ -113,8 +113,12 @@ def params_dtype(args: Namespace) -> torch.dtype:
 def transformer_config(args: Namespace, dist_backend: str = "gloo") -> TransformerConfig:
     """The TransformerConfig Megatron-LM's ``core_transformer_config_from_args`` would build.
 
-    CUDA-only fusions (apex/TE kernels, jit-fused bias-activation, fused softmax, gradient
-    accumulation fusion) are off; fused NPU ops come in through registry patches instead.
+    Megatron's own fusion flags are honoured: ``bias_activation_fusion`` is
+    ``--bias-swiglu-fusion`` with ``--swiglu``, else ``--bias-gelu-fusion``, and
+    ``masked_softmax_fusion`` is ``--masked-softmax-fusion`` (all on by default, as in
+    Megatron-LM); the registry patches route those fused functions to the op layer (the NPU
+    kernels on npu / npu-emulated). CUDA-only fusions without a patch (gradient accumulation
+    fusion, bias-dropout fusion, persistent layer norm, the rope fusion) stay off.
 
     ``deallocate_pipeline_outputs`` (free a stage's output once sent) is off on gloo: gloo's
     ``isend`` reads the tensor from its own thread, and the interleaved schedule frees the output
@@ -153,9 +157,9 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         overlap_p2p_comm=bool(args.virtual_pipeline_model_parallel_size),
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
+        masked_softmax_fusion=args.masked_softmax_fusion,
         persist_layer_norm=False,
         apply_rope_fusion=False,
     )

@@ -5,7 +5,10 @@ Inputs are laid out as Megatron's attention hands them over: ``t`` is ``[s, b, n
 ``freqs`` is ``[s, 1, 1, rot_dim]`` in fp32 (``RotaryEmbedding`` always computes the angles in
 fp32, whatever the model dtype), so ``freqs`` is never rounded to the tested dtype. Covered:
 half (``rotate_half``) and interleaved rotation, a rotary dim smaller than the head dim (the
-rest passes through), ``mscale`` (YaRN), and multi-latent attention's even/odd regrouping.
+rest passes through), ``mscale`` (YaRN; above 1 it leaves the kernel's [-1, 1] range for
+r1/r2 and takes Megatron's formula), multi-latent attention's even/odd regrouping, and
+per-batch frequencies (``freqs`` ``[s, b, 1, rot_dim]``, each sequence at its own position
+offset, as with packed or context-parallel sequences), which take the formula path.
 
 The reference is Megatron's ``_apply_rotary_pos_emb_bshd`` re-stated in plain torch in the
 upcast dtype, with Megatron's own rotation (``rope_utils._rotate_half``, untouched by the
@@ -38,6 +41,7 @@ def _params(draw):
         "interleaved": draw(st.booleans()),
         "mla": draw(st.sampled_from([False, False, True])),
         "mscale": draw(st.sampled_from([1.0, 1.0, 0.707, 1.3])),
+        "per_batch": draw(st.sampled_from([False, False, True])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -50,15 +54,16 @@ def _inputs(p):
     # RotaryEmbedding's angles: position * base**(-2i/rot_dim), duplicated over the halves
     # (or interleaved pairs), computed in fp32; positions start at an offset (a later chunk)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
-    pos = torch.arange(s, dtype=torch.float32) + float(torch.randint(0, 4096, (1,), generator=g))
-    angles = torch.outer(pos, inv_freq)
+    starts = torch.randint(0, 4096, (b if p["per_batch"] else 1,), generator=g).float()
+    pos = torch.arange(s, dtype=torch.float32).view(s, 1) + starts.view(1, -1)  # [s, b or 1]
+    angles = pos.unsqueeze(-1) * inv_freq  # [s, b or 1, r/2]
     if p["interleaved"]:
         freqs = torch.stack((angles, angles), dim=-1).flatten(-2)
     else:
         freqs = torch.cat((angles, angles), dim=-1)
     return {
         "t": torch.randn(s, b, n, d, generator=g, dtype=torch.float64),
-        "freqs": freqs.view(s, 1, 1, r).double(),
+        "freqs": freqs.unsqueeze(2).double(),  # [s, 1, 1, r] or per batch [s, b, 1, r]
         "grad_out": torch.randn(s, b, n, d, generator=g, dtype=torch.float64),
     }
 
@@ -98,7 +103,7 @@ def _reference(ctx: Context, inputs):
 def _edge(**kw):
     base = {
         "seq": 16, "batch": 2, "heads": 2, "head_dim": 32, "rot_dim": 32, "interleaved": False,
-        "mla": False, "mscale": 1.0, "seed": 1,
+        "mla": False, "mscale": 1.0, "per_batch": False, "seed": 1,
     }  # fmt: skip
     base.update(kw)
     return base
@@ -120,5 +125,8 @@ ROTARY_BSHD = ParityCase(
         _edge(interleaved=True, rot_dim=8, head_dim=24, seed=4),
         _edge(mla=True, rot_dim=16, seed=5),  # multi-latent attention regrouping
         _edge(seq=1, batch=1, heads=1, head_dim=2, rot_dim=2, seed=6),
+        _edge(per_batch=True, rot_dim=16, seed=7),  # per-batch frequencies, partial rotary
+        _edge(interleaved=True, per_batch=True, batch=3, seed=8),
+        _edge(mscale=1.3, seed=9),  # YaRN mscale > 1: outside the kernel's r1/r2 range
     ),
 )

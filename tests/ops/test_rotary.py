@@ -48,8 +48,9 @@ def rotary_cases(draw):
     if mode == "interleave":  # 11SD / 1S1D / S11D
         keep = draw(st.integers(0, 2))
         r_shape = [s if i == keep else 1 for i, s in enumerate(shape[:3])] + [shape[3]]
-    else:
-        r_shape = [s if draw(st.booleans()) else 1 for s in shape[:3]] + [shape[3]]
+    else:  # the documented layouts: 11SD, B1SD, 1S1D, BS1D, S11D, SB1D, full
+        keep = draw(st.sampled_from([{2}, {0, 2}, {1}, {0, 1}, {0}, {0, 1, 2}]))
+        r_shape = [s if i in keep else 1 for i, s in enumerate(shape[:3])] + [shape[3]]
     return dict(mode=mode, shape=shape, r_shape=r_shape, seed=draw(st.integers(0, 2**16)))
 
 
@@ -109,5 +110,5 @@ def test_rotary_emulation_checks_itself():
     with pytest.raises(TypeError, match=r"npu_rotary_mul: input, r1 and r2 must share one dtype"):
         emulation.npu_rotary_mul(x, torch.ones(1, 1, 3, 8, dtype=torch.float16),
                                  torch.ones(1, 1, 3, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"npu_rotary_mul: D=6 must be even and < 896|broadcast"):
+    with pytest.raises(ValueError, match=r"npu_rotary_mul: r1/r2 last dim 6 must be the full D=8"):
         emulation.npu_rotary_mul(x, torch.ones(1, 1, 3, 6), torch.ones(1, 1, 3, 6))

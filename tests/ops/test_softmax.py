@@ -94,8 +94,8 @@ def test_softmax_emulation_checks_itself():
     with pytest.raises(ValueError, match=r"npu_scaled_masked_softmax: x.shape\[-1\]=48"):
         emulation.npu_scaled_masked_softmax(x, torch.zeros(1, 1, 32, 48, dtype=torch.bool))
     x = torch.randn(1, 1, 32, 32)
-    with pytest.raises(ValueError, match=r"fixed_triu_mask is a reserved parameter"):
-        emulation.npu_scaled_masked_softmax(x, torch.zeros(32, 32, dtype=torch.bool), 1.0, True)
+    with pytest.raises(TypeError, match=r"npu_scaled_masked_softmax: mask dtype must be bool"):
+        emulation.npu_scaled_masked_softmax(x, torch.zeros(32, 32), 1.0, True)
 
 
 AVAILABILITY = [

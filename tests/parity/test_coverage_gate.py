@@ -1,10 +1,21 @@
-"""Every registry patch has a parity case, or an explicit exemption with a reason."""
+"""Every registry patch has a parity case, or an explicit exemption with a reason and a test
+that exists and fails when the patch is disabled (run here with ``MEGATRON_NPU_DISABLE``)."""
 
 from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from megatron_npu.registry import all_patches
 from parity.case import ParityCase, load_case
 from parity.matrix import cells
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_patch_has_a_parity_case_or_a_reasoned_exemption():
@@ -29,3 +40,62 @@ def test_matrix_covers_every_case_on_both_ci_devices():
         if patch.parity:
             for device in ("cpu", "npu-emulated"):
                 assert (patch.id, device) in covered, (patch.id, device)
+
+
+# ------------------------------------------------------------------------- exemptions
+
+
+def _node(test: str) -> tuple[Path, str, str]:
+    """``path::function[param]`` -> (file, function, param or '')."""
+    path, _, rest = test.partition("::")
+    function, _, param = rest.partition("[")
+    return REPO / path, function, param.removesuffix("]")
+
+
+def _exempt() -> list:
+    return [p for p in all_patches() if p.parity_exempt]
+
+
+def test_every_exemption_names_a_test_that_exists():
+    for patch in _exempt():
+        path, function, param = _node(patch.exempt_test)
+        assert path.is_file(), f"{patch.id}: {patch.exempt_test}: no file {path}"
+        tree = ast.parse(path.read_text())
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert function in defs, f"{patch.id}: {patch.exempt_test}: no test {function}"
+        if param:  # a parametrised node: the function must be parametrised
+            marks = [ast.unparse(d) for d in defs[function].decorator_list]
+            assert any("parametrize" in m for m in marks), f"{patch.id}: {function} takes no params"
+
+
+def _groups() -> dict[tuple[Path, str], tuple[list[str], list[str]]]:
+    """Exempt patches grouped by test function: (patch ids, node ids). A function parametrised
+    by patch id (the device-namespace entries) runs once with all its ids disabled, each case
+    checking only its own patch."""
+    groups: dict[tuple[Path, str], tuple[list[str], list[str]]] = {}
+    for patch in _exempt():
+        path, function, _ = _node(patch.exempt_test)
+        ids, nodes = groups.setdefault((path, function), ([], []))
+        ids.append(patch.id)
+        if patch.exempt_test not in nodes:
+            nodes.append(patch.exempt_test)
+    return groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", sorted(_groups()), ids=lambda g: f"{g[0].name}::{g[1]}")
+def test_exempt_test_fails_with_its_patch_disabled(group):
+    """The exemption's test, run with ``MEGATRON_NPU_DISABLE=<its patch ids>``, must fail:
+    otherwise it does not show that the patch is needed."""
+    ids, nodes = _groups()[group]
+    env = {**os.environ, "MEGATRON_NPU_DISABLE": ",".join(ids), "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+         "-rA", "--no-header", *nodes],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    passed = [n for n in nodes if f"PASSED {n}" in proc.stdout]
+    assert proc.returncode != 0 and not passed, (
+        f"still passing with {','.join(ids)} disabled: {passed or nodes}\n{proc.stdout[-3000:]}"
+    )

@@ -1,6 +1,10 @@
 """Mutation test of the parity harness: every planted bug (parity/mutations.py) turns its
 patch's parity job into an ``error``, and the same job without the bug is not an error (so each
-check can fail). The TP2 mutations are planted inside the rank-pool workers."""
+check can fail). The TP2 mutations are planted inside the rank-pool workers.
+
+A mutation whose ``depends_on`` names a harness check of another branch (the reference that
+calls the implementation needs i8-verdicts' check) is an expected failure while that check is
+missing, and passes as soon as the harness catches it."""
 
 from __future__ import annotations
 
@@ -8,14 +12,13 @@ import importlib
 
 import pytest
 
-from parity.harness import evaluate
+from megatron_npu.registry import all_patches
 from parity.mutations import MUTATIONS, planted
 
 
 def _evaluate(mutation, with_bug, rank_pools):
-    job = mutation.job(with_bug=with_bug)
-    pool = rank_pools.get(job.parallel.world) if job.parallel.world > 1 else None
-    return evaluate(job, pool=pool)
+    world = mutation.parallel.world
+    return mutation.evaluate(with_bug, pool=rank_pools.get(world) if world > 1 else None)
 
 
 def _why(record):
@@ -28,12 +31,26 @@ def test_planted_bug_is_an_error(name, rank_pools):
     clean = _evaluate(mutation, False, rank_pools)
     assert clean.verdict.status != "error", f"{name}: fails without the bug: {_why(clean)}"
     caught = _evaluate(mutation, True, rank_pools)
+    if caught.verdict.status != "error" and mutation.depends_on:
+        pytest.xfail(f"{name}: needs {mutation.depends_on}")
     assert caught.verdict.status == "error", f"{name}: not caught: {_why(caught)}"
 
 
-def test_there_are_enough_mutations():
-    assert len(MUTATIONS) >= 8
-    assert any(m.parallel.world > 1 for m in MUTATIONS.values())
+def test_there_are_enough_mutations_in_every_patched_area():
+    assert len(MUTATIONS) >= 25
+    mutations = MUTATIONS.values()
+    assert any(m.parallel.world > 1 for m in mutations)  # under TP2
+    assert any(m.dtype == "bfloat16" for m in mutations)  # a one-dtype bug
+    assert any(m.device == "npu-emulated" for m in mutations)  # in the NPU binding / kernel
+    assert any(m.examples[0].get("dropout", 0) > 0 for m in mutations)
+    assert any(m.scope == "job" for m in mutations)  # a reference that calls the implementation
+    # a window narrower than the sequence, with several query blocks
+    assert any(e.get("pre", 1 << 30) + 64 < e.get("kv_seq", 0) for m in mutations for e in m.examples)
+    # every area with numerics (the device-routing torch-namespace entries have none of their
+    # own: their cases check collectives end to end)
+    areas = {p.id.split(".")[0] for p in all_patches() if p.parity and ":" not in p.id}
+    planted_areas = {m.patch_id.split(".")[0] for m in mutations}
+    assert areas <= planted_areas, f"patched areas without a planted bug: {areas - planted_areas}"
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))

@@ -11,7 +11,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 #: The seeds' pretrain_gpt_distributed_{fp16,bf16}.sh variants: --pre/--next/--shape_order.
 FLASH = ("--pre-tokens", "65536", "--next-tokens", "65536")
-SPARSE = ("--pre-tokens", "2048", "--next-tokens", "0")
+#: The seeds' sparse window (--pre=2048 --next=0) is narrower than their sequence; on the
+#: 32-token test sequence 2048 would be full causal attention (the flash variant again), so
+#: the window is scaled down to half the sequence: it really bites.
+SPARSE = ("--pre-tokens", "16", "--next-tokens", "0")
 
 
 @pytest.mark.parametrize("order", ["SBH", "BSH"])

@@ -18,7 +18,9 @@ def _falls(run) -> None:
 
 def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tmp):
     """bf16 + distributed optimizer, on the NPU code path (torch_npu kernels emulated on CPU),
-    with the seeds' model options: RMSNorm, SwiGLU, RoPE, fused attention in BSH with a window."""
+    with the seeds' model options: RMSNorm, SwiGLU (through the fused bias-SwiGLU patch:
+    Megatron's default --bias-swiglu-fusion; test_fusion_flags.py counts the kernel calls),
+    RoPE, fused attention in BSH with a window."""
     run = train(
         train_tmp, *[a if a != "cpu" else "npu-emulated" for a in TINY],
         "--bf16", "--train-iters", "20", "--use-distributed-optimizer",
