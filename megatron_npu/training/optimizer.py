@@ -21,6 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_npu.training.model import params_dtype
+from megatron_npu.training.schedule import scheduler_settings
 
 
 def optimizer_config(args: Namespace) -> OptimizerConfig:
@@ -51,21 +52,12 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
 def build(args: Namespace, model: list[torch.nn.Module]):
     """``(optimizer, scheduler)`` for the DDP-wrapped model chunks."""
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
-    samples = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+        **scheduler_settings(args),
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 
