@@ -263,6 +263,18 @@ def check_fingerprint(path: str | os.PathLike[str], saved: dict, here: dict) -> 
             )
 
 
+def check_optimizer_kind(path: str | os.PathLike[str], saved_distopt: bool, args: Namespace) -> None:
+    """Megatron-core cannot load one optimizer kind's state into the other."""
+    if args.no_load_optim or saved_distopt == bool(args.use_distributed_optimizer):
+        return
+    kind = "with" if saved_distopt else "without"
+    raise TrainingInputError(
+        f"{path} was saved {kind} --use-distributed-optimizer: megatron-core cannot load "
+        "that optimizer state into the other optimizer kind",
+        "match the flag, or pass --no-load-optim to take the model weights (and iteration) only",
+    )
+
+
 def check_schedule(path: str | os.PathLike[str], manifest: dict, args: Namespace) -> None:
     """Megatron's ``OptimizerParamScheduler.load_state_dict`` asserts the saved schedule equals
     the command line's unless told which to use; say so before any rank starts."""

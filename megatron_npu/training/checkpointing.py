@@ -52,7 +52,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron_npu import devices
 from megatron_npu.training import checkpoint_store as store
 from megatron_npu.training import safe_load, security
-from megatron_npu.training.arguments import ArgumentError
 from megatron_npu.training.errors import TrainingInputError
 from megatron_npu.training.model import unwrap
 from megatron_npu.training.schedule import FIELD_FLAGS
@@ -208,7 +207,11 @@ def _manifest_fields(args: Namespace, scheduler, with_optimizer: bool) -> dict:
     return {
         "fingerprint": store.fingerprint(args, args.tokenizer_vocab_size),
         "scheduler": {f: getattr(scheduler, f) for f in FIELD_FLAGS} if with_optimizer else None,
-        "arguments": {"train_iters": args.train_iters, "global_batch_size": args.global_batch_size},
+        "arguments": {
+            "train_iters": args.train_iters,
+            "global_batch_size": args.global_batch_size,
+            "use_distributed_optimizer": bool(args.use_distributed_optimizer),
+        },
         "layout": _layout(args),
     }
 
@@ -366,13 +369,8 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     has_rng = not args.no_load_rng and same_tp_pp and bool(common.get("saved_rng"))
     has_optim = not args.no_load_optim and "opt_param_scheduler" in common
     saved_distopt = bool(common.get("use_distributed_optimizer", False))
-    if has_optim and saved_distopt != bool(args.use_distributed_optimizer):
-        kind = "with" if saved_distopt else "without"
-        raise ArgumentError(
-            f"{path} was saved {kind} --use-distributed-optimizer: megatron-core cannot load "
-            "that optimizer state into the other optimizer kind; match the flag, or pass "
-            "--no-load-optim to take the model weights (and iteration) only"
-        )
+    if has_optim:
+        store.check_optimizer_kind(path, saved_distopt, args)
     if has_optim:
         _materialize_optimizer_state(optimizer)
     state = _state_dict(

@@ -125,8 +125,12 @@ def check_load(args: Namespace) -> str | None:
     if manifest is not None:
         here = store.fingerprint(args, tokenizer_vocab_size(args))
         store.check_fingerprint(path, manifest.get("fingerprint", {}), here)
-        if not args.no_load_optim:
-            store.check_schedule(path, manifest, args)
+        if manifest.get("scheduler") is not None:  # saved with its optimizer state
+            saved_distopt = manifest.get("arguments", {}).get("use_distributed_optimizer")
+            if saved_distopt is not None:
+                store.check_optimizer_kind(path, saved_distopt, args)
+            if not args.no_load_optim:
+                store.check_schedule(path, manifest, args)
         store.verify_files(path, manifest)
     if args.safe_load:
         safe_load.check_metadata(metadata)

@@ -225,6 +225,10 @@ CKPT_FAULTS = {
         lambda t, g: [*_ckpt(t, g), "--vocab-size", "300"],
         r"another model: vocab_size is 256 there, 300 in this run",
     ),
+    "optimizer-kind-changed": (
+        lambda t, g: [*_ckpt(t, g), "--use-distributed-optimizer"],
+        r"iter_0000004 was saved without --use-distributed-optimizer.*--no-load-optim",
+    ),
     "train-iters-changed": (
         lambda t, g: [*_ckpt(t, g), "--train-iters", "8"],
         r"--train-iters 8 differs from the checkpoint's 4.*--override-opt_param-scheduler",
@@ -303,3 +307,20 @@ def test_read_only_save_dir(tmp_path, capsys, monkeypatch):
         code, out = run_main([*TINY, "--save", str(save)], capsys, monkeypatch)
     assert code == 2 and "Traceback" not in out
     assert f"--save {save} is not writable" in out and "Permission denied" in out, out
+
+
+def test_metrics_json_is_strict_even_for_a_diverged_step(tmp_path):
+    from megatron_npu.training import metrics
+
+    run_metrics = metrics.RunMetrics({"device": "cpu"}, tokens_per_step=64)
+    for step, loss in ((1, 5.0), (2, float("nan")), (3, float("inf"))):
+        run_metrics.add(metrics.StepRecord(step, loss, float("nan"), 1e-3, 1.0, False, 0.1, 640.0))
+    path = tmp_path / "metrics.json"
+    run_metrics.write(str(path))
+
+    def refuse(token):
+        raise ValueError(token)
+
+    data = json.loads(path.read_text(), parse_constant=refuse)
+    assert [s["lm_loss"] for s in data["steps"]] == [5.0, None, None]
+    assert not list(tmp_path.glob(".metrics.json.tmp*"))  # the temp file was renamed away
