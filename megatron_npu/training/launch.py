@@ -191,6 +191,7 @@ def _watch(procs: list[subprocess.Popen], first_rank: int, error_dir: str) -> in
         if all(c == 0 for c in codes):
             return 0
         time.sleep(POLL_S)
+    failed.sort(key=lambda item: (item[1] >= 0, item[0]))  # a signal is the cause, not an echo
     messages = errors.collect(error_dir)
     if messages:
         for message, ranks in messages.items():

@@ -155,3 +155,39 @@ def test_input_fault_through_the_real_launcher(tmp_path):
     code, out = run(*TINY, *TWO_RANKS, "--load", str(tmp_path / "absent"))
     assert code == 2 and "Traceback" not in out and "world" not in out, out
     assert out.count("error:") == 1 and "--load-optional" in out, out
+
+
+@pytest.mark.parametrize("protected", [True, False])
+def test_forked_writer_dies_with_its_rank(protected, tmp_path):
+    """What a rank does for torch_dist's forked checkpoint writers; the unprotected control
+    shows the check can fail (the child outlives its killed parent)."""
+    import subprocess
+    import sys
+
+    from ._harness import REPO, run_env
+
+    marker = str(tmp_path / "writer-marker")
+    script = (
+        "import os, sys, time\n"
+        "from megatron_npu.training import launch\n"
+        f"if {protected}: launch.children_die_with_this_process()\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "print('forked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, marker], cwd=REPO, env=run_env(),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "forked"
+    proc.kill()
+    proc.wait()
+    if protected:
+        assert_no_orphans(marker)
+    else:
+        left = processes_mentioning(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert left, "the unprotected child should have outlived its parent"
