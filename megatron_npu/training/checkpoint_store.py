@@ -37,6 +37,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megatron_npu_checkpoint.json"
 MANIFEST_SCHEMA = "megatron-npu/checkpoint"
 PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
 _CHUNK = 1 << 20
 
 #: Fingerprint fields and the flag that sets each (named when a checkpoint does not match).
@@ -167,10 +168,12 @@ def partial_dir(root: str | os.PathLike[str], iteration: int) -> str:
 
 
 def begin(root: str | os.PathLike[str], iteration: int) -> str:
-    """A fresh, empty ``iter_N.partial`` directory to save into (a stale one is removed)."""
+    """A fresh, empty ``iter_N.partial`` directory to save into (stale ones are removed)."""
     path = partial_dir(root, iteration)
     security.make_dir(root)
-    shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):  # what killed or failed saves left behind
+        if name.startswith("iter_") and name.endswith((PARTIAL_SUFFIX, REPLACED_SUFFIX)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     security.make_dir(path)
     return path
 
@@ -197,7 +200,7 @@ def commit(
     for dirpath, _dirs, _names in os.walk(work):
         fsync_dir(dirpath)
     final = iteration_dir(root, iteration)
-    replaced = final + ".replaced"
+    replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):  # saving an iteration again (a re-run): keep the new one
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)

@@ -66,19 +66,3 @@ def collect(error_dir: str | os.PathLike[str]) -> dict[str, list[int]]:
     for path in sorted(directory.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
         found.setdefault(path.read_text(encoding="utf-8"), []).append(int(path.stem.split("-")[1]))
     return found
-
-
-def exit_on_input_error(func):
-    """Decorate an entry point: a :class:`TrainingInputError` is reported and becomes
-    ``return EXIT_STATUS``, without a traceback."""
-
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except TrainingInputError as exc:
-            report(exc)
-            return EXIT_STATUS
-
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
-    return wrapper

@@ -90,19 +90,26 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
+_fork_hook_installed = False
+
+
 def children_die_with_this_process() -> None:
     """Every process forked from here on (torch_dist's checkpoint writers) gets SIGKILL when
     this process exits, so a killed rank leaves no writer behind."""
-    if sys.platform.startswith("linux") and not getattr(
-        children_die_with_this_process, "done", False
-    ):
+    global _fork_hook_installed
+    if sys.platform.startswith("linux") and not _fork_hook_installed:
         os.register_at_fork(after_in_child=die_with_parent)
-        children_die_with_this_process.done = True
+        _fork_hook_installed = True
 
 
-def _rank_preexec() -> None:  # runs in the child between fork and exec
-    os.setpgid(0, 0)
-    die_with_parent()
+def _rank_preexec(launcher_pid: int):
+    def preexec() -> None:  # runs in the child between fork and exec
+        os.setpgid(0, 0)
+        die_with_parent()
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(1)
+
+    return preexec
 
 
 def _kill_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
@@ -149,6 +156,7 @@ def launch(argv: Sequence[str], args) -> int:
     })  # fmt: skip
     command = [sys.executable, "-m", "megatron_npu.train", *strip_launch_options(argv)]
     procs: list[subprocess.Popen] = []
+    preexec = _rank_preexec(os.getpid())
 
     def interrupted(signum, _frame):
         raise _Interrupted(signum)
@@ -158,7 +166,7 @@ def launch(argv: Sequence[str], args) -> int:
         for local in range(nproc):
             rank = args.node_rank * nproc + local
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local)}
-            procs.append(subprocess.Popen(command, env=rank_env, preexec_fn=_rank_preexec))
+            procs.append(subprocess.Popen(command, env=rank_env, preexec_fn=preexec))
         return _watch(procs, args.node_rank * nproc, error_dir)
     except _Interrupted as stop:
         _kill_groups(procs, signal.SIGTERM)

@@ -97,14 +97,14 @@ def check_load(args: Namespace) -> str | None:
     start_fresh = "pass --load-optional to start from scratch instead"
     if not os.path.isdir(root):
         if args.load_optional:
-            return f" --load {root} does not exist: starting from scratch (--load-optional)"
+            return None  # rank 0 says it starts from scratch
         raise TrainingInputError(
             f"--load {root}: no such directory", f"check the path, or {start_fresh}"
         )
     iteration = args.ckpt_step if args.ckpt_step is not None else store.read_tracker(root)
     if iteration is None:
         if args.load_optional:
-            return f" no checkpoint under {root}: starting from scratch (--load-optional)"
+            return None
         raise TrainingInputError(
             f"--load {root} holds no checkpoint (no {store.TRACKER})", start_fresh
         )
