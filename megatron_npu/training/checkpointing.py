@@ -258,36 +258,30 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
 
 
 def _materialize_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer the state entries a checkpoint's optimizer state loads into.
+    """Give a fresh distributed optimizer's torch Adam its state before loading into it.
 
-    Megatron builds the loading ``sharded_state_dict`` from the optimizer's current state, which
-    is empty before the first step:
-
-    * ``DistributedOptimizer`` with Adam: its ``state_dict()`` reads every parameter's ``step``
-      (without apex/TransformerEngine megatron-core 0.16.1 fails an assertion) -- zero
-      ``step``/``exp_avg``/``exp_avg_sq`` are put in place;
-    * SGD with momentum (any wrapper): no ``momentum_buffer`` entry means no momentum is loaded
-      and the resumed run silently restarts its momentum -- zero buffers are put in place.
-
-    The load then overwrites them with the checkpoint's values.
+    ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` first calls its own
+    ``state_dict()``, which (without apex/TransformerEngine) reads every parameter's ``step``
+    from the torch optimizer's state -- empty before the first step, so megatron-core 0.16.1
+    fails an assertion. Zero ``step``/``exp_avg``/``exp_avg_sq`` (what Adam starts from) are put
+    in place; the load then overwrites them with the checkpoint's values. (SGD's momentum
+    buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if inner is None or inner.state:
+        if not isinstance(opt, DistributedOptimizer) or inner is None or inner.state:
             continue
-        kind = getattr(opt.config, "optimizer", None)
+        if getattr(opt.config, "optimizer", None) != "adam":  # torch Adam(W)'s state layout
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
-                if kind == "adam" and isinstance(opt, DistributedOptimizer):
-                    inner.state[param] = {
-                        "step": torch.zeros((), dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(param.data),
-                        "exp_avg_sq": torch.zeros_like(param.data),
-                    }
-                elif kind == "sgd" and group.get("momentum", 0):
-                    inner.state[param] = {"momentum_buffer": torch.zeros_like(param.data)}
+                inner.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param.data),
+                    "exp_avg_sq": torch.zeros_like(param.data),
+                }
 
 
 def sync_params(model) -> None:

@@ -52,6 +52,9 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
 def build(args: Namespace, model: list[torch.nn.Module]):
     """``(optimizer, scheduler)`` for the DDP-wrapped model chunks."""
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "init_state_fn", False) is None and args.optimizer == "sgd":
+            opt.init_state_fn = sgd_init_state
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -60,6 +63,20 @@ def build(args: Namespace, model: list[torch.nn.Module]):
         override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return optimizer, scheduler
+
+
+def sgd_init_state(opt: torch.optim.Optimizer, config=None) -> None:
+    """Zero momentum buffers for a fresh SGD, what a checkpoint's momentum loads into.
+
+    megatron-core gives Adam an ``init_state_fn`` but SGD none (``None``), and its optimizers
+    call it unconditionally when building the loading state dict: without this, an SGD run
+    cannot resume (``TypeError: 'NoneType' object is not callable``)."""
+    for group in opt.param_groups:
+        if not group.get("momentum", 0):
+            continue
+        for param in group["params"]:
+            if len(opt.state[param]) == 0:
+                opt.state[param]["momentum_buffer"] = torch.zeros_like(param.data)
 
 
 def current_lr(optimizer) -> float:
