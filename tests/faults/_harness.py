@@ -29,8 +29,16 @@ TINY = [
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(extra or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "MEGATRON_NPU_DEVICE", "MEGATRON_NPU_PREFLIGHT_DONE", "MEGATRON_NPU_ERROR_DIR"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "MEGATRON_NPU_DEVICE",
+        "MEGATRON_NPU_PREFLIGHT_DONE",
+        "MEGATRON_NPU_ERROR_DIR",
+    ):
         env.pop(key, None)  # fmt: skip
     return env
 

@@ -10,9 +10,11 @@ After every checkpoint fault the last good checkpoint (iteration 2) still passes
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -100,9 +102,10 @@ def _crafted_metadata(ckpt: Path) -> None:
     manifest_path = directory / checkpoint_store.MANIFEST
     manifest = json.loads(manifest_path.read_text())
     data = (directory / ".metadata").read_bytes()
-    import hashlib
-
-    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][".metadata"] = {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -115,33 +118,39 @@ def _with(flag: str, value: str) -> list[str]:
 ARG_FAULTS = {
     "nan-lr": (lambda t, g: _with("--lr", "nan"), r"argument --lr: must be a finite number"),
     "inf-clip-grad": (
-        lambda t, g: [*TINY, "--clip-grad", "inf"], r"argument --clip-grad: must be a finite"
+        lambda t, g: [*TINY, "--clip-grad", "inf"],
+        r"argument --clip-grad: must be a finite",
     ),
     "dropout-2": (
-        lambda t, g: [*TINY, "--hidden-dropout", "2"], r"--hidden-dropout 2 is out of range"
+        lambda t, g: [*TINY, "--hidden-dropout", "2"],
+        r"--hidden-dropout 2 is out of range",
     ),
     "attention-dropout-negative": (
         lambda t, g: [*TINY, "--attention-dropout", "-0.1"],
         r"--attention-dropout -0.1 is out of range",
     ),
     "bad-master-port": (
-        lambda t, g: [*TINY, "--master-port", "70000"], r"--master-port 70000 is not a TCP port"
+        lambda t, g: [*TINY, "--master-port", "70000"],
+        r"--master-port 70000 is not a TCP port",
     ),
     "ckpt-step-without-load": (
-        lambda t, g: [*TINY, "--ckpt-step", "2"], r"--ckpt-step needs --load"
+        lambda t, g: [*TINY, "--ckpt-step", "2"],
+        r"--ckpt-step needs --load",
     ),
 }
 
 DATA_FAULTS = {
     "missing-data-prefix": (
-        lambda t, g: [*_data(t)[:-1], str(t / "nowhere")], r"--data-path .*nowhere: no .*nowhere\.idx"
+        lambda t, g: [*_data(t)[:-1], str(t / "nowhere")],
+        r"--data-path .*nowhere: no .*nowhere\.idx",
     ),
     "truncated-bin": (
         lambda t, g: _data(t, lambda idx, b: _truncate(b, 100)),
         r"corpus\.bin: truncated: 100 bytes, its index .* needs 480",
     ),
     "idx-bad-magic": (
-        lambda t, g: _data(t, lambda idx, b: _patch(idx, 0, b"XXIDIDX")), r"corpus\.idx: bad magic"
+        lambda t, g: _data(t, lambda idx, b: _patch(idx, 0, b"XXIDIDX")),
+        r"corpus\.idx: bad magic",
     ),
     "idx-bad-version": (
         lambda t, g: _data(t, lambda idx, b: _patch(idx, 9, struct.pack("<Q", 7))),
@@ -152,7 +161,8 @@ DATA_FAULTS = {
         r"corpus\.idx: unknown dtype code 99",
     ),
     "idx-truncated": (
-        lambda t, g: _data(t, lambda idx, b: _truncate(idx, 60)), r"corpus\.idx: truncated: 60"
+        lambda t, g: _data(t, lambda idx, b: _truncate(idx, 60)),
+        r"corpus\.idx: truncated: 60",
     ),
     "idx-truncated-header": (
         lambda t, g: _data(t, lambda idx, b: _truncate(idx, 20)),
@@ -174,7 +184,8 @@ CKPT_FAULTS = {
         r"--load .*absent: no such directory; .*--load-optional",
     ),
     "load-dir-without-checkpoint": (
-        lambda t, g: [*TINY, "--load", str(t)], r"holds no checkpoint .*--load-optional"
+        lambda t, g: [*TINY, "--load", str(t)],
+        r"holds no checkpoint .*--load-optional",
     ),
     "garbage-tracker": (
         lambda t, g: _ckpt(
@@ -195,13 +206,16 @@ CKPT_FAULTS = {
         r"__0_0\.distcp is truncated: 1000 bytes.*--ckpt-step N \(present: 2\)",
     ),
     "empty-shard": (
-        lambda t, g: _ckpt(t, g, lambda c: _truncate(_shard(c), 0)), r"__0_0\.distcp is empty"
+        lambda t, g: _ckpt(t, g, lambda c: _truncate(_shard(c), 0)),
+        r"__0_0\.distcp is empty",
     ),
     "bit-flipped-shard-400-bytes": (
-        lambda t, g: _ckpt(t, g, _flip_400), r"__0_0\.distcp is corrupted: its SHA-256 differs"
+        lambda t, g: _ckpt(t, g, _flip_400),
+        r"__0_0\.distcp is corrupted: its SHA-256 differs",
     ),
     "missing-shard": (
-        lambda t, g: _ckpt(t, g, lambda c: _shard(c).unlink()), r"__0_0\.distcp is missing"
+        lambda t, g: _ckpt(t, g, lambda c: _shard(c).unlink()),
+        r"__0_0\.distcp is missing",
     ),
     "missing-metadata": (
         lambda t, g: _ckpt(t, g, lambda c: (c / "iter_0000004" / ".metadata").unlink()),
@@ -214,7 +228,7 @@ CKPT_FAULTS = {
         r"manifest .* is unreadable",
     ),
     "other-hidden-size": (
-        lambda t, g: [*_ckpt(t, g)[: -2], *["--load", str(t / "ckpt")], "--hidden-size", "64"],
+        lambda t, g: [*_ckpt(t, g), "--hidden-size", "64"],
         r"another model: hidden_size is 32 there, 64 in this run \(set by --hidden-size\)",
     ),
     "other-num-layers": (
@@ -237,24 +251,22 @@ CKPT_FAULTS = {
         lambda t, g: _ckpt(t, g, _crafted_metadata),
         r"metadata .*\.metadata refers to posix\.system, which safe load refuses.*--no-safe-load",
     ),
-    "save-is-a-file": (
-        lambda t, g: [*TINY, "--save", str(Path(__file__))], r"--save .* is a file"
-    ),
+    "save-is-a-file": (lambda t, g: [*TINY, "--save", str(Path(__file__))], r"--save .* is a file"),
 }
 
 FAULTS = {**ARG_FAULTS, **DATA_FAULTS, **CKPT_FAULTS}
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_fault_is_one_named_error_before_any_rank(name, tmp_path, good_checkpoint, capsys, monkeypatch):
+def test_fault_is_one_named_error_before_any_rank(
+    name, tmp_path, good_checkpoint, capsys, monkeypatch
+):
     build, expected = FAULTS[name]
     code, out = run_main(build(tmp_path, good_checkpoint), capsys, monkeypatch)
     assert code == 2, out
     assert LAUNCHED not in out and "Traceback" not in out, out
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1, out  # printed once
-    import re
-
     assert re.search(expected, errors[0]), (expected, out)
     if name in CKPT_FAULTS:  # the last good checkpoint still passes every check
         copy = tmp_path / "ckpt"
@@ -270,7 +282,9 @@ def test_fault_is_one_named_error_before_any_rank(name, tmp_path, good_checkpoin
      ["--train-iters", "8", "--use-checkpoint-opt_param-scheduler"],
      ["--train-iters", "8", "--no-load-optim"]],
 )  # fmt: skip
-def test_control_intact_inputs_reach_the_launcher(extra, tmp_path, good_checkpoint, capsys, monkeypatch):
+def test_control_intact_inputs_reach_the_launcher(
+    extra, tmp_path, good_checkpoint, capsys, monkeypatch
+):
     with pytest.raises(AssertionError, match=LAUNCHED):
         run_main(_ckpt(tmp_path, good_checkpoint, None, *extra), capsys, monkeypatch)
     with pytest.raises(AssertionError, match=LAUNCHED):
@@ -279,7 +293,9 @@ def test_control_intact_inputs_reach_the_launcher(extra, tmp_path, good_checkpoi
 
 def test_load_optional_starts_fresh(tmp_path, capsys, monkeypatch):
     with pytest.raises(AssertionError, match=LAUNCHED):
-        run_main([*TINY, "--load", str(tmp_path / "absent"), "--load-optional"], capsys, monkeypatch)
+        run_main(
+            [*TINY, "--load", str(tmp_path / "absent"), "--load-optional"], capsys, monkeypatch
+        )
     assert "error" not in capsys.readouterr().err
 
 
