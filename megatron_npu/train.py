@@ -1,10 +1,13 @@
 """``python -m megatron_npu.train`` / ``torchrun -m megatron_npu.train``: GPT pretraining.
 
 Same options as ``megatron-npu train`` (see :mod:`megatron_npu.training.arguments`). With
-``--nproc-per-node N`` this process starts ``N`` ranks through torch's elastic launcher, each
+``--nproc-per-node N`` this process starts ``N`` ranks, each
 running :func:`main` of this module; under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
 ``MASTER_*`` set) or without ``--nproc-per-node`` it is one rank. The launcher process itself
-only parses and checks the options (it never imports the model stack).
+only parses and checks the options, the data files and the ``--load`` checkpoint
+(:mod:`megatron_npu.training.preflight`; it never imports the model stack), then starts and
+watches the ranks (:mod:`megatron_npu.training.launch`). A fault in the input ends the run with
+one named message and exit status 2 (:mod:`megatron_npu.training.errors`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ import copy
 import os
 import sys
 
-from megatron_npu.training import arguments, launch, quiet_expected_warnings, security
+from megatron_npu.training import (
+    arguments,
+    errors,
+    launch,
+    preflight,
+    quiet_expected_warnings,
+    security,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_expected_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = arguments.parse_args(argv)  # fail fast, before any rank starts
-    if args.nproc_per_node is not None and "RANK" in os.environ:
+    launched_rank = "RANK" in os.environ
+    if args.nproc_per_node is not None and launched_rank:
         print(
             " megatron-npu train: already a launched rank (RANK is set): "
             "ignoring --nproc-per-node/--nnodes/--node-rank",
@@ -29,12 +40,22 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         argv = launch.strip_launch_options(argv)
-    elif args.nproc_per_node is not None:
-        try:  # the world-size rules too, before any rank starts
-            arguments.finalize(copy.copy(args), args.nproc_per_node * args.nnodes)
-        except arguments.ArgumentError as exc:
-            print(f"megatron-npu train: error: {exc}", file=sys.stderr, flush=True)
-            return 2
+    starts_ranks = args.nproc_per_node is not None and not launched_rank
+    try:
+        if os.environ.get(preflight.DONE_ENV) != "1":  # the launcher checked already
+            world = (
+                args.nproc_per_node * args.nnodes
+                if starts_ranks
+                else int(os.environ.get("WORLD_SIZE", "1"))
+            )
+            # the world-size rules, data files, --save and the --load checkpoint
+            for note in preflight.check(arguments.finalize(copy.copy(args), world)):
+                if os.environ.get("RANK", "0") == "0":
+                    print(note, flush=True)
+    except errors.TrainingInputError as exc:
+        errors.report(exc)
+        return errors.EXIT_STATUS
+    if starts_ranks:
         return launch.launch(argv, args)
     from megatron_npu.training import loop
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_npu.data.index_check import check_indexed_dataset
 from megatron_npu.data.index_helpers import numpy_helpers
 from megatron_npu.data.preprocess import DIR_MODE, FILE_MODE, make_private_dirs
 
@@ -137,6 +138,8 @@ def build_gpt_datasets(
             raise FileNotFoundError(
                 "no indexed dataset (.bin + .idx) at prefix(es): " + ", ".join(missing)
             )
+        for prefix in prefixes:  # a named error for a corrupted .idx/.bin, not an index error later
+            check_indexed_dataset(prefix, flag="data_path")
         blend = (prefixes, weights)
 
     distributed = _distributed()

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
         except arguments.ArgumentError as exc:
             print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr)
             return 2
-        return launch.launch(list(argv), args, entry=worker_main)
+        return launch.launch(list(argv), args, module="megatron_npu.evaluate.worker")
     return worker_main(launch.strip_launch_options(list(argv)))
 
 

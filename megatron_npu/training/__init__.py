@@ -3,7 +3,9 @@
 One module per job:
 
 * :mod:`.arguments` -- the command line (Megatron's own option names) and its validation
-* :mod:`.launch` -- ``--nproc-per-node`` through torch's elastic launcher; process-group set-up
+* :mod:`.launch` -- ``--nproc-per-node``: starting and watching the ranks; process-group set-up
+* :mod:`.errors` -- the one named error type for bad input, reported once (exit 2)
+* :mod:`.preflight` -- data, ``--save`` and ``--load`` checks before any rank starts
 * :mod:`.security` -- umask 027, the root warning, 0640/0750 modes on what training writes
 * :mod:`.model` -- TransformerConfig, the seeded local layer spec, GPTModel chunks, DDP wrapping
 * :mod:`.data` -- mock / indexed / default-corpus datasets and the per-DP-rank batch sampler
@@ -11,6 +13,9 @@ One module per job:
 * :mod:`.loop` -- forward step, train step, the training loop
 * :mod:`.metrics` -- per-step records, the ``--metrics-out`` JSON, console and progress display
 * :mod:`.checkpointing` -- ``megatron.core.dist_checkpointing`` save/load (reshardable)
+* :mod:`.checkpoint_store` -- checkpoints on disk: crash-safe commit, manifest, verification
+* :mod:`.safe_load` -- ``--load`` without unpickling code
+* :mod:`.schedule` -- the LR/WD schedule a command line asks for
 
 ``megatron_npu.train`` is the entry point (``python -m megatron_npu.train`` or torchrun).
 """

@@ -15,11 +15,13 @@ the world size is known.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.ops.settings import FULL_WINDOW
+from megatron_npu.training.errors import TrainingInputError
 
 #: The env variable behind the hidden ``--force-overflow-step`` testing aid.
 FORCE_OVERFLOW_ENV = "MEGATRON_NPU_FORCE_OVERFLOW_STEP"
@@ -30,7 +32,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
-class ArgumentError(ValueError):
+class ArgumentError(TrainingInputError, ValueError):
     """An inconsistent or unsupported combination of options."""
 
 
@@ -46,6 +48,55 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _finite(text: str) -> float:
+    """A float option: NaN and infinities are refused here, naming the flag (argparse adds it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if math.isnan(value) or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+#: ``dest: (low, high, high_inclusive)`` -- ranges of float options (low always inclusive).
+FLOAT_RANGES = {
+    "lr": (0.0, None, False),
+    "min_lr": (0.0, None, False),
+    "clip_grad": (0.0, None, False),
+    "weight_decay": (0.0, None, False),
+    "init_method_std": (0.0, None, False),
+    "attention_dropout": (0.0, 1.0, False),
+    "hidden_dropout": (0.0, 1.0, False),
+    "adam_beta1": (0.0, 1.0, False),
+    "adam_beta2": (0.0, 1.0, False),
+    "adam_eps": (0.0, None, False),
+    "sgd_momentum": (0.0, None, False),
+    "norm_epsilon": (0.0, None, False),
+    "rotary_percent": (0.0, 1.0, True),
+    "initial_loss_scale": (0.0, None, False),
+    "min_loss_scale": (0.0, None, False),
+    "loss_scale": (0.0, None, False),
+}
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for dest, (low, high, high_inclusive) in FLOAT_RANGES.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        above = high is not None and (value > high if high_inclusive else value >= high)
+        if value < low or above:
+            bound = "" if high is None else f" and {'<=' if high_inclusive else '<'} {high:g}"
+            raise ArgumentError(f"{flag} {value:g} is out of range: must be >= {low:g}{bound}")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ArgumentError(
+            f"--master-port {args.master_port} is not a TCP port",
+            "give a port in 1..65535, or leave --master-port out to take a free one",
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -101,16 +152,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--position-embedding-type", choices=("learned_absolute", "rope"),
         default="learned_absolute",
     )
-    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-percent", type=_finite, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=_finite, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=_finite, default=0.02)
+    g.add_argument("--attention-dropout", type=_finite, default=0.1)
+    g.add_argument("--hidden-dropout", type=_finite, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
     g.add_argument(
         "--vocab-size", type=_positive, default=None,
@@ -147,12 +198,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
     g.add_argument(
-        "--loss-scale", type=float, default=None,
+        "--loss-scale", type=_finite, default=None,
         help="static loss scale for fp16 (default: dynamic loss scaling)",
     )
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--initial-loss-scale", type=_finite, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=_finite, default=1.0)
+    g.add_argument("--loss-scale-window", type=_finite, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument(
         "--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -168,17 +219,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=_positive, default=None)
     g.add_argument("--train-iters", type=_positive, required=True)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=_finite, required=True)
+    g.add_argument("--min-lr", type=_finite, default=0.0)
     g.add_argument("--lr-warmup-iters", type=_non_negative, default=0)
     g.add_argument("--lr-decay-iters", type=_positive, default=None)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=_finite, default=1.0)
+    g.add_argument("--weight-decay", type=_finite, default=0.01)
+    g.add_argument("--adam-beta1", type=_finite, default=0.9)
+    g.add_argument("--adam-beta2", type=_finite, default=0.999)
+    g.add_argument("--adam-eps", type=_finite, default=1e-8)
+    g.add_argument("--sgd-momentum", type=_finite, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
 
     g = parser.add_argument_group("data")
@@ -214,6 +265,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="load this iteration from --load instead of the latest",
     )
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    g.add_argument(
+        "--load-optional", action="store_true",
+        help="start from scratch when --load holds no checkpoint (default: that is an error)",
+    )
+    g.add_argument(
+        "--override-opt_param-scheduler", action="store_true",
+        help="on resume, take the LR/WD schedule from this command line, not the checkpoint",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler", action="store_true",
+        help="on resume, take the LR/WD schedule from the checkpoint, not this command line",
+    )
+    g.add_argument(
+        "--no-safe-load", dest="safe_load", action="store_false",
+        help="let --load unpickle arbitrary objects in the checkpoint's .metadata and "
+        "object shards (default: only tensors, torch's checkpoint metadata and RNG states)",
+    )
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -300,6 +368,7 @@ def _env_overflow_step() -> int | None:
 
 def check(args: argparse.Namespace) -> None:
     """World-size-independent rules (Megatron's ``validate_args`` where it applies)."""
+    _check_ranges(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
@@ -369,6 +438,13 @@ def check(args: argparse.Namespace) -> None:
         args.vocab_size = 512
     if args.save_interval is not None and not args.save:
         raise ArgumentError("--save-interval needs --save")
+    if args.ckpt_step is not None and not args.load:
+        raise ArgumentError("--ckpt-step needs --load")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+            "exclude each other"
+        )
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.min_lr > args.lr:

@@ -18,14 +18,29 @@ What one checkpoint holds:
   states and the model-parallel RNG tracker. Like Megatron-LM, a run that resumes with another
   (TP, PP) layout ignores the saved RNG state (it has no meaning there) and says so.
 
+Crash safety and verification (:mod:`.checkpoint_store`): every rank writes into
+``iter_N.partial``; rank 0 then records each file's SHA-256, the model fingerprint and the LR
+schedule in a manifest, renames the directory to ``iter_N`` and only then moves the tracker. A
+failed or killed save leaves the previous checkpoint and the tracker as they were; a full disk or
+a read-only directory is reported as a :class:`~.errors.TrainingInputError` naming ``--save``.
+Loads run with :mod:`.safe_load` unless ``--no-safe-load``.
+
 After a save, directories are set to 0750 and files to 0640 (:mod:`.security`).
+
+Test-only fault injection (``tests/faults``): ``$MEGATRON_NPU_TEST_FAULT`` =
+``save-enospc:N`` makes rank 0 fail iteration ``N``'s save with ``ENOSPC`` after the data is
+written, ``save-sigkill:N:R`` makes rank ``R`` kill itself (SIGKILL) at the same point. Never
+set it in a real run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import random
+import signal
 from argparse import Namespace
 from dataclasses import dataclass
 
@@ -35,14 +50,17 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_npu import devices
-from megatron_npu.training import security
-from megatron_npu.training.arguments import ArgumentError
+from megatron_npu.training import checkpoint_store as store
+from megatron_npu.training import safe_load, security
+from megatron_npu.training.errors import TrainingInputError
 from megatron_npu.training.model import unwrap
+from megatron_npu.training.schedule import FIELD_FLAGS
 
 logger = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = store.TRACKER
 CHECKPOINT_VERSION = 3.0
+FAULT_ENV = "MEGATRON_NPU_TEST_FAULT"
 
 
 @dataclass
@@ -53,8 +71,7 @@ class Resume:
     rng_restored: bool = False
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+iteration_dir = store.iteration_dir
 
 
 def _layout(args: Namespace) -> dict[str, int]:
@@ -143,24 +160,99 @@ def _state_dict(
     return state
 
 
+def _injected_fault(kind: str, iteration: int) -> list[str] | None:
+    """The test-only fault of ``kind`` for ``iteration`` ($MEGATRON_NPU_TEST_FAULT), if set."""
+    spec = os.environ.get(FAULT_ENV, "").split(":")
+    if spec[0] == kind and len(spec) > 1 and spec[1] == str(iteration):
+        return spec[2:]
+    return None
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (torch/Megatron wrap the writers' errors), if any."""
+    seen, todo = set(), [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        todo += [current.__cause__, current.__context__]
+        todo += [a for a in getattr(current, "args", ()) if isinstance(a, BaseException)]
+        todo += list(getattr(current, "failures", {}).values())
+    return None
+
+
+def _save_error(root: str, iteration: int, error: OSError) -> TrainingInputError:
+    kept = store.read_tracker(root) if os.path.isdir(root) else None
+    kept_note = (
+        f"the previous checkpoint (iteration {kept}) is intact and the tracker still names it"
+        if kept is not None
+        else "no earlier checkpoint exists there"
+    )
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        problem = f"--save {root}: no space left on the device while saving iteration {iteration}"
+        remedy = f"free space or point --save elsewhere; {kept_note}"
+    elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        problem = f"--save {root} is not writable ({error.strerror}) at iteration {iteration}"
+        remedy = f"give a writable directory; {kept_note}"
+    else:
+        problem = f"--save {root}: saving iteration {iteration} failed ({error.strerror})"
+        remedy = kept_note
+    return TrainingInputError(problem, remedy)
+
+
+def _manifest_fields(args: Namespace, scheduler, with_optimizer: bool) -> dict:
+    return {
+        "fingerprint": store.fingerprint(args, args.tokenizer_vocab_size),
+        "scheduler": {f: getattr(scheduler, f) for f in FIELD_FLAGS} if with_optimizer else None,
+        "arguments": {
+            "train_iters": args.train_iters,
+            "global_batch_size": args.global_batch_size,
+            "use_distributed_optimizer": bool(args.use_distributed_optimizer),
+        },
+        "layout": _layout(args),
+    }
+
+
+def _enospc_fault(_work: str) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(test fault)")
+
+
 def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
-    """Save iteration ``iteration`` under ``args.save`` (collective)."""
+    """Save iteration ``iteration`` under ``args.save`` (collective; crash-safe, see above)."""
     root = args.save
-    path = iteration_dir(root, iteration)
     rank = torch.distributed.get_rank()
-    if rank == 0:
-        security.make_dir(path)
-    torch.distributed.barrier()
-    sync_params(model)
-    state = _state_dict(
-        args, model, optimizer, scheduler, iteration,
-        loading=False, with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
-    )  # fmt: skip
-    dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
-    torch.distributed.barrier()
-    if rank == 0:
-        security.write_private(os.path.join(root, TRACKER), f"{iteration}\n")
-        security.harden_tree(root)
+    with_optimizer = not args.no_save_optim
+    try:
+        if rank == 0:
+            store.begin(root, iteration)
+        torch.distributed.barrier()
+        sync_params(model)
+        state = _state_dict(
+            args, model, optimizer, scheduler, iteration,
+            loading=False, with_optimizer=with_optimizer, with_rng=not args.no_save_rng,
+        )  # fmt: skip
+        dist_checkpointing.save(
+            state, store.partial_dir(root, iteration), sharded_strategy=("torch_dist", 1)
+        )
+        kill = _injected_fault("save-sigkill", iteration)
+        if kill is not None and int(kill[0]) == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.barrier()
+        path = store.iteration_dir(root, iteration)
+        if rank == 0:
+            fault = _enospc_fault if _injected_fault("save-enospc", iteration) is not None else None
+            path = store.commit(
+                root, iteration, _manifest_fields(args, scheduler, with_optimizer), fault=fault
+            )
+            security.harden_tree(root)
+    except Exception as exc:
+        error = _os_error(exc)
+        if error is None:
+            raise
+        raise _save_error(root, iteration, error) from None
     torch.distributed.barrier()
     return path
 
@@ -172,7 +264,8 @@ def _materialize_optimizer_state(optimizer) -> None:
     ``state_dict()``, which (without apex/TransformerEngine) reads every parameter's ``step``
     from the torch optimizer's state -- empty before the first step, so megatron-core 0.16.1
     fails an assertion. Zero ``step``/``exp_avg``/``exp_avg_sq`` (what Adam starts from) are put
-    in place; the load then overwrites them with the checkpoint's values.
+    in place; the load then overwrites them with the checkpoint's values. (SGD's momentum
+    buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -201,26 +294,65 @@ def sync_params(model) -> None:
 
 
 def latest_iteration(root: str) -> int | None:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker, encoding="utf-8").read().strip()
-    return int(text)
+    return store.read_tracker(root)
+
+
+def _load_failed(path: str, root: str, iteration, exc: BaseException) -> TrainingInputError:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return TrainingInputError(
+        f"checkpoint {path} could not be loaded ({exc.__class__.__name__}: {first})",
+        store.remedy_other_iteration(root, iteration),
+    )
+
+
+def _load_scheduler(scheduler, state: dict, path: str) -> None:
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as exc:  # Megatron's _check_and_set: saved schedule != command line
+        raise TrainingInputError(
+            f"checkpoint {path} was saved with another LR/WD schedule ({exc})",
+            "pass --override-opt_param-scheduler to use this command line's schedule, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's",
+        ) from None
 
 
 def load(args: Namespace, model, optimizer, scheduler) -> Resume:
-    """Load the latest checkpoint under ``args.load`` into this layout (collective)."""
+    """Load the latest checkpoint under ``args.load`` into this layout (collective).
+
+    The launcher has verified it (:mod:`.preflight`); what can still fail here is reported as a
+    :class:`~.errors.TrainingInputError` naming the checkpoint."""
     root = args.load
-    iteration = latest_iteration(root) if root else None
-    if args.ckpt_step is not None:
-        iteration = args.ckpt_step
-        if not os.path.isdir(iteration_dir(root, iteration)):
-            raise ArgumentError(f"--ckpt-step {iteration}: no {iteration_dir(root, iteration)}")
-    if iteration is None:
-        if root and torch.distributed.get_rank() == 0:
-            print(f" no checkpoint under {root}: starting from scratch", flush=True)
+    iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
+    if iteration is None or not os.path.isdir(iteration_dir(root, iteration)):
+        if not args.load_optional or args.ckpt_step is not None:
+            raise TrainingInputError(
+                f"--load {root}: no checkpoint "
+                f"{iteration_dir(root, iteration) if iteration is not None else 'tracker'}",
+                "pass --load-optional to start from scratch instead",
+            )
+        if torch.distributed.get_rank() == 0:
+            print(f" no checkpoint under {root}: starting from scratch (--load-optional)", flush=True)
         return Resume()
     path = iteration_dir(root, iteration)
+    try:
+        return _load(args, model, optimizer, scheduler, root, iteration, path)
+    except TrainingInputError:
+        raise
+    except Exception as exc:
+        if is_peer_failure(exc):
+            raise
+        raise _load_failed(path, root, iteration, exc) from None
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because another rank went away (not this checkpoint's fault)."""
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
+
+
+def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     common = dist_checkpointing.load_common_state_dict(path)
     saved_layout = common.get("layout", {})
     here = _layout(args)
@@ -231,25 +363,22 @@ def load(args: Namespace, model, optimizer, scheduler) -> Resume:
     has_rng = not args.no_load_rng and same_tp_pp and bool(common.get("saved_rng"))
     has_optim = not args.no_load_optim and "opt_param_scheduler" in common
     saved_distopt = bool(common.get("use_distributed_optimizer", False))
-    if has_optim and saved_distopt != bool(args.use_distributed_optimizer):
-        kind = "with" if saved_distopt else "without"
-        raise ArgumentError(
-            f"{path} was saved {kind} --use-distributed-optimizer: megatron-core cannot load "
-            "that optimizer state into the other optimizer kind; match the flag, or pass "
-            "--no-load-optim to take the model weights (and iteration) only"
-        )
+    if has_optim:
+        store.check_optimizer_kind(path, saved_distopt, args)
     if has_optim:
         _materialize_optimizer_state(optimizer)
     state = _state_dict(
         args, model, optimizer, scheduler, iteration,
         loading=True, with_optimizer=has_optim, with_rng=has_rng,
     )  # fmt: skip
-    loaded = dist_checkpointing.load(state, path, sharded_strategy=None)
+    guard = safe_load.restricted_objects() if args.safe_load else contextlib.nullcontext()
+    with guard:
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=None)
     for index, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[_model_key(index, len(model))], strict=True)
     if has_optim:
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _load_scheduler(scheduler, loaded["opt_param_scheduler"], path)
     else:
         optimizer.reload_model_params()
     if has_rng:

@@ -193,8 +193,15 @@ def iterators(
             data_parallel_rank=parallel_state.get_data_parallel_rank(),
             data_parallel_size=parallel_state.get_data_parallel_world_size(),
         )
+        # Its own generator: DataLoader draws a base seed when an iterator starts, and from
+        # torch's global generator that draw would shift the dropout stream of a resumed run
+        # (whose global RNG state was just restored) against the uninterrupted one.
         loader = torch.utils.data.DataLoader(
-            data.dataset, batch_sampler=sampler, num_workers=0, pin_memory=False
+            data.dataset,
+            batch_sampler=sampler,
+            num_workers=0,
+            pin_memory=False,
+            generator=torch.Generator().manual_seed(args.seed),
         )
         out.append(iter(loader))
     return out

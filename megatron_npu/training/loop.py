@@ -24,6 +24,7 @@ It exists only to test that path; never use it in a real run.
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 import time
@@ -39,6 +40,7 @@ from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
     arguments,
     checkpointing,
+    errors,
     flops,
     launch,
     metrics,
@@ -197,11 +199,16 @@ def _timed_sync(device) -> float:
 
 
 def run(argv: list[str]) -> int:
-    """One rank: parse, set up, train, save, report. Returns 0; exits 2 on an option error."""
+    """One rank: parse, set up, train, save, report. Returns 0, or :data:`errors.EXIT_STATUS`
+    after reporting a :class:`~.errors.TrainingInputError`; exits 1 with one line (no traceback)
+    when another rank went away."""
     quiet_expected_warnings()
     args = arguments.parse_args(argv)
     security.set_umask()
     env = launch.dist_env(args.master_addr, args.master_port)
+    if "RANK" in os.environ:  # a launched rank: die with the launcher, take the writers along
+        launch.die_with_parent()
+    launch.children_die_with_this_process()
     megatron_npu.apply(args.device)
     try:
         device = devices.require_active()
@@ -220,9 +227,19 @@ def run(argv: list[str]) -> int:
             raise
         launch.shutdown()
         return rc
-    except arguments.ArgumentError as exc:
-        print(f"megatron-npu train: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except errors.TrainingInputError as exc:
+        errors.report(exc)
+        return errors.EXIT_STATUS
+    except Exception as exc:
+        if not checkpointing.is_peer_failure(exc) or env.world_size == 1:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(
+            f"megatron-npu train: rank {env.rank}: another rank stopped ({first}); stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
         megatron_npu.restore()
 
@@ -297,6 +314,7 @@ def _train(args, env, device) -> int:
     train_data = data_mod.build_train_data(args)
     vocab = model_mod.padded_vocab_size(train_data.vocab_size, args)
     args.padded_vocab_size = vocab
+    args.tokenizer_vocab_size = train_data.vocab_size  # the checkpoint fingerprint's vocab_size
     model, config = model_mod.build(args, device, vocab, env.local_rank)
     optimizer, scheduler = optim_mod.build(args, model)
     configure_schedule(args, config, model, optimizer)

@@ -25,6 +25,7 @@ on a TTY and a plain ``[progress]`` line otherwise.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -113,7 +114,10 @@ class RunMetrics:
         }
 
     def write(self, path: str) -> None:
-        write_private(path, json.dumps(self.as_dict(), indent=2, sort_keys=False) + "\n")
+        """Atomically (a reader sees the old file or the new one, never half of one), and as
+        strict JSON: a NaN/inf loss or norm (a diverged step) is written as ``null``."""
+        text = json.dumps(_finite(self.as_dict()), indent=2, sort_keys=False, allow_nan=False)
+        write_private(path, text + "\n")
 
 
 def run_config(args: Any, device: Any) -> dict[str, Any]:
@@ -142,6 +146,17 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN/inf float replaced by None (strict JSON has no such numbers)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _fmt_or_nan(value: float | None, spec: str) -> str:

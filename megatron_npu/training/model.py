@@ -98,8 +98,9 @@ class SeededTransformerLayer(TransformerLayer):
 
 def padded_vocab_size(vocab_size: int, args: Namespace) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: a multiple of divisible-by x TP size."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+    from megatron_npu.training.checkpoint_store import padded_vocab_size as padded
+
+    return padded(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def params_dtype(args: Namespace) -> torch.dtype:

@@ -21,6 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_npu.training.model import params_dtype
+from megatron_npu.training.schedule import scheduler_settings
 
 
 def optimizer_config(args: Namespace) -> OptimizerConfig:
@@ -51,23 +52,31 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
 def build(args: Namespace, model: list[torch.nn.Module]):
     """``(optimizer, scheduler)`` for the DDP-wrapped model chunks."""
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
-    samples = args.global_batch_size
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "init_state_fn", False) is None and args.optimizer == "sgd":
+            opt.init_state_fn = sgd_init_state
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+        **scheduler_settings(args),
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return optimizer, scheduler
+
+
+def sgd_init_state(opt: torch.optim.Optimizer, config=None) -> None:
+    """Zero momentum buffers for a fresh SGD, what a checkpoint's momentum loads into.
+
+    megatron-core gives Adam an ``init_state_fn`` but SGD none (``None``), and its optimizers
+    call it unconditionally when building the loading state dict: without this, an SGD run
+    cannot resume (``TypeError: 'NoneType' object is not callable``)."""
+    for group in opt.param_groups:
+        if not group.get("momentum", 0):
+            continue
+        for param in group["params"]:
+            if len(opt.state[param]) == 0:
+                opt.state[param]["momentum_buffer"] = torch.zeros_like(param.data)
 
 
 def current_lr(optimizer) -> float:

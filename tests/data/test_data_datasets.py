@@ -241,3 +241,15 @@ def test_two_ranks_build_identical_datasets(corpora, tmp_path):
         assert p.returncode == 0, out[-3000:]
     a, b = torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt")
     assert a.shape == (120, 16) and torch.equal(a, b)
+
+
+def test_corrupted_index_is_a_named_error(tmp_path):
+    from megatron_npu.data.datasets import build_gpt_datasets
+    from megatron_npu.training.errors import TrainingInputError
+    from tests.faults._harness import write_indexed_dataset
+
+    prefix = write_indexed_dataset(tmp_path / "corpus")
+    with open(f"{prefix}.bin", "r+b") as handle:
+        handle.truncate(10)
+    with pytest.raises(TrainingInputError, match=r"corpus\.bin: truncated: 10 bytes"):
+        build_gpt_datasets([str(prefix)], 16, 1234, tokenizer=None, train_samples=4)

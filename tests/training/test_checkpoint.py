@@ -1,5 +1,7 @@
 """Save at step 5 with TP2, resume with TP1 and with PP2: steps 6-10 are the uninterrupted TP2
-run's (model, optimizer state, scheduler and data position restored); files 0640, dirs 0750."""
+run's (model, optimizer state, scheduler and data position restored); files 0640, dirs 0750;
+every save carries a manifest (per-file SHA-256, model fingerprint, LR schedule); dropout and SGD
+momentum resume exactly in the same layout."""
 
 from __future__ import annotations
 
@@ -28,6 +30,24 @@ def test_checkpoint_layout_and_modes(tp2_saved):
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o640, path
             seen_files += 1
     assert seen_files > 4
+    assert not list(save.glob("*.partial"))  # committed saves leave no work directory
+
+
+def test_manifest_records_checksums_fingerprint_and_schedule(tp2_saved):
+    import hashlib
+    import json
+
+    _, save = tp2_saved
+    manifest = json.loads((save / "iter_0000005" / "megatron_npu_checkpoint.json").read_text())
+    assert manifest["iteration"] == 5
+    assert manifest["fingerprint"]["hidden_size"] == 64
+    assert manifest["fingerprint"]["padded_vocab_size"] == 256
+    assert manifest["scheduler"]["lr_decay_steps"] == 10 * 8  # samples: iters x global batch
+    files = manifest["files"]
+    assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
+    for name, entry in files.items():
+        data = (save / "iter_0000005" / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def test_checkpoint_holds_optimizer_scheduler_and_rng(tp2_saved):
@@ -90,3 +110,29 @@ def test_optimizer_kind_mismatch_is_refused(dp2_saved, train_tmp):
             train_tmp, *TINY, "--train-iters", "6", "--load", str(save), "--ckpt-step", "5",
             name="resume-kind-mismatch",
         )  # fmt: skip
+
+
+def _with(args: list[str], **values: str) -> list[str]:
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index("--" + flag.replace("_", "-")) + 1] = value
+    return out
+
+
+def test_resume_with_dropout_and_sgd_momentum_is_exact(train_tmp):
+    """Same layout, dropout on, SGD with momentum: the resumed steps equal the uninterrupted
+    run's bit for bit (the RNG state, the momentum buffers and the data position are restored,
+    and starting the data iterator draws nothing from the restored generator)."""
+    args = [*_with(TINY, attention_dropout="0.1", hidden_dropout="0.1"), "--optimizer", "sgd"]
+    save = train_tmp / "ckpt_sgd_dropout"
+    whole = train(
+        train_tmp, *args, "--train-iters", "6", "--save", str(save), "--save-interval", "3",
+        name="sgd-dropout",
+    )  # fmt: skip
+    resumed = train(
+        train_tmp, *args, "--train-iters", "6", "--load", str(save), "--ckpt-step", "3",
+        name="sgd-dropout-resumed",
+    )  # fmt: skip
+    assert [s["step"] for s in resumed.steps] == [4, 5, 6]
+    assert "RNG state not restored" not in resumed.stdout
+    assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}

@@ -1,0 +1,150 @@
+"""Checks of a run's inputs before any rank starts: data files, tokenizer files, the ``--save``
+directory and the ``--load`` checkpoint (tracker, manifest, model fingerprint, LR schedule,
+per-file SHA-256, safe-load metadata).
+
+:func:`check` runs in the launcher process (``--nproc-per-node``), or in the one process of a
+single-rank run, or in every rank under torchrun. Each fault raises
+:class:`~megatron_npu.training.errors.TrainingInputError` naming the flag, file or field, so the
+launcher prints one message and exits 2 without starting ranks. Nothing here imports
+Megatron-Core (only ``--data-path`` runs resuming a checkpoint build their tokenizer, to learn
+its vocabulary size).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from argparse import Namespace
+
+from megatron_npu.data.index_check import check_indexed_dataset
+from megatron_npu.training import checkpoint_store as store
+from megatron_npu.training import safe_load
+from megatron_npu.training.errors import TrainingInputError
+
+#: Set by the launcher for its ranks: the checks already ran there.
+DONE_ENV = "MEGATRON_NPU_PREFLIGHT_DONE"
+
+
+def data_prefixes(data_path: list[str]) -> list[str]:
+    """The prefixes of Megatron's ``--data-path [W1] P1 [W2] P2 ...`` (weights dropped)."""
+
+    def is_weight(item: str) -> bool:
+        try:
+            float(item)
+        except ValueError:
+            return False
+        return True
+
+    if len(data_path) > 1 and is_weight(data_path[0]):
+        return list(data_path[1::2])
+    return list(data_path)
+
+
+def check_data(args: Namespace) -> None:
+    for flag in ("vocab_file", "merge_file"):
+        value = getattr(args, flag)
+        if value and not os.path.isfile(value):
+            raise TrainingInputError(f"--{flag.replace('_', '-')} {value}: no such file")
+    for prefix in data_prefixes(list(args.data_path or [])):
+        check_indexed_dataset(prefix)
+
+
+def check_save(args: Namespace) -> None:
+    """``--save`` (or the nearest existing folder above it) accepts a new file."""
+    if not args.save:
+        return
+    probe_dir = os.path.abspath(args.save)
+    if os.path.exists(probe_dir) and not os.path.isdir(probe_dir):
+        raise TrainingInputError(f"--save {args.save} is a file, not a directory")
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".megatron-npu-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise TrainingInputError(
+            f"--save {args.save} is not writable ({probe_dir}: {exc.strerror})",
+            "give a directory this user can write, on a writable file system",
+        ) from None
+
+
+def tokenizer_vocab_size(args: Namespace) -> int:
+    """The vocabulary the run's tokenizer has (what :mod:`.data` builds), before padding."""
+    if args.mock_data:
+        return int(args.vocab_size)  # NullTokenizer(vocab_size - 1) plus its EOD id
+    from megatron_npu.data.tokenizers import ByteLevelTokenizer, build_tokenizer
+
+    if not args.data_path:
+        return int(ByteLevelTokenizer().vocab_size)
+    try:
+        return int(
+            build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file).vocab_size
+        )
+    except (OSError, ValueError) as exc:
+        raise TrainingInputError(
+            f"--tokenizer-type {args.tokenizer_type} cannot be built from --vocab-file "
+            f"{args.vocab_file} / --merge-file {args.merge_file}: {exc}"
+        ) from None
+
+
+def check_load(args: Namespace) -> str | None:
+    """Verify the checkpoint ``--load`` (``--ckpt-step``) names; returns a note to print, if any.
+    ``args`` must be finalized (the global batch size is part of the LR schedule)."""
+    root = args.load
+    if not root:
+        return None
+    start_fresh = "pass --load-optional to start from scratch instead"
+    if not os.path.isdir(root):
+        if args.load_optional:
+            return None  # rank 0 says it starts from scratch
+        raise TrainingInputError(
+            f"--load {root}: no such directory", f"check the path, or {start_fresh}"
+        )
+    iteration = args.ckpt_step if args.ckpt_step is not None else store.read_tracker(root)
+    if iteration is None:
+        if args.load_optional:
+            return None
+        raise TrainingInputError(
+            f"--load {root} holds no checkpoint (no {store.TRACKER})", start_fresh
+        )
+    path = store.iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        named_by = f"--ckpt-step {iteration}" if args.ckpt_step is not None else store.TRACKER
+        raise TrainingInputError(
+            f"checkpoint {path} (named by {named_by}) does not exist",
+            store.remedy_other_iteration(root, iteration),
+        )
+    metadata = os.path.join(path, ".metadata")
+    if not os.path.isfile(metadata):
+        raise TrainingInputError(
+            f"checkpoint {path} has no .metadata: not a complete torch_dist checkpoint",
+            store.remedy_other_iteration(root, iteration),
+        )
+    manifest = store.read_manifest(path)
+    if manifest is not None:
+        here = store.fingerprint(args, tokenizer_vocab_size(args))
+        store.check_fingerprint(path, manifest.get("fingerprint", {}), here)
+        if manifest.get("scheduler") is not None:  # saved with its optimizer state
+            saved_distopt = manifest.get("arguments", {}).get("use_distributed_optimizer")
+            if saved_distopt is not None:
+                store.check_optimizer_kind(path, saved_distopt, args)
+            if not args.no_load_optim:
+                store.check_schedule(path, manifest, args)
+        store.verify_files(path, manifest)
+    if args.safe_load:
+        safe_load.check_metadata(metadata)
+    if manifest is None:
+        return (
+            f" checkpoint {path} has no {store.MANIFEST}: loading it without checksum or "
+            "model-fingerprint verification"
+        )
+    return None
+
+
+def check(args: Namespace) -> list[str]:
+    """Every pre-start check; returns the notes to print (raises on a fault)."""
+    check_data(args)
+    check_save(args)
+    note = check_load(args)
+    return [note] if note else []

@@ -1,0 +1,122 @@
+"""Safe load: a ``--load`` checkpoint may hold tensors and checkpoint metadata, not code.
+
+torch's distributed-checkpoint reader ``pickle.load``s the checkpoint's ``.metadata`` and its
+default load planner ``torch.load(..., weights_only=False)``s every object shard (Megatron's
+``ShardedObject``s: the RNG states, layers' extra state). Both run arbitrary code from a crafted
+checkpoint. Safe load (the default; ``--no-safe-load`` turns it off for trusted checkpoints whose
+objects need more) closes both:
+
+* :func:`check_metadata` unpickles ``.metadata`` with an allow-list (:data:`ALLOWED`): torch's
+  checkpoint metadata classes, ``torch.Size``, dtypes/layouts/memory formats and plain builtins;
+  any other global is refused naming it, before any rank starts;
+* :func:`restricted_objects` makes the object shards load with ``weights_only=True`` (tensors,
+  plain containers, and the numpy pieces of numpy's RNG state) while a checkpoint loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+
+from megatron_npu.training.errors import TrainingInputError
+
+_BUILTINS = frozenset(
+    {"set", "frozenset", "slice", "list", "dict", "tuple", "bytes", "bytearray", "int", "float",
+     "str", "bool", "complex", "range"}
+)  # fmt: skip
+
+
+def _allowed(module: str, name: str) -> bool:
+    import torch
+
+    if module == "builtins":
+        return name in _BUILTINS
+    if module == "collections":
+        return name in ("OrderedDict", "defaultdict")
+    if module == "torch":
+        if name == "Size":
+            return True
+        value = getattr(torch, name, None)
+        return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+    if module == "torch.serialization":
+        return name == "_get_layout"
+    if module.startswith("torch.distributed.checkpoint."):
+        import importlib
+
+        value = getattr(importlib.import_module(module), name, None)
+        return isinstance(value, type)  # metadata classes and enums, never functions
+    return False
+
+
+#: What :func:`check_metadata` accepts, described for the error message.
+ALLOWED = (
+    "torch.distributed.checkpoint classes, torch.Size, torch dtypes/layouts/memory formats, "
+    "collections.OrderedDict and plain builtin containers"
+)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_metadata(path: str) -> None:
+    """Unpickle ``path`` (a checkpoint's ``.metadata``) with the allow-list; refuse otherwise."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        _RestrictedUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise TrainingInputError(
+            f"checkpoint metadata {path} refers to {exc}, which safe load refuses (it could run "
+            f"code on --load; allowed: {ALLOWED})",
+            "load only checkpoints you trust; for a trusted one pass --no-safe-load",
+        ) from None
+    except Exception as exc:  # truncated or not a pickle at all
+        raise TrainingInputError(
+            f"checkpoint metadata {path} is unreadable ({exc.__class__.__name__}: {exc})",
+            "load another iteration with --ckpt-step N",
+        ) from None
+
+
+def _numpy_rng_globals() -> list:
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+@contextlib.contextmanager
+def restricted_objects():
+    """While active, torch's default load planner reads object shards with
+    ``weights_only=True`` (numpy's RNG-state pieces allowed)."""
+    import torch
+    from torch.distributed.checkpoint import default_planner
+
+    planner = default_planner.DefaultLoadPlanner
+    original = planner.load_bytes
+
+    def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes, weights only
+        try:
+            with torch.serialization.safe_globals(_numpy_rng_globals()):
+                obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise TrainingInputError(
+                f"checkpoint object {read_item.dest_index.fqn} holds more than tensors and plain "
+                f"data, which safe load refuses ({str(exc).splitlines()[0]})",
+                "load only checkpoints you trust; for a trusted one pass --no-safe-load",
+            ) from None
+        if self.flatten_state_dict:
+            fqn = self.mappings[read_item.dest_index.fqn]
+            default_planner.set_element(self.original_state_dict, fqn, obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    planner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        planner.load_bytes = original
