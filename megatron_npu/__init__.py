@@ -4,13 +4,18 @@
 >>> megatron_npu.apply("cpu")      # or "npu", "npu-emulated", "cuda"; None auto-detects
 >>> ...                            # build and train Megatron-Core models as usual
 >>> megatron_npu.restore()         # put back every original Megatron object
+
+``MEGATRON_NPU_DISABLE=id1,id2`` (or ``apply(device, disable=("id1",))``, or ``--disable-patch ID``
+on the command line) leaves those registry patches out; ``megatron-npu info`` reports them.
 """
 
 from megatron_npu.patcher import (
     PatchError,
     PatchSignatureError,
     PatchTargetError,
+    UnknownPatchError,
     active_device,
+    add_disable_patch_argument,
     apply,
     restore,
 )
@@ -21,8 +26,10 @@ __all__ = [
     "PatchError",
     "PatchSignatureError",
     "PatchTargetError",
+    "UnknownPatchError",
     "__version__",
     "active_device",
+    "add_disable_patch_argument",
     "apply",
     "restore",
 ]

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from megatron_npu.devices import NAMES, DeviceUnavailableError
+from megatron_npu.patcher import PatchError, add_disable_patch_argument
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_info = sub.add_parser("info", help="device, versions and the status of every patch")
     p_info.add_argument("--device", choices=NAMES, default=None, help="default: auto-detect")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    add_disable_patch_argument(p_info)
     p_info.set_defaults(func=_info)
     p_train = sub.add_parser(
         "train",
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from parity.runner import add_arguments as add_parity_arguments
 
     add_parity_arguments(p_parity)
+    add_disable_patch_argument(p_parity)
     p_parity.set_defaults(func=_parity)
     return parser
 
@@ -77,11 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # train parses its own (Megatron-named) options
-        return _train(argparse.Namespace(train_argv=argv[1:]))
+        switch = argparse.ArgumentParser(prog="megatron-npu train", add_help=False)
+        add_disable_patch_argument(switch)
+        _, train_argv = switch.parse_known_args(argv[1:])
+        return _train(argparse.Namespace(train_argv=train_argv))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except DeviceUnavailableError as exc:
+    except (DeviceUnavailableError, PatchError) as exc:
         print(f"megatron-npu: {exc}", file=sys.stderr)
         return 2
 

@@ -14,13 +14,18 @@ Rules this module guarantees (each has a test in ``tests/test_patcher.py``):
   :class:`PatchSignatureError`.
 * Methods are patched on the class in place, so subclasses defined after :func:`apply` inherit the
   patched behaviour.
+* Per-patch off switch: ids listed in ``$MEGATRON_NPU_DISABLE`` (comma-separated), given to
+  ``--disable-patch`` or passed as ``apply(disable=...)`` are not installed and are reported with
+  status ``disabled`` and the switch that disabled them; an unknown id is an error naming it.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -33,7 +38,15 @@ APPLIED = "applied"
 SKIPPED_BY_VERSION = "skipped-by-version"
 NOT_FOR_DEVICE = "not-for-this-device"
 FAILED = "failed"
-STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED)
+DISABLED = "disabled"
+STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED, DISABLED)
+
+#: Comma-separated patch ids the user switched off.
+DISABLE_ENV = "MEGATRON_NPU_DISABLE"
+#: Comma-separated patch ids switched off with ``--disable-patch`` (set by the command line so
+#: the launched ranks and parity workers see them too).
+DISABLE_FLAG_ENV = "MEGATRON_NPU_DISABLE_FLAG"
+DISABLE_FLAG = "--disable-patch"
 
 _MISSING = object()
 
@@ -48,6 +61,10 @@ class PatchTargetError(PatchError):
 
 class PatchSignatureError(PatchError):
     """The replacement's signature does not match the target's."""
+
+
+class UnknownPatchError(PatchError, ValueError):
+    """A patch id given to the off switch is not in the registry."""
 
 
 @dataclass
@@ -229,6 +246,62 @@ def _uninstall(sites: Iterable[_Site]) -> None:
             setattr(site.owner, site.name, site.original)
 
 
+def _split_ids(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def disabled_patches(disable: Iterable[str] = (), known: Iterable[str] = ()) -> dict[str, str]:
+    """Patch id -> reason, for every patch switched off by ``disable``, ``--disable-patch`` or
+    ``$MEGATRON_NPU_DISABLE``; raise :class:`UnknownPatchError` naming an id not in ``known``."""
+    sources = [
+        (list(disable), "disabled by apply(disable=...)"),
+        (_split_ids(os.environ.get(DISABLE_FLAG_ENV, "")), f"disabled by {DISABLE_FLAG}"),
+        (_split_ids(os.environ.get(DISABLE_ENV, "")), f"disabled by {DISABLE_ENV}"),
+    ]
+    known_ids = set(known)
+    reasons: dict[str, str] = {}
+    for ids, reason in sources:
+        for patch_id in ids:
+            if patch_id not in known_ids:
+                raise UnknownPatchError(
+                    f"cannot disable patch {patch_id!r} ({reason.removeprefix('disabled by ')}): "
+                    "no patch has that id; 'megatron-npu info' lists the ids"
+                )
+            reasons.setdefault(patch_id, reason)
+    return reasons
+
+
+def _known_patch_id(text: str) -> str:
+    if text not in {p.id for p in all_patches()}:
+        raise argparse.ArgumentTypeError(
+            f"no patch has id {text!r}; 'megatron-npu info' lists the ids"
+        )
+    return text
+
+
+class _DisablePatchAction(argparse.Action):
+    """Collect the ids and publish them in ``$MEGATRON_NPU_DISABLE_FLAG`` so every process the
+    command starts (launched ranks, parity workers) leaves the same patches out."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        ids = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, ids)
+        os.environ[DISABLE_FLAG_ENV] = ",".join(ids)
+
+
+def add_disable_patch_argument(parser: argparse.ArgumentParser) -> None:
+    """Add the repeatable ``--disable-patch ID`` option (the per-patch off switch) to ``parser``."""
+    parser.add_argument(
+        DISABLE_FLAG,
+        dest="disable_patch",
+        metavar="ID",
+        type=_known_patch_id,
+        action=_DisablePatchAction,
+        default=[],
+        help="do not install this registry patch (repeatable); 'info' reports it as disabled",
+    )
+
+
 def plan_status(patch: Patch, device: str, version: str) -> tuple[str, str]:
     """Status a patch would get before touching anything: (status, reason) or (None, '')."""
     if device not in patch.devices:
@@ -247,19 +320,23 @@ def apply(
     strict: bool = True,
     patches: list[Patch] | None = None,
     megatron_version: str | None = None,
+    disable: Iterable[str] = (),
 ) -> list[PatchResult]:
     """Activate ``device`` (auto-detected if None) and install its patches.
 
-    Idempotent for the same device and patch list; for another device the previous patches are
-    restored first. With ``strict`` (the default) any failure restores everything and raises;
-    otherwise failures are recorded with status ``failed``.
+    Idempotent for the same device, patch list and disabled set; otherwise the previous patches
+    are restored first. With ``strict`` (the default) any failure restores everything and raises;
+    otherwise failures are recorded with status ``failed``. Patches named in ``disable`` (or in
+    ``$MEGATRON_NPU_DISABLE`` / ``--disable-patch``) are not installed.
     """
     from megatron_npu import devices
 
     with _lock:
         dev = devices.resolve(device)
         patch_list = all_patches() if patches is None else list(patches)
-        ids = tuple(p.id for p in patch_list)
+        known = {p.id for p in all_patches()} | {p.id for p in patch_list}
+        off = disabled_patches(disable, known)
+        ids = tuple(p.id for p in patch_list) + tuple(f"-{i}" for i in sorted(off))
         if _state.device == dev.name and _state.patch_ids == ids:
             return list(_state.results)
         if _state.device is not None:
@@ -269,10 +346,14 @@ def apply(
         results: list[PatchResult] = []
         sites: list[_Site] = []
         errors: list[PatchError] = []
-        wanted = [p for p in patch_list if not plan_status(p, dev.name, version)[0]]
+        wanted = [
+            p for p in patch_list if p.id not in off and not plan_status(p, dev.name, version)[0]
+        ]
         copies = _copy_index(_rebind_candidates(wanted))
         for patch in patch_list:
             status, reason = plan_status(patch, dev.name, version)
+            if patch.id in off:
+                status, reason = DISABLED, off[patch.id]
             if status:
                 results.append(PatchResult(patch.id, patch.target, status, reason))
                 continue

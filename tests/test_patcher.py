@@ -211,3 +211,62 @@ def test_registry_rejects_bad_entries():
         Patch("x", "a.b", None, "r", devices=frozenset({"tpu"}))
     with pytest.raises(ValueError, match="version specifier"):
         Patch("x", "a.b", None, "r", versions="~~1")
+
+
+# --- per-patch off switch ------------------------------------------------------------------
+
+
+def test_disable_argument_leaves_patch_out_and_reports_it(fake):
+    keep = Patch("t.m", "fakemeg.core.thing.Config.method", lambda self, a: ("p", a), "test")
+    off = Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")
+    results = _apply([keep, off], disable=("t.f",))
+    assert [(r.id, r.status) for r in results] == [("t.m", "applied"), ("t.f", "disabled")]
+    assert results[1].reason == "disabled by apply(disable=...)"
+    assert fake.thing.f is _original_f and fake.user.f is _original_f
+    assert fake.Config().method(1) == ("p", 1)
+    # the disabled set is part of what apply() is idempotent on
+    assert [r.status for r in _apply([keep, off])] == ["applied", "applied"]
+    assert fake.thing.f is _replacement_f
+
+
+def test_disable_environment_variable(fake, monkeypatch):
+    monkeypatch.setenv(patcher.DISABLE_ENV, " t.f , ")
+    results = _apply([Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")])
+    assert (results[0].status, results[0].reason) == ("disabled", "disabled by MEGATRON_NPU_DISABLE")
+    assert fake.thing.f is _original_f
+
+
+def test_disable_unknown_id_is_an_error_naming_it(fake, monkeypatch):
+    patch = Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")
+    with pytest.raises(patcher.UnknownPatchError, match="'t.typo'"):
+        _apply([patch], disable=("t.typo",))
+    monkeypatch.setenv(patcher.DISABLE_ENV, "t.other")
+    with pytest.raises(patcher.UnknownPatchError, match=r"'t.other' \(MEGATRON_NPU_DISABLE\)"):
+        _apply([patch])
+    assert fake.thing.f is _original_f and patcher.active_device() is None
+
+
+def test_disable_patch_flag_reaches_info(monkeypatch, capsys):
+    import json
+
+    from megatron_npu import cli
+    from megatron_npu.registry import all_patches
+
+    monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")  # the flag publishes its ids here
+    first, second = (p.id for p in all_patches()[:2])
+    argv = ["info", "--device", "cpu", "--json", "--disable-patch", first, "--disable-patch", second]
+    assert cli.main(argv) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)["patches"]}
+    for patch_id in (first, second):
+        assert rows[patch_id]["status"] == "disabled"
+        assert rows[patch_id]["reason"] == "disabled by --disable-patch"
+    assert sum(r["status"] == "applied" for r in rows.values()) > 0
+
+
+def test_disable_patch_flag_rejects_unknown_id(capsys):
+    from megatron_npu import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["info", "--device", "cpu", "--disable-patch", "no.such.patch"])
+    assert exit_info.value.code == 2
+    assert "no patch has id 'no.such.patch'" in capsys.readouterr().err
