@@ -16,6 +16,7 @@ Makefile the wheel does not ship) becomes a no-op.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 import types
@@ -41,6 +42,9 @@ def _uncompiled(name: str, error: ImportError):
         )
 
     helper.__name__ = helper.__qualname__ = name
+    numpy_version = index_helpers.PATCH_TARGETS.get(f"{_HELPERS}.{name}")
+    if numpy_version is not None:  # megatron's signature, which the numpy version matches
+        helper.__signature__ = inspect.signature(numpy_version)
     return helper
 
 
