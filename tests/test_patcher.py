@@ -380,3 +380,19 @@ def test_compile_helpers_needs_no_make(monkeypatch):
     megatron_npu.restore()
     with pytest.raises(AssertionError, match="ran a subprocess"):
         utils.compile_helpers()  # megatron's own: runs make
+
+
+def test_disable_patch_flag_on_train_reaches_the_ranks_environment(monkeypatch):
+    import os
+
+    from megatron_npu import cli
+    from megatron_npu.registry import all_patches
+
+    seen = {}
+    monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")
+    monkeypatch.setattr(cli, "_train", lambda args: seen.setdefault("argv", args.train_argv) and 0)
+    patch_id = all_patches()[0].id
+    cli.main(["train", "--num-layers", "2", "--disable-patch", patch_id, "--lr", "1e-3"])
+    assert seen["argv"] == ["--num-layers", "2", "--lr", "1e-3"]  # Megatron's options untouched
+    assert os.environ[patcher.DISABLE_FLAG_ENV] == patch_id  # inherited by launched ranks
+    assert patcher.disabled_patches(known=[patch_id]) == {patch_id: "disabled by --disable-patch"}
