@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 from megatron_npu.devices import Device
-from megatron_npu.devices.torch_namespace import FACTORIES, RoutedDevice, map_device, route_device
+from megatron_npu.devices.torch_namespace import (
+    FACTORIES,
+    REAL_DEVICE,
+    RoutedDevice,
+    map_device,
+    route_device,
+)
 
 TORCH_NPU_TRANSFER = "torch_npu.contrib.transfer_to_npu"
 
@@ -95,7 +101,7 @@ class _LocalDevices:
         return self.index
 
     def set_device(self, device: Any) -> None:
-        mapped = device if isinstance(device, int) else torch.device(device).index
+        mapped = device if isinstance(device, int) else REAL_DEVICE(device).index
         if mapped is not None:
             self.index = int(mapped)
 

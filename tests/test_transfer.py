@@ -60,6 +60,8 @@ def test_user_code_cuda_spellings_reach_the_device(device, monkeypatch):
     assert torch.cuda.current_device() == 1  # CUDA's numbering: this rank's index
     torch.cuda.set_device(0)
     assert torch.cuda.current_device() == 0
+    torch.cuda.set_device("cuda:1")
+    assert torch.cuda.current_device() == 1
     cpu = torch.device("cpu")
     assert torch.device("cuda") == cpu and torch.device("cuda", 1) == cpu
     assert torch.device(type="cuda") == cpu and isinstance(torch.device("cuda"), torch.device)
