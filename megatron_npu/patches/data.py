@@ -15,6 +15,7 @@ Makefile the wheel does not ship) becomes a no-op.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -66,6 +67,18 @@ def helpers_module() -> types.ModuleType | None:
         return stand_in
 
 
+def _wrap_mock_getitem(original):
+    """megatron-core 0.15's mock sample: token ids wrap modulo the tokenizer's vocabulary."""
+
+    @functools.wraps(original)
+    def __getitem__(self, idx):
+        sample = original(self, idx)
+        sample[:-1] %= self.tokenizer.vocab_size  # the last id is the end-of-document token
+        return sample
+
+    return __getitem__
+
+
 def compile_helpers() -> None:
     """Nothing to compile: the GPT index helpers are numpy (:mod:`megatron_npu.data.index_helpers`)."""
     _logger.info("megatron-npu: dataset index helpers are numpy; nothing to compile")
@@ -74,6 +87,16 @@ def compile_helpers() -> None:
 helpers_module()
 
 PATCHES = [
+    Patch(
+        id="data.mock-token-ids-in-vocab",
+        target="megatron.core.datasets.gpt_dataset.MockGPTLowLevelDataset.__getitem__",
+        replacement=_wrap_mock_getitem,
+        kind="wrap",
+        reason="0.13/0.14 mock samples count up to 4095 whatever the vocab (embedding index "
+        "error): backport of 0.15's modulo-vocab ids",
+        versions="<0.15",
+        parity_exempt="backport of megatron-core 0.15's own mock-data formula, no device numerics",
+    ),
     Patch(
         id="data.compile-helpers",
         target="megatron.core.datasets.utils.compile_helpers",
