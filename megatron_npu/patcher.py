@@ -215,26 +215,61 @@ def _rebind_candidates(patches: Iterable[Patch]) -> list[Any]:
     return found
 
 
-def _install(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]:
+def _is_pass_through(original: Any, wrapper: Any) -> bool:
+    """A ``(*args, **kwargs)`` wrapper that declares (``functools.wraps``) what it wraps."""
+    if getattr(wrapper, "__wrapped__", None) is not original:
+        return False
+    try:
+        kinds = [
+            p.kind for p in inspect.signature(wrapper, follow_wrapped=False).parameters.values()
+        ]
+    except (TypeError, ValueError):
+        return False
+    return kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+
+
+def _plan(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]:
+    """Build ``patch``'s replacement and every site it goes to, changing nothing yet."""
     owner, name = resolve(patch.target)
     raw, own = _raw_attribute(owner, name)
     original, descriptor = _unwrap_descriptor(raw)
     _state.originals[patch.id] = original
     new = patch.build(original)
-    if patch.kind == "replace" and patch.check_signature:
+    if patch.check_signature and not (patch.kind == "wrap" and _is_pass_through(original, new)):
         check_signature(patch, original, new)
-    installed = descriptor(new) if descriptor is not None and not isinstance(new, descriptor) else new
+    installed = (
+        descriptor(new) if descriptor is not None and not isinstance(new, descriptor) else new
+    )
     sites = [_Site(owner, name, raw if own else _MISSING, installed)]
-    if patch.rebind_copies:
-        if _rebindable(owner, original):
-            sites += [
-                _Site(mod, key, original, new)
-                for mod, key in copies.get(id(original), ())
-                if mod is not owner
-            ]
+    if patch.rebind_copies and _rebindable(owner, original):
+        sites += [
+            _Site(mod, key, original, new)
+            for mod, key in copies.get(id(original), ())
+            if mod is not owner
+        ]
+    return sites
+
+
+def _install(sites: list[_Site], installed: list[_Site]) -> None:
+    """Bind every site, appending each to ``installed`` as soon as it is bound."""
     for site in sites:
         setattr(site.owner, site.name, site.installed)
-    return sites
+        installed.append(site)
+
+
+def _as_patch_error(patch: Patch, exc: Exception, version: str) -> PatchError:
+    if isinstance(exc, PatchError):
+        return exc
+    if isinstance(exc, (ImportError, AttributeError)):
+        return PatchTargetError(
+            f"patch {patch.id!r}: target {patch.target} does not exist in the installed "
+            f"megatron-core {version} ({exc}); the patch declares versions "
+            f"{patch.versions or 'any'!r}: narrow its range or fix the target"
+        )
+    return PatchError(
+        f"patch {patch.id!r}: building or installing the replacement for {patch.target} "
+        f"raised {type(exc).__name__}: {exc}"
+    )
 
 
 def _uninstall(sites: Iterable[_Site]) -> None:
@@ -321,13 +356,16 @@ def apply(
     patches: list[Patch] | None = None,
     megatron_version: str | None = None,
     disable: Iterable[str] = (),
+    transfer: bool = False,
 ) -> list[PatchResult]:
     """Activate ``device`` (auto-detected if None) and install its patches.
 
     Idempotent for the same device, patch list and disabled set; otherwise the previous patches
     are restored first. With ``strict`` (the default) any failure restores everything and raises;
     otherwise failures are recorded with status ``failed``. Patches named in ``disable`` (or in
-    ``$MEGATRON_NPU_DISABLE`` / ``--disable-patch``) are not installed.
+    ``$MEGATRON_NPU_DISABLE`` / ``--disable-patch``) are not installed. ``transfer=True`` adds
+    transparent mode (:mod:`megatron_npu.transfer`): CUDA spellings in *any* code, the user's
+    script included, mean ``device``.
     """
     from megatron_npu import devices
 
@@ -337,6 +375,7 @@ def apply(
         known = {p.id for p in all_patches()} | {p.id for p in patch_list}
         off = disabled_patches(disable, known)
         ids = tuple(p.id for p in patch_list) + tuple(f"-{i}" for i in sorted(off))
+        ids += ("+transfer",) if transfer else ()
         if _state.device == dev.name and _state.patch_ids == ids:
             return list(_state.results)
         if _state.device is not None:
@@ -346,50 +385,60 @@ def apply(
         results: list[PatchResult] = []
         sites: list[_Site] = []
         errors: list[PatchError] = []
-        wanted = [
-            p for p in patch_list if p.id not in off and not plan_status(p, dev.name, version)[0]
-        ]
-        copies = _copy_index(_rebind_candidates(wanted))
-        for patch in patch_list:
-            status, reason = plan_status(patch, dev.name, version)
-            if patch.id in off:
-                status, reason = DISABLED, off[patch.id]
-            if status:
-                results.append(PatchResult(patch.id, patch.target, status, reason))
-                continue
-            try:
-                new_sites = _install(patch, copies)
-            except PatchError as exc:
-                errors.append(exc)
-                results.append(PatchResult(patch.id, patch.target, FAILED, str(exc)))
-                continue
-            except (ImportError, AttributeError) as exc:
-                err = PatchTargetError(
-                    f"patch {patch.id!r}: target {patch.target} does not exist in the installed "
-                    f"megatron-core {version} ({exc}); the patch declares versions "
-                    f"{patch.versions or 'any'!r}: narrow its range or fix the target"
+        _state.device, _state.patch_ids, _state.sites, _state.results = (
+            dev.name,
+            ids,
+            sites,
+            results,
+        )
+        try:  # from here on, anything that escapes (even KeyboardInterrupt) undoes it all
+            wanted = [
+                p
+                for p in patch_list
+                if p.id not in off and not plan_status(p, dev.name, version)[0]
+            ]
+            copies = _copy_index(_rebind_candidates(wanted))
+            for patch in patch_list:
+                status, reason = plan_status(patch, dev.name, version)
+                if patch.id in off:
+                    status, reason = DISABLED, off[patch.id]
+                if status:
+                    results.append(PatchResult(patch.id, patch.target, status, reason))
+                    continue
+                before = len(sites)
+                try:
+                    _install(_plan(patch, copies), sites)
+                except Exception as exc:  # noqa: BLE001  (every failure becomes a PatchError)
+                    _uninstall(sites[before:])
+                    del sites[before:]
+                    error = _as_patch_error(patch, exc, version)
+                    error.__cause__ = exc
+                    errors.append(error)
+                    results.append(PatchResult(patch.id, patch.target, FAILED, str(error)))
+                    continue
+                results.append(
+                    PatchResult(patch.id, patch.target, APPLIED, patch.reason, len(sites) - before)
                 )
-                errors.append(err)
-                results.append(PatchResult(patch.id, patch.target, FAILED, str(err)))
-                continue
-            sites += new_sites
-            results.append(
-                PatchResult(patch.id, patch.target, APPLIED, patch.reason, len(new_sites))
-            )
-        _state.device, _state.patch_ids, _state.sites, _state.results = dev.name, ids, sites, results
-        if errors and strict:
+            if errors and strict:
+                if len(errors) == 1:
+                    raise errors[0]
+                raise PatchError("; ".join(str(e) for e in errors))
+            if transfer:
+                from megatron_npu import transfer as transfer_mode
+
+                transfer_mode.install(dev)
+        except BaseException:
             restore()
-            if len(errors) == 1:
-                raise errors[0]
-            raise PatchError("; ".join(str(e) for e in errors))
+            raise
         return list(results)
 
 
 def restore() -> None:
     """Put back every original object and deactivate the device."""
-    from megatron_npu import devices
+    from megatron_npu import devices, transfer
 
     with _lock:
+        transfer.uninstall()
         _uninstall(_state.sites)
         if _state.device is not None:
             devices.deactivate()

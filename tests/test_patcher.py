@@ -270,3 +270,129 @@ def test_disable_patch_flag_rejects_unknown_id(capsys):
         cli.main(["info", "--device", "cpu", "--disable-patch", "no.such.patch"])
     assert exit_info.value.code == 2
     assert "no patch has id 'no.such.patch'" in capsys.readouterr().err
+
+
+# --- any failure during apply() restores; wrap products are signature-checked ----------------
+
+
+def _raising_wrap(original):
+    raise ValueError("factory blew up")
+
+
+def test_any_exception_from_a_wrap_factory_restores_everything(fake):
+    good = Patch("t.good", "fakemeg.core.thing.Config.method", lambda self, a: ("p", a), "test")
+    bad = Patch("t.bad", "fakemeg.core.thing.f", _raising_wrap, "test", kind="wrap")
+    with pytest.raises(megatron_npu.PatchError, match=r"'t\.bad'.*ValueError: factory blew up"):
+        _apply([good, bad])
+    assert "method" not in vars(fake.Config) and fake.thing.f is _original_f
+    assert patcher.active_device() is None
+    results = _apply([good, bad], strict=False)  # non-strict: recorded, the rest applies
+    assert [r.status for r in results] == ["applied", "failed"]
+    assert "ValueError: factory blew up" in results[1].reason
+
+
+def test_interrupt_during_apply_restores_and_propagates(fake):
+    def interrupted(original):
+        raise KeyboardInterrupt
+
+    good = Patch("t.good", "fakemeg.core.thing.f", _replacement_f, "test")
+    bad = Patch("t.int", "fakemeg.core.thing.Config.method", interrupted, "test", kind="wrap")
+    with pytest.raises(KeyboardInterrupt):
+        _apply([good, bad])
+    assert fake.thing.f is _original_f and fake.user.f is _original_f
+    assert patcher.active_device() is None
+
+
+def test_wrap_product_with_other_parameters_is_refused(fake):
+    def wrong_wrap(original):
+        def wrapped(x, z=1):  # the target takes (x, y=1)
+            return original(x, z)
+
+        return wrapped
+
+    with pytest.raises(PatchSignatureError, match=r"t\.w.*\(x, z=1\).*\(x, y=1\)"):
+        _apply([Patch("t.w", "fakemeg.core.thing.f", wrong_wrap, "test", kind="wrap")])
+    assert fake.thing.f is _original_f
+
+
+def test_wrap_pass_through_must_declare_what_it_wraps(fake):
+    def undeclared(original):
+        def wrapped(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    with pytest.raises(PatchSignatureError):
+        _apply([Patch("t.u", "fakemeg.core.thing.f", undeclared, "test", kind="wrap")])
+    # the same pass-through with functools.wraps is accepted
+    results = _apply([Patch("t.d", "fakemeg.core.thing.f", _counting_wrap, "test", kind="wrap")])
+    assert results[0].status == "applied" and fake.thing.f(2) == ("wrapped", ("original", 2, 1))
+
+
+# --- data index patches without a compiled helpers_cpp ---------------------------------------
+
+
+def test_data_patches_apply_without_compiled_helpers(monkeypatch):
+    import megatron.core.datasets as datasets_pkg
+    import numpy
+
+    from megatron_npu.patches import data
+
+    args = (
+        numpy.array([5, 3, 7, 2], dtype=numpy.int32), numpy.array([0, 2, 1, 3], dtype=numpy.int32),
+        4, 1, 17, True, True,
+    )  # fmt: skip
+    helpers = sys.modules.get(data._HELPERS) or __import__(data._HELPERS, fromlist=["x"])
+    expected = helpers.build_sample_idx(*args)  # megatron-core's compiled helpers
+
+    # hide the compiled extension the way a wheel without it looks
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)
+    monkeypatch.delitem(sys.modules, data._HELPERS)
+    monkeypatch.delattr(datasets_pkg, "helpers", raising=False)
+    stand_in = data.helpers_module()
+    monkeypatch.setattr(datasets_pkg, "helpers", stand_in)  # undone after the test
+    monkeypatch.setitem(sys.modules, data._HELPERS, stand_in)
+    with pytest.raises(ImportError, match="helpers_cpp"):
+        stand_in.build_sample_idx(*args)
+
+    index_patches = [p for p in data.PATCHES if p.target.startswith(data._HELPERS + ".")]
+    results = megatron_npu.apply("cpu", patches=index_patches)  # strict
+    assert len(results) == 3 and {r.status for r in results} == {"applied"}
+    from megatron.core.datasets import helpers as seen_by_megatron
+
+    assert numpy.array_equal(seen_by_megatron.build_sample_idx(*args), expected)
+    megatron_npu.restore()
+    with pytest.raises(ImportError, match="helpers_cpp"):
+        seen_by_megatron.build_sample_idx(*args)
+
+
+def test_compile_helpers_needs_no_make(monkeypatch):
+    import subprocess
+
+    from megatron.core.datasets import utils
+
+    def no_make(*args, **kwargs):
+        raise AssertionError(f"compile_helpers ran a subprocess: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    megatron_npu.apply("cpu")
+    assert utils.compile_helpers() is None
+    megatron_npu.restore()
+    with pytest.raises(AssertionError, match="ran a subprocess"):
+        utils.compile_helpers()  # megatron's own: runs make
+
+
+def test_disable_patch_flag_on_train_reaches_the_ranks_environment(monkeypatch):
+    import os
+
+    from megatron_npu import cli
+    from megatron_npu.registry import all_patches
+
+    seen = {}
+    monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")
+    monkeypatch.setattr(cli, "_train", lambda args: seen.setdefault("argv", args.train_argv) and 0)
+    patch_id = all_patches()[0].id
+    cli.main(["train", "--num-layers", "2", "--disable-patch", patch_id, "--lr", "1e-3"])
+    assert seen["argv"] == ["--num-layers", "2", "--lr", "1e-3"]  # Megatron's options untouched
+    assert os.environ[patcher.DISABLE_FLAG_ENV] == patch_id  # inherited by launched ranks
+    assert patcher.disabled_patches(known=[patch_id]) == {patch_id: "disabled by --disable-patch"}

@@ -57,11 +57,13 @@ __all__ = [
     "ByteLevelTokenizer",
     "GPT2BPETokenizer",
     "NpuTokenizer",
+    "NullIdTokenizer",
     "TokenizerError",
     "build_tokenizer",
     "bytes_to_unicode",
     "gpt2_pretokenize",
     "gpt2_pretokenize_pattern",
+    "null_tokenizer",
 ]
 
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
@@ -186,6 +188,44 @@ class ByteLevelTokenizer(NpuTokenizer):
     @property
     def eod(self) -> int:
         return self.EOD
+
+
+class NullIdTokenizer(NpuTokenizer):
+    """Megatron's NullTokenizer for megatron-core releases that lack
+    ``megatron.core.tokenizers`` (0.13, 0.14): ids are the integers themselves, the end-of-document
+    id is ``vocab_size_without_eod`` and ``vocab_size`` counts it."""
+
+    def __init__(self, vocab_size_without_eod: int) -> None:
+        super().__init__(vocab_size=int(vocab_size_without_eod))
+        self._eod = int(vocab_size_without_eod)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self._eod + 1)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._eod + 1
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+def null_tokenizer(vocab_size_without_eod: int):
+    """megatron-core's NullTokenizer (``--mock-data``), or :class:`NullIdTokenizer` where the
+    installed release has none."""
+    try:
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    except ImportError:
+        return NullIdTokenizer(vocab_size_without_eod)
+    return NullTokenizer(vocab_size_without_eod)
 
 
 # ------------------------------------------------------------------------------------------------

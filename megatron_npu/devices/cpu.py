@@ -78,6 +78,30 @@ class CpuEvent:
 _DEFAULT_STREAM = CpuStream()
 
 
+class CpuGraph:
+    """``torch.cuda.CUDAGraph`` on a device that never captures graphs.
+
+    Megatron's graph-safe RNG tracker (``CudaRNGStatesTracker(use_cudagraphable_rng=True)``) only
+    checks that graphs can register generator states; with no capture there is nothing to
+    register, so that is accepted. Capturing or replaying has no meaning here and is refused with
+    a message saying what to turn off.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.generator_states: list[Any] = []
+
+    def register_generator_state(self, state: Any) -> None:
+        self.generator_states.append(state)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "CUDA graph capture/replay is not available on a CPU device: run without CUDA "
+            "graphs (Megatron's --cuda-graph-impl none / enable_cuda_graph=False)"
+        )
+
+    capture_begin = capture_end = replay = reset = pool = _refuse
+
+
 class _Nvtx:
     """NVTX ranges have no CPU consumer; ``range`` still nests as a context manager."""
 
@@ -106,6 +130,7 @@ class CpuAccelerator:
     nvtx = _Nvtx()
     Stream = CpuStream
     Event = CpuEvent
+    CUDAGraph = CpuGraph
 
     def __init__(self) -> None:
         self.random = SimpleNamespace(
@@ -171,6 +196,9 @@ class CpuAccelerator:
 
     def set_stream(self, stream: Any) -> None:
         return None
+
+    def is_current_stream_capturing(self) -> bool:
+        return False
 
     # --- memory -----------------------------------------------------------------------------
     def memory_allocated(self, device: Any = None) -> int:

@@ -119,9 +119,12 @@ class NpuAccelerator:
     def get_device_capability(self, device: Any = None) -> tuple[int, int]:
         return (0, 0)
 
+    #: ``torch.cuda`` names whose ``torch.npu`` counterpart is spelled differently.
+    RENAMED = {"CUDAGraph": "NPUGraph"}
+
     def __getattr__(self, name: str) -> Any:
         try:
-            return getattr(self._npu, name)
+            return getattr(self._npu, self.RENAMED.get(name, name))
         except AttributeError:
             raise AttributeError(
                 f"torch.npu has no {name!r}: Megatron asked for torch.cuda.{name}, which the "

@@ -23,6 +23,10 @@ import torch
 
 from megatron_npu import devices
 
+#: torch's own device type, kept so the routed stand-in can refer to it while installed as
+#: ``torch.device`` (transparent mode).
+REAL_DEVICE = torch.device
+
 #: Factories whose ``device=`` argument is redirected.
 FACTORIES = (
     "arange", "as_tensor", "empty", "empty_like", "empty_strided", "eye", "full", "full_like",
@@ -43,12 +47,14 @@ def map_device(device: Any) -> Any:
             index = device.partition(":")[2]
             return active.torch_device(int(index) if index.isdigit() else None)
         return device
-    if isinstance(device, torch.device) and device.type == "cuda":
+    if isinstance(device, REAL_DEVICE) and device.type == "cuda":
         return active.torch_device(device.index)
     return device
 
 
-def _route_device(factory: Any) -> Any:
+def route_device(factory: Any) -> Any:
+    """``factory`` with its ``device=`` keyword mapped by :func:`map_device`."""
+
     @functools.wraps(factory)
     def routed(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
@@ -61,14 +67,17 @@ def _route_device(factory: Any) -> Any:
 class _DeviceMeta(type):
     """``torch.device`` look-alike: constructing maps CUDA to the active device; isinstance works."""
 
-    def __call__(cls, type_or_str: Any, index: Any = None) -> torch.device:
-        if isinstance(index, torch.device):  # torch.device("cuda", torch.cuda.current_device())
+    def __call__(cls, type: Any = None, index: Any = None) -> torch.device:  # noqa: A002
+        if isinstance(index, REAL_DEVICE):  # torch.device("cuda", torch.cuda.current_device())
             return index
-        real = torch.device(type_or_str) if index is None else torch.device(type_or_str, index)
+        real = REAL_DEVICE(type) if index is None else REAL_DEVICE(type, index)
         return map_device(real)
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, torch.device)
+        return isinstance(obj, REAL_DEVICE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, REAL_DEVICE)
 
 
 class RoutedDevice(metaclass=_DeviceMeta):
@@ -81,7 +90,7 @@ class TorchNamespace(ModuleType):
     def __init__(self) -> None:
         super().__init__("torch", "megatron-npu device-routed view of torch")
         for name in FACTORIES:
-            setattr(self, name, _route_device(getattr(torch, name)))
+            setattr(self, name, route_device(getattr(torch, name)))
         self.device = RoutedDevice
 
     @property

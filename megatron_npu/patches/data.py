@@ -4,19 +4,107 @@ megatron-core builds its sample and blending indices in ``helpers_cpp``, a C++ e
 ``compile_helpers`` must build where no wheel ships it (any machine without a compiler fails).
 These entries point ``megatron.core.datasets.helpers`` at numpy implementations that produce
 byte-identical arrays (checked against the compiled extension in ``tests/data`` and by the parity
-cases). Where the extension is missing entirely, so that the module itself cannot be imported,
-:func:`megatron_npu.data.index_helpers.install_numpy_helpers` registers a stand-in module for it
-during dataset building.
+cases).
+
+They apply whether or not ``helpers_cpp`` is compiled: where it is missing, importing
+``megatron.core.datasets.helpers`` fails, so :func:`helpers_module` registers a stand-in module
+under that name whose functions raise the error Megatron would (that is what ``restore()`` puts
+back), and the patches replace them as usual. ``compile_helpers()`` (which runs ``make`` on a
+Makefile the wheel does not ship) becomes a no-op.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import types
 
 from megatron_npu.data import index_helpers
 from megatron_npu.registry import Patch
 
 _HELPERS = "megatron.core.datasets.helpers"
+#: every function megatron-core's ``helpers`` module offers (the compiled ones and the wrapper)
+_HELPER_NAMES = (
+    "build_sample_idx", "build_sample_idx_int32", "build_sample_idx_int64",
+    "build_blending_indices", "build_exhaustive_blending_indices", "build_mapping",
+    "build_blocks_mapping",
+)  # fmt: skip
+_logger = logging.getLogger(__name__)
+
+
+def _uncompiled(name: str, error: ImportError):
+    def helper(*args, **kwargs):
+        raise ImportError(
+            f"{_HELPERS}.{name} needs megatron-core's compiled helpers_cpp, which is missing "
+            f"({error}); megatron_npu.apply() replaces the GPT index helpers with numpy"
+        )
+
+    helper.__name__ = helper.__qualname__ = name
+    numpy_version = index_helpers.PATCH_TARGETS.get(f"{_HELPERS}.{name}")
+    if numpy_version is not None:  # megatron's signature, which the numpy version matches
+        helper.__signature__ = inspect.signature(numpy_version)
+    return helper
+
+
+def helpers_module() -> types.ModuleType | None:
+    """``megatron.core.datasets.helpers``, or where ``helpers_cpp`` is not compiled a stand-in
+    registered under its name (None when megatron-core's datasets are not installed at all)."""
+    try:
+        return importlib.import_module(_HELPERS)
+    except ImportError as error:
+        try:
+            package = importlib.import_module("megatron.core.datasets")
+        except ImportError:
+            return None
+        stand_in = types.ModuleType(_HELPERS, "stand-in: helpers_cpp is not compiled here")
+        for name in _HELPER_NAMES:
+            setattr(stand_in, name, _uncompiled(name, error))
+        sys.modules[_HELPERS] = stand_in
+        package.helpers = stand_in
+        return stand_in
+
+
+def _wrap_mock_getitem(original):
+    """megatron-core 0.15's mock sample: token ids wrap modulo the tokenizer's vocabulary."""
+
+    @functools.wraps(original)
+    def __getitem__(self, idx):
+        sample = original(self, idx)
+        sample[:-1] %= self.tokenizer.vocab_size  # the last id is the end-of-document token
+        return sample
+
+    return __getitem__
+
+
+def compile_helpers() -> None:
+    """Nothing to compile: the GPT index helpers are numpy (:mod:`megatron_npu.data.index_helpers`)."""
+    _logger.info("megatron-npu: dataset index helpers are numpy; nothing to compile")
+
+
+helpers_module()
 
 PATCHES = [
+    Patch(
+        id="data.mock-token-ids-in-vocab",
+        target="megatron.core.datasets.gpt_dataset.MockGPTLowLevelDataset.__getitem__",
+        replacement=_wrap_mock_getitem,
+        kind="wrap",
+        reason="0.13/0.14 mock samples count up to 4095 whatever the vocab (embedding index "
+        "error): backport of 0.15's modulo-vocab ids",
+        versions="<0.15",
+        parity_exempt="backport of megatron-core 0.15's own mock-data formula, no device numerics",
+    ),
+    Patch(
+        id="data.compile-helpers",
+        target="megatron.core.datasets.utils.compile_helpers",
+        replacement=compile_helpers,
+        reason="no make/Makefile/compiler needed: the index helpers are numpy",
+        versions=">=0.13",
+        parity_exempt="build step, no numerics: the helpers it stands for have parity cases",
+    ),
     Patch(
         id="data.build-sample-idx",
         target=f"{_HELPERS}.build_sample_idx",

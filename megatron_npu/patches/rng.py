@@ -23,15 +23,27 @@ _EXEMPT = "RNG plumbing, no numerics of its own: the named test checks the gener
 _TESTS = "tests/patches/test_rng.py::"
 
 
+def _device_generator() -> torch.Generator:
+    return devices.require_active().accelerator.default_generators[0]
+
+
 def _get_cuda_rng_state(
     device: int | str | torch.device = "cuda", clone: bool = False, graph_safe: bool = False
-) -> torch.Tensor:
-    """The active device's RNG state (a fresh tensor; ``clone`` is implied)."""
+) -> torch.Tensor | torch.Generator:
+    """The active device's RNG state: a fresh tensor, or with ``graph_safe`` (Megatron's
+    ``use_cudagraphable_rng`` tracker) a generator holding a copy of it (``clone`` is implied)."""
+    if graph_safe:
+        return _device_generator().clone_state()
     return devices.require_active().accelerator.get_rng_state()
 
 
-def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
-    """Set the active device's RNG state immediately (no lazy CUDA call)."""
+def _set_cuda_rng_state(
+    new_state: torch.Tensor | torch.Generator, device: int = -1, graph_safe: bool = False
+):
+    """Set the active device's RNG state immediately (no lazy CUDA call); ``graph_safe`` states
+    are generators, whose state is copied in."""
+    if graph_safe:
+        new_state = new_state.get_state()
     devices.require_active().accelerator.set_rng_state(new_state)
 
 

@@ -89,9 +89,10 @@ def _mock(args: Namespace, train_samples: int) -> TrainData:
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    tokenizer = NullTokenizer(args.vocab_size - 1)  # NullTokenizer adds the EOD id on top
+    from megatron_npu.data.tokenizers import null_tokenizer
+
+    tokenizer = null_tokenizer(args.vocab_size - 1)  # NullTokenizer adds the EOD id on top
     config = GPTDatasetConfig(tokenizer=tokenizer, split="1,0,0", **_gpt_config_kwargs(args))
     # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and
     # rank: mock indices are never cached, so the warning says nothing.

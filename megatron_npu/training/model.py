@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 from argparse import Namespace
 
 import torch
@@ -61,6 +62,9 @@ def derived_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
 
 
+_OFFSET_TAKES_PP_RANK = "pp_rank" in inspect.signature(get_transformer_layer_offset).parameters
+
+
 class SeededTransformerLayer(TransformerLayer):
     """``TransformerLayer`` that seeds the CPU generator from its global layer number first.
 
@@ -74,15 +78,20 @@ class SeededTransformerLayer(TransformerLayer):
         submodules,
         layer_number: int = 1,
         hidden_dropout: float | None = None,
-        pg_collection=None,
-        vp_stage: int | None = None,
+        **groups_and_stage,  # pg_collection (0.15+) or model_comm_pgs (0.13/0.14), vp_stage
     ):
+        groups = groups_and_stage.get("pg_collection") or groups_and_stage.get("model_comm_pgs")
         pp_rank = (
-            get_pg_rank(pg_collection.pp)
-            if pg_collection is not None
+            get_pg_rank(groups.pp)
+            if groups is not None
             else parallel_state.get_pipeline_model_parallel_rank()
         )
-        global_number = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        vp_stage = groups_and_stage.get("vp_stage")
+        if _OFFSET_TAKES_PP_RANK:
+            offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        else:  # megatron-core < 0.15 reads the pipeline rank from parallel_state itself
+            offset = get_transformer_layer_offset(config, vp_stage)
+        global_number = layer_number + offset
         seed = getattr(config, "init_seed", None)
         if seed is not None:
             torch.default_generator.manual_seed(derived_seed(seed, "layer", global_number))
@@ -91,8 +100,7 @@ class SeededTransformerLayer(TransformerLayer):
             submodules=submodules,
             layer_number=layer_number,
             hidden_dropout=hidden_dropout,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
+            **groups_and_stage,
         )
 
 

@@ -14,6 +14,7 @@ batch; skipped (overflow) steps do not advance it.
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import Namespace
 
 import torch
@@ -25,6 +26,8 @@ from megatron_npu.training.schedule import scheduler_settings
 
 
 def optimizer_config(args: Namespace) -> OptimizerConfig:
+    # megatron-core 0.13 reads overlap_param_gather from the DDP config only
+    newer = {f.name for f in dataclasses.fields(OptimizerConfig)} & {"overlap_param_gather"}
     return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -43,7 +46,7 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather,
+        **{name: getattr(args, name) for name in newer},
         clip_grad=args.clip_grad,
         log_num_zeros_in_grad=False,
     )

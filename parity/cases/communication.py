@@ -55,11 +55,31 @@ def _p2p_inputs(p):
     }
 
 
+_P2P_CALLS = (
+    "send_forward", "recv_forward", "send_backward", "recv_backward",
+    "send_forward_recv_backward", "send_backward_recv_forward",
+)  # fmt: skip
+
+
+def _p2p_communicator(group, config):
+    """Megatron's ``P2PCommunicator`` (0.14+), or on 0.13 its module-level functions, which take
+    the config and use parallel_state's pipeline group (the same group here)."""
+    import functools
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    if hasattr(p2p, "P2PCommunicator"):
+        return p2p.P2PCommunicator(pp_group=group, config=config)
+    return SimpleNamespace(
+        **{name: functools.partial(getattr(p2p, name), config=config) for name in _P2P_CALLS}
+    )
+
+
 def _p2p_run(ctx: Context, inputs):
     import torch
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     p = ctx.params
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -67,17 +87,21 @@ def _p2p_run(ctx: Context, inputs):
         pipeline_model_parallel_size=2, pipeline_dtype=ctx.dtype,
         batch_p2p_comm=p["batched"], variable_seq_lengths=p["variable_seq_lengths"],
     )  # fmt: skip
-    comm = P2PCommunicator(pp_group=group, config=config)
+    comm = _p2p_communicator(group, config)
     shape = (p["seq"], p["batch"], p["hidden"])
     zeros = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
     if parallel_state.is_pipeline_first_stage():
         comm.send_forward(ctx.tensor(inputs["act0"]), is_last_stage=False)
-        grad0 = comm.send_forward_recv_backward(ctx.tensor(inputs["act1"]), shape, False)
+        grad0 = comm.send_forward_recv_backward(
+            ctx.tensor(inputs["act1"]), shape, is_last_stage=False
+        )
         grad1 = comm.recv_backward(shape, is_last_stage=False)
         recv = {"act0": zeros, "act1": zeros, "grad0": grad0, "grad1": grad1}
     else:
         act0 = comm.recv_forward(shape, is_first_stage=False)
-        act1 = comm.send_backward_recv_forward(ctx.tensor(inputs["grad0"]), shape, False)
+        act1 = comm.send_backward_recv_forward(
+            ctx.tensor(inputs["grad0"]), shape, is_first_stage=False
+        )
         comm.send_backward(ctx.tensor(inputs["grad1"]), is_first_stage=False)
         recv = {"act0": act0, "act1": act1, "grad0": zeros, "grad1": zeros}
     out = {}

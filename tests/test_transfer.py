@@ -1,0 +1,236 @@
+"""Transparent mode (``apply(device, transfer=True)``): user code's CUDA spellings reach the device,
+``restore()`` puts every rebound name back, and without ``transfer`` nothing process-wide moves."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+import megatron_npu
+from megatron_npu import transfer
+from megatron_npu.devices.base import Device
+from megatron_npu.devices.cpu import CpuAccelerator
+
+_ABSENT = object()
+#: namespaces transparent mode may touch; each is compared name by name before and after
+NAMESPACES = {
+    "torch": torch,
+    "torch.cuda": torch.cuda,
+    "torch.cuda.random": torch.cuda.random,
+    "torch.Tensor": torch.Tensor,
+    "torch.nn.Module": torch.nn.Module,
+    "torch.distributed": torch.distributed,
+}
+
+
+def _snapshot() -> dict[str, dict[str, object]]:
+    """Every name in :data:`NAMESPACES`, taken after one apply/restore cycle so the imports it
+    triggers (torch._dynamo rebinds ``torch.manual_seed`` when first imported) have happened."""
+    megatron_npu.apply("cpu", transfer=True)
+    megatron_npu.restore()
+    return {name: dict(vars(ns)) for name, ns in NAMESPACES.items()}
+
+
+def _changes(before: dict[str, dict[str, object]]) -> list[str]:
+    """Names rebound since ``before`` (submodules imported meanwhile are not rebinds)."""
+    changed = []
+    for name, ns in NAMESPACES.items():
+        now = vars(ns)
+        for key in set(now) | set(before[name]):
+            old, new = before[name].get(key, _ABSENT), now.get(key, _ABSENT)
+            if old is _ABSENT and isinstance(new, types.ModuleType):
+                continue
+            if new is not old:
+                changed.append(f"{name}.{key}")
+    return sorted(changed)
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu-emulated"])
+def test_user_code_cuda_spellings_reach_the_device(device, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    before = _snapshot()
+    megatron_npu.apply(device, transfer=True)
+    assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+    assert torch.cuda.current_device() == 1  # CUDA's numbering: this rank's index
+    torch.cuda.set_device(0)
+    assert torch.cuda.current_device() == 0
+    torch.cuda.set_device("cuda:1")
+    assert torch.cuda.current_device() == 1
+    cpu = torch.device("cpu")
+    assert torch.device("cuda") == cpu and torch.device("cuda", 1) == cpu
+    assert torch.device(type="cuda") == cpu and isinstance(torch.device("cuda"), torch.device)
+    assert torch.zeros(2, device="cuda").device == cpu
+    assert torch.empty(1, device=torch.device("cuda:1")).device == cpu
+    assert torch.ones(2).cuda().device == cpu and torch.ones(2).to("cuda").device == cpu
+    assert torch.ones(2).to(0).device == cpu
+    assert torch.ones(2).to("cuda", torch.float16).dtype == torch.float16
+    assert torch.ones(2).to(torch.float64).dtype == torch.float64
+    assert torch.ones(2).to(device="cuda:0").device == cpu
+    module = torch.nn.Linear(2, 2).cuda().to("cuda")
+    assert module.weight.device == cpu
+    # RNG: the CUDA generator is the device's generator
+    torch.cuda.manual_seed(7)
+    first = torch.rand(4)
+    state = torch.cuda.get_rng_state()
+    second = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), second)
+    assert torch.equal(torch.rand(4, generator=torch.Generator().manual_seed(7)), first)
+    assert torch.cuda.random.get_rng_state().equal(torch.get_rng_state())
+    # streams, events and memory answer without CUDA
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda.synchronize()
+    end.record()
+    assert start.elapsed_time(end) >= 0
+    assert torch.cuda.memory_allocated() > 0 and torch.cuda.max_memory_allocated() > 0
+    assert not torch.cuda.is_current_stream_capturing()
+    megatron_npu.restore()
+    assert _changes(before) == [], "restore() left names rebound"
+    assert not torch.cuda.is_available()  # the CPU wheel's own answer again
+
+
+def test_default_mode_changes_nothing_process_wide():
+    before = _snapshot()
+    megatron_npu.apply("cpu")
+    changed = _changes(before)
+    megatron_npu.restore()
+    # only the registry's own targeted patches (Tensor.cuda / Tensor.type) touch these namespaces
+    assert changed == ["torch.Tensor.cuda", "torch.Tensor.type"]
+    assert _changes(before) == []
+
+
+def test_transfer_switches_with_apply_arguments():
+    megatron_npu.apply("cpu")
+    assert not torch.cuda.is_available()
+    megatron_npu.apply("cpu", transfer=True)  # same device, transfer asked: installed now
+    assert torch.cuda.is_available()
+    megatron_npu.apply("cpu")  # and removed again
+    assert not torch.cuda.is_available() and not transfer.installed()
+
+
+def test_process_group_backend_is_the_devices(monkeypatch):
+    calls = []
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                           store=None, group_name="", pg_options=None, device_id=None):  # fmt: skip
+        calls.append(("init", backend, world_size, rank))
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None):
+        calls.append(("new", ranks, backend))
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.distributed, "new_group", new_group)
+    megatron_npu.apply("cpu", transfer=True)
+    torch.distributed.init_process_group(world_size=2, rank=1)
+    torch.distributed.init_process_group("nccl")
+    torch.distributed.init_process_group(backend="mpi")
+    torch.distributed.new_group([0, 1])
+    torch.distributed.new_group([0, 1], None, "nccl")
+    megatron_npu.restore()
+    assert torch.distributed.init_process_group is init_process_group
+    assert calls == [
+        ("init", "gloo", 2, 1), ("init", "gloo", -1, -1), ("init", "mpi", -1, -1),
+        ("new", [0, 1], None), ("new", [0, 1], "gloo"),
+    ]  # fmt: skip
+
+
+def test_wrapped_torch_functions_keep_their_signature():
+    megatron_npu.apply("cpu", transfer=True)
+    try:
+        assert "backend" in inspect.signature(torch.distributed.init_process_group).parameters
+        assert torch.zeros.__name__ == "zeros"
+    finally:
+        megatron_npu.restore()
+
+
+def test_cudagraphable_rng_tracker_runs_on_cpu():
+    """Megatron's graph-safe tracker (use_cudagraphable_rng=True) forks a seeded stream on cpu
+    exactly like a generator seeded the same way, and leaves the default stream untouched."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    megatron_npu.apply("cpu")
+    try:
+        tracker = CudaRNGStatesTracker(use_cudagraphable_rng=True)
+        tracker.add("model-parallel-rng", 1234)
+        torch.manual_seed(5)
+        expected_default = torch.rand(3, generator=torch.Generator().manual_seed(5))
+        reference = torch.Generator().manual_seed(1234)
+        with tracker.fork("model-parallel-rng"):
+            first = torch.rand(3)
+        assert torch.equal(torch.rand(3), expected_default)
+        with tracker.fork("model-parallel-rng"):
+            second = torch.rand(3)
+    finally:
+        megatron_npu.restore()
+    assert torch.equal(first, torch.rand(3, generator=reference))
+    assert torch.equal(second, torch.rand(3, generator=reference))
+
+
+def test_cudagraphable_rng_tracker_fails_without_the_adaptor():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    with pytest.raises(AssertionError, match="cudagraphs with RNG"):
+        CudaRNGStatesTracker(use_cudagraphable_rng=True)
+
+
+def test_graph_capture_is_refused_with_a_clear_message():
+    megatron_npu.apply("cpu", transfer=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(torch.Generator())
+        with pytest.raises(RuntimeError, match="not available on a CPU device"):
+            graph.capture_begin()
+    finally:
+        megatron_npu.restore()
+
+
+def test_npu_defers_to_torch_npu_transfer_and_restore_undoes_it(tmp_path, monkeypatch):
+    """On ``npu`` torch_npu's own transfer module does the mapping; every name it rebinds in the
+    snapshotted namespaces is put back by uninstall (shown with a stand-in module)."""
+    package = tmp_path / "torch_npu" / "contrib"
+    package.mkdir(parents=True)
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "transfer_to_npu.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            torch.cuda.is_available = lambda: "from torch_npu"
+            torch.Tensor.is_npu_transferred = True
+            torch.distributed.init_process_group = lambda *a, **k: "hccl"
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("torch_npu", "torch_npu.contrib", transfer.TORCH_NPU_TRANSFER):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    before = _snapshot()
+    npu = Device(name="npu", torch_type="npu", dist_backend="hccl", accelerator=CpuAccelerator())
+    assert transfer.install(npu) == "torch_npu"
+    assert torch.cuda.is_available() == "from torch_npu" and torch.Tensor.is_npu_transferred
+    transfer.uninstall()
+    assert _changes(before) == [] and not hasattr(torch.Tensor, "is_npu_transferred")
+    assert transfer.TORCH_NPU_TRANSFER not in sys.modules
+    for name in ("torch_npu", "torch_npu.contrib"):
+        sys.modules.pop(name, None)
+
+
+def test_auto_module_applies_transfer_for_the_environment_device(monkeypatch):
+    monkeypatch.setenv("MEGATRON_NPU_DEVICE", "npu-emulated")
+    monkeypatch.delitem(sys.modules, "megatron_npu.auto", raising=False)
+    import megatron_npu.auto  # noqa: F401
+
+    try:
+        assert megatron_npu.active_device() == "npu-emulated" and transfer.installed()
+    finally:
+        megatron_npu.restore()
+        sys.modules.pop("megatron_npu.auto", None)
+    assert not transfer.installed()
