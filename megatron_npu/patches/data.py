@@ -96,6 +96,8 @@ PATCHES = [
         "error): backport of 0.15's modulo-vocab ids",
         versions="<0.15",
         parity_exempt="backport of megatron-core 0.15's own mock-data formula, no device numerics",
+        exempt_test="tests/patches/test_mock_data.py::test_mock_samples_stay_inside_the_vocab",
+        benchmark_exempt="one modulo per mock sample, data plumbing",
     ),
     Patch(
         id="data.compile-helpers",
@@ -104,6 +106,8 @@ PATCHES = [
         reason="no make/Makefile/compiler needed: the index helpers are numpy",
         versions=">=0.13",
         parity_exempt="build step, no numerics: the helpers it stands for have parity cases",
+        exempt_test="tests/test_patcher.py::test_compile_helpers_needs_no_make",
+        benchmark_exempt="a build step run once, not a per-step cost",
     ),
     Patch(
         id="data.build-sample-idx",
