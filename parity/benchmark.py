@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from parity.metrics import DUAL_LEVELS, TensorComparison, decode_float, dtype_config, encode_float
+from parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
 
 __all__ = ["BENCHMARK_PATH", "CASE_LEVELS", "REL_L2_BENCHMARK_FACTOR", "with_benchmark", "LEVEL_LIMITS", "BenchmarkResult", "benchmark_result", "level_of"]
 
@@ -43,8 +43,6 @@ LEVEL_LIMITS = {
 SMALL_VALUE_LIMIT = 2.0
 #: parity case name -> msprobe level of the API the case's patch serves
 CASE_LEVELS = {"attention": "L1", "norm": "L2", "cross-entropy": "L2", "bias-gelu": "L2"}
-#: the stage-1 dual-N fields of a comparison (``dual_hundredth`` ...)
-DUAL_SHARE_FIELDS = tuple(f"dual_{name}" for name in DUAL_LEVELS)
 JUDGED = ("small_value_error_share", "max_rel_error", "mean_rel_error", "rmse")
 REPORTED = (*JUDGED, "error_balance")
 
@@ -87,9 +85,6 @@ class BenchmarkResult:
     limits: dict[str, float]
     status: str  # pass / error
     reason: str
-    #: the benchmark's own stage-1 dual-N shares (``dual_hundredth`` ...): stage 1 keeps an
-    #: error that the stock path in the same dtype does not make (see ``final_verdict``)
-    benchmark_dual_shares: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         enc = lambda d: {k: encode_float(v) for k, v in d.items()}  # noqa: E731
@@ -97,7 +92,6 @@ class BenchmarkResult:
             "level": self.level, "tested": enc(self.tested), "benchmark": enc(self.benchmark),
             "ratios": enc(self.ratios), "limits": enc(self.limits),
             "verdict": {"status": self.status, "reason": self.reason},
-            "benchmark_dual_shares": enc(self.benchmark_dual_shares),
         }  # fmt: skip
 
     @classmethod
@@ -111,7 +105,6 @@ class BenchmarkResult:
         return cls(
             data["level"], dec(data["tested"]), dec(data["benchmark"]), dec(data["ratios"]),
             dec(data["limits"]), v["status"], v["reason"],
-            dec(data.get("benchmark_dual_shares", {})),
         )  # fmt: skip
 
 
@@ -161,5 +154,4 @@ def benchmark_result(
         detail = f"; worst {worst} ratio {ratios[worst]:.4g} <= {limits[worst]:g}" if worst else ""
         reason = f"benchmark {level}: every ratio within its limit{detail}"
         status = "pass"
-    shares = {k: getattr(bench, k) for k in DUAL_SHARE_FIELDS if getattr(bench, k) is not None}
-    return BenchmarkResult(level, t, b, ratios, limits, status, reason, shares)
+    return BenchmarkResult(level, t, b, ratios, limits, status, reason)

@@ -20,8 +20,7 @@ Stage 2 (fp16/bf16 cells with a benchmark, :mod:`parity.benchmark`): when rules 
 error, msprobe's "benchmark" standard decides pass or error in place of rules 6-8 (the max-abs
 shortcut and the dual-N shares), as msprobe's newer standard replaces its dual-N rules for float
 outputs; :func:`final_verdict` combines the two. Rules 6-8 are still computed and quoted in the
-reason, and rule 7's error stands when the benchmark itself passes rule 7 (the stock path in the
-same dtype does not make that error, so this path is worse than stock).
+reason.
 
 A :class:`Tolerance` override may replace the cosine bound, the relative L2 bound, the abs-error
 pass bound and the dual-N levels used at error / warning level, and must carry a written reason;
@@ -272,17 +271,6 @@ def final_verdict(
     if hard is not None and (hard.status == "error" or comparison.kind == "exact"):
         return hard
     first = verdict(comparison, tolerance)
-    stock_share = getattr(benchmark, "benchmark_dual_shares", {}).get(first.rule)
-    if first.status == "error" and stock_share is not None:
-        n = next(n for n, field in _LEVEL_FIELD.items() if field == first.rule)
-        if stock_share > 1 - n:  # the stock 16-bit path passes the very rule this path fails
-            return Verdict(
-                "error",
-                f"{first.reason}, while the stock path in the same dtype passes that rule "
-                f"(share {_fmt(stock_share)}); {benchmark.reason}",
-                first.rule,
-                first.override,
-            )
     return Verdict(
         benchmark.status,
         f"{benchmark.reason} (stage-1 rules 6-8 would say {first.status}: {first.reason})",

@@ -133,30 +133,3 @@ def test_a_bf16_bug_stage1_only_warns_about_errors_on_the_benchmark(monkeypatch)
     assert (out_buggy.verdict.status, out_buggy.verdict.rule) == ("error", "benchmark")
     assert verdict(out_buggy.comparison).status == verdict(out_clean.comparison).status
     assert verdict(out_buggy.comparison, hard_only=True) is None  # rel_l2 under the floor
-
-
-def test_a_bf16_bug_the_stock_path_does_not_make_keeps_its_stage1_error(monkeypatch):
-    """5 % off on every 50th output element: below the stock bf16 path's noise
-    for stage 2's ratios, but it fails the dual-hundredth share that the stock bf16 path passes
-    on the same example, so it stays an error (parity.verdict.final_verdict)."""
-    from megatron_npu.ops import swiglu as swiglu_op
-    from megatron_npu.registry import get_patch
-    from parity.harness import Job, evaluate
-    from parity.matrix import case_examples
-
-    patch = get_patch("activation.bias-swiglu")
-    job = Job(patch.id, "cpu", "bfloat16", Parallel(), case_examples("bias-swiglu", "quick")[:1])
-    clean = evaluate(job)
-    original = swiglu_op.native_swiglu
-
-    def buggy_swiglu(x, dim=-1):
-        y = original(x, dim).clone()
-        y.view(-1)[::50] *= 1.05
-        return y
-
-    monkeypatch.setattr(swiglu_op, "native_swiglu", buggy_swiglu)
-    buggy = evaluate(job)
-    assert clean.verdict.status == "pass"
-    out = buggy.tensors["out"]
-    assert out.verdict.status == "error", out.verdict.reason
-    assert out.verdict.rule == "dual_hundredth" and "stock path" in out.verdict.reason
