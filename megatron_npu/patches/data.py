@@ -68,7 +68,7 @@ def helpers_module() -> types.ModuleType | None:
 
 
 def _wrap_mock_getitem(original):
-    """megatron-core 0.15's mock sample: token ids wrap modulo the tokenizer's vocabulary."""
+    """megatron-core 0.16's mock sample: token ids wrap modulo the tokenizer's vocabulary."""
 
     @functools.wraps(original)
     def __getitem__(self, idx):
@@ -92,10 +92,10 @@ PATCHES = [
         target="megatron.core.datasets.gpt_dataset.MockGPTLowLevelDataset.__getitem__",
         replacement=_wrap_mock_getitem,
         kind="wrap",
-        reason="0.13/0.14 mock samples count up to 4095 whatever the vocab (embedding index "
-        "error): backport of 0.15's modulo-vocab ids",
-        versions="<0.15",
-        parity_exempt="backport of megatron-core 0.15's own mock-data formula, no device numerics",
+        reason="0.13-0.15 mock samples count up to 4095 whatever the vocab (embedding index "
+        "error): backport of 0.16's modulo-vocab ids",
+        versions="<0.16",
+        parity_exempt="backport of megatron-core 0.16's own mock-data formula, no device numerics",
         exempt_test="tests/patches/test_mock_data.py::test_mock_samples_stay_inside_the_vocab",
         benchmark_exempt="one modulo per mock sample, data plumbing",
     ),

@@ -1,5 +1,5 @@
-"""The mock-data backport (``data.mock-token-ids-in-vocab``, megatron-core < 0.15): Megatron's
-mock GPT samples must stay inside the tokenizer's vocabulary, as 0.15+ does by itself."""
+"""The mock-data backport (``data.mock-token-ids-in-vocab``, megatron-core < 0.16): Megatron's
+mock GPT samples must stay inside the tokenizer's vocabulary, as 0.16 does by itself."""
 
 from __future__ import annotations
 

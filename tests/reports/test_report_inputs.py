@@ -102,7 +102,9 @@ def test_schema_2_records_and_crash_records_are_read(parity_runs, tmp_path):
 def test_schema_2_needs_its_keys(parity_runs, tmp_path):
     folder = _copy(parity_runs["base"], tmp_path / "run")
     bad = _records(folder)[0]
-    bad.write_text(json.dumps({**json.loads(bad.read_text()), "schema_version": 2}))
+    record = {**json.loads(bad.read_text()), "schema_version": 2}
+    record.pop("kernels", None)  # the harness writes schema 2 now: drop one of its keys
+    bad.write_text(json.dumps(record))
     [skip] = load([folder]).skipped
     assert "missing key 'kernels'" in skip.reason
 

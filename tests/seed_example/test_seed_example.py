@@ -122,7 +122,8 @@ def test_seed_loop_trains_saves_and_reloads(device, initial_model, tmp_path):
 
 def test_seed_loop_without_the_line_fails(tmp_path):
     script, checkpoint = _copy_of_script(tmp_path, with_line=False)
-    code, rank0, output = _torchrun(script, [], "cpu", tmp_path)
+    code, _, output = _torchrun(script, [], "cpu", tmp_path)
     assert code != 0
     assert "Losses reduced" not in output and not any(checkpoint.iterdir())
-    assert re.search(r"CUDA|cuda|nccl|NCCL", rank0), rank0[-3000:]
+    # whichever rank hit it first names CUDA/NCCL; the other may be stopped before it logs
+    assert re.search(r"CUDA|cuda|nccl|NCCL", output), output[-3000:]
