@@ -41,7 +41,7 @@ DTYPES = (torch.float32, torch.float16)
 
 @pytest.fixture(scope="module")
 def traced():
-    coverage = pytest.importorskip("coverage")
+    import coverage  # a test dependency: a missing one must fail, not skip
     cov = coverage.Coverage(
         branch=True, data_file=None, source=[str(REPO / "megatron_npu" / s) for s in SOURCES]
     )
