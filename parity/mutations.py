@@ -9,8 +9,7 @@ every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with a
 bug and requires ``error`` only with it.
 
 A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
-changes the case itself, e.g. a reference that calls the patched implementation); one with
-``depends_on`` needs a harness check another branch adds (named there).
+changes the case itself, e.g. a reference that calls the patched implementation).
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ class Mutation:
     #: "run": planted around ``case.run`` by the harness (every rank); "job": around the whole
     #: in-process evaluation (world size 1 only)
     scope: str = "run"
-    #: the harness feature (and the branch adding it) that turns this bug into an error
-    depends_on: str | None = None
 
     def __post_init__(self) -> None:
         if self.scope not in ("run", "job"):
@@ -591,8 +588,6 @@ _ALL = (
         "_apply_rotary_pos_emb_bshd, so any bug in it agrees with itself",
         "parity.cases.rotary.ROTARY_BSHD", _reference_calls_implementation,
         "rotary.apply-bshd", (_ROTARY,), scope="job",
-        depends_on="i8-verdicts: the harness's check that a reference does not call the "
-        "patched object",
     ),
 )  # fmt: skip
 

@@ -16,15 +16,12 @@ import math
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("msprobe", reason="mindstudio-probe (the test extra) is not installed")
-
-from msprobe.pytorch.api_accuracy_checker.compare import algorithm as ms  # noqa: E402
-from msprobe.pytorch.api_accuracy_checker.compare.compare import Comparator  # noqa: E402
-from msprobe.pytorch.api_accuracy_checker.compare.compare_column import (  # noqa: E402
+from msprobe.pytorch.api_accuracy_checker.compare import algorithm as ms
+from msprobe.pytorch.api_accuracy_checker.compare.compare import Comparator
+from msprobe.pytorch.api_accuracy_checker.compare.compare_column import (
     CompareColumn,
 )
-from msprobe.pytorch.api_accuracy_checker.precision_standard.standard_config import (  # noqa: E402
+from msprobe.pytorch.api_accuracy_checker.precision_standard.standard_config import (
     StandardConfig,
 )
 

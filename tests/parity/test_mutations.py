@@ -1,10 +1,6 @@
 """Mutation test of the parity harness: every planted bug (parity/mutations.py) turns its
 patch's parity job into an ``error``, and the same job without the bug is not an error (so each
-check can fail). The TP2 mutations are planted inside the rank-pool workers.
-
-A mutation whose ``depends_on`` names a harness check of another branch (the reference that
-calls the implementation needs i8-verdicts' check) is an expected failure while that check is
-missing, and passes as soon as the harness catches it."""
+check can fail). The TP2 mutations are planted inside the rank-pool workers."""
 
 from __future__ import annotations
 
@@ -31,8 +27,6 @@ def test_planted_bug_is_an_error(name, rank_pools):
     clean = _evaluate(mutation, False, rank_pools)
     assert clean.verdict.status != "error", f"{name}: fails without the bug: {_why(clean)}"
     caught = _evaluate(mutation, True, rank_pools)
-    if caught.verdict.status != "error" and mutation.depends_on:
-        pytest.xfail(f"{name}: needs {mutation.depends_on}")
     assert caught.verdict.status == "error", f"{name}: not caught: {_why(caught)}"
 
 
