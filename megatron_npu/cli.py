@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from megatron_npu.devices import NAMES, DeviceUnavailableError
@@ -37,22 +38,26 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parity(args: argparse.Namespace) -> int:
-    from parity import runner
+#: subcommands whose module provides ``add_arguments(parser)`` and ``main(args)``; imported only
+#: when the parser is built, so ``megatron-npu`` itself stays light
+_DELEGATED = {
+    "parity": ("parity.runner", "check every patched function against its CPU reference"),
+    "report": (
+        "reports.cli",
+        "one self-contained HTML page from parity, compare and benchmark results",
+    ),
+    "compare": (
+        "megatron_npu.compare.command",
+        "run a matrix of training configurations and judge them (Table 2)",
+    ),
+}
 
-    return runner.main(args)
 
+def _delegate(module: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).main(args)
 
-def _report(args: argparse.Namespace) -> int:
-    from reports.cli import main
-
-    return main(args)
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from megatron_npu.compare.command import main
-
-    return main(args)
+    return run
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -84,28 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_preprocess_args(p_pre)
     p_pre.set_defaults(func=_preprocess)
-    p_parity = sub.add_parser(
-        "parity", help="check every patched function against its CPU reference"
-    )
-    from parity.runner import add_arguments as add_parity_arguments
-
-    add_parity_arguments(p_parity)
-    add_disable_patch_argument(p_parity)
-    p_parity.set_defaults(func=_parity)
-    p_report = sub.add_parser(
-        "report", help="one self-contained HTML page from parity, compare and benchmark results"
-    )
-    from reports.cli import add_arguments as add_report_arguments
-
-    add_report_arguments(p_report)
-    p_report.set_defaults(func=_report)
-    p_compare = sub.add_parser(
-        "compare", help="run a matrix of training configurations and judge them (Table 2)"
-    )
-    from megatron_npu.compare.command import add_arguments as add_compare_arguments
-
-    add_compare_arguments(p_compare)
-    p_compare.set_defaults(func=_compare)
+    for name, (module, help_text) in _DELEGATED.items():
+        p_sub = sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(p_sub)
+        if name == "parity":
+            add_disable_patch_argument(p_sub)
+        p_sub.set_defaults(func=_delegate(module))
     p_evaluate = sub.add_parser(
         "evaluate", help="zero-shot evaluation of a checkpoint (--task lambada)", add_help=False
     )
