@@ -10,7 +10,7 @@ Collected by ``tests/parity/test_parity_matrix.py`` in CI and run directly by
 
 from __future__ import annotations
 
-from parity.harness import Job, evaluate
+from parity.harness import SIXTEEN_BIT, Job, evaluate
 from parity.matrix import Cell, case_examples, cells
 from parity.metrics import dtype_name
 from parity.results import write_record
@@ -43,6 +43,21 @@ def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
     if record.verdict.status == "error" and not failing:
         failing = {"cell": record.verdict.reason}
     assert not failing, f"{cell.id}: {failing}"
+    if cell.dtype in SIXTEEN_BIT:
+        _assert_benchmarked(cell, record)
+
+
+def _assert_benchmarked(cell: Cell, record) -> None:
+    """A 16-bit cell passes or fails on msprobe's stage-2 benchmark: every float tensor has one
+    (its worst example included), so no 16-bit cell falls back to stage 1's standing warning."""
+    floats = {n for n, t in record.tensors.items() if t.comparison.kind == "float"}
+    section = record.benchmark
+    judged = set(section.tensors) if section is not None else set()
+    unavailable = section.unavailable if section is not None else None
+    assert unavailable is None and floats <= judged, (
+        f"{cell.id}: 16-bit cell without a stage-2 benchmark for {sorted(floats - judged)}"
+        f" ({unavailable or 'no benchmark section'})"
+    )
 
 
 class _Unstartable:

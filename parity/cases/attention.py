@@ -251,6 +251,7 @@ def _outputs(ctx: Context, inputs, out, q, k, v, keep_rate=None):
 
 def _run(ctx: Context, inputs):
     p = ctx.params
+    _observed_keep.clear()  # a reference never sees the mask of an earlier example
     mask = inputs["padding_mask"].to(ctx.device) if p["mask"] == "padding" else None
     with (
         megatron_parallel(),
@@ -277,7 +278,9 @@ def _reference(ctx: Context, inputs):
         module = _module(p, ctx, reference=True)
         rate = None
         if _dropout_active(p):
-            module.attention_dropout = _fixed_dropout(_observed_keep.pop("keep"), p["dropout"])
+            # read, not taken: the stage-2 benchmark runs this reference a second time, in the
+            # tested dtype, with the same observed mask
+            module.attention_dropout = _fixed_dropout(_observed_keep["keep"], p["dropout"])
             rate = torch.tensor([1.0 - p["dropout"]], dtype=ctx.dtype)
         q, k, v = _qkv(ctx, inputs)
         return _outputs(ctx, inputs, ctx.original(module, q, k, v, mask), q, k, v, rate)
