@@ -160,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=_finite, default=0.02)
+    g.add_argument(
+        "--use-cpu-initialization", action="store_true",
+        help="build the initial weights in host memory and move the model afterwards (Megatron's "
+        "host path); default: allocate on the device. Both give the same weights "
+        "(training/weight_init.py)",
+    )  # fmt: skip
     g.add_argument("--attention-dropout", type=_finite, default=0.1)
     g.add_argument("--hidden-dropout", type=_finite, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)

@@ -11,7 +11,8 @@ layouts do not: the CPU generator is consumed layer after layer, so the first la
 stage 1 of a PP2 run draws from where the PP1 run's layer 1 left off, not from where its layer
 ``L/2 + 1`` did; and Megatron-LM also seeds each stage with ``seed + 100 * pp_rank``.
 
-This module therefore re-seeds the CPU generator before each piece is built, from the run seed and
+This module therefore re-seeds the init stream (:mod:`~megatron_npu.training.weight_init`, and the
+CPU generator) before each piece is built, from the run seed and
 the piece's *global* identity:
 
 * before each model chunk: ``(seed, "model")`` -- the embedding, built first on the first stage,
@@ -25,6 +26,10 @@ the piece's *global* identity:
 The CPU generator state from before the build is put back afterwards, so dropout streams do not
 depend on how much the build consumed. ``tests/training`` checks the outcome: the first ten
 losses of TP2, TP2+SP, PP2, PP2 interleaved, DP2 and TP2 PP2 equal those of TP1 PP1.
+
+Where the weights are built is ``--use-cpu-initialization`` (Megatron's host path) or, by default,
+the device (Megatron's device path); :mod:`megatron_npu.training.weight_init` makes both draw the
+same values from one CPU stream, so the choice changes memory, not the model.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank
 
 from megatron_npu.devices.base import Device
+from megatron_npu.training import weight_init
 
 #: Megatron-LM's ``_set_random_seed`` gives each pipeline stage its own seed.
 PP_SEED_STRIDE = 100
@@ -94,7 +100,7 @@ class SeededTransformerLayer(TransformerLayer):
         global_number = layer_number + offset
         seed = getattr(config, "init_seed", None)
         if seed is not None:
-            torch.default_generator.manual_seed(derived_seed(seed, "layer", global_number))
+            weight_init.reseed(derived_seed(seed, "layer", global_number))
         super().__init__(
             config=config,
             submodules=submodules,
@@ -157,7 +163,7 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         bf16=args.bf16,
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
-        use_cpu_initialization=True,
+        use_cpu_initialization=args.use_cpu_initialization,
         perform_initialization=True,
         deallocate_pipeline_outputs=dist_backend != "gloo",
         # Megatron-LM: overlapped (unbatched, even/odd-ordered) p2p for the interleaved schedule,
@@ -174,6 +180,7 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
     )
     # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
     config.init_seed = args.seed
+    weight_init.wrap_init_methods(config)
     return config
 
 
@@ -192,7 +199,7 @@ def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) ->
     try:
         for index in range(vpp or 1):
             vp_stage = index if vpp else None
-            torch.default_generator.manual_seed(derived_seed(args.seed, "model"))
+            weight_init.reseed(derived_seed(args.seed, "model"))
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=spec,

@@ -69,6 +69,15 @@ def test_dp2_distributed_optimizer_under_torchrun_matches_baseline(baseline, dp2
     assert diff <= TOLERANCE
 
 
+def test_host_initialization_equals_device_initialization(baseline, train_tmp):
+    """The baseline builds its weights on the device (the default); Megatron's host path
+    (``--use-cpu-initialization``) gives the same model, so the same losses to the bit."""
+    assert baseline.metrics["config"]["arguments"]["use_cpu_initialization"] is False
+    run = train(train_tmp, *TINY, "--train-iters", "10", "--use-cpu-initialization", name="host")
+    assert run.metrics["config"]["arguments"]["use_cpu_initialization"] is True
+    assert run.losses == baseline.losses
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]

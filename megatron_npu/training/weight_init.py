@@ -1,0 +1,80 @@
+"""Initial weights that are the same in every layout, built on the device where Megatron allows it.
+
+Megatron-Core has two initialisation paths, chosen by ``use_cpu_initialization``:
+
+* **host** (``True``): ``_initialize_affine_weight_cpu`` draws each tensor-parallel weight whole
+  (the *master*, fp32) on every rank and copies out the rank's slices; the model lives in host
+  memory until it is moved to the device;
+* **device** (``False``, Megatron's default): the parameter is allocated on the device and
+  ``_initialize_affine_weight_gpu`` calls ``init_method`` on the rank's shard inside the
+  model-parallel RNG fork -- each TP rank draws its own shard from its own generator, so a TP2
+  model is not the TP1 model split in two, and the values depend on the device's RNG.
+
+:class:`LayoutIndependentInit` wraps the config's init methods so that both paths give the same
+weights, and the same weights on every device: every draw comes from one CPU stream
+(:data:`INIT_STREAM`, re-seeded per model chunk and per global layer by
+:mod:`megatron_npu.training.model`); a tensor-parallel shard (the device path) is filled with its
+slices of the master drawn whole, exactly as the host path slices it. The device path therefore
+keeps one fp32 master weight in host memory at a time, never the model; the parameters are
+allocated on the device from the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core import parallel_state
+
+#: the CPU generator every initial weight is drawn from (re-seeded by :func:`reseed`)
+INIT_STREAM = torch.Generator()
+
+
+def reseed(seed: int) -> None:
+    """Start the init stream (and, for code that draws on its own, the CPU generator) at ``seed``."""
+    INIT_STREAM.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
+
+
+class LayoutIndependentInit:
+    """``init_method`` wrapper: draw from :data:`INIT_STREAM`; fill a TP shard from its master."""
+
+    def __init__(self, inner: Callable[[torch.Tensor], object]) -> None:
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"LayoutIndependentInit({self.inner!r})"
+
+    def _draw(self, shape: torch.Size) -> torch.Tensor:
+        master = torch.empty(shape, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator is the stream for one call
+            torch.default_generator.set_state(INIT_STREAM.get_state())
+            self.inner(master)
+            INIT_STREAM.set_state(torch.default_generator.get_state())
+        return master
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        if not getattr(weight, "tensor_model_parallel", False):
+            # a whole tensor: the host path's master, or a weight that is not split
+            with torch.no_grad():
+                weight.copy_(self._draw(weight.shape))
+            return weight
+        dim, stride = weight.partition_dim, weight.partition_stride
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        shape = list(weight.shape)
+        shape[dim] *= world
+        master = self._draw(torch.Size(shape))
+        # as _initialize_affine_weight_cpu: stride-sized pieces, every world-th one is this rank's
+        pieces = torch.split(master, weight.shape[dim] // stride, dim=dim)
+        with torch.no_grad():
+            weight.copy_(torch.cat(pieces[rank::world], dim=dim))
+        return weight
+
+
+def wrap_init_methods(config) -> None:
+    """Wrap every init method ``config`` carries (``embedding_init_method`` where it exists)."""
+    for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+        inner = getattr(config, name, None)
+        if inner is not None and not isinstance(inner, LayoutIndependentInit):
+            setattr(config, name, LayoutIndependentInit(inner))
