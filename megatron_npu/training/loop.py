@@ -29,6 +29,7 @@ import random
 import sys
 import time
 from argparse import Namespace
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -301,15 +302,35 @@ def _throughput_note(summary: dict) -> str:
     return note
 
 
-def _train(args, env, device) -> int:
+@dataclass
+class Trainer:
+    """What one rank trains with, built as Megatron-LM's ``setup_model_and_optimizer`` does."""
+
+    args: Namespace
+    device: object
+    train_data: object
+    vocab: int  # padded vocabulary
+    model: list
+    config: object
+    optimizer: object
+    scheduler: object
+    forward_backward: object
+
+    def step(self, step: int, iterators):
+        """One training step (:func:`train_step`): ``(loss, grad norm, lr, skipped)``."""
+        return train_step(
+            self.args, step, self.forward_backward, iterators, self.model, self.optimizer,
+            self.scheduler, self.device,
+        )  # fmt: skip
+
+
+def build_trainer(args, env, device) -> Trainer:
+    """Finalize ``args`` for this world, build the parallel state, data, model and optimizer.
+    The process group must exist (``launch.init_process_group``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     arguments.finalize(args, env.world_size)
     launch.init_model_parallel(args)
-    rank0 = env.rank == 0
-    if rank0:
-        security.warn_if_root()
-        print(_describe_layout(args, device), flush=True)
     set_seeds(args.seed)
     train_data = data_mod.build_train_data(args)
     vocab = model_mod.padded_vocab_size(train_data.vocab_size, args)
@@ -318,6 +339,18 @@ def _train(args, env, device) -> int:
     model, config = model_mod.build(args, device, vocab, env.local_rank)
     optimizer, scheduler = optim_mod.build(args, model)
     configure_schedule(args, config, model, optimizer)
+    return Trainer(args, device, train_data, vocab, model, config, optimizer, scheduler,
+                   get_forward_backward_func())  # fmt: skip
+
+
+def _train(args, env, device) -> int:
+    rank0 = env.rank == 0
+    trainer = build_trainer(args, env, device)
+    if rank0:
+        security.warn_if_root()
+        print(_describe_layout(args, device), flush=True)
+    train_data, vocab, model = trainer.train_data, trainer.vocab, trainer.model
+    optimizer, scheduler = trainer.optimizer, trainer.scheduler
     resume = checkpointing.Resume()
     if args.load:
         resume = checkpointing.load(args, model, optimizer, scheduler)
@@ -327,7 +360,6 @@ def _train(args, env, device) -> int:
         return 0
     consumed = resume.iteration * args.global_batch_size
     iterators = data_mod.iterators(args, train_data, model, consumed)
-    forward_backward = get_forward_backward_func()
 
     tokens_per_step = args.global_batch_size * args.seq_length
     run_metrics = metrics.RunMetrics(metrics.run_config(args, device), tokens_per_step)
@@ -355,9 +387,7 @@ def _train(args, env, device) -> int:
     try:
         for step in range(resume.iteration + 1, args.train_iters + 1):
             start = _timed_sync(device)
-            loss, grad_norm, lr, skipped = train_step(
-                args, step, forward_backward, iterators, model, optimizer, scheduler, device
-            )
+            loss, grad_norm, lr, skipped = trainer.step(step, iterators)
             elapsed = _timed_sync(device) - start
             consumed += args.global_batch_size
             pnorm = params_norm(model) if args.log_params_norm else None

@@ -1,0 +1,110 @@
+"""The yardstick: the GPT that ``megatron-npu train`` builds, written in plain PyTorch.
+
+Same architecture as Megatron-Core's ``GPTModel`` on the local layer spec with this project's
+defaults (learned absolute positions, pre-LayerNorm, biased linears, GeLU MLP of 4h, tied output
+embedding, no dropout in the benchmark), the same attention kernel
+(``scaled_dot_product_attention(is_causal=True)``, what the adaptor's fused attention runs on
+CPU), and a training step shaped like Megatron's: forward, token-mean cross entropy, backward,
+gradient clipping to norm 1, ``torch.optim.AdamW(foreach=True)`` on fp32 master weights (copied
+to the model's dtype when that is 16-bit, as Megatron's mixed-precision optimizer does).
+
+Used by ``perf/test_gpt_step_bench.py``; nothing in the adaptor imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int  # padded, as Megatron's
+    micro_batch_size: int
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return 4 * self.hidden_size
+
+
+class Block(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        h = shape.hidden_size
+        self.heads = shape.num_attention_heads
+        self.norm1 = nn.LayerNorm(h, eps=1e-5)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.norm2 = nn.LayerNorm(h, eps=1e-5)
+        self.fc1 = nn.Linear(h, shape.ffn_hidden_size)
+        self.fc2 = nn.Linear(shape.ffn_hidden_size, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        self.word = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.position = nn.Embedding(shape.seq_length, shape.hidden_size)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.num_layers))
+        self.final_norm = nn.LayerNorm(shape.hidden_size, eps=1e-5)
+        for param in self.parameters():
+            if param.dim() > 1:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.final_norm(x) @ self.word.weight.t()  # tied output layer
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class PlainTrainer:
+    """One Megatron-shaped training step of :class:`PlainGPT` (module docstring)."""
+
+    def __init__(self, shape: GPTShape, dtype: torch.dtype, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = PlainGPT(shape).to(dtype)
+        params = list(self.model.parameters())
+        self.mixed = dtype != torch.float32
+        self.master = [p.detach().float().clone() for p in params] if self.mixed else params
+        self.optimizer = torch.optim.AdamW(
+            self.master, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=True
+        )
+        gen = torch.Generator().manual_seed(seed)
+        size = (shape.micro_batch_size, shape.seq_length + 1)
+        data = torch.randint(0, shape.vocab_size, size, generator=gen)
+        self.tokens, self.labels = data[:, :-1], data[:, 1:]
+
+    def step(self) -> float:
+        params = list(self.model.parameters())
+        for p in params:
+            p.grad = None
+        loss = self.model(self.tokens, self.labels)
+        loss.backward()
+        if self.mixed:
+            for master, p in zip(self.master, params):
+                master.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(self.master, 1.0, foreach=True)
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(params, self.master)
+        return float(loss)

@@ -1,0 +1,123 @@
+"""One TP1 training step of a compute-bound GPT: the adaptor's Megatron run vs plain PyTorch.
+
+* ``megatron-npu``: the step ``megatron-npu train`` runs (:class:`~megatron_npu.training.loop.
+  Trainer`, one gloo rank on ``cpu``, fused attention via ``--use-flash-attn``, Megatron's
+  schedule, DDP grad buffer and optimizer);
+* ``plain-torch``: the same model written plainly (:mod:`perf.plain_gpt`), same SDPA kernel.
+
+Target: megatron-npu within 1.15x of plain-torch (compare the medians of the group). Both record
+the model FLOPs per step (Megatron-LM's formula, :mod:`megatron_npu.training.flops`) and their
+MFU against the host's measured GEMM peak (:mod:`megatron_npu.training.peak`).
+
+Size: 8 layers, hidden 1024, 16 heads, sequence 1024, vocab 32000, micro-batch 1. dtype fp32:
+this CPU has no bf16 matrix units (a bf16 GEMM runs about 100x slower than fp32 here), so a
+bf16 step would time the emulation of bf16 arithmetic, not the adaptor.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+import megatron_npu
+from megatron_npu import devices
+from megatron_npu.ops.settings import reset as reset_fused_attention
+from megatron_npu.ops.settings import set_fused_attention
+from megatron_npu.training import arguments, data, flops, launch, loop, peak
+from perf.plain_gpt import GPTShape, PlainTrainer
+
+SHAPES = {
+    "full": GPTShape(8, 1024, 16, 1024, 32000, 1),
+    "quick": GPTShape(2, 128, 4, 128, 1024, 1),
+}
+DTYPE = torch.float32
+GROUP = "gpt-train-step"
+
+
+def _argv(shape: GPTShape) -> list[str]:
+    return [
+        "--device", "cpu", "--mock-data", "--vocab-size", str(shape.vocab_size),
+        "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
+        "--num-attention-heads", str(shape.num_attention_heads),
+        "--seq-length", str(shape.seq_length), "--micro-batch-size", str(shape.micro_batch_size),
+        "--global-batch-size", str(shape.micro_batch_size), "--train-iters", "1000",
+        "--lr", "1e-4", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--use-flash-attn", "--log-interval", "1000", "--progress", "plain",
+        "--make-vocab-size-divisible-by", "128",
+    ]  # fmt: skip
+
+
+def _model_flops(shape: GPTShape) -> float:
+    return flops.gpt_model_flops_per_iteration(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_attention_heads, seq_length=shape.seq_length,
+        padded_vocab_size=shape.vocab_size, global_batch_size=shape.micro_batch_size,
+        swiglu=False, causal=True,
+    )  # fmt: skip
+
+
+class _MegatronStep:
+    """An in-process, one-rank ``megatron-npu train`` set up to its first step."""
+
+    def __init__(self, shape: GPTShape) -> None:
+        self.args = arguments.parse_args(_argv(shape))
+        megatron_npu.apply("cpu")
+        self.device = devices.require_active()
+        set_fused_attention(use_flash_attn=True, shape_order="SBH")
+        self.env = launch.dist_env()
+        launch.init_process_group(self.env, self.device, 10)
+        self.trainer = loop.build_trainer(self.args, self.env, self.device)
+        assert self.trainer.vocab == shape.vocab_size, "the plain model must have the same vocab"
+        self.iterators = data.iterators(self.args, self.trainer.train_data, self.trainer.model, 0)
+        for chunk in self.trainer.model:
+            chunk.train()
+        self.count = 0
+
+    def step(self) -> float:
+        self.count += 1
+        loss, _, _, skipped = self.trainer.step(self.count, self.iterators)
+        assert not skipped and loss is not None
+        return loss
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        launch.shutdown()
+        parallel_state.destroy_model_parallel()
+        reset_fused_attention()
+        megatron_npu.restore()
+
+
+@pytest.mark.parametrize("path", ["megatron-npu", "plain-torch"])
+def test_gpt_train_step(benchmark, perf_size, path):
+    shape = SHAPES[perf_size]
+    torch.manual_seed(0)
+    runner = _MegatronStep(shape) if path == "megatron-npu" else PlainTrainer(shape, DTYPE)
+    model_flops = _model_flops(shape)
+    benchmark.group = GROUP
+    benchmark.extra_info.update(
+        patch_id=None, op=GROUP, path=path if path == "plain-torch" else "native",
+        device="cpu", emulated=False, dtype="float32", direction="step",
+        shape=f"L={shape.num_layers},h={shape.hidden_size},n={shape.num_attention_heads},"
+        f"s={shape.seq_length},V={shape.vocab_size},b={shape.micro_batch_size}",
+        peak_memory_bytes=None, torch_threads=torch.get_num_threads(), case=path,
+        model_flops_per_step=model_flops,
+    )  # fmt: skip
+    losses: list[float] = []
+    try:
+        benchmark.pedantic(lambda: losses.append(runner.step()), rounds=3, iterations=1,
+                           warmup_rounds=1)  # fmt: skip
+    finally:
+        if isinstance(runner, _MegatronStep):
+            runner.close()
+    median = statistics.median(benchmark.stats.stats.data)
+    figure = peak.measured_peak_flops("cpu", DTYPE)
+    achieved = model_flops / median
+    benchmark.extra_info.update(
+        achieved_tflops=achieved / 1e12, peak_tflops=figure.tflops, peak_source=figure.source,
+        mfu=achieved / (figure.tflops * 1e12),
+    )  # fmt: skip
+    assert all(torch.isfinite(torch.tensor(losses)))
