@@ -158,6 +158,14 @@ def _no_sum_all_reduce(original):
     return dist_reduce
 
 
+def _upstream_grad_ignored(original):
+    def softmax_to_grad(softmax, local_target, outside, upstream, smoothing, vocab):
+        # the gradient as if every token's upstream gradient were 1
+        return original(softmax, local_target, outside, upstream * 0 + 1, smoothing, vocab)
+
+    return softmax_to_grad
+
+
 def _rotate_other_mode(original):
     def rotate(x, mode="half"):
         return original(x, "interleave" if mode == "half" else "half")
@@ -405,7 +413,7 @@ _RMS = _norm(eps=1e-5, seed=7)
 _NORM_ZERO_CENTERED = _norm(hidden=32, zero_centered=True, seed=6)
 _NORM_SP = _norm(normalization="LayerNorm", hidden=24, sp=True, seed=7)
 _CROSS_ENTROPY = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
-                  "seed": 1}  # fmt: skip
+                  "activation": True, "seed": 1}  # fmt: skip
 _ROTARY = _rotary()
 _ROTARY_PER_BATCH = _rotary(per_batch=True, rot_dim=16, seed=7)
 _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 0, "seed": 1}
@@ -459,6 +467,12 @@ _ALL = (
         "over the tensor-parallel group",
         "megatron_npu.ops.cross_entropy._dist_reduce", _no_sum_all_reduce,
         "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,), parallel=Parallel(tp=2),
+    ),
+    Mutation(
+        "cross-entropy-upstream-grad-ignored", "the in-place cross-entropy backward drops the "
+        "upstream gradient of each token's loss",
+        "megatron_npu.ops.cross_entropy._softmax_to_grad", _upstream_grad_ignored,
+        "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,),
     ),
     Mutation(
         "rotary-wrong-mode", "rotary rotates interleaved pairs where Megatron rotates halves",

@@ -24,11 +24,13 @@ all-reduce of one number per token), which keeps TP layouts equivalent; without 
 TP1, the two are the same (``tests/ops/test_cross_entropy.py`` runs Megatron's own function at
 TP2 beside this one).
 
-Memory: the logits are processed in row chunks of at most :data:`CHUNK_BYTES` of fp32, the
-forward keeps only per-row statistics, and the backward recomputes the softmax per chunk; the
-gradient of fp32 activation logits is written into their storage (Megatron overwrites them
-already in its forward). Peak extra memory is one chunk (plus the gradient for 16-bit logits,
-which is half the size of Megatron's fp32 copy).
+Memory and time: fp32 logits that are an activation (not a leaf) are worked on in place, as
+Megatron's kernel does: the forward turns them into the softmax in their own storage (one exp
+pass) and the backward into the gradient -- no temporary as large as the logits. Other logits
+(16-bit, or a leaf whose values the caller keeps) are read in row chunks of at most
+:data:`CHUNK_BYTES` of fp32: the forward keeps only per-row statistics and the backward
+recomputes the softmax per chunk, so the peak extra memory is one chunk plus the gradient in the
+logits' dtype (for 16-bit logits half of Megatron's fp32 copy).
 """
 
 from __future__ import annotations
@@ -89,13 +91,8 @@ def _fp32_chunks(rows: torch.Tensor):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Chunked over rows: no [tokens, V] fp32 temporary is ever whole.
-
-    The forward keeps only per-row statistics (max, log-sum-exp) and the logits themselves; the
-    backward recomputes each chunk's softmax from them. For fp32 logits that are an activation
-    (not a leaf), the gradient is written into the logits' own storage, as Megatron's in-place
-    kernel does (Megatron already overwrites them in its forward); a leaf keeps its values.
-    """
+    """No [tokens, V] fp32 temporary: in place for fp32 activations, else chunked over rows
+    (module docstring)."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, label_smoothing, reduce_max, reduce_sum):
@@ -109,14 +106,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = reduce_sum(picked.masked_fill(outside, 0.0))
 
         smoothing = label_smoothing > 0.0
-        sum_exp = torch.empty_like(row_max)
-        sum_shifted = torch.empty_like(row_max) if smoothing else None
-        for chunk, shifted in _fp32_chunks(rows):
-            shifted.sub_(row_max[chunk].unsqueeze(-1))
+        # fp32 activation logits become the softmax in their own storage, as in Megatron's
+        # kernel (one exp pass, no temporary); anything else is read chunk by chunk
+        in_place = logits.dtype == torch.float32 and not logits.is_leaf and logits.is_contiguous()
+        sum_shifted = None
+        if in_place:
+            rows.sub_(row_max.unsqueeze(-1))
             if smoothing:
-                sum_shifted[chunk] = shifted.sum(dim=-1)
-            sum_exp[chunk] = shifted.exp_().sum(dim=-1)
-        log_sum_exp = reduce_sum(sum_exp).log_()
+                sum_shifted = rows.sum(dim=-1)
+            sum_exp = rows.exp_().sum(dim=-1)
+        else:
+            sum_exp = torch.empty_like(row_max)
+            sum_shifted = torch.empty_like(row_max) if smoothing else None
+            for chunk, shifted in _fp32_chunks(rows):
+                shifted.sub_(row_max[chunk].unsqueeze(-1))
+                if smoothing:
+                    sum_shifted[chunk] = shifted.sum(dim=-1)
+                sum_exp[chunk] = shifted.exp_().sum(dim=-1)
+        sum_exp = reduce_sum(sum_exp)
+        log_sum_exp = sum_exp.log()
         loss = log_sum_exp - picked
 
         coeff, vocab = 0.0, local_vocab
@@ -131,26 +139,40 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_log_probs = reduce_sum(sum_shifted - local_vocab * log_sum_exp)
             loss = (1.0 - coeff) * loss - coeff * sum_log_probs / vocab
 
-        ctx.smoothing, ctx.vocab = coeff, vocab
-        ctx.reuse_logits = logits.dtype == torch.float32 and not logits.is_leaf
-        ctx.save_for_backward(logits, row_max + log_sum_exp, outside, local_target)
+        ctx.smoothing, ctx.vocab, ctx.in_place = coeff, vocab, in_place
+        if in_place:
+            rows.div_(sum_exp.unsqueeze(-1))  # the logits' storage now holds the softmax
+            ctx.save_for_backward(logits, outside, local_target)
+        else:
+            ctx.save_for_backward(logits, row_max + log_sum_exp, outside, local_target)
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, log_norm, outside, local_target = ctx.saved_tensors
-        local_vocab = logits.shape[-1]
-        rows = logits.reshape(-1, local_vocab)
-        grad = rows if ctx.reuse_logits else torch.empty_like(rows)
-        hit = (~outside).float().mul_(1.0 - ctx.smoothing)
         upstream = grad_loss.reshape(-1).float()
+        if ctx.in_place:
+            softmax, outside, local_target = ctx.saved_tensors
+            rows = softmax.view(-1, softmax.shape[-1])
+            _softmax_to_grad(rows, local_target, outside, upstream, ctx.smoothing, ctx.vocab)
+            return softmax, None, None, None, None, None
+        logits, log_norm, outside, local_target = ctx.saved_tensors
+        rows = logits.reshape(-1, logits.shape[-1])
+        grad = torch.empty_like(rows)
         for chunk, softmax in _fp32_chunks(rows):
             softmax.sub_(log_norm[chunk].unsqueeze(-1)).exp_()
-            softmax.scatter_add_(-1, local_target[chunk].unsqueeze(-1), -hit[chunk].unsqueeze(-1))
-            if ctx.smoothing > 0.0:
-                softmax.sub_(ctx.smoothing / ctx.vocab)
-            grad[chunk] = softmax.mul_(upstream[chunk].unsqueeze(-1))
+            _softmax_to_grad(softmax, local_target[chunk], outside[chunk], upstream[chunk],
+                             ctx.smoothing, ctx.vocab)  # fmt: skip
+            grad[chunk] = softmax
         return grad.view(logits.shape), None, None, None, None, None
+
+
+def _softmax_to_grad(softmax, local_target, outside, upstream, smoothing: float, vocab: int):
+    """``softmax`` rows -> the loss gradient of those rows, in place."""
+    hit = (~outside).float().mul_(1.0 - smoothing)
+    softmax.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+    if smoothing > 0.0:
+        softmax.sub_(smoothing / vocab)
+    softmax.mul_(upstream.unsqueeze(-1))
 
 
 def vocab_parallel_cross_entropy(

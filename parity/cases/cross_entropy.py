@@ -4,7 +4,9 @@ Every tensor-parallel rank takes its vocab shard of the full logits, calls
 ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (the name Megatron's GPT model
 calls; the patched function, with the TP all-reduces), back-propagates the upstream loss
 gradient, and the logits gradient is all-gathered over the TP group so rank 0 returns the full,
-un-sharded tensor. TP1/2/4 run on real gloo groups.
+un-sharded tensor. TP1/2/4 run on real gloo groups. The logits are an activation (``leaf * 1``,
+as the output layer hands them over: fp32 ones are worked on in place) or, with
+``activation=False``, a leaf (read in row chunks, left unchanged).
 
 The reference is independent plain torch on the full logits in the upcast dtype: per-token
 ``-log_softmax(logits)[target]`` and, with label smoothing ``a`` over the *global* vocab ``K``,
@@ -31,6 +33,7 @@ def _params():
             "vocab": st.integers(16, 160).map(lambda v: v * _MAX_TP),
             "label_smoothing": st.sampled_from([0.0, 0.1]),
             "logit_scale": st.sampled_from([1.0, 10.0]),
+            "activation": st.booleans(),
             "seed": st.integers(0, 2**16),
         }
     )
@@ -61,8 +64,9 @@ def _run(ctx: Context, inputs):
         rank = parallel_state.get_tensor_model_parallel_rank()
         logits = ctx.tensor(inputs["logits"])
         local = logits.chunk(tp, dim=-1)[rank].detach().clone().requires_grad_(True)
+        handed = local * 1.0 if ctx.params["activation"] else local
         loss = tensor_parallel.vocab_parallel_cross_entropy(
-            local, ctx.tensor(inputs["target"]), label_smoothing=ctx.params["label_smoothing"]
+            handed, ctx.tensor(inputs["target"]), label_smoothing=ctx.params["label_smoothing"]
         )
         loss.backward(ctx.tensor(inputs["grad_loss"]).to(loss.dtype))
         group = parallel_state.get_tensor_model_parallel_group()
@@ -86,7 +90,8 @@ def _reference(ctx: Context, inputs):
 
 
 def _edge(**kw):
-    base = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0}
+    base = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
+            "activation": True}
     base.update(kw)
     return base
 
@@ -108,5 +113,6 @@ VOCAB_PARALLEL_CROSS_ENTROPY = ParityCase(
         # peaked logits: log-sum-exp far from the max logit only if computed stably
         _edge(seq=8, vocab=512, logit_scale=10.0, label_smoothing=0.1, seed=3),
         _edge(seq=1, batch=1, vocab=64, seed=4),  # one token, 16 ids per rank at TP4
+        _edge(label_smoothing=0.1, activation=False, seed=5),  # a leaf: the chunked path
     ),
 )

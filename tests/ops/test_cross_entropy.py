@@ -141,8 +141,8 @@ def test_cross_entropy_invalid_inputs():
 
 
 def test_chunked_rows_and_in_place_gradient_match_the_reference(monkeypatch):
-    """Rows are processed in chunks (a tiny chunk budget forces many); fp32 activation logits
-    receive their gradient in their own storage, a leaf keeps its values."""
+    """fp32 activation logits become the softmax, then their gradient, in their own storage; a
+    leaf keeps its values and is read in row chunks (a tiny chunk budget forces many)."""
     import megatron_npu.ops.cross_entropy as ce
 
     monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * 7 * 3)  # 3 rows of a 7-wide vocab per chunk
@@ -162,8 +162,16 @@ def test_chunked_rows_and_in_place_gradient_match_the_reference(monkeypatch):
 
     leaf = base.detach().clone().requires_grad_()
     before = leaf.detach().clone()
-    vocab_parallel_cross_entropy(leaf, target).backward(grad_loss)
+    chunked = vocab_parallel_cross_entropy(leaf, target, label_smoothing=0.1)
+    chunked.backward(grad_loss)
     assert torch.equal(leaf.detach(), before)
+    assert_accurate(chunked, ref, torch.float32, "chunked loss")
+    assert_accurate(leaf.grad, ref_leaf.grad, torch.float32, "chunked dlogits")
+    # a non-contiguous activation cannot be worked on in place: it keeps its values
+    strided = (base * 1.0).transpose(0, 1)
+    kept = strided.detach().clone()
+    vocab_parallel_cross_entropy(strided, target.t()).sum().backward()
+    assert torch.equal(strided.detach(), kept)
 
 
 def test_in_place_gradient_refuses_to_corrupt_another_user_of_the_logits():

@@ -28,6 +28,8 @@ def test_planted_bug_is_an_error(name, rank_pools):
     assert clean.verdict.status != "error", f"{name}: fails without the bug: {_why(clean)}"
     caught = _evaluate(mutation, True, rank_pools)
     assert caught.verdict.status == "error", f"{name}: not caught: {_why(caught)}"
+    # caught by a rule, not by the planted code crashing (which would test no verdict)
+    assert caught.verdict.rule != "crash", f"{name}: the planted code crashed: {caught.verdict}"
 
 
 def test_there_are_enough_mutations_in_every_patched_area():
