@@ -98,9 +98,12 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
     tokens = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
     flops = summary.get("model_flops_per_step")
     peak = summary.get("peak") or {}
-    raw_mfu = None
+    raw_mfu = mfu_ci95 = None
     if stats and flops and peak.get("tflops"):
-        raw_mfu = flops / stats.median / (peak["tflops"] * 1e12 * summary.get("peak_devices", 1))
+        peak_flops = peak["tflops"] * 1e12 * summary.get("peak_devices", 1)
+        raw_mfu = flops / stats.median / peak_flops
+        # the s/step interval's ends, turned around: a slower step is a lower MFU
+        mfu_ci95 = [flops / stats.ci95[1] / peak_flops, flops / stats.ci95[0] / peak_flops]
     mfu = plausible(raw_mfu)
     memory = summary.get("peak_memory_bytes")
     return {
@@ -109,6 +112,7 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         "tokens_per_s": tokens / stats.median if stats and stats.median else None,
         "model_flops_per_step": flops,
         "mfu": mfu,
+        "ci95_mfu": mfu_ci95 if mfu is not None else None,
         "peak_tflops": peak.get("tflops"),
         "peak_source": peak.get("source"),
         "peak_understated": raw_mfu is not None and mfu is None,
@@ -252,6 +256,7 @@ def _table_row(result: RunResult, entry: dict[str, Any], cell: str) -> dict[str,
         "s_per_step_ci95": perf.get("ci95_s_per_step"),
         "tokens_per_s": perf.get("tokens_per_s"),
         "mfu": perf.get("mfu"),
+        "mfu_ci95": perf.get("ci95_mfu"),
         "peak_understated": perf.get("peak_understated", False),
         "peak_memory_mib": perf.get("peak_memory_mib"),
         "lambada": (result.lambada or {}).get("accuracy"),

@@ -1,7 +1,8 @@
 """Table 2 of the seeds ("competitor vs NPU: loss, s/step"), one row per run, as markdown.
 
 Columns: name, device (emulated marked ``*``), layout, precision, first/last loss, s/step (median
-after warm-up, with its 95 % bootstrap interval), tokens/s, MFU, peak memory, verdict.
+after warm-up, with its 95 % bootstrap interval), tokens/s, MFU (with the interval that s/step
+interval gives), peak memory, verdict.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ COLUMNS = (
     ("last_loss", "last loss"),
     ("s_per_step", "s/step [95% CI]"),
     ("tokens_per_s", "tokens/s"),
-    ("mfu", "MFU"),
+    ("mfu", "MFU [95% CI]"),
     ("peak_memory_mib", "peak MiB"),
     ("lambada", "LAMBADA acc (target nll)"),
     ("verdict", "verdict"),
@@ -71,7 +72,9 @@ def _fmt(key: str, row: dict[str, Any]) -> str:
     if key == "tokens_per_s":
         return f"{value:.0f}"
     if key == "mfu":
-        return f"{100 * value:.2f}%"
+        ci = row.get("mfu_ci95")
+        text = f"{100 * value:.2f}%"
+        return f"{text} [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}]" if ci else text
     if key == "peak_memory_mib":
         return f"{value:.0f}"
     if key == "lambada":
