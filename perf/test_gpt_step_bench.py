@@ -9,6 +9,11 @@ Target: megatron-npu within 1.15x of plain-torch (compare the medians of the gro
 the model FLOPs per step (Megatron-LM's formula, :mod:`megatron_npu.training.flops`) and their
 MFU against the host's measured GEMM peak (:mod:`megatron_npu.training.peak`).
 
+The megatron-npu cell also records ``routing_share``: one more step under ``cProfile``, the time
+spent inside the device routing (``megatron_npu/devices``) over the step's profiled time (target:
+under 1 %). The profiler taxes every Python call, the routing is all Python calls, so the share
+is an upper bound.
+
 Size: 8 layers, hidden 1024, 16 heads, sequence 1024, vocab 32000, micro-batch 1. dtype fp32:
 this CPU has no bf16 matrix units (a bf16 GEMM runs about 100x slower than fp32 here), so a
 bf16 step would time the emulation of bf16 arithmetic, not the adaptor.
@@ -16,6 +21,9 @@ bf16 step would time the emulation of bf16 arithmetic, not the adaptor.
 
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
 import statistics
 
 import pytest
@@ -34,6 +42,7 @@ SHAPES = {
 }
 DTYPE = torch.float32
 GROUP = "gpt-train-step"
+_ROUTING = os.path.join("megatron_npu", "devices", "")
 
 
 def _argv(shape: GPTShape) -> list[str]:
@@ -82,6 +91,15 @@ class _MegatronStep:
         assert not skipped and loss is not None
         return loss
 
+    def routing_share(self) -> float:
+        """Share of one profiled step spent in ``megatron_npu/devices`` (an upper bound)."""
+        profile = cProfile.Profile()
+        profile.runcall(self.step)
+        stats = pstats.Stats(profile).stats
+        total = sum(entry[2] for entry in stats.values())  # tottime of every function
+        routing = sum(entry[2] for (path, _, _), entry in stats.items() if _ROUTING in path)
+        return routing / total
+
     def close(self) -> None:
         from megatron.core import parallel_state
 
@@ -110,6 +128,8 @@ def test_gpt_train_step(benchmark, perf_size, path):
     try:
         benchmark.pedantic(lambda: losses.append(runner.step()), rounds=3, iterations=1,
                            warmup_rounds=1)  # fmt: skip
+        if isinstance(runner, _MegatronStep):
+            benchmark.extra_info["routing_share"] = runner.routing_share()
     finally:
         if isinstance(runner, _MegatronStep):
             runner.close()
