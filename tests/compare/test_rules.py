@@ -109,6 +109,13 @@ def test_performance_flags_slower_and_never_judges_emulated_speed():
     )
     assert rules.performance("b", "a", base, slow, comparable=True).status == rules.FAIL
     assert rules.performance("b", "a", base, same, comparable=True).status == rules.PASS
+    # 12 % slower in median, intervals apart, but not surely beyond 10 %: not called slower
+    near = rules.step_time_stats(
+        [0.1] * 2 + list(np.random.default_rng(4).normal(0.112, 0.004, 30))
+    )
+    assert near.median > 1.1 * base.median and near.ci95[0] > base.ci95[1]
+    assert near.ci95[0] <= 1.1 * base.ci95[1]
+    assert rules.performance("b", "a", base, near, comparable=True).status == rules.PASS
     emulated = rules.performance("b", "a", base, slow, comparable=False)
     assert emulated.status == rules.NOT_APPLICABLE and "not NPU performance" in emulated.detail
 
