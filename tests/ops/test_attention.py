@@ -235,14 +235,15 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(1, 2, seq, 4, generator=gen)
     k, v = (torch.randn(1, 1, seq, 4, generator=gen) for _ in range(2))
-    calls = []
-    real = att._band_plan
-    monkeypatch.setattr(att, "_band_plan", lambda *a: calls.append(1) or real(*a))
+    blocks = []
+    real = att._batched_band_block
+    monkeypatch.setattr(att, "_batched_band_block", lambda *a: blocks.append(real(*a)) or blocks[-1])
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = attend(path, qs, ks, vs, head_num=2, input_layout="BNSD", causal=True,
                  pre_tokens=window, next_tokens=0)
     out.sum().backward()
-    assert bool(calls) == (path == "native")  # native takes the band (flash pieces) path
+    # native takes the batched band path, with one padded block of 1024 after the first 2048
+    assert blocks == ([1024] if path == "native" else [])
 
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
     band_hidden = (j > i) | (j < i - window)  # sliding causal window of 2048 (+ itself)
@@ -274,6 +275,7 @@ def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, mo
     sq, skv, causal, pre, nxt = window
     monkeypatch.setattr(att, "BAND_MIN_BLOCK", 2)
     monkeypatch.setattr(att, "BAND_MAX_BLOCK", block)
+    monkeypatch.setattr(att, "_batched_band_block", lambda *a: 0)  # causal bands would take it
     gen = torch.Generator().manual_seed(sq * 100 + skv + block)
     q = torch.randn(2, 2, sq, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 2, skv, 8, generator=gen, requires_grad=True) for _ in range(2))
@@ -292,6 +294,64 @@ def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, mo
     assert_accurate(q.grad, rq.grad, torch.float32, "band dq")
     assert_accurate(k.grad, rk.grad, torch.float32, "band dk")
     assert_accurate(v.grad, rv.grad, torch.float32, "band dv")
+
+
+BATCHED_BANDS = [  # (seq, window, block limit, "long" query count, block it gives)
+    (24, 8, 4, 768, 4),  # blocks tile the sequence after the first window
+    (23, 5, 2, 768, 2),  # padded last block, odd window
+    (30, 8, 3, 768, 3),  # block does not divide the window: a partial middle column chunk
+    (10, 8, 4, 768, 4),  # sequence just above the window (window + 2): one padded block
+    (40, 9, 8, 768, 4),  # half the window: several middle column chunks
+    (33, 7, 1, 768, 1),  # one-query blocks
+    (29, 8, 16, 6, 8),  # only a whole window reaches the long-query count: no middle
+]
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "SBH"])
+@pytest.mark.parametrize("case", BATCHED_BANDS, ids=lambda c: "-".join(map(str, c)))
+def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, monkeypatch):
+    """The batched band path (causal sliding window: every block's pieces in one call per kind,
+    overlapping middle keys' gradients added back) agrees with plain attention, GQA included."""
+    seq, window, limit, long_queries, block = case
+    monkeypatch.setattr(att, "BAND_MIN_BLOCK", 2)
+    monkeypatch.setattr(att, "BATCHED_BAND_BLOCK", limit)
+    monkeypatch.setattr(att, "FLASH_LONG_QUERIES", long_queries)
+    monkeypatch.setattr(att, "_band_plan", lambda *a: pytest.fail("per-block band path taken"))
+    ran = []
+    real = att._BatchedBandAttention.apply
+    monkeypatch.setattr(att._BatchedBandAttention, "apply", lambda *a: ran.append(a[4]) or real(*a))
+    gen = torch.Generator().manual_seed(seq * 100 + window + limit)
+    q = torch.randn(2, 4, seq, 8, generator=gen)
+    k, v = (torch.randn(2, 2, seq, 8, generator=gen) for _ in range(2))
+    grad = torch.randn(q.shape, generator=gen)
+    qs, ks, vs = (to_layout(t, layout).detach().requires_grad_() for t in (q, k, v))
+    out = att.native_fused_attention(qs, ks, vs, head_num=4, input_layout=layout, causal=True,
+                                     pre_tokens=window, next_tokens=0)
+    out.backward(to_layout(grad, layout))
+    assert ran == [block]
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_bnsd(rq, rk, rv, causal=True, pre=window, nxt=0)
+    ref.backward(grad.double())
+    for name, got, want, heads in (("out", out, ref, 4), ("dq", qs.grad, rq.grad, 4),
+                                   ("dk", ks.grad, rk.grad, 2), ("dv", vs.grad, rv.grad, 2)):
+        torch.testing.assert_close(from_layout(got, layout, heads), want.float(), rtol=1e-5,
+                                   atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("block", [3, 4, 8])
+def test_batched_band_any_block_up_to_the_window(block):
+    """Blocks need not divide the window, and a block as wide as the window has no middle."""
+    seq, window = 21, 8
+    gen = torch.Generator().manual_seed(block)
+    q, k, v = (torch.randn(1, 2, seq, 4, generator=gen, requires_grad=True) for _ in range(3))
+    out = att._BatchedBandAttention.apply(q, k, v, window, block, 0.5)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad)
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_bnsd(rq, rk, rv, causal=True, pre=window, nxt=0, scale=0.5)
+    ref.backward(grad.double())
+    for got, want in ((out, ref), (q.grad, rq.grad), (k.grad, rk.grad), (v.grad, rv.grad)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", PATHS)
