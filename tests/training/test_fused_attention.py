@@ -31,13 +31,16 @@ def test_fused_attention_matches_unfused_losses_fp32(baseline, train_tmp, order)
 @pytest.mark.parametrize("window", [FLASH, SPARSE], ids=["flash", "sparse"])
 @pytest.mark.parametrize("order", ["SBH", "BSH"])
 def test_seed_variants_train_with_falling_loss(train_tmp, precision, window, order):
+    """30 iterations: with fp16, Megatron's dynamic loss scaler starts at 2**32 and skips the
+    first ~16 steps while it backs off, so 20 left as few as 4 real updates."""
     run = train(
-        train_tmp, *TINY, precision, "--train-iters", "20", "--use-flash-attn",
+        train_tmp, *TINY, precision, "--train-iters", "30", "--use-flash-attn",
         "--shape-order", order, *window,
         name=f"variant{precision}-{window[1]}-{order}",
     )  # fmt: skip
     losses = [s["lm_loss"] for s in run.steps if not s["skipped"]]
-    assert len(run.steps) == 20
+    assert len(run.steps) == 30
+    assert len(losses) >= 10, f"only {len(losses)} steps were applied"
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
 
 
