@@ -320,6 +320,11 @@ DOT_PRODUCT_ATTENTION = ParityCase(
         # a non-causal band with a padding mask, BSH, windowed blocks
         _edge(layout="BSH", mask="padding", seq=144, kv_seq=144, pre=24, next=8, heads=2,
               head_dim=8, seed=19),
+        # CPU band paths (windows of 64+ keys, no mask, no dropout): a causal sliding window
+        # runs batched (blocks of half the window, a padded last block); a band that also looks
+        # ahead runs the per-block band pieces
+        _edge(seq=200, kv_seq=200, pre=80, next=0, heads=2, groups=1, head_dim=8, seed=23),
+        _edge(mask="none", seq=192, kv_seq=192, pre=72, next=8, heads=2, head_dim=8, seed=24),
         # dropout in training (SBH causal, GQA), with sequence parallelism (no RNG fork),
         # and in eval mode (dropout configured, not applied)
         _edge(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20),
