@@ -180,17 +180,36 @@ def _not_unscaled(original):
     return check_finite_and_unscale_
 
 
-def _adamw_no_bias_correction(original):
-    def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999,
-                    eps=1e-8, weight_decay=0.01, max_exp_avg_sqs=None, amsgrad=False,
-                    maximize=False):  # fmt: skip
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            p.mul_(1.0 - lr * weight_decay)
-            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)  # no 1/(1 - beta**step)
+def _adamw_with_update(update):
+    """A plain AdamW step (decoupled weight decay, both moments) that ends in ``update``."""
 
-    return adamw_step_
+    def plant(original):
+        def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.01, max_exp_avg_sqs=None,
+                        amsgrad=False, maximize=False):  # fmt: skip
+            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+                p.mul_(1.0 - lr * weight_decay)
+                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                update(p, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+
+        return adamw_step_
+
+    return plant
+
+
+def _update_without_bias_correction(p, m, v, *, step, lr, beta1, beta2, eps):
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)  # no 1/(1 - beta**step)
+
+
+def _update_eps_inside_sqrt(p, m, v, *, step, lr, beta1, beta2, eps):
+    m_hat = m / (1.0 - beta1**step)
+    v_hat = v / (1.0 - beta2**step)
+    p.addcdiv_(m_hat, (v_hat + eps).sqrt(), value=-lr)  # eps inside the root
+
+
+_adamw_no_bias_correction = _adamw_with_update(_update_without_bias_correction)
+_adamw_eps_inside_sqrt = _adamw_with_update(_update_eps_inside_sqrt)
 
 
 def _l2norm_without_sqrt(original):
@@ -327,21 +346,6 @@ def _shard_offset_off_by_one(original):
         return original(logits, target, vocab_start_index=start, **kwargs)
 
     return vocab_parallel_cross_entropy
-
-
-def _adamw_eps_inside_sqrt(original):
-    def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999,
-                    eps=1e-8, weight_decay=0.01, max_exp_avg_sqs=None, amsgrad=False,
-                    maximize=False):  # fmt: skip
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            p.mul_(1.0 - lr * weight_decay)
-            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            m_hat = m / (1.0 - beta1**step)
-            v_hat = v / (1.0 - beta2**step)
-            p.addcdiv_(m_hat, (v_hat + eps).sqrt(), value=-lr)  # eps inside the root
-
-    return adamw_step_
 
 
 def _nan_not_flagged(original):

@@ -109,20 +109,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # fp32 activation logits become the softmax in their own storage, as in Megatron's
         # kernel (one exp pass, no temporary); anything else is read chunk by chunk
         in_place = logits.dtype == torch.float32 and not logits.is_leaf and logits.is_contiguous()
-        sum_shifted = None
-        if in_place:
-            rows.sub_(row_max.unsqueeze(-1))
+        sum_exp = torch.empty_like(row_max)
+        sum_shifted = torch.empty_like(row_max) if smoothing else None
+        chunks = ((slice(None), rows),) if in_place else _fp32_chunks(rows)
+        for chunk, shifted in chunks:
+            shifted.sub_(row_max[chunk].unsqueeze(-1))
             if smoothing:
-                sum_shifted = rows.sum(dim=-1)
-            sum_exp = rows.exp_().sum(dim=-1)
-        else:
-            sum_exp = torch.empty_like(row_max)
-            sum_shifted = torch.empty_like(row_max) if smoothing else None
-            for chunk, shifted in _fp32_chunks(rows):
-                shifted.sub_(row_max[chunk].unsqueeze(-1))
-                if smoothing:
-                    sum_shifted[chunk] = shifted.sum(dim=-1)
-                sum_exp[chunk] = shifted.exp_().sum(dim=-1)
+                sum_shifted[chunk] = shifted.sum(dim=-1)
+            sum_exp[chunk] = shifted.exp_().sum(dim=-1)
         sum_exp = reduce_sum(sum_exp)
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - picked
