@@ -24,7 +24,10 @@ Semantics shared by both paths (and by :func:`fused_attention`, which picks one 
 
 The native path uses ``torch.nn.functional.scaled_dot_product_attention``. When the window is
 narrow compared with the key length it runs query blocks that only see the keys inside their
-window, so its cost grows with ``Sq * window`` instead of ``Sq * Skv``.
+window, so its cost grows with ``Sq * window`` instead of ``Sq * Skv``. On CPU (fp32 compute,
+no user mask, no dropout) a window's forward is the C++ band kernel
+(:mod:`megatron_npu.ops.cpu_band_kernel`) where it builds, else ATen flash-kernel pieces merged
+by their log-sum-exp; the backward is always the flash pieces' (below).
 
 The NPU binding maps the window to torch_npu ``sparse_mode`` (see :func:`npu_sparse_plan`).
 """
@@ -39,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_npu.ops._common import check_float_dtype, check_same_dtype, dtype_name
+from megatron_npu.ops.cpu_band_kernel import band_attention_forward
 from megatron_npu.ops.kernels import npu_kernels
 
 #: torch_npu's "no limit" value for pre_tockens / next_tockens.
@@ -328,7 +332,7 @@ def native_fused_attention(
     ):
         out = _BatchedBandAttention.apply(q, k, v, -lo, block, scale)
     elif user_visible is None and dropout_p == 0.0 and (plan := _band_plan(q, sq, skv, lo, hi)):
-        out = _BandAttention.apply(q, k, v, plan, scale)
+        out = _BandAttention.apply(q, k, v, plan, (offset + lo, offset + hi), scale)
     else:
         band_width = hi - lo + 1
         block = _block_size(band_width)
@@ -385,6 +389,11 @@ def _windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gq
 # their log-sum-exps. The backward calls the kernel's backward per piece with the *merged* output
 # and log-sum-exp: that is exactly the gradient of the whole softmax restricted to the piece's
 # keys, so the pieces' gradients add up to the true one.
+#
+# The forward of both band paths is the C++ band kernel when it is available: it computes the
+# same output and log-sum-exp with ~64 masked scores per query row where the flash pieces compute
+# ~512 (the flash kernel's tiles are 256 queries x 512 keys, aligned to the piece's start), and
+# the backward above works from those.
 
 #: Query block of the band path: at most this many queries per block, and never more than the
 #: window is wide (``hi - lo``). Windows narrower than ``BAND_MIN_BLOCK`` use the masked blocks.
@@ -455,9 +464,16 @@ class _BandAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale):
+    def forward(ctx, q, k, v, plan, bounds, scale):
+        ctx.plan, ctx.scale = plan, scale
         b, n, sq, _ = q.shape
         skv = k.shape[2]
+        kernel = band_attention_forward(*(t.reshape(b * n, -1, t.shape[3]) for t in (q, k, v)),
+                                        *bounds, scale)  # fmt: skip
+        if kernel is not None:  # the C++ forward computes the same output and log-sum-exp
+            out, total = kernel[0].view(b, n, sq, -1), kernel[1].view(b, n, sq)
+            ctx.save_for_backward(q, k, v, out, total)
+            return out
         pieces = list(_band_pieces(plan, sq, skv))
         slots = sorted({slot for slot, *_ in pieces})  # only the kinds this window needs
         index = {slot: i for i, slot in enumerate(slots)}
@@ -479,7 +495,6 @@ class _BandAttention(torch.autograd.Function):
             weights = torch.where(torch.isfinite(total), weights, 0.0)
         out = (outs * weights.unsqueeze(-1)).sum(dim=0)
         ctx.save_for_backward(q, k, v, out, total)
-        ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
@@ -501,7 +516,7 @@ class _BandAttention(torch.autograd.Function):
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
         dq, dk, dv = (g.add_(r.flip(2)) for g, r in zip(grads, reversed_grads))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # --------------------------------------------------------------------------- batched band path
@@ -593,6 +608,12 @@ class _BatchedBandAttention(torch.autograd.Function):
         nb = -(-(s - width) // n)  # interior query blocks
         length = width + nb * n
         q, k, v = (_BatchedBandAttention._rows(t, length) for t in (q, k, v))
+        ctx.layout, ctx.scale = (b, h, s, width, n, nb), scale
+        kernel = band_attention_forward(q, k, v, -width, 0, scale)
+        if kernel is not None:  # the C++ forward computes the same output and log-sum-exp
+            out, lse = kernel
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out[:, :s].unflatten(0, (b, h))
         blocks, keys = _BatchedBandAttention._layout(width, n, nb)
         out = q.new_empty(b * h, length, v.shape[2])
         lse = q.new_empty(b * h, length)
@@ -618,7 +639,6 @@ class _BatchedBandAttention(torch.autograd.Function):
         for o, weight in zip(outs[1:], weights[1:]):
             merged.addcmul_(o, weight)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale = (b, h, s, width, n, nb), scale
         return out[:, :s].unflatten(0, (b, h))
 
     @staticmethod

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_npu.ops import attention as att
+from megatron_npu.ops import cpu_band_kernel
 from megatron_npu.testing import torch_npu_emulation as emulation
 
 from ._accuracy import assert_accurate
@@ -23,6 +24,29 @@ from ._paths import (
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BIG = att.MAX_TOKENS
+
+
+@pytest.fixture(params=["cpp-kernel", "flash-pieces"])
+def band_forward(request, monkeypatch):
+    """Run a band test with each CPU forward: the C++ band kernel (which must build here) and
+    the ATen flash pieces (the kernel switched off). Yields the list of forwards that ran (the
+    test asserts it is not empty where a band path must run); none may be the other one."""
+    if request.param == "flash-pieces":
+        monkeypatch.setenv(cpu_band_kernel.ENV_VAR, "0")
+    else:
+        monkeypatch.delenv(cpu_band_kernel.ENV_VAR, raising=False)
+        status = cpu_band_kernel.status()
+        assert status.available, f"the C++ band kernel does not build here: {status.reason}"
+    real, used = att.band_attention_forward, []
+
+    def recording(*args):
+        result = real(*args)
+        used.append("cpp-kernel" if result is not None else "flash-pieces")
+        return result
+
+    monkeypatch.setattr(att, "band_attention_forward", recording)
+    yield used
+    assert set(used) <= {request.param}, f"band forward used: {used}"
 
 
 def attend(path, q, k, v, **kw):
@@ -230,7 +254,7 @@ def test_binding_passes_torch_npu_arguments():
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_sliding_window_2048_is_a_causal_band(path, monkeypatch):
+def test_sliding_window_2048_is_a_causal_band(path, monkeypatch, band_forward):
     seq, window = 2600, 2048  # long enough for the window to bite and for blocked queries
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(1, 2, seq, 4, generator=gen)
@@ -244,6 +268,7 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch):
     out.sum().backward()
     # native takes the batched band path, with one padded block of 1024 after the first 2048
     assert blocks == ([1024] if path == "native" else [])
+    assert len(band_forward) == (1 if path == "native" else 0)
 
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
     band_hidden = (j > i) | (j < i - window)  # sliding causal window of 2048 (+ itself)
@@ -269,7 +294,8 @@ BAND_WINDOWS = [  # (sq, skv, causal, pre, nxt): causal bands, offsets, symmetri
 
 @pytest.mark.parametrize("block", [2, 5])
 @pytest.mark.parametrize("window", BAND_WINDOWS, ids=lambda w: "-".join(map(str, w)))
-def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, monkeypatch):
+def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, monkeypatch,
+                                                                band_forward):
     """The band path (flash pieces merged by log-sum-exp, per-piece backward with the merged
     statistics) at tiny blocks, so every piece kind and every cut at the sequence ends occurs."""
     sq, skv, causal, pre, nxt = window
@@ -285,6 +311,7 @@ def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, mo
     assert {p.kind for p in plan} & {"reversed-causal", "causal"}
     out = att.native_fused_attention(q, k, v, head_num=2, input_layout="BNSD", causal=causal,
                                      pre_tokens=pre, next_tokens=nxt)
+    assert band_forward  # the band path ran, with the forward this test is for
     grad = torch.randn(out.shape, generator=gen)
     out.backward(grad)
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -309,7 +336,8 @@ BATCHED_BANDS = [  # (seq, window, block limit, "long" query count, block it giv
 
 @pytest.mark.parametrize("layout", ["BNSD", "SBH"])
 @pytest.mark.parametrize("case", BATCHED_BANDS, ids=lambda c: "-".join(map(str, c)))
-def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, monkeypatch):
+def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, monkeypatch,
+                                                                   band_forward):
     """The batched band path (causal sliding window: every block's pieces in one call per kind,
     overlapping middle keys' gradients added back) agrees with plain attention, GQA included."""
     seq, window, limit, long_queries, block = case
@@ -328,7 +356,7 @@ def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, 
     out = att.native_fused_attention(qs, ks, vs, head_num=4, input_layout=layout, causal=True,
                                      pre_tokens=window, next_tokens=0)
     out.backward(to_layout(grad, layout))
-    assert ran == [block]
+    assert ran == [block] and band_forward
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference_bnsd(rq, rk, rv, causal=True, pre=window, nxt=0)
     ref.backward(grad.double())
@@ -339,12 +367,13 @@ def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, 
 
 
 @pytest.mark.parametrize("block", [3, 4, 8])
-def test_batched_band_any_block_up_to_the_window(block):
+def test_batched_band_any_block_up_to_the_window(block, band_forward):
     """Blocks need not divide the window, and a block as wide as the window has no middle."""
     seq, window = 21, 8
     gen = torch.Generator().manual_seed(block)
     q, k, v = (torch.randn(1, 2, seq, 4, generator=gen, requires_grad=True) for _ in range(3))
     out = att._BatchedBandAttention.apply(q, k, v, window, block, 0.5)
+    assert band_forward
     grad = torch.randn(out.shape, generator=gen)
     out.backward(grad)
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
