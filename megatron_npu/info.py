@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_npu import patcher
 from megatron_npu.devices import Device, resolve
+from megatron_npu.ops import cpu_band_kernel
 from megatron_npu.registry import Patch, all_patches
 from megatron_npu.versions import library_versions
 
@@ -38,6 +39,8 @@ def collect(device: str | None = None) -> dict[str, Any]:
             "description": dev.describe(),
         },
         "versions": library_versions(),
+        # windowed attention's forward on cpu (the native path runs only there)
+        "cpu_band_attention": cpu_band_kernel.status().describe() if dev.name == "cpu" else None,
         "patches": [
             {
                 **r.as_dict(),
@@ -59,6 +62,8 @@ def render(data: dict[str, Any], file: Any = None) -> None:
     console.print(f"[bold]device[/bold]   {data['device']['description']}")
     for name, version in data["versions"].items():
         console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")
+    if data["cpu_band_attention"]:
+        console.print(f"[bold]windowed attention forward[/bold] {data['cpu_band_attention']}")
     table = Table(title="patches", show_lines=False)
     for column in ("id", "target", "status", "npu path", "reason"):
         table.add_column(column, overflow="fold")

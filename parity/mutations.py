@@ -220,6 +220,15 @@ def _l2norm_without_sqrt(original):
     return multi_tensor_l2norm
 
 
+def _band_kernel_window_narrowed(original):
+    """The C++ band forward called with the window's far end one key nearer."""
+
+    def band_attention_forward(query, key, value, lo, hi, scale):
+        return original(query, key, value, lo + 1, hi, scale)
+
+    return band_attention_forward
+
+
 def _windowed_off_by_one(original):
     """``_windowed`` with each query block's first key one too far right."""
 
@@ -409,6 +418,8 @@ _ATTENTION = _attention()
 _ATTENTION_PADDING = _attention(layout="BSH", mask="padding", seq=24, kv_seq=24, heads=2, seed=15)
 _ATTENTION_WINDOW = _attention(seq=160, kv_seq=160, pre=16, next=0, heads=2, groups=1,
                                head_dim=8, seed=18)  # fmt: skip
+_ATTENTION_BAND = _attention(seq=200, kv_seq=200, pre=80, next=0, heads=2, groups=1, head_dim=8,
+                             seed=23)  # fmt: skip
 _ATTENTION_DROPOUT = _attention(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20)
 _ATTENTION_EVAL = _attention(dropout=0.2, training=False, seed=22)
 _SOFTMAX = {"batch": 2, "heads": 2, "sq": 64, "sk": 64, "x_scale": 1.0, "seed": 1}
@@ -505,6 +516,12 @@ _ALL = (
         "key late (only a window narrower than the sequence, with several blocks, runs them)",
         "megatron_npu.ops.attention._windowed", _windowed_off_by_one,
         "attention.dot-product", (_ATTENTION_WINDOW,),
+    ),
+    Mutation(
+        "attention-band-kernel-window-narrowed", "the C++ band forward (CPU windows of 64 keys "
+        "or more) leaves out the farthest key of every window",
+        "megatron_npu.ops.attention.band_attention_forward", _band_kernel_window_narrowed,
+        "attention.dot-product", (_ATTENTION_BAND,),
     ),
     Mutation(
         "attention-dropout-in-eval", "attention dropout applied although the module is in eval "

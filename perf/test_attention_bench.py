@@ -1,7 +1,9 @@
 """Attention targets on CPU, native path, fp32 (non-patch benchmarks: ``patch_id`` is null).
 
 * ``attention-window``: causal sliding window of 2048 vs full causal attention at S=8192
-  (target: the window at least 2x faster, forward);
+  (target: the window at least 2x faster, forward). The window's forward is the C++ band
+  kernel where it builds (``extra_info["band_forward"]`` names the one that ran; set
+  ``MEGATRON_NPU_CPU_KERNEL=0`` to time the ATen flash pieces instead);
 * ``attention-vs-sdpa``: the fused op (SBH, causal) vs plain
   ``scaled_dot_product_attention(is_causal=True)`` on the same tensors, forward+backward
   (target: within 1.1x).
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_npu.ops import cpu_band_kernel
 from megatron_npu.ops.attention import MAX_TOKENS, fused_attention, native_fused_attention
 
 B, N, S, D = 1, 4, 8192, 64
@@ -49,8 +52,10 @@ def test_attention_window_vs_full_causal(benchmark, case):
         with torch.no_grad():
             return native_fused_attention(q, k, v, **kwargs)
 
+    band = cpu_band_kernel.status().describe() if case != "full-causal" else None
     _label(benchmark, "attention-window", f"B={B},N={N},S={S},D={D}", "fwd", case=case,
-           pre_tokens=kwargs["pre_tokens"], next_tokens=kwargs["next_tokens"])  # fmt: skip
+           pre_tokens=kwargs["pre_tokens"], next_tokens=kwargs["next_tokens"],
+           band_forward=band)  # fmt: skip
     out = benchmark.pedantic(forward, rounds=7, iterations=1, warmup_rounds=3)
     assert out.shape == (B, N, S, D) and torch.isfinite(out).all()
     # the last query sees only the last WINDOW + 1 keys under the window, all keys otherwise

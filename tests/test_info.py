@@ -35,6 +35,8 @@ def test_info_json_lists_every_patch_on_cpu():
         assert row["status"] != "failed", row
         assert row["reason"]
     assert sum(r["status"] == "applied" for r in rows) > 0
+    # which forward windowed attention takes on cpu; the tests build the C++ one
+    assert data["cpu_band_attention"] == "C++ band kernel"
 
 
 def test_registry_entries_are_well_formed():
