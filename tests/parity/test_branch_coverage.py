@@ -39,8 +39,11 @@ SOURCES = ("ops", "patches", "modules", "optim")
 #: fp32 + fp16, cpu + npu-emulated, world size 1 (see the module doc), once the C++ band forward
 #: took over the CPU windowed attention and its cpu cells ran again with it off (270/414 without
 #: that second run; 269/400 before the kernel, 244/404 before the band-path examples, 234/378
-#: and 221/334 on earlier trees); the floor sits just below
-FLOOR = 0.67
+#: and 221/334 on earlier trees). The count depends a little on what ran before in the same
+#: process: process-level caches (the kernel's build status, the causal-mask caches) filled by
+#: earlier tests skip their "first call" branches, 277/414 in a clean-clone `.ci/run` under
+#: xdist. The floor sits below that.
+FLOOR = 0.66
 DTYPES = (torch.float32, torch.float16)
 #: its cpu cells run twice: with the C++ band forward and with the ATen flash pieces
 ATTENTION = "attention.dot-product"
