@@ -83,6 +83,15 @@ def test_loss_curves_table2_and_verdicts(ctx):
     table = comp["table2"]
     assert "emulated" not in table["columns"] and table["columns"][0] == "name"
     assert [row["device"]["emulated"] for row in table["rows"]] == [r[2] for r in fx.RUNS]
+    # s/step and MFU each with their 95 % interval, as compare's Table 2 gives them
+    columns = table["columns"]
+    assert columns.index("s_per_step_ci95") == columns.index("s_per_step") + 1
+    assert columns.index("mfu_ci95") == columns.index("mfu") + 1
+    first = table["rows"][0]
+    assert first["s_per_step_ci95"] == {"text": "[0.196, 0.204]", "numeric": True}
+    assert first["mfu_ci95"]["text"] == "[0.0098, 0.0102]"
+    emulated = next(r for r, run in zip(table["rows"], fx.RUNS) if run[2])
+    assert emulated["mfu_ci95"]["text"] == "-"  # emulated speed: no MFU, no interval
 
 
 def test_provenance_has_commands_seeds_and_versions(ctx):
