@@ -17,9 +17,7 @@ none must call none (``info`` says "same code as cpu" for it).
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,19 +47,6 @@ DTYPES = (torch.float32, torch.float16)
 ATTENTION = "attention.dot-product"
 
 
-@contextmanager
-def _cpu_band_kernel_off():
-    before = os.environ.get(cpu_band_kernel.ENV_VAR)
-    os.environ[cpu_band_kernel.ENV_VAR] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[cpu_band_kernel.ENV_VAR]
-        else:
-            os.environ[cpu_band_kernel.ENV_VAR] = before
-
-
 @pytest.fixture(scope="module")
 def traced():
     import coverage  # a test dependency: a missing one must fail, not skip
@@ -85,7 +70,8 @@ def traced():
                 kernels[cell.patch.id] |= {name for name, n in calls.items() if n}
             if cell.device == "cpu" and cell.patch.id == ATTENTION:
                 # the CPU band forward without its C++ kernel (no compiler): the flash pieces
-                with _cpu_band_kernel_off():
+                with pytest.MonkeyPatch.context() as env:
+                    env.setenv(cpu_band_kernel.ENV_VAR, "0")
                     if evaluate(job).verdict.status == "error":
                         errors.append(f"{cell.id} (C++ band kernel off)")
     finally:
