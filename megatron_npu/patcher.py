@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 import sys
@@ -39,7 +40,9 @@ SKIPPED_BY_VERSION = "skipped-by-version"
 NOT_FOR_DEVICE = "not-for-this-device"
 FAILED = "failed"
 DISABLED = "disabled"
-STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED, DISABLED)
+#: the package holding the target (``Patch.requires``) is not importable in this process
+NOT_INSTALLED = "not-installed"
+STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED, DISABLED, NOT_INSTALLED)
 
 #: Comma-separated patch ids the user switched off.
 DISABLE_ENV = "MEGATRON_NPU_DISABLE"
@@ -237,9 +240,23 @@ def _is_pass_through(original: Any, wrapper: Any) -> bool:
     return kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
 
 
+def _resolve_for(patch: Patch) -> tuple[Any, str]:
+    """``resolve``, except that a ``creates`` patch's target may be missing from its module."""
+    try:
+        return resolve(patch.target)
+    except AttributeError:
+        if not patch.creates:
+            raise
+        module_name, _, name = patch.target.rpartition(".")
+        return importlib.import_module(module_name), name
+
+
 def _plan(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]:
     """Build ``patch``'s replacement and every site it goes to, changing nothing yet."""
-    owner, name = resolve(patch.target)
+    owner, name = _resolve_for(patch)
+    if patch.creates and not hasattr(owner, name):
+        _state.originals[patch.id] = None
+        return [_Site(owner, name, _MISSING, patch.replacement)]
     raw, own = _raw_attribute(owner, name)
     original, descriptor = _unwrap_descriptor(raw)
     _state.originals[patch.id] = original
@@ -355,7 +372,20 @@ def plan_status(patch: Patch, device: str, version: str) -> tuple[str, str]:
             SKIPPED_BY_VERSION,
             f"megatron-core {version} is outside {patch.versions!r}",
         )
+    if patch.requires and not _importable(patch.requires):
+        return (
+            NOT_INSTALLED,
+            f"{patch.requires} is not importable here (Megatron-LM's training layer is not on "
+            "sys.path); the patch applies when it is",
+        )
     return "", ""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def apply(

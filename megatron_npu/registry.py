@@ -39,6 +39,13 @@ class Patch:
     replacement calls on the NPU; empty means it runs the same code on the NPU as on the CPU.
     ``benchmark`` is the patch's benchmark case (``"module:NAME"``, see :mod:`perf`);
     ``benchmark_exempt`` the written reason when it has none (pure plumbing).
+    ``requires`` names the module outside megatron-core that holds the target (in Megatron-LM's
+    training layer, ``megatron.training.*`` / ``megatron.legacy.*``, which the megatron-core wheel
+    does not ship): where it is not importable (no Megatron-LM on the path, or a partial
+    stand-in ``megatron.training``) the patch is ``not-installed``, never an error.
+    ``creates`` marks a target Megatron binds only when an optional CUDA extension imports (a
+    module global such as ``fused_weight_gradient_mlp_cuda``): the patch installs it whether or
+    not it exists, and restore removes what it created. Nothing else is ever created.
     """
 
     id: str
@@ -56,6 +63,8 @@ class Patch:
     exempt_test: str = ""
     npu_kernels: tuple[str, ...] = ()
     rebind_copies: bool = True
+    requires: str = ""
+    creates: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -71,6 +80,10 @@ class Patch:
             raise ValueError(f"patch {self.id!r}: bad version specifier {self.versions!r}") from exc
         if self.parity_exempt and not self.exempt_test:
             raise ValueError(f"patch {self.id!r}: a parity exemption must name its exempt_test")
+        if self.requires and not self.target.startswith(self.requires + "."):
+            raise ValueError(f"patch {self.id!r}: target {self.target!r} is not in {self.requires!r}")
+        if self.creates and self.kind != "replace":
+            raise ValueError(f"patch {self.id!r}: a created target has no original to wrap")
         if self.kind == "wrap" and not callable(self.replacement):
             raise ValueError(f"patch {self.id!r}: a wrap patch needs a callable original -> new")
 
