@@ -1,0 +1,109 @@
+"""Parity of gradient-accumulation fusion: Megatron's tensor-parallel linear function with
+``gradient_accumulation_fusion=True`` accumulating the weight gradient into ``weight.main_grad``
+through the adaptor's ``fused_weight_gradient_mlp_cuda`` stand-in.
+
+The patched path is the whole ``linear_with_grad_accumulation_and_async_allreduce`` (forward,
+input gradient, and the fused accumulate in its backward). ``main_grad`` is fp32 (Megatron's
+default for fp32 params and with ``--accumulate-allreduce-grads-in-fp32``: the ``_fp32`` kernel) or
+in the tested dtype (bf16/fp16 params without it: the ``_fp16`` kernel); both are drawn. The
+reference is the algebra in the upcast dtype: ``out = x W^T``, ``grad_x = g W``, ``main_grad +=
+g^T x`` over all tokens (the original target does not exist without apex, so it cannot be
+called).
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from parity.case import Context, ParityCase
+from parity.cases._common import generator, megatron_parallel
+
+
+def _params():
+    return st.fixed_dictionaries(
+        {
+            "seq": st.integers(1, 12),
+            "batch": st.integers(1, 3),
+            "fan_in": st.integers(1, 48),
+            "fan_out": st.integers(1, 48),
+            "main_grad_fp32": st.booleans(),
+            "bias": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+def _inputs(p):
+    import torch
+
+    g = generator(p)
+    s, b, i, o = p["seq"], p["batch"], p["fan_in"], p["fan_out"]
+    return {
+        "x": torch.randn(s, b, i, generator=g, dtype=torch.float64),
+        "weight": torch.randn(o, i, generator=g, dtype=torch.float64) / max(i, 1) ** 0.5,
+        "bias": torch.randn(o, generator=g, dtype=torch.float64),
+        "grad_out": torch.randn(s, b, o, generator=g, dtype=torch.float64),
+        "main_grad": torch.randn(o, i, generator=g, dtype=torch.float64),
+    }
+
+
+def _main_grad_dtype(ctx: Context):
+    import torch
+
+    return torch.float32 if ctx.params["main_grad_fp32"] else ctx.tested_dtype
+
+
+def _run(ctx: Context, inputs):
+    import torch
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
+
+    with megatron_parallel():
+        x = ctx.tensor(inputs["x"], grad=True)
+        weight = torch.nn.Parameter(ctx.tensor(inputs["weight"]))
+        weight.main_grad = inputs["main_grad"].to(_main_grad_dtype(ctx)).to(ctx.device)
+        bias = ctx.tensor(inputs["bias"]) if ctx.params["bias"] else None
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, bias, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+            sequence_parallel=False,
+        )  # fmt: skip
+        out.backward(ctx.tensor(inputs["grad_out"]))
+    return {"out": out, "grad_x": x.grad, "main_grad": weight.main_grad}
+
+
+def _reference(ctx: Context, inputs):
+    x, w = ctx.tensor(inputs["x"]), ctx.tensor(inputs["weight"])
+    g = ctx.tensor(inputs["grad_out"])
+    out = x @ w.t()
+    if ctx.params["bias"]:
+        out = out + ctx.tensor(inputs["bias"])
+    start = inputs["main_grad"].to(_main_grad_dtype(ctx)).to(ctx.dtype)
+    flat_g, flat_x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    return {"out": out, "grad_x": g @ w, "main_grad": start + flat_g.t() @ flat_x}
+
+
+def _edge(**kw):
+    base = {"seq": 8, "batch": 2, "fan_in": 32, "fan_out": 24, "main_grad_fp32": True,
+            "bias": True, "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+GRADIENT_ACCUMULATION_FUSION = ParityCase(
+    name="gradient-accumulation-fusion",
+    params=_params(),
+    make_inputs=_inputs,
+    run=_run,
+    reference=_reference,
+    compares="linear output, input gradient, and main_grad after the fused weight-gradient "
+    "accumulate (fp32 or 16-bit main_grad)",
+    reference_kind="x W^T, g W and main_grad + g^T x in the upcast dtype (no stock CUDA kernel "
+    "exists to call)",
+    edge_cases=(
+        _edge(),
+        _edge(main_grad_fp32=False, seed=2),  # the _fp16 kernel (16-bit main_grad)
+        _edge(seq=1, batch=1, fan_in=1, fan_out=1, seed=3),
+        _edge(seq=12, batch=3, fan_in=48, fan_out=48, bias=False, seed=4),  # long token sums
+    ),
+)
