@@ -1,0 +1,91 @@
+"""Megatron's ``@jit_fuser`` functions run eagerly on non-CUDA devices.
+
+Megatron decorates its elementwise fusions (bias-dropout-add, bias-GELU/SwiGLU/GeGLU and their
+backwards, the fused cross-entropy pieces, ``L2Norm._norm``, ...) with
+``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2. Inductor has no
+backend for ``npu`` (Ascend's own graph mode is torchair, not inductor), and on ``cpu`` /
+``npu-emulated`` in transparent mode it asks the stand-in ``torch.cuda`` for GPU properties it
+cannot have (Megatron-LM's ``_warmup_jit_function`` stopped there). Each entry below installs the
+function that ``torch.compile`` wrapped (``_torchdynamo_orig_callable``): exactly Megatron's own
+code, run eagerly, so the numbers are the ones the compiled kernel approximates. Where the adaptor
+replaces the op behind a fusion (``bias_gelu_impl``, ``bias_swiglu_impl``, the softmax, the
+cross entropy), that replacement is what runs; these entries cover the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_npu.registry import Patch
+
+_FUSIONS = "megatron.core.fusions"
+
+#: (dotted target, megatron-core versions) of every ``@jit_fuser`` function on the dense GPT path
+#: (MoE and SSM layers are not supported by the adaptor).
+TARGETS: tuple[tuple[str, str], ...] = (
+    (f"{_FUSIONS}.fused_bias_dropout.bias_dropout_add_fused_train", ""),
+    (f"{_FUSIONS}.fused_bias_dropout.bias_dropout_add_fused_inference", ""),
+    (f"{_FUSIONS}.fused_bias_gelu.bias_gelu", ""),
+    (f"{_FUSIONS}.fused_bias_gelu.bias_gelu_back", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.swiglu", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.bias_swiglu", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.swiglu_back", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.bias_swiglu_back", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.weighted_swiglu", ""),
+    (f"{_FUSIONS}.fused_bias_swiglu.weighted_swiglu_back", ""),
+    (f"{_FUSIONS}.fused_bias_geglu.geglu", ""),
+    (f"{_FUSIONS}.fused_bias_geglu.bias_geglu", ""),
+    (f"{_FUSIONS}.fused_bias_geglu.geglu_back", ""),
+    (f"{_FUSIONS}.fused_bias_geglu.bias_geglu_back", ""),
+    (f"{_FUSIONS}.fused_bias_geglu.quick_gelu", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.quick_geglu", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.quick_geglu_back", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.weighted_quick_geglu", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.weighted_quick_geglu_back", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.weighted_bias_quick_geglu", ">=0.15"),
+    (f"{_FUSIONS}.fused_bias_geglu.weighted_bias_quick_geglu_back", ">=0.15"),
+    (f"{_FUSIONS}.fused_cross_entropy.calculate_logits_max", ""),
+    (f"{_FUSIONS}.fused_cross_entropy.calculate_predicted_logits", ""),
+    (f"{_FUSIONS}.fused_cross_entropy.calculate_cross_entropy_loss", ""),
+    (f"{_FUSIONS}.fused_cross_entropy.calculate_gradients", ""),
+    (f"{_FUSIONS}.fused_weighted_squared_relu.weighted_squared_relu", ">=0.14"),
+    (f"{_FUSIONS}.fused_weighted_squared_relu.weighted_squared_relu_back", ">=0.14"),
+    (f"{_FUSIONS}.fused_weighted_squared_relu._squared_relu_back", ">=0.14"),
+    ("megatron.core.activations.squared_relu", ">=0.14"),
+    ("megatron.core.activations.quick_gelu", ">=0.14"),
+    ("megatron.core.activations.fast_gelu", ">=0.14"),
+    ("megatron.core.transformer.utils.gelu_impl", ""),
+    ("megatron.core.transformer.utils.erf_gelu", ""),
+    ("megatron.core.transformer.torch_norm.L2Norm._norm", ""),
+    ("megatron.core.transformer.attention.Attention._apply_output_gate", ">=0.16"),
+)
+
+
+def eager(compiled: Any) -> Any:
+    """The function ``torch.compile`` wrapped (``compiled`` itself when it is not compiled)."""
+    return getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def patch_id(target: str) -> str:
+    return "jit-eager." + target.removeprefix("megatron.core.").removeprefix("fusions.")
+
+
+EXEMPT_TEST = "tests/patches/test_jit_fusions.py::test_jit_fused_function_runs_eagerly"
+
+PATCHES = [
+    Patch(
+        id=patch_id(target),
+        target=target,
+        replacement=eager,
+        kind="wrap",
+        versions=versions,
+        # the compiled wrapper takes (*args, **kwargs); the eager function is Megatron's own
+        check_signature=False,
+        reason="torch.compile (jit_fuser) has no npu backend and fails on the stand-in device: "
+        "Megatron's own function, eager",
+        parity_exempt="Megatron's own elementwise code, unchanged, run without torch.compile",
+        exempt_test=f"{EXEMPT_TEST}[{patch_id(target)}]",
+        benchmark_exempt="removes a compiler, adds no code of its own",
+    )
+    for target, versions in TARGETS
+]
