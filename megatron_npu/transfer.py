@@ -52,6 +52,7 @@ CUDA_API = (
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache", "mem_get_info",
     "memory_stats", "get_device_capability", "get_device_name", "get_device_properties",
+    "temperature", "power_draw", "utilization", "clock_rate",
 )  # fmt: skip
 #: the same RNG functions as ``torch.cuda.random.*``
 CUDA_RANDOM_API = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed",
@@ -143,6 +144,25 @@ def _to_active(device: Device) -> Any:
     return cuda
 
 
+def _loader_with_own_generator(init: Any) -> Any:
+    """``DataLoader(...)`` without a ``generator`` draws its workers' base seed from torch's
+    default CPU generator each time an iterator starts. On CUDA that generator is not the one
+    dropout uses; here the "CUDA" generator *is* the CPU generator, so the draw would shift the
+    dropout stream by where in the run the loader happens to start (Megatron-LM builds it after
+    loading a checkpoint, so a resumed run would not repeat the straight one). The loader gets a
+    generator of its own, seeded from the process's initial seed, as CUDA's separation implies."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.generator is None:
+            own = torch.Generator()
+            own.manual_seed(torch.initial_seed())
+            self.generator = own
+
+    return __init__
+
+
 def _install_mapping(device: Device) -> None:
     accelerator = device.accelerator
     local = _LocalDevices()
@@ -162,6 +182,8 @@ def _install_mapping(device: Device) -> None:
     _set(torch.Tensor, "to", _map_first_device_argument(torch.Tensor.to))
     _set(torch.nn.Module, "cuda", _to_active(device))
     _set(torch.nn.Module, "to", _map_first_device_argument(torch.nn.Module.to))
+    loader = torch.utils.data.DataLoader
+    _set(loader, "__init__", _loader_with_own_generator(loader.__init__))
     for name, default in (("init_process_group", True), ("new_group", False)):
         function = getattr(torch.distributed, name)
         _set(torch.distributed, name, _backend_for(device, function, default=default))

@@ -245,6 +245,21 @@ class CpuAccelerator:
             multi_processor_count=os.cpu_count() or 1,
         )
 
+    # --- health readings (NVML's on CUDA; Megatron's straggler detector reports them) ---------
+    # A host CPU has no such sensors here: 0 means "not measured", as NVML reports an
+    # unsupported reading, so a straggler report never shows an invented value.
+    def temperature(self, device: Any = None) -> int:
+        return 0
+
+    def power_draw(self, device: Any = None) -> int:
+        return 0
+
+    def utilization(self, device: Any = None) -> int:
+        return 0
+
+    def clock_rate(self, device: Any = None) -> int:
+        return 0
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"megatron-npu's {self.name} device layer has no answer for torch.cuda.{name}; "

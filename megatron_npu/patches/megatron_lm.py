@@ -1,0 +1,156 @@
+"""Megatron-LM's training layer (``megatron.training``, ``megatron.legacy``): what its
+``pretrain_gpt.py`` reaches beyond megatron-core on a non-CUDA device.
+
+These targets live in Megatron-LM's repository, not in the megatron-core wheel: each entry
+``requires`` that package and is ``not-installed`` where it is not importable. Everything else the
+training layer does on the device goes through transparent mode (``import megatron_npu.auto``:
+``torch.cuda.*``, ``device="cuda"``, the process group backend) and the megatron-core patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Any
+
+from megatron_npu.ops import settings
+from megatron_npu.registry import Patch
+
+_logger = logging.getLogger(__name__)
+
+CLIENT_TEST = "tests/megatron_lm/test_pretrain_gpt.py::test_pretrain_gpt_tp2_resume_is_bitwise"
+
+
+def load_fused_kernels(args: Any) -> None:
+    """Megatron-LM's CUDA kernel build (``megatron.legacy.fused_kernels.load``) has nothing to
+    build here: nvcc does not exist on an NPU or CPU host, and the fused paths its flags ask for
+    (masked softmax, bias-GELU/SwiGLU, rotary, flash attention, cross entropy) are served by the
+    adaptor's patches of megatron-core."""
+    _logger.info("megatron-npu: no CUDA fused kernels to build; the adaptor's ops serve them")
+
+
+class MegatronLMOptionError(SystemExit):
+    """A Megatron-LM option the adaptor cannot serve on this device: one line, exit status 2."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(2)
+
+    def __str__(self) -> str:
+        return "megatron-npu: cannot run these Megatron-LM options on a non-CUDA device: " + (
+            "; ".join(self.problems)
+        )
+
+
+#: (argument name, the value that asks for it, the command-line option, why) of what the adaptor
+#: cannot serve. Megatron's own defaults never trip these.
+UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
+    ("transformer_impl", "transformer_engine", "--transformer-impl transformer_engine",
+     "NVIDIA Transformer Engine is CUDA-only: pass --transformer-impl local"),
+    ("fp8", True, "--fp8-format", "fp8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs"),
+    ("tp_comm_overlap", True, "--tp-comm-overlap", "userbuffer GEMM overlap is a TE/CUDA feature"),
+    ("external_cuda_graph", True, "--external-cuda-graph", "CUDA graphs do not exist here"),
+    ("enable_cuda_graph", True, "--enable-cuda-graph", "CUDA graphs do not exist here"),
+    ("cuda_graph_impl", "not-none", "--cuda-graph-impl", "CUDA graphs do not exist here"),
+    ("context_parallel_size", "above-1", "--context-parallel-size",
+     "context parallelism needs TE's ring attention"),
+    ("num_experts", "set", "--num-experts", "MoE layers are not supported by the adaptor yet"),
+    ("use_torch_fsdp2", True, "--use-torch-fsdp2", "not supported by the adaptor yet"),
+    ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
+    ("use_legacy_models", True, "--use-legacy-models",
+     "the legacy models need apex's fused layer norm; the adaptor patches megatron-core models"),
+)  # fmt: skip
+
+
+def unsupported_options(args: Any) -> list[str]:
+    """Each option of ``args`` the adaptor cannot serve, as ``"--option: why"``."""
+    found = []
+    for name, trigger, option, why in UNSUPPORTED:
+        value = getattr(args, name, None)
+        hit = {
+            "not-none": value not in (None, "none", "None"),
+            "above-1": isinstance(value, int) and value > 1,
+            "set": value is not None,
+        }.get(trigger, value == trigger if trigger is not True else bool(value))
+        if hit:
+            found.append(f"{option}: {why}")
+    return found
+
+
+def _warmup_in_forked_rng(original: Any) -> Any:
+    """Megatron-LM warms its jit fusions up on random "cuda" tensors sized by the layout
+    (``ffn_hidden_size // tp``). On CUDA those draws advance the device generator only; here the
+    device generator *is* the host one, so the warm-up would shift the host stream that
+    ``--use-cpu-initialization`` draws the master weights from, by an amount that depends on the
+    TP size (a TP1 and a TP2 run would start from different weights). The warm-up's tensors are
+    scratch, so it runs inside a forked RNG and leaves the generator as it found it."""
+
+    @functools.wraps(original)
+    def _warmup_jit_function(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return _warmup_jit_function
+
+
+def _set_global_variables(original: Any) -> Any:
+    """Megatron-LM's validated arguments, before anything is built: refuse what the adaptor
+    cannot serve (one named error), and hand the fused-attention choice (``--use-flash-attn``)
+    to the attention patch as ``megatron-npu train`` does."""
+
+    @functools.wraps(original)
+    def set_global_variables(*args: Any, **kwargs: Any) -> Any:
+        namespace = args[0] if args else kwargs["args"]
+        problems = unsupported_options(namespace)
+        if problems:
+            error = MegatronLMOptionError(problems)
+            if os.environ.get("RANK", "0") == "0":
+                print(str(error), file=sys.stderr, flush=True)
+            raise error
+        settings.set_fused_attention(use_flash_attn=bool(getattr(namespace, "use_flash_attn", 0)))
+        return original(*args, **kwargs)
+
+    return set_global_variables
+
+
+PATCHES = [
+    Patch(
+        id="megatron-lm.fused-kernels-load",
+        target="megatron.legacy.fused_kernels.load",
+        replacement=load_fused_kernels,
+        requires="megatron.legacy.fused_kernels",
+        reason="initialize_megatron builds CUDA kernels with nvcc: nothing to build, the "
+        "adaptor's ops serve the fused paths",
+        parity_exempt="a build step, no numerics: the ops it stands for have parity cases",
+        exempt_test=CLIENT_TEST,
+        benchmark_exempt="a build step run once, not a per-step cost",
+    ),
+    Patch(
+        id="megatron-lm.jit-warmup-rng",
+        target="megatron.training.initialize._warmup_jit_function",
+        replacement=_warmup_in_forked_rng,
+        kind="wrap",
+        requires="megatron.training.initialize",
+        reason="the jit warm-up's scratch draws leave the shared host/device generator untouched, "
+        "so host-initialised weights do not depend on the TP size",
+        parity_exempt="RNG bookkeeping around scratch tensors, no numerics of its own",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_tp1_and_tp2_runs_agree_by_the_layout_rule",
+        benchmark_exempt="runs once at start-up",
+    ),
+    Patch(
+        id="megatron-lm.arguments",
+        target="megatron.training.global_vars.set_global_variables",
+        replacement=_set_global_variables,
+        kind="wrap",
+        requires="megatron.training.global_vars",
+        reason="--use-flash-attn routes to the fused-attention op; options the adaptor cannot "
+        "serve end in one named error (exit 2)",
+        parity_exempt="argument plumbing: the attention it routes to has its own parity case",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_flash_attn_routes_to_the_npu_kernel",
+        benchmark_exempt="runs once at start-up",
+    ),
+]

@@ -1,0 +1,64 @@
+"""Run a user's own Megatron-LM script through the adaptor: the one-line wrapper as a module.
+
+    torchrun --nproc-per-node 2 -m megatron_npu.run_script PATH/pretrain_gpt.py --its --own args
+
+is the same as a wrapper file holding ``import megatron_npu.auto`` and then running the script as
+``__main__``: the device comes from ``$MEGATRON_NPU_DEVICE`` (auto-detected when unset), the
+script's folder is put first on ``sys.path`` (as ``python SCRIPT`` does, so its builder modules
+import) and ``sys.argv`` is the script's own. Megatron-LM's ``megatron`` package must be
+importable (``PYTHONPATH`` holding the Megatron-LM checkout), as for the script run directly.
+
+With ``$MEGATRON_NPU_KERNEL_COUNTS=PREFIX`` on ``npu-emulated``, each rank writes how often each
+emulated torch_npu kernel ran to ``PREFIX.rank<N>.json`` when the script ends: the evidence that
+the script's fused paths reached the NPU kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+from collections.abc import Iterator
+
+KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
+
+
+@contextlib.contextmanager
+def _kernel_counts(prefix: str) -> Iterator[None]:
+    from megatron_npu import active_device
+
+    if not prefix or active_device() != "npu-emulated":
+        yield
+        return
+    from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
+
+    with count_kernel_calls() as counter:
+        try:
+            yield
+        finally:
+            path = f"{prefix}.rank{os.environ.get('RANK', '0')}.json"
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump(dict(counter), out, sort_keys=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        print(f"megatron-npu run_script: no script {argv[0]!r}", file=sys.stderr)
+        raise SystemExit(2)
+    import megatron_npu.auto  # noqa: F401  (the one line)
+
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    with _kernel_counts(os.environ.get(KERNEL_COUNTS_ENV, "")):
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` (``../shared/megatron-lm/<tag>``, unmodified) through
+the one-line wrapper ``python -m megatron_npu.run_script`` under ``torchrun``, and read what it
+wrote: its ``iteration N/ M | ...`` log lines and its TensorBoard scalars."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_npu.patcher import megatron_core_version
+
+REPO = Path(__file__).resolve().parents[2]
+#: Megatron-LM's training layer per release tag (the steering repo's shared/ folder)
+SHARED = Path(os.environ.get("MEGATRON_LM_ROOT", REPO.parent / "shared" / "megatron-lm"))
+
+#: the shared README's tiny GPT, with Megatron's own defaults otherwise (gradient-accumulation
+#: fusion, bias-GELU / masked-softmax / bias-dropout fusions, dropout 0.1, jit warm-up)
+TINY = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+    "--transformer-impl", "local", "--eval-iters", "0", "--eval-interval", "1000",
+    "--log-interval", "1",
+)  # fmt: skip
+
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*?number of skipped iterations:\s+\d+)")
+
+
+def client_devices() -> tuple[str, ...]:
+    """Devices the run list covers: npu-emulated in the default suite, both in tox
+    (``MEGATRON_NPU_CLIENT_DEVICES=cpu,npu-emulated``)."""
+    raw = os.environ.get("MEGATRON_NPU_CLIENT_DEVICES", "npu-emulated")
+    return tuple(d.strip() for d in raw.split(",") if d.strip())
+
+
+def megatron_lm_folder() -> Path:
+    """The Megatron-LM tag matching the installed megatron-core (``core_v<version>``)."""
+    folder = SHARED / f"core_v{megatron_core_version()}"
+    if not (folder / "pretrain_gpt.py").is_file():
+        raise AssertionError(
+            f"no Megatron-LM training layer for megatron-core {megatron_core_version()} at "
+            f"{folder} (the steering repo's shared/megatron-lm; set MEGATRON_LM_ROOT elsewhere)"
+        )
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    log: str
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    skipped: dict[int, bool] = field(default_factory=dict)
+    tensorboard: Path | None = None
+
+    def scalars(self, tag: str) -> dict[int, float]:
+        """TensorBoard scalar ``tag`` per iteration (float32, as Megatron wrote it)."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        assert self.tensorboard is not None, "the run wrote no TensorBoard folder"
+        events = EventAccumulator(str(self.tensorboard), size_guidance={"scalars": 0})
+        events.Reload()
+        return {e.step: e.value for e in events.Scalars(tag)}
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.splitlines()[-lines:])
+
+
+def pretrain_gpt(
+    tmp: Path, *args: str, nproc: int = 1, device: str = "cpu", name: str = "run",
+    tensorboard: bool = True, env: dict[str, str] | None = None, timeout: int = 600,
+) -> Run:  # fmt: skip
+    """Launch ``pretrain_gpt.py ARGS`` on ``nproc`` ranks of ``device``; return its log."""
+    folder = megatron_lm_folder()
+    tb = tmp / f"{name}-tb"
+    extra = ("--tensorboard-dir", str(tb), "--tensorboard-log-interval", "1") if tensorboard else ()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "megatron_npu.run_script", str(folder / "pretrain_gpt.py"), *args, *extra,
+    ]  # fmt: skip
+    run_env = {
+        **os.environ,
+        "MEGATRON_NPU_DEVICE": device,
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]),
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        command, cwd=tmp, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+    (tmp / f"{name}.log").write_text(proc.stdout)
+    run = Run(proc.returncode, proc.stdout, tensorboard=tb if tensorboard else None)
+    for match in _LINE.finditer(proc.stdout):
+        iteration = int(match.group(1))
+        fields = dict(
+            part.strip().rsplit(":", 1) for part in match.group(2).split("|") if ":" in part
+        )
+        if "lm loss" in fields:
+            run.losses[iteration] = float(fields["lm loss"])
+        if "grad norm" in fields:
+            run.grad_norms[iteration] = float(fields["grad norm"])
+        run.skipped[iteration] = int(fields["number of skipped iterations"]) > 0
+    return run
+
+
+def check_trained(run: Run, iterations: int, *, min_applied: int = 10) -> None:
+    """Ended 0, logged every iteration, applied enough steps, and the loss fell."""
+    assert run.returncode == 0, run.tail()
+    assert sorted(run.skipped) == list(range(1, iterations + 1)), (sorted(run.skipped), run.tail())
+    applied = [i for i in sorted(run.losses) if not run.skipped[i]]
+    assert len(applied) >= min_applied, f"only {len(applied)} applied steps\n{run.tail()}"
+    first = sum(run.losses[i] for i in applied[:3]) / 3
+    last = sum(run.losses[i] for i in applied[-3:]) / 3
+    assert last < first - 0.05, (first, last, run.losses)
