@@ -19,6 +19,14 @@ from ._client import TINY, Run, check_trained, client_devices, pretrain_gpt
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 DEVICES = ("cpu", "npu-emulated")
+LLAMA = (
+    "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--group-query-attention", "--num-query-groups", "2",
+)  # fmt: skip
+#: the NPU kernels a Llama-style bf16 step reaches through the adaptor
+LLAMA_KERNELS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
+                 "npu_apply_adam_w")  # fmt: skip
 
 
 def _curve(run: Run, iterations: range) -> rules.Curve:
@@ -104,6 +112,9 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
         ("tp2-sp-distopt", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                "--use-distributed-optimizer")),
         ("bf16", 1, ("--bf16",)),
+        # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here)
+        ("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
+                          "--use-flash-attn")),
         ("fp16", 1, ("--fp16",)),
     ],
 )  # fmt: skip
@@ -112,11 +123,15 @@ def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device):
     """The Megatron-LM issue's run list (npu-emulated here; tox adds cpu): 20 iterations,
     falling loss, exit 0; fp16 with Megatron's dynamic loss scaler (30 iterations)."""
     iterations = 30 if name == "fp16" else 20
+    env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
         tmp_path, *TINY, "--mock-data", "--train-iters", str(iterations), *extra, nproc=nproc,
-        device=device, name=name, tensorboard=False,
+        device=device, name=name, tensorboard=False, env=env,
     )  # fmt: skip
     check_trained(run, iterations)
+    if name.startswith("llama") and device == "npu-emulated":
+        counts = _kernel_counts(tmp_path, name)
+        assert all(counts.get(k, 0) > 0 for k in LLAMA_KERNELS), counts
     if "--log-straggler" in extra:
         assert "MnRtt/Rnk" in run.log, run.tail()
 
