@@ -38,7 +38,7 @@ from megatron_npu import devices, patcher
 from megatron_npu.registry import Patch, get_patch
 from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
-from parity.benchmark import BenchmarkResult, benchmark_result, level_of, with_benchmark
+from parity.benchmark import BenchmarkResult, against_benchmark, level_of
 from parity.case import Context, Parallel, ParityCase, load_case, upcast
 from parity.metrics import TensorComparison, compare, dtype_name
 from parity.results import ParityRecord, collect_provenance
@@ -354,9 +354,7 @@ def run_examples(job: Job) -> CellOutcome | None:
             comp, bres = comps[name], None
             if bench is not None and name in floats:
                 bcomp = compare(bench[name].detach().cpu(), want[name].detach().cpu(), tested)
-                comp = with_benchmark(comp, bcomp)
-                if tested in SIXTEEN_BIT:
-                    bres = benchmark_result(comp, bcomp, level)
+                comp, bres = against_benchmark(comp, bcomp, level)
             outcome = TensorOutcome(comp, bres)
             old = cell.tensors.get(name)
             if old is None or _rank_key(outcome, tolerance) > _rank_key(old, tolerance):
