@@ -41,6 +41,7 @@ from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
 from parity.benchmark import BenchmarkResult, against_benchmark, level_of
 from parity.case import Context, Parallel, ParityCase, load_case, upcast
 from parity.metrics import TensorComparison, compare, dtype_name
+from parity.mutations import Mutation, planted
 from parity.results import ParityRecord, collect_provenance
 from parity.verdict import final_verdict
 
@@ -107,8 +108,6 @@ def _rank_and_world() -> tuple[int, int]:
 def _planted(mutation: str | None) -> Any:
     if mutation is None:
         return contextlib.nullcontext()
-    from parity.mutations import planted
-
     return planted(mutation)
 
 
@@ -456,3 +455,21 @@ def evaluate(
         kernels=outcome.kernels,
         **common,
     )
+
+
+def mutation_job(mutation: Mutation, with_bug: bool = True) -> Job:
+    """The parity job that must catch ``mutation`` (carrying it when planted per run)."""
+    return Job(
+        patch_id=mutation.patch_id, device=mutation.device, dtype=mutation.dtype,
+        parallel=mutation.parallel, examples=mutation.examples,
+        mutation=mutation.name if with_bug and mutation.scope == "run" else None,
+    )  # fmt: skip
+
+
+def evaluate_mutation(mutation: Mutation, with_bug: bool, pool: Any = None) -> ParityRecord:
+    """The parity record of ``mutation``'s job, with or without the bug in place."""
+    job = mutation_job(mutation, with_bug)
+    if with_bug and mutation.scope == "job":
+        with mutation.plant():
+            return evaluate(job)
+    return evaluate(job, pool=pool)

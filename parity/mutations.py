@@ -8,6 +8,9 @@ around ``case.run`` only (never the reference) when a :class:`~parity.harness.Jo
 every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
 bug and requires ``error`` only with it.
 
+The harness imports this module (never the reverse): :func:`parity.harness.mutation_job` builds a
+mutation's job and :func:`parity.harness.evaluate_mutation` runs it.
+
 A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
 changes the case itself, e.g. a reference that calls the patched implementation).
 """
@@ -20,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_npu.registry import CPU, NPU_EMULATED
 from parity.case import Parallel
 
 
@@ -46,7 +50,7 @@ class Mutation:
     make: Callable[[Any], Any]  # original -> buggy replacement
     patch_id: str
     examples: tuple[dict[str, Any], ...]
-    device: str = "cpu"
+    device: str = CPU
     dtype: str = "float32"
     parallel: Parallel = Parallel()
     #: "run": planted around ``case.run`` by the harness (every rank); "job": around the whole
@@ -61,25 +65,6 @@ class Mutation:
 
     def plant(self) -> contextlib.AbstractContextManager[None]:
         return _swap(self.target, self.make)
-
-    def job(self, with_bug: bool = True) -> Any:
-        from parity.harness import Job
-
-        return Job(
-            patch_id=self.patch_id, device=self.device, dtype=self.dtype,
-            parallel=self.parallel, examples=self.examples,
-            mutation=self.name if with_bug and self.scope == "run" else None,
-        )  # fmt: skip
-
-    def evaluate(self, with_bug: bool, pool: Any = None) -> Any:
-        """The parity record of this mutation's job, with or without the bug in place."""
-        from parity.harness import evaluate
-
-        job = self.job(with_bug)
-        if with_bug and self.scope == "job":
-            with self.plant():
-                return evaluate(job)
-        return evaluate(job, pool=pool)
 
 
 # ---------------------------------------------------------------------------- the bugs
@@ -455,7 +440,7 @@ _ALL = (
         "attention-scale-dropped", "the NPU binding does not pass the softmax scale, so the "
         "kernel uses its default 1.0 instead of 1/sqrt(d)",
         "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention", _kernel_default_scale,
-        "attention.dot-product", (_ATTENTION,), device="npu-emulated",
+        "attention.dot-product", (_ATTENTION,), device=NPU_EMULATED,
     ),
     Mutation(
         "softmax-scale-dropped", "the fused softmax ignores FusedScaleMaskSoftmax.scale",
@@ -540,7 +525,7 @@ _ALL = (
         "divided by keep_prob",
         "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention",
         _kernel_dropout_not_rescaled, "attention.dot-product", (_ATTENTION_DROPOUT,),
-        device="npu-emulated",
+        device=NPU_EMULATED,
     ),
     # ---- norm: a bf16-only bug, zero-centred gamma, sequence parallelism
     Mutation(
@@ -570,7 +555,7 @@ _ALL = (
     Mutation(
         "rotary-kernel-r1-r2-swapped", "the NPU binding passes sin as r1 and cos as r2",
         "megatron_npu.testing.torch_npu_emulation.npu_rotary_mul", _kernel_r1_r2_swapped,
-        "rotary.apply-bshd", (_ROTARY,), device="npu-emulated",
+        "rotary.apply-bshd", (_ROTARY,), device=NPU_EMULATED,
     ),
     # ---- softmax, activations
     Mutation(

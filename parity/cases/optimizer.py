@@ -16,10 +16,11 @@ from types import SimpleNamespace
 
 from hypothesis import strategies as st
 
+from megatron_npu.registry import DEVICE_ORDER
 from parity.case import Context, Parallel, ParityCase
 from parity.cases._common import gather, generator, megatron_parallel
 
-_DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
+_DEVICES = DEVICE_ORDER
 
 
 def _dtypes(*names: str):

@@ -8,13 +8,14 @@ import importlib
 
 import pytest
 
-from megatron_npu.registry import all_patches
+from megatron_npu.registry import NPU_EMULATED, all_patches
+from parity.harness import evaluate_mutation
 from parity.mutations import MUTATIONS, planted
 
 
 def _evaluate(mutation, with_bug, rank_pools):
     world = mutation.parallel.world
-    return mutation.evaluate(with_bug, pool=rank_pools.get(world) if world > 1 else None)
+    return evaluate_mutation(mutation, with_bug, pool=rank_pools.get(world) if world > 1 else None)
 
 
 def _why(record):
@@ -37,7 +38,7 @@ def test_there_are_enough_mutations_in_every_patched_area():
     mutations = MUTATIONS.values()
     assert any(m.parallel.world > 1 for m in mutations)  # under TP2
     assert any(m.dtype == "bfloat16" for m in mutations)  # a one-dtype bug
-    assert any(m.device == "npu-emulated" for m in mutations)  # in the NPU binding / kernel
+    assert any(m.device == NPU_EMULATED for m in mutations)  # in the NPU binding / kernel
     assert any(m.examples[0].get("dropout", 0) > 0 for m in mutations)
     assert any(m.scope == "job" for m in mutations)  # a reference that calls the implementation
     # a window narrower than the sequence, with several query blocks
