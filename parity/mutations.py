@@ -205,6 +205,29 @@ def _l2norm_without_sqrt(original):
     return multi_tensor_l2norm
 
 
+def _l2norm_16bit_accumulation(original):
+    """The fp32 accumulator dropped for 16-bit tensors: each tensor's squares are summed one
+    after another in the tensor's own dtype (fp32 tensors take the right path, unchanged)."""
+
+    def multi_tensor_l2norm(tensors, per_tensor=False):
+        import torch
+
+        tensors = list(tensors)
+        if all(t.dtype == torch.float32 for t in tensors):
+            return original(tensors, per_tensor=per_tensor)
+        norms = []
+        for t in tensors:
+            acc = torch.zeros((), dtype=t.dtype, device=t.device)
+            for square in (t * t).flatten():
+                acc = acc + square  # rounded to t.dtype at every step
+            norms.append(acc.float().sqrt())
+        per = torch.stack(norms)
+        total = torch.linalg.vector_norm(per).reshape(1)
+        return total, (per if per_tensor else None)
+
+    return multi_tensor_l2norm
+
+
 def _band_kernel_window_narrowed(original):
     """The C++ band forward called with the window's far end one key nearer."""
 
@@ -420,6 +443,8 @@ _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 
 _ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
           "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1}  # fmt: skip
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
+#: with the 4096-element grad, where a 16-bit accumulation goes wrong
+_GRAD_NORM_LARGE = {"tensors": 6, "scale": 1.0, "seed": 1}
 _CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
 _SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": True,
                "extra": True, "seed": 3}  # fmt: skip
@@ -494,6 +519,17 @@ _ALL = (
         "all-reduces their squares)",
         "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_without_sqrt,
         "optimizer.l2-norm", (_GRAD_NORM,), parallel=Parallel(tp=2),
+    ),
+    Mutation(
+        "grad-norm-16bit-accumulation", "the l2-norm kernel sums a 16-bit tensor's squares in "
+        "its own dtype (fp32 grads unaffected)",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
+        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="float16",
+    ),
+    Mutation(
+        "grad-norm-bf16-accumulation", "the l2-norm kernel sums a bf16 tensor's squares in bf16",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
+        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="bfloat16",
     ),
     # ---- attention: a window narrower than the sequence, dropout in training and eval
     Mutation(

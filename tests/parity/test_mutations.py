@@ -65,3 +65,20 @@ def test_unknown_mutation_is_named():
     with pytest.raises(KeyError, match="no mutation 'nope'"):
         with planted("nope"):
             pass
+
+
+def test_a_bug_only_in_16_bit_accumulation_needs_the_16_bit_cells():
+    """The grad-norm kernel's 16-bit-only bug leaves every fp32 cell passing, so only cells that
+    draw 16-bit grads can catch it: the grad-norm case draws fp16 and bf16 on every device."""
+    import dataclasses
+
+    import torch
+
+    from parity.cases.optimizer import GRAD_NORM
+
+    for name in ("grad-norm-16bit-accumulation", "grad-norm-bf16-accumulation"):
+        as_fp32 = dataclasses.replace(MUTATIONS[name], dtype="float32")
+        record = evaluate_mutation(as_fp32, True)
+        assert record.verdict.status != "error", f"{name} is not 16-bit only: {_why(record)}"
+    for device, dtypes in GRAD_NORM.dtypes.items():
+        assert {torch.float16, torch.bfloat16} <= set(dtypes), device
