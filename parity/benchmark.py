@@ -1,4 +1,6 @@
-"""msprobe's stage-2 "benchmark" standard for fp16/bf16 cells (REFERENCE.md section 6).
+"""msprobe's stage-2 "benchmark" standard for fp16/bf16 cells (msprobe 26.2.0's
+``precision_standard/standard_config.py``, installed by the ``test`` extra as
+``mindstudio-probe``; docs/parity-results.md describes the rules).
 
 On Ascend, msprobe measures the NPU's output and the GPU's output of the same API, both in the
 same 16-bit dtype, against one high-precision CPU reference, and judges the *ratios* of their

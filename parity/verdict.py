@@ -1,4 +1,5 @@
-"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (REFERENCE.md section 3).
+"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (msprobe 26.2.0's
+accuracy-checker rules, see docs/parity-results.md).
 
 Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that decides wins):
 
