@@ -205,6 +205,13 @@ def _l2norm_without_sqrt(original):
     return multi_tensor_l2norm
 
 
+def _adamw_lr_ten_percent_high(original):
+    def adamw_step_(*args, lr, **kwargs):
+        return original(*args, lr=lr * 1.1, **kwargs)  # every update 10 % too large
+
+    return adamw_step_
+
+
 def _l2norm_16bit_accumulation(original):
     """The fp32 accumulator dropped for 16-bit tensors: each tensor's squares are summed one
     after another in the tensor's own dtype (fp32 tensors take the right path, unchanged)."""
@@ -513,6 +520,12 @@ _ALL = (
         "adamw-bias-correction-dropped", "AdamW without the 1/(1 - beta**step) corrections",
         "megatron_npu.ops.adamw.native_adamw_step_", _adamw_no_bias_correction,
         "optimizer.adam", (_ADAMW,),
+    ),
+    Mutation(
+        "adamw-update-ten-percent-high", "AdamW applies a learning rate 10 % too high, at a "
+        "realistic lr of 1e-4 (the update is ~1e-4 of a parameter)",
+        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_lr_ten_percent_high,
+        "optimizer.adam", ({**_ADAMW, "lr": 1e-4, "seed": 5},),
     ),
     Mutation(
         "grad-norm-missing-sqrt", "the l2-norm kernel returns sums of squares (TP2: Megatron "

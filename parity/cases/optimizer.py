@@ -63,7 +63,8 @@ def _adam_params():
         {
             "tensors": st.integers(1, 5),
             "steps": st.integers(1, 4),
-            "lr": st.sampled_from([1e-3, 1e-2]),
+            # GPT pretraining rates (1e-4 .. 6e-4) and the larger ones of short fine-tunes
+            "lr": st.sampled_from([1e-4, 3e-4, 1e-3, 1e-2]),
             "beta1": st.sampled_from([0.9, 0.8]),
             "beta2": st.sampled_from([0.999, 0.95]),
             "eps": st.sampled_from([1e-8, 1e-6]),
@@ -160,6 +161,7 @@ ADAMW = ParityCase(
     edge_cases=(
         _adam_edge(),
         _adam_edge(amsgrad=True, steps=4, lr=1e-2, beta2=0.95, seed=2),
+        _adam_edge(lr=1e-4, seed=5),  # a realistic pretraining rate: the update ~1e-4 of a param
         # tiny grads: the update is eps-dominated
         _adam_edge(grad_scale=1e-4, eps=1e-6, weight_decay=0.0, seed=3),
         _adam_edge(tensors=1, steps=1, seed=4),  # the first step: bias corrections 1-beta
