@@ -4,8 +4,9 @@ the grad-clipping scale kernels.
 Dtypes: every dtype a patched function accepts where Megatron can call it with that dtype, not
 only Megatron's default.
 
-* ``ADAMW``: fp32 *main* params by default, and bf16 params (a bf16 model stepped without fp32
-  main params; the precision-aware optimizer's 16-bit moments). Not fp16: its moments underflow
+* ``ADAMW``: fp32 *main* params by default, and bf16 params (a bf16 model whose optimizer
+  config asks for no mixed precision is stepped directly by Megatron's FP32Optimizer, moments in
+  the params' dtype). Not fp16: its moments underflow
   (``(1 - beta2) * g**2`` for a grad of 1e-4 is below fp16's smallest subnormal, in the stock
   optimizer too); Megatron keeps fp16 optimizer state only in TE's scaled FusedAdam, which the
   adaptor does not replace. The fp32 cells also compare the params' *update* on its own scale.
