@@ -35,7 +35,7 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices, patcher
-from megatron_npu.registry import Patch, get_patch
+from megatron_npu.registry import CPU, Patch, get_patch
 from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
 from parity.benchmark import BenchmarkResult, against_benchmark, level_of
@@ -199,7 +199,7 @@ def cpu_routing() -> Iterator[None]:
     from megatron_npu.ops.kernels import npu_kernels, use_npu_kernels
 
     before, kernels = devices.active(), npu_kernels()
-    devices.activate(devices.make("cpu"))
+    devices.activate(devices.make(CPU))
     try:
         yield
     finally:
