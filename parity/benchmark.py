@@ -1,4 +1,6 @@
-"""msprobe's stage-2 "benchmark" standard for fp16/bf16 cells (REFERENCE.md section 6).
+"""msprobe's stage-2 "benchmark" standard for fp16/bf16 cells (msprobe 26.2.0's
+``precision_standard/standard_config.py``, installed by the ``test`` extra as
+``mindstudio-probe``; docs/parity-results.md describes the rules).
 
 On Ascend, msprobe measures the NPU's output and the GPU's output of the same API, both in the
 same 16-bit dtype, against one high-precision CPU reference, and judges the *ratios* of their
@@ -30,7 +32,7 @@ from typing import Any
 
 from parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
 
-__all__ = ["BENCHMARK_PATH", "CASE_LEVELS", "REL_L2_BENCHMARK_FACTOR", "with_benchmark", "LEVEL_LIMITS", "BenchmarkResult", "benchmark_result", "level_of"]
+__all__ = ["against_benchmark", "BENCHMARK_PATH", "CASE_LEVELS", "REL_L2_BENCHMARK_FACTOR", "with_benchmark", "LEVEL_LIMITS", "BenchmarkResult", "benchmark_result", "level_of"]
 
 #: what the stage-2 benchmark runs, in words (recorded)
 BENCHMARK_PATH = "the case's reference (stock Megatron path) on CPU in the tested dtype"
@@ -68,6 +70,24 @@ def with_benchmark(tested: TensorComparison, bench: TensorComparison) -> TensorC
     floor = dtype_config(tested.dtype).rel_l2_bound
     bound = max(floor, REL_L2_BENCHMARK_FACTOR * bench.rel_l2)
     return dataclasses.replace(tested, rel_l2_benchmark=bench.rel_l2, rel_l2_bound=bound)
+
+
+#: the rule dtypes stage 2 judges (fp32 uses its benchmark only to raise the rel_l2 bound)
+SIXTEEN_BIT_NAMES = ("float16", "bfloat16")
+
+
+def against_benchmark(
+    tested: TensorComparison, bench: TensorComparison, level: str
+) -> tuple[TensorComparison, BenchmarkResult | None]:
+    """``tested`` with its benchmark applied (:func:`with_benchmark`) and, for a 16-bit float
+    tensor, its stage-2 :func:`benchmark_result` (None otherwise): what the parity harness and
+    :func:`parity.verdict.judge` both judge."""
+    if tested.kind != "float" or bench.kind != "float":
+        return tested, None
+    tested = with_benchmark(tested, bench)
+    if tested.dtype not in SIXTEEN_BIT_NAMES:
+        return tested, None
+    return tested, benchmark_result(tested, bench, level)
 
 
 def level_of(case_name: str) -> str:

@@ -19,16 +19,12 @@ from typing import Any
 
 import torch
 
+from megatron_npu.registry import DEVICE_ORDER
 from parity.verdict import Tolerance
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: What each device can compute in. The NPU has no fp64, which only the reference uses.
-DEFAULT_DTYPES: Mapping[str, tuple[torch.dtype, ...]] = {
-    "cpu": ALL_DTYPES,
-    "npu-emulated": ALL_DTYPES,
-    "npu": ALL_DTYPES,
-    "cuda": ALL_DTYPES,
-}
+DEFAULT_DTYPES: Mapping[str, tuple[torch.dtype, ...]] = {d: ALL_DTYPES for d in DEVICE_ORDER}
 
 
 @dataclass(frozen=True, order=True)
@@ -89,10 +85,6 @@ class Context:
         """A floating tensor rounded like :meth:`tensor` but left on the CPU in fp64 (for
         copying into module parameters before the module is cast)."""
         return t.to(self.tested_dtype).to(torch.float64)
-
-    @property
-    def is_reference(self) -> bool:
-        return self.dtype != self.tested_dtype
 
 
 Outputs = dict[str, torch.Tensor]

@@ -35,12 +35,13 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices, patcher
-from megatron_npu.registry import Patch, get_patch
+from megatron_npu.registry import CPU, Patch, get_patch
 from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
-from parity.benchmark import BenchmarkResult, benchmark_result, level_of, with_benchmark
+from parity.benchmark import BenchmarkResult, against_benchmark, level_of
 from parity.case import Context, Parallel, ParityCase, load_case, upcast
 from parity.metrics import TensorComparison, compare, dtype_name
+from parity.mutations import Mutation, planted
 from parity.results import ParityRecord, collect_provenance
 from parity.verdict import final_verdict
 
@@ -107,8 +108,6 @@ def _rank_and_world() -> tuple[int, int]:
 def _planted(mutation: str | None) -> Any:
     if mutation is None:
         return contextlib.nullcontext()
-    from parity.mutations import planted
-
     return planted(mutation)
 
 
@@ -200,7 +199,7 @@ def cpu_routing() -> Iterator[None]:
     from megatron_npu.ops.kernels import npu_kernels, use_npu_kernels
 
     before, kernels = devices.active(), npu_kernels()
-    devices.activate(devices.make("cpu"))
+    devices.activate(devices.make(CPU))
     try:
         yield
     finally:
@@ -354,9 +353,7 @@ def run_examples(job: Job) -> CellOutcome | None:
             comp, bres = comps[name], None
             if bench is not None and name in floats:
                 bcomp = compare(bench[name].detach().cpu(), want[name].detach().cpu(), tested)
-                comp = with_benchmark(comp, bcomp)
-                if tested in SIXTEEN_BIT:
-                    bres = benchmark_result(comp, bcomp, level)
+                comp, bres = against_benchmark(comp, bcomp, level)
             outcome = TensorOutcome(comp, bres)
             old = cell.tensors.get(name)
             if old is None or _rank_key(outcome, tolerance) > _rank_key(old, tolerance):
@@ -458,3 +455,21 @@ def evaluate(
         kernels=outcome.kernels,
         **common,
     )
+
+
+def mutation_job(mutation: Mutation, with_bug: bool = True) -> Job:
+    """The parity job that must catch ``mutation`` (carrying it when planted per run)."""
+    return Job(
+        patch_id=mutation.patch_id, device=mutation.device, dtype=mutation.dtype,
+        parallel=mutation.parallel, examples=mutation.examples,
+        mutation=mutation.name if with_bug and mutation.scope == "run" else None,
+    )  # fmt: skip
+
+
+def evaluate_mutation(mutation: Mutation, with_bug: bool, pool: Any = None) -> ParityRecord:
+    """The parity record of ``mutation``'s job, with or without the bug in place."""
+    job = mutation_job(mutation, with_bug)
+    if with_bug and mutation.scope == "job":
+        with mutation.plant():
+            return evaluate(job)
+    return evaluate(job, pool=pool)

@@ -10,13 +10,13 @@ from functools import cache
 
 import torch
 
-from megatron_npu.registry import Patch, all_patches
+from megatron_npu.registry import CPU, NPU_EMULATED, Patch, all_patches
 from parity.case import Parallel, ParityCase, load_case
 from parity.metrics import dtype_name
 from parity.sampling import examples
 
 #: Devices the matrix covers by default: what every machine can run.
-DEFAULT_DEVICES = ("cpu", "npu-emulated")
+DEFAULT_DEVICES = (CPU, NPU_EMULATED)
 
 
 @dataclass(frozen=True)

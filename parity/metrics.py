@@ -3,7 +3,8 @@
 ``compare(actual, reference, dtype)`` measures an output computed in ``dtype`` (fp16, bf16 or
 fp32: the *rule dtype*, the cell's dtype) against a reference computed on the CPU with the inputs
 upcast (fp16/bf16 -> fp32, fp32 -> fp64), as Ascend's msprobe API accuracy checker does
-(REFERENCE.md sections 3 and 6). It only measures; :mod:`parity.verdict` turns a
+(msprobe 26.2.0's ``api_accuracy_checker/compare/algorithm.py``, from the ``mindstudio-probe``
+package of the ``test`` extra; docs/parity-results.md lists the rules). It only measures; :mod:`parity.verdict` turns a
 :class:`TensorComparison` into pass / warning / error.
 
 The stage-1 numbers are computed the way msprobe 26.2.0 computes them (numpy arithmetic in the

@@ -8,6 +8,9 @@ around ``case.run`` only (never the reference) when a :class:`~parity.harness.Jo
 every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
 bug and requires ``error`` only with it.
 
+The harness imports this module (never the reverse): :func:`parity.harness.mutation_job` builds a
+mutation's job and :func:`parity.harness.evaluate_mutation` runs it.
+
 A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
 changes the case itself, e.g. a reference that calls the patched implementation).
 """
@@ -20,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_npu.registry import CPU, NPU_EMULATED
 from parity.case import Parallel
 
 
@@ -46,7 +50,7 @@ class Mutation:
     make: Callable[[Any], Any]  # original -> buggy replacement
     patch_id: str
     examples: tuple[dict[str, Any], ...]
-    device: str = "cpu"
+    device: str = CPU
     dtype: str = "float32"
     parallel: Parallel = Parallel()
     #: "run": planted around ``case.run`` by the harness (every rank); "job": around the whole
@@ -61,25 +65,6 @@ class Mutation:
 
     def plant(self) -> contextlib.AbstractContextManager[None]:
         return _swap(self.target, self.make)
-
-    def job(self, with_bug: bool = True) -> Any:
-        from parity.harness import Job
-
-        return Job(
-            patch_id=self.patch_id, device=self.device, dtype=self.dtype,
-            parallel=self.parallel, examples=self.examples,
-            mutation=self.name if with_bug and self.scope == "run" else None,
-        )  # fmt: skip
-
-    def evaluate(self, with_bug: bool, pool: Any = None) -> Any:
-        """The parity record of this mutation's job, with or without the bug in place."""
-        from parity.harness import evaluate
-
-        job = self.job(with_bug)
-        if with_bug and self.scope == "job":
-            with self.plant():
-                return evaluate(job)
-        return evaluate(job, pool=pool)
 
 
 # ---------------------------------------------------------------------------- the bugs
@@ -216,6 +201,36 @@ def _l2norm_without_sqrt(original):
     def multi_tensor_l2norm(tensors, per_tensor=False):
         total, per = original(tensors, per_tensor=per_tensor)
         return total**2, (None if per is None else per**2)  # sums of squares
+
+    return multi_tensor_l2norm
+
+
+def _adamw_lr_ten_percent_high(original):
+    def adamw_step_(*args, lr, **kwargs):
+        return original(*args, lr=lr * 1.1, **kwargs)  # every update 10 % too large
+
+    return adamw_step_
+
+
+def _l2norm_16bit_accumulation(original):
+    """The fp32 accumulator dropped for 16-bit tensors: each tensor's squares are summed one
+    after another in the tensor's own dtype (fp32 tensors take the right path, unchanged)."""
+
+    def multi_tensor_l2norm(tensors, per_tensor=False):
+        import torch
+
+        tensors = list(tensors)
+        if all(t.dtype == torch.float32 for t in tensors):
+            return original(tensors, per_tensor=per_tensor)
+        norms = []
+        for t in tensors:
+            acc = torch.zeros((), dtype=t.dtype, device=t.device)
+            for square in (t * t).flatten():
+                acc = acc + square  # rounded to t.dtype at every step
+            norms.append(acc.float().sqrt())
+        per = torch.stack(norms)
+        total = torch.linalg.vector_norm(per).reshape(1)
+        return total, (per if per_tensor else None)
 
     return multi_tensor_l2norm
 
@@ -435,6 +450,8 @@ _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 
 _ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
           "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1}  # fmt: skip
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
+#: with the 4096-element grad, where a 16-bit accumulation goes wrong
+_GRAD_NORM_LARGE = {"tensors": 6, "scale": 1.0, "seed": 1}
 _CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
 _SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": True,
                "extra": True, "seed": 3}  # fmt: skip
@@ -455,7 +472,7 @@ _ALL = (
         "attention-scale-dropped", "the NPU binding does not pass the softmax scale, so the "
         "kernel uses its default 1.0 instead of 1/sqrt(d)",
         "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention", _kernel_default_scale,
-        "attention.dot-product", (_ATTENTION,), device="npu-emulated",
+        "attention.dot-product", (_ATTENTION,), device=NPU_EMULATED,
     ),
     Mutation(
         "softmax-scale-dropped", "the fused softmax ignores FusedScaleMaskSoftmax.scale",
@@ -505,10 +522,27 @@ _ALL = (
         "optimizer.adam", (_ADAMW,),
     ),
     Mutation(
+        "adamw-update-ten-percent-high", "AdamW applies a learning rate 10 % too high, at a "
+        "realistic lr of 1e-4 (the update is ~1e-4 of a parameter)",
+        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_lr_ten_percent_high,
+        "optimizer.adam", ({**_ADAMW, "lr": 1e-4, "seed": 5},),
+    ),
+    Mutation(
         "grad-norm-missing-sqrt", "the l2-norm kernel returns sums of squares (TP2: Megatron "
         "all-reduces their squares)",
         "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_without_sqrt,
         "optimizer.l2-norm", (_GRAD_NORM,), parallel=Parallel(tp=2),
+    ),
+    Mutation(
+        "grad-norm-16bit-accumulation", "the l2-norm kernel sums a 16-bit tensor's squares in "
+        "its own dtype (fp32 grads unaffected)",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
+        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="float16",
+    ),
+    Mutation(
+        "grad-norm-bf16-accumulation", "the l2-norm kernel sums a bf16 tensor's squares in bf16",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
+        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="bfloat16",
     ),
     # ---- attention: a window narrower than the sequence, dropout in training and eval
     Mutation(
@@ -540,7 +574,7 @@ _ALL = (
         "divided by keep_prob",
         "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention",
         _kernel_dropout_not_rescaled, "attention.dot-product", (_ATTENTION_DROPOUT,),
-        device="npu-emulated",
+        device=NPU_EMULATED,
     ),
     # ---- norm: a bf16-only bug, zero-centred gamma, sequence parallelism
     Mutation(
@@ -570,7 +604,7 @@ _ALL = (
     Mutation(
         "rotary-kernel-r1-r2-swapped", "the NPU binding passes sin as r1 and cos as r2",
         "megatron_npu.testing.torch_npu_emulation.npu_rotary_mul", _kernel_r1_r2_swapped,
-        "rotary.apply-bshd", (_ROTARY,), device="npu-emulated",
+        "rotary.apply-bshd", (_ROTARY,), device=NPU_EMULATED,
     ),
     # ---- softmax, activations
     Mutation(

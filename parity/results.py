@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
 from parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from parity.metrics import TensorComparison, dtype_config
 from parity.verdict import Tolerance, Verdict, final_verdict, worst
@@ -57,7 +58,7 @@ READABLE_VERSIONS = (1, 2)
 NO_TENSOR_RULES = ("crash", "timeout", "reference_hygiene")
 # "npu" only for a real Ascend NPU through torch_npu; the CPU emulation of torch_npu's kernels
 # is "npu-emulated", never "npu".
-DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
+DEVICES = DEVICE_ORDER
 PARALLEL_KEYS = ("tp", "pp", "dp", "world")
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -170,18 +171,18 @@ def detect_device() -> str:
     device = _active_adaptor_device()
     name = getattr(device, "name", None)
     if name in DEVICES:
-        return "npu-emulated" if getattr(device, "emulated", False) else name
+        return NPU_EMULATED if getattr(device, "emulated", False) else name
     if _emulation_active():
-        return "npu-emulated"
+        return NPU_EMULATED
     import torch
 
     if "torch_npu" in sys.modules:
         npu = getattr(torch, "npu", None)
         if npu is not None and npu.is_available():
-            return "npu"
+            return NPU
     if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
+        return CUDA
+    return CPU
 
 
 def collect_provenance(
@@ -201,11 +202,11 @@ def collect_provenance(
 
     _check_device(device)
     torch_npu = _package_version("torch_npu")
-    if device == "npu":
+    if device == NPU:
         if _emulation_active():
-            raise ValueError("the torch_npu emulation is active: label this run 'npu-emulated'")
+            raise ValueError(f"the torch_npu emulation is active: label this run {NPU_EMULATED!r}")
         if torch_npu is None:
-            raise ValueError("device 'npu' needs torch_npu; an emulated run is 'npu-emulated'")
+            raise ValueError(f"device {NPU!r} needs torch_npu; an emulated run is {NPU_EMULATED!r}")
     return Provenance(
         device=device,
         python=platform.python_version(),
@@ -282,9 +283,9 @@ class ParityRecord:
             raise ValueError(
                 f"provenance.device {self.provenance.device!r} != device {self.device!r}"
             )
-        if self.device == "npu" and self.provenance.torch_npu is None:
+        if self.device == NPU and self.provenance.torch_npu is None:
             raise ValueError(
-                "device 'npu' needs provenance.torch_npu; emulated runs are 'npu-emulated'"
+                f"device {NPU!r} needs provenance.torch_npu; emulated runs are {NPU_EMULATED!r}"
             )
         if not self.tensors:
             if self.verdict.status != "error" or self.verdict.rule not in NO_TENSOR_RULES:
@@ -406,9 +407,6 @@ class ParityRecord:
                 "wall_time_s": prov.wall_time_s,
             },
         }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     @classmethod
     def from_dict(cls, data: Any) -> ParityRecord:
@@ -733,8 +731,6 @@ def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
 
 
 _STYLE = {"pass": "green", "warning": "yellow", "error": "bold red"}
-#: devices whose cells can run an NPU kernel (real or emulated)
-NPU_DEVICES = ("npu", "npu-emulated")
 KERNEL_EXERCISED = "NPU kernel"
 SAME_AS_CPU = "same code as cpu"
 

@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
 from parity.results import print_summary, read_records, summary_lines
 
-CI_DEVICES = ("cpu", "npu-emulated")
+CI_DEVICES = (CPU, NPU_EMULATED)
 
 
 def available_devices() -> list[str]:
@@ -25,7 +26,7 @@ def available_devices() -> list[str]:
     from megatron_npu import devices
 
     found = list(CI_DEVICES)
-    for name in ("npu", "cuda"):
+    for name in (NPU, CUDA):
         try:
             devices.make(name)
         except Exception:  # noqa: BLE001  (unavailable for whatever reason: not listed)
@@ -37,7 +38,7 @@ def available_devices() -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", action="append", dest="devices", metavar="DEVICE",
-        choices=("cpu", "npu-emulated", "npu", "cuda"),
+        choices=DEVICE_ORDER,
         help="device to check (repeatable); default: cpu, npu-emulated, and npu/cuda if present",
     )  # fmt: skip
     mode = parser.add_mutually_exclusive_group()

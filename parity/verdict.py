@@ -1,4 +1,5 @@
-"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (REFERENCE.md section 3).
+"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (msprobe 26.2.0's
+accuracy-checker rules, see docs/parity-results.md).
 
 Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that decides wins):
 
@@ -34,12 +35,16 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from parity.metrics import DUAL_LEVELS, TensorComparison, decode_float
+from parity.benchmark import against_benchmark
+from parity.metrics import DUAL_LEVELS, TensorComparison, compare, decode_float
 
 __all__ = [
     "COSINE_MIN",
     "ABS_PASS",
     "STATUSES",
+    "AccuracyError",
+    "judge",
+    "require_accurate",
     "Tolerance",
     "Verdict",
     "final_verdict",
@@ -277,3 +282,49 @@ def final_verdict(
         "benchmark",
         first.override,
     )
+
+
+class AccuracyError(AssertionError):
+    """An output the verdict judged ``error`` (raised by :func:`require_accurate`)."""
+
+
+def judge(
+    actual: Any,
+    reference: Any,
+    dtype: Any,
+    *,
+    benchmark: Any = None,
+    level: str = "L0",
+    tolerance: Tolerance | None = None,
+) -> Verdict:
+    """The parity harness's verdict of one output tensor, for a check outside the harness.
+
+    ``reference``: the upcast computation (fp32/fp64 for 16-bit, fp64 for fp32);
+    ``benchmark``: optionally the stock computation in ``dtype`` (the harness's benchmark),
+    which raises the relative L2 bound of an ill-conditioned output and, for 16-bit, makes
+    msprobe's stage 2 decide at ``level`` (:mod:`parity.benchmark`); without one, stage 1.
+    The op tests use this, so they and the parity matrix apply one set of rules.
+    """
+    comparison, result = compare(actual, reference, dtype), None
+    if benchmark is not None:
+        bench = compare(benchmark, reference, dtype)
+        comparison, result = against_benchmark(comparison, bench, level)
+    return final_verdict(comparison, tolerance, result)
+
+
+def require_accurate(
+    actual: Any,
+    reference: Any,
+    dtype: Any,
+    what: str = "",
+    *,
+    benchmark: Any = None,
+    level: str = "L0",
+    tolerance: Tolerance | None = None,
+) -> Verdict:
+    """:func:`judge`; raise :class:`AccuracyError` on ``error``. A ``warning`` is returned, not
+    raised: it does not fail a parity cell either (msprobe's meaning)."""
+    v = judge(actual, reference, dtype, benchmark=benchmark, level=level, tolerance=tolerance)
+    if v.status == "error":
+        raise AccuracyError(f"{what}: {v.status}: {v.reason} [{v.rule}]")
+    return v

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megatron_npu.registry import CPU, NPU_EMULATED
+
 PATHS = ("megatron", "native", "npu-binding")
 DIRECTIONS = ("fwd", "fwd+bwd", "step")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +48,7 @@ class Cell:
 
     @property
     def device(self) -> str:
-        return "npu-emulated" if self.path == "npu-binding" else "cpu"
+        return NPU_EMULATED if self.path == "npu-binding" else CPU
 
     @property
     def emulated(self) -> bool:

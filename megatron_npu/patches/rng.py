@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_npu import devices
-from megatron_npu.registry import Patch
+from megatron_npu.registry import CPU, NPU_EMULATED, Patch
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _EXEMPT = "RNG plumbing, no numerics of its own: the named test checks the generator directly"
@@ -99,7 +99,7 @@ PATCHES = [
         kind="wrap",
         reason="device and CPU generator are one on a CPU device: drop the always-true warning",
         versions=">=0.13",
-        devices=frozenset({"cpu", "npu-emulated"}),
+        devices=frozenset({CPU, NPU_EMULATED}),
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test=_TESTS + "test_fork_keeps_quiet_on_a_shared_generator",

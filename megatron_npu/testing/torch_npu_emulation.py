@@ -33,9 +33,11 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_npu.registry import NPU_EMULATED
+
 IS_EMULATION = True
 #: the device label results obtained through this module must carry
-DEVICE_LABEL = "npu-emulated"
+DEVICE_LABEL = NPU_EMULATED
 
 __all__ = [
     "DEVICE_LABEL",

@@ -10,9 +10,10 @@ import numpy
 import torch
 from hypothesis import strategies as st
 
+from megatron_npu.registry import DEVICE_ORDER
 from parity.case import Context, ParityCase
 
-_ONE_RUN = {d: (torch.float32,) for d in ("cpu", "npu-emulated", "npu", "cuda")}
+_ONE_RUN = {d: (torch.float32,) for d in DEVICE_ORDER}
 
 
 def _rng(p) -> numpy.random.Generator:

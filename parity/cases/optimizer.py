@@ -1,13 +1,29 @@
 """Parity of the optimizer patches: fused AdamW, the fp16 unscale / inf check, the grad-norm and
 the grad-clipping scale kernels.
 
-Dtypes follow what Megatron hands these functions. Its optimizers step fp32 *main* params with
-fp32 grads whatever the model dtype (Float16OptimizerWithFloat16Params and the distributed
-optimizer keep fp32 copies), and the unscale / inf check runs on those fp32 main grads, so
-``ADAMW`` and ``UNSCALE_AND_CHECK`` are fp32 only (reference fp64). The grad norm and the clip
-scale also see bf16 grads: ``clip_grad_by_total_norm_fp32`` accepts a bf16 ``decoupled_grad``
-(precision-aware optimizer) and ``get_grad_norm_fp32`` is called on those, so they run fp32 and
-bf16. fp16 grads never reach them.
+Dtypes: every dtype a patched function accepts where Megatron can call it with that dtype, not
+only Megatron's default.
+
+* ``ADAMW``: fp32 *main* params by default, and bf16 params (a bf16 model whose optimizer
+  config asks for no mixed precision is stepped directly by Megatron's FP32Optimizer, moments in
+  the params' dtype). Not fp16: its moments underflow
+  (``(1 - beta2) * g**2`` for a grad of 1e-4 is below fp16's smallest subnormal, in the stock
+  optimizer too); Megatron keeps fp16 optimizer state only in TE's scaled FusedAdam, which the
+  adaptor does not replace. The fp32 cells also compare the params' *update* on its own scale.
+* ``GRAD_NORM``: the l2-norm kernel (amp_C ``multi_tensor_l2norm``) measures fp32 main grads,
+  bf16 ``decoupled_grad`` (precision-aware optimizer) and 16-bit model params (Megatron's
+  ``calc_params_l2_norm`` for ``--log-params-norm``): fp32, fp16 and bf16, with a 4096-element
+  grad among them so an accumulation in 16 bits shows.
+* ``GRAD_CLIP_SCALE``: ``clip_grad_by_total_norm_fp32`` takes fp32 grads and bf16
+  ``decoupled_grad`` (it asserts those two), the scale kernel (amp_C ``multi_tensor_scale``)
+  any of the three (``_multi_tensor_copy_this_to_that`` copies 16-bit model params through it):
+  fp32, fp16 (kernel only) and bf16.
+* ``UNSCALE_AND_CHECK`` only ever sees fp32 main grads (``main_grads_dtype`` is fp32 whenever a
+  grad scaler exists): fp32.
+
+Every reference here runs in fp64 whatever the tested dtype (:func:`_precision`), so a 16-bit
+cell is judged against fp64, not the fp32 of the harness's default upcast; the benchmark (the
+same reference in the tested dtype) is unchanged.
 """
 
 from __future__ import annotations
@@ -16,10 +32,11 @@ from types import SimpleNamespace
 
 from hypothesis import strategies as st
 
+from megatron_npu.registry import DEVICE_ORDER
 from parity.case import Context, Parallel, ParityCase
 from parity.cases._common import gather, generator, megatron_parallel
 
-_DEVICES = ("cpu", "npu-emulated", "npu", "cuda")
+_DEVICES = DEVICE_ORDER
 
 
 def _dtypes(*names: str):
@@ -31,6 +48,14 @@ def _dtypes(*names: str):
 _SHAPES = ((7,), (3, 5), (2, 3, 4), (1,), (16, 8))
 
 
+def _precision(ctx: Context):
+    """fp64 for the reference call (the harness's upcast dtype differs from the tested one),
+    the tested dtype for the benchmark call and the run."""
+    import torch
+
+    return torch.float64 if ctx.dtype != ctx.tested_dtype else ctx.dtype
+
+
 # ============================================================================ AdamW
 
 
@@ -39,7 +64,8 @@ def _adam_params():
         {
             "tensors": st.integers(1, 5),
             "steps": st.integers(1, 4),
-            "lr": st.sampled_from([1e-3, 1e-2]),
+            # GPT pretraining rates (1e-4 .. 6e-4) and the larger ones of short fine-tunes
+            "lr": st.sampled_from([1e-4, 3e-4, 1e-3, 1e-2]),
             "beta1": st.sampled_from([0.9, 0.8]),
             "beta2": st.sampled_from([0.999, 0.95]),
             "eps": st.sampled_from([1e-8, 1e-6]),
@@ -70,14 +96,18 @@ def _adam_steps(make_optimizer, ctx: Context, inputs):
     import torch
 
     p = ctx.params
-    params = [torch.nn.Parameter(ctx.tensor(inputs[f"param{i}"])) for i in range(p["tensors"])]
+    dtype = _precision(ctx)
+    params = [
+        torch.nn.Parameter(ctx.tensor(inputs[f"param{i}"]).to(dtype)) for i in range(p["tensors"])
+    ]
+    initial = torch.cat([ctx.value(inputs[f"param{i}"]).reshape(-1) for i in range(p["tensors"])])
     opt = make_optimizer(
         params, lr=p["lr"], betas=(p["beta1"], p["beta2"]), eps=p["eps"],
         weight_decay=p["weight_decay"], amsgrad=p["amsgrad"],
     )  # fmt: skip
     for step in range(p["steps"]):
         for i, param in enumerate(params):
-            param.grad = ctx.tensor(inputs[f"grad{i}_{step}"])
+            param.grad = ctx.tensor(inputs[f"grad{i}_{step}"]).to(dtype)
         opt.step()
 
     def flat(values):
@@ -91,6 +121,11 @@ def _adam_steps(make_optimizer, ctx: Context, inputs):
     }
     if p["amsgrad"]:
         out["max_exp_avg_sq"] = flat(s["max_exp_avg_sq"] for s in states)
+    if ctx.tested_dtype == torch.float32:
+        # the parameters' change, exact in fp64, judged on its own scale: an update wrong by a
+        # few per cent fails though it is ~1e-3 of the parameter. (A bf16 parameter rounds
+        # away most of an update of lr ~1e-3, in the stock optimizer too: params only.)
+        out["update"] = flat(params).cpu().double() - initial
     return out
 
 
@@ -121,12 +156,13 @@ ADAMW = ParityCase(
     run=_adam_run,
     reference=_adam_reference,
     compares="params after the steps, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad), "
-    "each flattened over all params",
+    "each flattened over all params; fp32: the update (params after - before, in fp64)",
     reference_kind="ctx.original: torch.optim.AdamW (Megatron's fallback Adam) on CPU in fp64",
-    dtypes=_dtypes("float32"),
+    dtypes=_dtypes("float32", "bfloat16"),
     edge_cases=(
         _adam_edge(),
         _adam_edge(amsgrad=True, steps=4, lr=1e-2, beta2=0.95, seed=2),
+        _adam_edge(lr=1e-4, seed=5),  # a realistic pretraining rate: the update ~1e-4 of a param
         # tiny grads: the update is eps-dominated
         _adam_edge(grad_scale=1e-4, eps=1e-6, weight_decay=0.0, seed=3),
         _adam_edge(tensors=1, steps=1, seed=4),  # the first step: bias corrections 1-beta
@@ -252,10 +288,14 @@ UNSCALE_AND_CHECK = ParityCase(
 # ============================================================================ grad norm
 
 
+#: the grad-norm case adds a 4096-element tensor: an accumulation in 16 bits goes wrong there
+_NORM_SHAPES = (*_SHAPES, (64, 64))
+
+
 def _norm_params():
     return st.fixed_dictionaries(
         {
-            "tensors": st.integers(1, 5),
+            "tensors": st.integers(1, len(_NORM_SHAPES)),
             "scale": st.sampled_from([1.0, 1e-3, 50.0]),
             "seed": st.integers(0, 2**16),
         }
@@ -272,7 +312,7 @@ def _norm_inputs(p):
     return {
         f"grad{rank}_{i}": torch.randn(*shape, generator=g, dtype=torch.float64) * p["scale"]
         for rank in range(_MAX_MP)
-        for i, shape in enumerate(_SHAPES[: p["tensors"]])
+        for i, shape in enumerate(_NORM_SHAPES[: p["tensors"]])
     }
 
 
@@ -305,12 +345,13 @@ def _norm_reference(ctx: Context, inputs):
     import torch
 
     p = ctx.params
+    dtype = _precision(ctx)
     world = ctx.parallel.tp * ctx.parallel.pp
     per = torch.stack(
         [
             torch.stack(
                 [
-                    torch.linalg.vector_norm(ctx.tensor(inputs[f"grad{r}_{i}"]))
+                    torch.linalg.vector_norm(ctx.tensor(inputs[f"grad{r}_{i}"]).to(dtype))
                     for i in range(p["tensors"])
                 ]
             )  # fmt: skip
@@ -328,10 +369,11 @@ GRAD_NORM = ParityCase(
     reference=_norm_reference,
     compares="total L2 norm from Megatron's get_grad_norm_fp32 (squared norms all-reduced over "
     "the model-parallel group) and each rank's per-tensor norms from l2_norm_impl",
-    reference_kind="plain torch.linalg.vector_norm of every rank's grads on CPU, upcast",
-    dtypes=_dtypes("float32", "bfloat16"),
+    reference_kind="plain torch.linalg.vector_norm of every rank's grads on CPU in fp64",
+    dtypes=_dtypes("float32", "float16", "bfloat16"),
     parallel=(Parallel(), Parallel(tp=2)),
     edge_cases=(
+        {"tensors": len(_NORM_SHAPES), "scale": 1.0, "seed": 1},  # with the 4096-element grad
         {"tensors": 5, "scale": 1.0, "seed": 1},
         {"tensors": 1, "scale": 1e-3, "seed": 2},
         {"tensors": 3, "scale": 50.0, "seed": 3},
@@ -373,6 +415,9 @@ def _clip_run(ctx: Context, inputs):
 
     p = ctx.params
     n = p["tensors"]
+    out = _clip_kernel(ctx, inputs)
+    if ctx.dtype == torch.float16:
+        return out  # Megatron's clip asserts fp32 grads / bf16 decoupled grads
     decoupled = ctx.dtype == torch.bfloat16  # bf16 grads only arrive as decoupled_grad
     params = []
     for i in range(n):
@@ -389,14 +434,20 @@ def _clip_run(ctx: Context, inputs):
         params, p["max_norm"], total, use_decoupled_grad=decoupled
     )
     clipped = [q.decoupled_grad if decoupled else q.grad for q in params]
-    # the kernel itself: dst = src * scale into separate tensors, non-finite flag set
-    src = [ctx.tensor(inputs[f"src{i}"]) for i in range(n)]
+    return {"clipped_grads": torch.cat([c.reshape(-1) for c in clipped]), **out}
+
+
+def _clip_kernel(ctx: Context, inputs):
+    """The scale kernel itself: dst = src * scale into separate tensors, non-finite flag set."""
+    import torch
+    from megatron.core.optimizer import clip_grads
+
+    src = [ctx.tensor(inputs[f"src{i}"]) for i in range(ctx.params["tensors"])]
     dst = [torch.empty_like(s) for s in src]
     flag = torch.zeros(1, dtype=torch.int, device=ctx.device)
     scale = float(ctx.tensor(inputs["scale"]))
     clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, flag, [src, dst], scale)
     return {
-        "clipped_grads": torch.cat([c.reshape(-1) for c in clipped]),
         "scaled": torch.cat([d.reshape(-1) for d in dst]),
         "overflow_flag": flag.to(torch.int64),
     }
@@ -407,15 +458,18 @@ def _clip_reference(ctx: Context, inputs):
 
     p = ctx.params
     n = p["tensors"]
-    grads = torch.cat([ctx.tensor(inputs[f"grad{i}"]).reshape(-1) for i in range(n)])
-    total = float(torch.linalg.vector_norm(grads))
+    dtype = _precision(ctx)
+    grads = torch.cat([ctx.tensor(inputs[f"grad{i}"]).to(dtype).reshape(-1) for i in range(n)])
+    total = float(torch.linalg.vector_norm(grads.double()))
     coeff = p["max_norm"] / (total + 1.0e-6)  # Megatron's clip_coeff
-    src = torch.cat([ctx.tensor(inputs[f"src{i}"]).reshape(-1) for i in range(n)])
-    return {
-        "clipped_grads": grads * coeff if coeff < 1.0 else grads,
+    src = torch.cat([ctx.tensor(inputs[f"src{i}"]).to(dtype).reshape(-1) for i in range(n)])
+    out = {
         "scaled": src * float(ctx.tensor(inputs["scale"])),
         "overflow_flag": torch.tensor([int(not bool(torch.isfinite(src).all()))]),
     }
+    if ctx.tested_dtype != torch.float16:
+        out["clipped_grads"] = grads * coeff if coeff < 1.0 else grads
+    return out
 
 
 GRAD_CLIP_SCALE = ParityCase(
@@ -424,11 +478,12 @@ GRAD_CLIP_SCALE = ParityCase(
     make_inputs=_clip_inputs,
     run=_clip_run,
     reference=_clip_reference,
-    compares="grads after clip_grad_by_total_norm_fp32 (fp32 .grad, or bf16 decoupled_grad); "
+    compares="grads after clip_grad_by_total_norm_fp32 (fp32 .grad, or bf16 decoupled_grad; "
+    "not fp16, which Megatron's clip refuses); "
     "multi_tensor_scale_impl's dst = src * scale and its non-finite flag (exact)",
     reference_kind="plain torch: Megatron's clip coefficient max_norm / (norm + 1e-6) applied in "
-    "fp64/fp32 on CPU; flag = any non-finite src",
-    dtypes=_dtypes("float32", "bfloat16"),
+    "fp64 on CPU; flag = any non-finite src",
+    dtypes=_dtypes("float32", "float16", "bfloat16"),
     edge_cases=(
         {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1},  # clips
         {"tensors": 3, "max_norm": 1e3, "plant_inf": True, "seed": 2},  # no clip; inf in src

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from megatron_npu.ops import gelu, swiglu
 from megatron_npu.testing import torch_npu_emulation as emulation
+from parity.benchmark import level_of
+from parity.verdict import require_accurate
 
-from ._accuracy import assert_accurate
 from ._paths import (
     PATHS,
     native_kernels_around_each_test,  # noqa: F401
@@ -44,8 +45,8 @@ def test_swiglu_matches_fp64_reference(path, dtype_name, shape, half, dim_pick, 
     ref = a / (1 + torch.exp(-a)) * b
     ref.backward(gy.double())
     assert y.dtype == dtype
-    assert_accurate(y, ref, dtype, "y")
-    assert_accurate(xs.grad, xd.grad, dtype, "dx")
+    require_accurate(y, ref, dtype, "y")
+    require_accurate(xs.grad, xd.grad, dtype, "dx")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -98,14 +99,19 @@ def test_bias_gelu_matches_fp64_reference(path, dtype_name, approximate, lead, h
     y = bias_gelu(path, xs, bs, approximate)
     y.backward(gy)
 
-    xd = x.double().requires_grad_()
-    bd = bias.double().requires_grad_() if with_bias else None
-    ref = gelu_reference(xd + bd if with_bias else xd, approximate)
-    ref.backward(gy.double())
-    assert_accurate(y, ref, dtype, "y")
-    assert_accurate(xs.grad, xd.grad, dtype, "dx")
-    if with_bias:
-        assert_accurate(bs.grad, bd.grad, dtype, "dbias")
+    def reference(dt):
+        """The formula in ``dt``: fp64 is the reference, the tested dtype the benchmark."""
+        xd = x.to(dt).requires_grad_()
+        bd = bias.to(dt).requires_grad_() if with_bias else None
+        out = gelu_reference(xd + bd if with_bias else xd, approximate)
+        out.backward(gy.to(dt))
+        return {"y": out, "dx": xd.grad, "dbias": bd.grad if with_bias else None}
+
+    ref, bench = reference(torch.float64), reference(dtype)
+    got = {"y": y, "dx": xs.grad, "dbias": bs.grad if with_bias else None}
+    for name in ("y", "dx", "dbias") if with_bias else ("y", "dx"):
+        require_accurate(got[name], ref[name], dtype, name, benchmark=bench[name],
+                         level=level_of("bias-gelu"))
 
 
 @pytest.mark.parametrize("path", PATHS)

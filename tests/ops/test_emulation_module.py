@@ -12,7 +12,8 @@ from megatron_npu.testing import torch_npu_emulation as emulation
 
 from ._paths import native_kernels_around_each_test, npu_emulated  # noqa: F401
 
-# parameter names and defaults of the torch_npu schemas (REFERENCE.md section 1)
+# parameter names and defaults of torch_npu's op schemas (the Ascend torch_npu API reference of
+# each op; the emulation must accept the same keywords)
 SIGNATURES = {
     "npu_fusion_attention": (
         "query, key, value, head_num, input_layout, pse=None, padding_mask=None, "

@@ -1,4 +1,5 @@
-"""Metrics and verdicts against hand-computed numbers (REFERENCE.md sections 3 and 6)."""
+"""Metrics and verdicts against hand-computed numbers (msprobe's rules as docs/parity-results.md
+states them; test_msprobe_crosscheck.py checks the numbers against msprobe itself)."""
 
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ import importlib
 
 import pytest
 
-from megatron_npu.registry import all_patches
+from megatron_npu.registry import NPU_EMULATED, all_patches
+from parity.harness import evaluate_mutation
 from parity.mutations import MUTATIONS, planted
 
 
 def _evaluate(mutation, with_bug, rank_pools):
     world = mutation.parallel.world
-    return mutation.evaluate(with_bug, pool=rank_pools.get(world) if world > 1 else None)
+    return evaluate_mutation(mutation, with_bug, pool=rank_pools.get(world) if world > 1 else None)
 
 
 def _why(record):
@@ -37,7 +38,7 @@ def test_there_are_enough_mutations_in_every_patched_area():
     mutations = MUTATIONS.values()
     assert any(m.parallel.world > 1 for m in mutations)  # under TP2
     assert any(m.dtype == "bfloat16" for m in mutations)  # a one-dtype bug
-    assert any(m.device == "npu-emulated" for m in mutations)  # in the NPU binding / kernel
+    assert any(m.device == NPU_EMULATED for m in mutations)  # in the NPU binding / kernel
     assert any(m.examples[0].get("dropout", 0) > 0 for m in mutations)
     assert any(m.scope == "job" for m in mutations)  # a reference that calls the implementation
     # a window narrower than the sequence, with several query blocks
@@ -64,3 +65,20 @@ def test_unknown_mutation_is_named():
     with pytest.raises(KeyError, match="no mutation 'nope'"):
         with planted("nope"):
             pass
+
+
+def test_a_bug_only_in_16_bit_accumulation_needs_the_16_bit_cells():
+    """The grad-norm kernel's 16-bit-only bug leaves every fp32 cell passing, so only cells that
+    draw 16-bit grads can catch it: the grad-norm case draws fp16 and bf16 on every device."""
+    import dataclasses
+
+    import torch
+
+    from parity.cases.optimizer import GRAD_NORM
+
+    for name in ("grad-norm-16bit-accumulation", "grad-norm-bf16-accumulation"):
+        as_fp32 = dataclasses.replace(MUTATIONS[name], dtype="float32")
+        record = evaluate_mutation(as_fp32, True)
+        assert record.verdict.status != "error", f"{name} is not 16-bit only: {_why(record)}"
+    for device, dtypes in GRAD_NORM.dtypes.items():
+        assert {torch.float16, torch.bfloat16} <= set(dtypes), device
