@@ -22,6 +22,8 @@ import runpy
 import sys
 from collections.abc import Iterator
 
+from megatron_npu.registry import NPU_EMULATED
+
 KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
 
 
@@ -29,7 +31,7 @@ KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
 def _kernel_counts(prefix: str) -> Iterator[None]:
     from megatron_npu import active_device
 
-    if not prefix or active_device() != "npu-emulated":
+    if not prefix or active_device() != NPU_EMULATED:
         yield
         return
     from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
