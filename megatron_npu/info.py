@@ -26,9 +26,13 @@ def npu_path(patch: Patch) -> dict[str, Any]:
 
 
 def collect(device: str | None = None) -> dict[str, Any]:
-    """Apply the registry for ``device`` without stopping at failures, and describe the result."""
+    """Apply the registry for ``device`` without stopping at failures, and describe the result.
+
+    The process is left as it was found: the patches are applied only while the statuses are
+    read (:func:`megatron_npu.patcher.applied_for`)."""
     dev: Device = resolve(device)
-    results = patcher.apply(dev, strict=False)
+    with patcher.applied_for(dev, strict=False) as results:
+        pass
     by_id = {p.id: p for p in all_patches()}
     return {
         "device": {
