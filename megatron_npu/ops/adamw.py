@@ -10,8 +10,11 @@
 
 with ``v' = v`` or, with amsgrad, ``v' = max_exp_avg_sq <- max(max_exp_avg_sq, v)``.
 
-Native path: ``torch._fused_adamw_`` per (device, dtype) group (falls back to a plain fp32
-per-tensor update where the fused kernel is missing). NPU path: ``npu_apply_adam_w`` per tensor,
+Native path: ``torch._fused_adamw_`` per (device, dtype) group. Where that kernel is missing for
+the device and dtypes (found once by a one-element probe, not by catching errors of the real
+update) a plain fp32 per-tensor update runs instead, and says so: a
+:class:`~megatron_npu.ops.fallbacks.FusedKernelFallbackWarning` once, recorded for
+``megatron-npu info`` (:mod:`megatron_npu.ops.fallbacks`). NPU path: ``npu_apply_adam_w`` per tensor,
 passing ``beta1**(step-1)`` and ``beta2**(step-1)`` because the op multiplies the powers by beta
 itself.
 """
@@ -23,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from megatron_npu.ops import fallbacks
 from megatron_npu.ops._common import check_float_dtype
 from megatron_npu.ops.kernels import npu_kernels
 
@@ -74,6 +78,49 @@ def _plain_adamw(p, g, m, v, vmax, step, lr, beta1, beta2, eps, weight_decay, ma
     v.copy_(vf)
 
 
+_FUSED = "torch._fused_adamw_"
+_fused_available: dict[tuple[str, torch.dtype, torch.dtype, torch.dtype, torch.dtype], bool] = {}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fused_adamw_available(
+    device: torch.device | str, dtype: torch.dtype, grad_dtype: torch.dtype,
+    exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+) -> bool:  # fmt: skip
+    """Whether ``torch._fused_adamw_`` runs for params of ``dtype``, grads of ``grad_dtype`` and
+    moments of the given dtypes (default ``dtype``) on ``device``'s type: a one-element probe,
+    once per combination. A missing kernel is recorded as a named fallback
+    (:func:`megatron_npu.ops.fallbacks.record`)."""
+    device = torch.device(device)
+    m_dtype = dtype if exp_avg_dtype is None else exp_avg_dtype
+    v_dtype = dtype if exp_avg_sq_dtype is None else exp_avg_sq_dtype
+    key = (device.type, dtype, grad_dtype, m_dtype, v_dtype)
+    if key not in _fused_available:
+        p = torch.zeros(1, dtype=dtype, device=device)
+        m = torch.zeros(1, dtype=m_dtype, device=device)
+        v = torch.zeros(1, dtype=v_dtype, device=device)
+        g = torch.zeros(1, dtype=grad_dtype, device=device)
+        try:
+            torch._fused_adamw_(
+                [p], [g], [m], [v], [], [torch.ones((), device=device)], lr=0.0, beta1=0.9,
+                beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            _fused_available[key] = True
+        except (RuntimeError, NotImplementedError) as exc:
+            _fused_available[key] = False
+            fallbacks.record(fallbacks.Fallback(
+                op=_OP, kernel=_FUSED,
+                where=f"{device.type} {_name(dtype)} params, {_name(grad_dtype)} grads, "
+                f"{_name(m_dtype)}/{_name(v_dtype)} moments",
+                instead="a per-tensor fp32 AdamW update (one op chain per parameter)",
+                reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            ))  # fmt: skip
+    return _fused_available[key]
+
+
 def native_adamw_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -94,31 +141,32 @@ def native_adamw_step_(
            weight_decay, amsgrad)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        groups.setdefault((p.device, p.dtype, grads[i].dtype), []).append(i)
-    for (device, _, _), idx in groups.items():
-        steps = [torch.tensor(float(step), device=device) for _ in idx]
-        vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
-        try:
-            torch._fused_adamw_(
-                [params[i] for i in idx],
-                [grads[i] for i in idx],
-                [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx],
-                vmax,
-                steps,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=weight_decay,
-                eps=eps,
-                amsgrad=amsgrad,
-                maximize=maximize,
-            )
-        except (RuntimeError, NotImplementedError):  # no fused kernel for this device/dtype
+        key = (p.device, p.dtype, grads[i].dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype)
+        groups.setdefault(key, []).append(i)
+    for (device, dtype, grad_dtype, m_dtype, v_dtype), idx in groups.items():
+        if not fused_adamw_available(device, dtype, grad_dtype, m_dtype, v_dtype):
             for i in idx:
                 _plain_adamw(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                              max_exp_avg_sqs[i] if amsgrad else None, step, lr, beta1, beta2,
-                             eps, weight_decay, maximize)
+                             eps, weight_decay, maximize)  # fmt: skip
+            continue
+        steps = [torch.tensor(float(step), device=device) for _ in idx]
+        vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
+        torch._fused_adamw_(
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            vmax,
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
 
 
 def npu_adamw_step_(
