@@ -14,9 +14,15 @@ Native path: ``torch._fused_adamw_`` per (device, dtype) group. Where that kerne
 the device and dtypes (found once by a one-element probe, not by catching errors of the real
 update) a plain fp32 per-tensor update runs instead, and says so: a
 :class:`~megatron_npu.ops.fallbacks.FusedKernelFallbackWarning` once, recorded for
-``megatron-npu info`` (:mod:`megatron_npu.ops.fallbacks`). NPU path: ``npu_apply_adam_w`` per tensor,
-passing ``beta1**(step-1)`` and ``beta2**(step-1)`` because the op multiplies the powers by beta
-itself.
+``megatron-npu info`` (:mod:`megatron_npu.ops.fallbacks`).
+
+NPU path: ``npu_apply_adam_w`` (which takes one tensor per operand) once per chunk of up to
+:data:`NPU_CHUNK_ELEMENTS` elements, not once per parameter: each operand list is viewed as one
+flat tensor where its tensors already lie back to back in one buffer (the moments
+:class:`~megatron_npu.optim.adamw.FusedAdamW` keeps do), else gathered with one ``cat``; gathered
+outputs go back with one ``_foreach_copy_``. So a step launches a handful of kernels per chunk,
+whatever the parameter count. The powers passed are ``beta1**(step-1)`` and ``beta2**(step-1)``
+because the op multiplies them by beta itself.
 """
 
 from __future__ import annotations
@@ -189,24 +195,81 @@ def npu_adamw_step_(
     _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, eps,
            weight_decay, amsgrad)
     beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+    groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        vmax = max_exp_avg_sqs[i] if amsgrad else None
-        kernels.npu_apply_adam_w(
-            beta1_power,
-            beta2_power,
-            lr,
-            weight_decay,
-            beta1,
-            beta2,
-            eps,
-            grads[i],
-            vmax,
-            amsgrad,
-            maximize,
-            out=(p, exp_avgs[i], exp_avg_sqs[i]),
-        )
-        if vmax is not None:  # the op reads the running max but does not write it back
-            torch.maximum(vmax, exp_avg_sqs[i], out=vmax)
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for idx in groups.values():
+        for chunk in _chunks(idx, params, NPU_CHUNK_ELEMENTS):
+            p_list = [params[i] for i in chunk]
+            dtype = p_list[0].dtype
+            operands = {
+                "var": p_list, "grad": [grads[i] for i in chunk],
+                "m": [exp_avgs[i] for i in chunk], "v": [exp_avg_sqs[i] for i in chunk],
+            }  # fmt: skip
+            if amsgrad:
+                operands["vmax"] = [max_exp_avg_sqs[i] for i in chunk]
+            for name, tensors in operands.items():
+                wrong = next((t.dtype for t in tensors if t.dtype != dtype), None)
+                if wrong is not None:  # the kernel takes one dtype for all of them
+                    raise TypeError(f"{_OP}: npu_apply_adam_w needs {name} in the params' dtype "
+                                    f"{dtype}, got {wrong}")  # fmt: skip
+            flat = {name: flat_view(tensors) for name, tensors in operands.items()}
+            gathered = [name for name, view in flat.items() if view is None]
+            for name in gathered:
+                flat[name] = torch.cat([t.reshape(-1) for t in operands[name]])
+            kernels.npu_apply_adam_w(
+                beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, flat["grad"],
+                flat.get("vmax"), amsgrad, maximize, out=(flat["var"], flat["m"], flat["v"]),
+            )  # fmt: skip
+            if amsgrad:  # the op reads the running max but does not write it back
+                torch.maximum(flat["vmax"], flat["v"], out=flat["vmax"])
+            back = [name for name in gathered if name != "grad"]
+            if back:
+                torch._foreach_copy_(
+                    [t for name in back for t in operands[name]],
+                    [piece for name in back for piece in _unflatten(flat[name], operands[name])],
+                )
+
+
+#: Largest number of elements one ``npu_apply_adam_w`` call covers where the operands have to be
+#: gathered (bounds the temporary copies); whole tensors are never split.
+NPU_CHUNK_ELEMENTS = 1 << 26
+
+
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D view covering ``tensors`` in order when they lie back to back (contiguous, one
+    storage, one dtype, each starting where the previous ends), else None. Launches nothing."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    start = offset
+    for t in tensors:
+        if (
+            t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset
+        ):  # fmt: skip
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - start,), (1,), start)
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = flat.split([t.numel() for t in like])
+    return [piece.view(t.shape) for piece, t in zip(pieces, like, strict=True)]
+
+
+def _chunks(idx: list[int], params: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    """``idx`` cut, at tensor boundaries, into runs of at most ``limit`` elements (a larger
+    tensor is a run of its own)."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in idx:
+        n = params[i].numel()
+        if not runs or size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
 
 
 def adamw_step_(
