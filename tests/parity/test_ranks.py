@@ -116,3 +116,28 @@ def test_pools_are_kept_per_backend_and_a_job_for_another_backend_is_refused(mon
     monkeypatch.setattr(RankPool, "alive", property(lambda self: True))
     with pytest.raises(ValueError, match="job on npu needs the hccl backend, the pool runs gloo"):
         pool.submit(Job("any", "npu", "float32", Parallel(tp=2), ()))
+
+
+def test_a_single_process_case_opens_its_world_on_the_active_devices_backend(monkeypatch):
+    import torch.distributed as dist
+
+    from megatron_npu import devices
+    from megatron_npu.devices.base import Device
+    from parity.cases._common import megatron_parallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process: the case reuses it")
+    seen = []
+
+    def init_process_group(backend, **kwargs):
+        seen.append(backend)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(devices, "active", lambda: Device("npu", "npu", "hccl", object()))
+    with pytest.raises(RuntimeError, match="stop here"), megatron_parallel():
+        pass
+    monkeypatch.setattr(devices, "active", lambda: None)
+    with pytest.raises(RuntimeError, match="stop here"), megatron_parallel():
+        pass
+    assert seen == ["hccl", "gloo"]
