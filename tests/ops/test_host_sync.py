@@ -27,8 +27,9 @@ CONFIGS = ("cpu:65536:65536", "npu-emulated:65536:65536", "cpu:16:0", "npu-emula
 @pytest.fixture(scope="module")
 def profiled_steps():
     worker = Path(__file__).with_name("_host_sync_step.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29517"}
-    env.pop("MEGATRON_NPU_DEVICE", None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("MEGATRON_NPU_DEVICE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)  # one rank on a free port, the device each configuration names
     proc = subprocess.run(
         [sys.executable, str(worker), *CONFIGS], capture_output=True, text=True, env=env,
         timeout=600,
