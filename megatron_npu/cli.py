@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from megatron_npu.devices import NAMES, DeviceUnavailableError
-from megatron_npu.patcher import PatchError, add_disable_patch_argument
+from megatron_npu.patcher import PatchError, add_disable_patch_argument, disable_flag_published
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -107,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:  # train parses its own (Megatron-named) options
         switch = argparse.ArgumentParser(prog="megatron-npu train", add_help=False)
         add_disable_patch_argument(switch)
-        _, train_argv = switch.parse_known_args(argv[1:])
-        return _train(argparse.Namespace(train_argv=train_argv))
+        switches, train_argv = switch.parse_known_args(argv[1:])
+        with disable_flag_published(switches.disable_patch):
+            return _train(argparse.Namespace(train_argv=train_argv))
     if argv[:1] == ["evaluate"]:  # evaluate takes train's model options too
         return _evaluate(argparse.Namespace(evaluate_argv=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with disable_flag_published(getattr(args, "disable_patch", ())):
+            return args.func(args)
     except (DeviceUnavailableError, PatchError) as exc:
         print(f"megatron-npu: {exc}", file=sys.stderr)
         return 2

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
+
+import torch
 
 from megatron_npu import patcher
 from megatron_npu.devices import Device, resolve
-from megatron_npu.ops import cpu_band_kernel
+from megatron_npu.ops import cpu_band_kernel, fallbacks
+from megatron_npu.ops.adamw import fused_adamw_available
 from megatron_npu.registry import Patch, all_patches
 from megatron_npu.versions import library_versions
 
@@ -25,10 +29,32 @@ def npu_path(patch: Patch) -> dict[str, Any]:
     }
 
 
+#: (param, grad) dtypes Megatron hands the optimizer: fp32 main params, or 16-bit params as-is
+_ADAMW_DTYPES = (
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+)  # fmt: skip
+
+
+def fallback_rows(dev: Device) -> list[dict[str, Any]]:
+    """Every algorithm fallback this process took (:mod:`megatron_npu.ops.fallbacks`), after
+    probing the fused AdamW for ``dev``'s native path (the NPU path calls npu_apply_adam_w)."""
+    if dev.kernels is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fallbacks.FusedKernelFallbackWarning)  # shown below
+            for dtype, grad_dtype in _ADAMW_DTYPES:
+                fused_adamw_available(dev.torch_device(), dtype, grad_dtype)
+    return [f.as_dict() for f in fallbacks.recorded()]
+
+
 def collect(device: str | None = None) -> dict[str, Any]:
-    """Apply the registry for ``device`` without stopping at failures, and describe the result."""
+    """Apply the registry for ``device`` without stopping at failures, and describe the result.
+
+    The process is left as it was found: the patches are applied only while the statuses are
+    read (:func:`megatron_npu.patcher.applied_for`)."""
     dev: Device = resolve(device)
-    results = patcher.apply(dev, strict=False)
+    with patcher.applied_for(dev, strict=False) as results:
+        pass
     by_id = {p.id: p for p in all_patches()}
     return {
         "device": {
@@ -41,6 +67,8 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "versions": library_versions(),
         # windowed attention's forward on cpu (the native path runs only there)
         "cpu_band_attention": cpu_band_kernel.status().describe() if dev.name == "cpu" else None,
+        # kernels missing here, and what runs instead (a named warning when first taken)
+        "fallbacks": fallback_rows(dev),
         "patches": [
             {
                 **r.as_dict(),
@@ -64,6 +92,8 @@ def render(data: dict[str, Any], file: Any = None) -> None:
         console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")
     if data["cpu_band_attention"]:
         console.print(f"[bold]windowed attention forward[/bold] {data['cpu_band_attention']}")
+    for row in data.get("fallbacks", ()):
+        console.print(f"[bold yellow]fallback[/bold yellow] {row['description']}")
     table = Table(title="patches", show_lines=False)
     for column in ("id", "target", "status", "npu path", "reason"):
         table.add_column(column, overflow="fold")

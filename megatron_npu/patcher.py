@@ -5,7 +5,9 @@ Rules this module guarantees (each has a test in ``tests/test_patcher.py``):
 * :func:`apply` is idempotent; re-applying for another device first restores, so wrappers never
   stack (a wrap patch is always built from the pristine original).
 * :func:`restore` puts back exactly the original objects, at every site that was rebound.
-* Copies bound by ``from x import f`` in modules imported before :func:`apply` are rebound too.
+* Copies bound by ``from x import f`` in modules imported before :func:`apply` are rebound too;
+  copies taken by modules imported *while* applied (they copy the replacement) are found at
+  :func:`restore` from those modules' ``from ... import`` statements and put back as well.
 * Strict targets: a target missing from the installed megatron-core raises
   :class:`PatchTargetError` naming the patch, the target and the installed version, unless the
   patch's version range excludes that version (then it is recorded as skipped). A missing
@@ -17,11 +19,15 @@ Rules this module guarantees (each has a test in ``tests/test_patcher.py``):
 * Per-patch off switch: ids listed in ``$MEGATRON_NPU_DISABLE`` (comma-separated), given to
   ``--disable-patch`` or passed as ``apply(disable=...)`` are not installed and are reported with
   status ``disabled`` and the switch that disabled them; an unknown id is an error naming it.
+  Parsing ``--disable-patch`` changes nothing outside the parsed namespace: the command publishes
+  the ids (:func:`disable_flag_published`) only while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -29,7 +35,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,8 +52,8 @@ STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED, DISABLED, NOT_I
 
 #: Comma-separated patch ids the user switched off.
 DISABLE_ENV = "MEGATRON_NPU_DISABLE"
-#: Comma-separated patch ids switched off with ``--disable-patch`` (set by the command line so
-#: the launched ranks and parity workers see them too).
+#: Comma-separated patch ids switched off with ``--disable-patch`` (published by the command while
+#: it runs, so the ranks and parity workers it launches see them too).
 DISABLE_FLAG_ENV = "MEGATRON_NPU_DISABLE_FLAG"
 DISABLE_FLAG = "--disable-patch"
 
@@ -97,6 +103,10 @@ class _State:
     sites: list[_Site] = field(default_factory=list)
     results: list[PatchResult] = field(default_factory=list)
     originals: dict[str, Any] = field(default_factory=dict)
+    #: ``id(module)`` of every module loaded when apply() began (later ones are scanned at restore)
+    modules_before: set[int] = field(default_factory=set)
+    #: the arguments of the apply() in force, so :func:`applied_for` can put it back
+    call: dict[str, Any] | None = None
 
 
 _state = _State()
@@ -307,6 +317,78 @@ def _uninstall(sites: Iterable[_Site]) -> None:
             setattr(site.owner, site.name, site.original)
 
 
+def _import_froms(module: Any) -> list[tuple[str, str, str]]:
+    """``(source module, name, bound as)`` for every ``from x import name [as y]`` in the source
+    of ``module`` (relative imports resolved); empty when it has no readable Python source."""
+    spec = getattr(module, "__spec__", None)
+    loader = getattr(spec, "loader", None)
+    try:
+        source = loader.get_source(module.__name__) if loader is not None else None
+    except (ImportError, OSError, AttributeError):
+        source = None
+    if not source:
+        return []
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    package = getattr(module, "__package__", None) or ""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            if node.level - 1 >= len(parts):
+                continue
+            parent = ".".join(parts[: len(parts) - (node.level - 1)])
+            base = f"{parent}.{base}" if base else parent
+        for alias in node.names:
+            if alias.name != "*":
+                found.append((base, alias.name, alias.asname or alias.name))
+    return found
+
+
+def _later_copies(sites: list[_Site], modules_before: set[int]) -> list[_Site]:
+    """Sites for the replacements that modules imported while applied copied with
+    ``from <patched module> import <name>``: found from their import statements (not from object
+    identity, which would also catch a module that imported the replacement from megatron_npu
+    itself). Follows re-exports between such modules; skips :data:`_BELOW_MEGATRON`."""
+    copied: dict[tuple[str, str], _Site] = {
+        (site.owner.__name__, site.name): site
+        for site in sites
+        if inspect.ismodule(site.owner) and site.original is not _MISSING
+        and _rebindable(site.owner, site.original)
+    }
+    if not copied:
+        return []
+    fresh = [
+        module
+        for modname, module in list(sys.modules.items())
+        if module is not None and id(module) not in modules_before
+        and inspect.ismodule(module) and modname.partition(".")[0] not in _BELOW_MEGATRON
+    ]
+    imports = {id(module): _import_froms(module) for module in fresh}
+    found: list[_Site] = []
+    changed = True
+    while changed:  # a module may re-export a copy another fresh module then imports
+        changed = False
+        for module in fresh:
+            namespace = vars(module)
+            for base, name, key in imports[id(module)]:
+                source = copied.get((base, name))
+                if source is None or (module.__name__, key) in copied:
+                    continue
+                if namespace.get(key) is not source.installed:
+                    continue
+                site = _Site(module, key, source.original, source.installed)
+                copied[(module.__name__, key)] = site
+                found.append(site)
+                changed = True
+    return found
+
+
 def _split_ids(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -341,13 +423,31 @@ def _known_patch_id(text: str) -> str:
 
 
 class _DisablePatchAction(argparse.Action):
-    """Collect the ids and publish them in ``$MEGATRON_NPU_DISABLE_FLAG`` so every process the
-    command starts (launched ranks, parity workers) leaves the same patches out."""
+    """Collect the ids in the namespace (parsing writes nothing else: no environment)."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
         ids = [*(getattr(namespace, self.dest, None) or []), values]
         setattr(namespace, self.dest, ids)
-        os.environ[DISABLE_FLAG_ENV] = ",".join(ids)
+
+
+@contextlib.contextmanager
+def disable_flag_published(ids: Iterable[str]) -> Iterator[None]:
+    """While the command runs, ``$MEGATRON_NPU_DISABLE_FLAG`` names the ``--disable-patch`` ids,
+    so this process and every process it starts (launched ranks, parity workers) leave the same
+    patches out; the variable's previous value is put back afterwards. No ids: nothing changes."""
+    ids = list(ids)
+    if not ids:
+        yield
+        return
+    previous = os.environ.get(DISABLE_FLAG_ENV)
+    os.environ[DISABLE_FLAG_ENV] = ",".join(ids)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DISABLE_FLAG_ENV, None)
+        else:
+            os.environ[DISABLE_FLAG_ENV] = previous
 
 
 def add_disable_patch_argument(parser: argparse.ArgumentParser) -> None:
@@ -420,6 +520,7 @@ def apply(
         if _state.device is not None:
             restore()
         version = megatron_version or megatron_core_version()
+        modules_before = {id(m) for m in list(sys.modules.values())}
         devices.activate(dev)
         results: list[PatchResult] = []
         sites: list[_Site] = []
@@ -430,6 +531,11 @@ def apply(
             sites,
             results,
         )
+        _state.modules_before = modules_before
+        _state.call = dict(
+            device=dev, strict=strict, patches=patches, megatron_version=megatron_version,
+            disable=tuple(disable), transfer=transfer,
+        )  # fmt: skip
         try:  # from here on, anything that escapes (even KeyboardInterrupt) undoes it all
             wanted = [
                 p
@@ -473,16 +579,35 @@ def apply(
 
 
 def restore() -> None:
-    """Put back every original object and deactivate the device."""
+    """Put back every original object and deactivate the device.
+
+    Besides the sites apply() bound, copies that modules imported since then made with
+    ``from <patched module> import <name>`` are put back too (:func:`_later_copies`)."""
     from megatron_npu import devices, transfer
 
     with _lock:
         transfer.uninstall()
+        later = _later_copies(_state.sites, _state.modules_before) if _state.sites else []
+        _uninstall(later)
         _uninstall(_state.sites)
         if _state.device is not None:
             devices.deactivate()
         _state.device, _state.patch_ids, _state.sites, _state.results = None, (), [], []
-        _state.originals = {}
+        _state.originals, _state.modules_before, _state.call = {}, set(), None
+
+
+@contextlib.contextmanager
+def applied_for(device: Any = None, **kwargs: Any) -> Iterator[list[PatchResult]]:
+    """``apply(device, **kwargs)`` for the block, then the process as it was: restored if nothing
+    was applied before, else the previous application (same arguments) re-established."""
+    with _lock:
+        previous = dict(_state.call) if _state.call is not None else None
+        try:
+            yield apply(device, **kwargs)
+        finally:
+            restore()
+            if previous is not None:
+                apply(**previous)
 
 
 def original(patch: Patch) -> Any:

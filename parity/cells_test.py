@@ -34,7 +34,7 @@ def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
     pool = None
     if cell.parallel.world > 1:
         try:
-            pool = rank_pools.get(cell.parallel.world)
+            pool = rank_pools.get(cell.parallel.world, cell.device)
         except Exception as exc:  # noqa: BLE001 - a pool that cannot start fails this cell
             pool = _Unstartable(exc)
     record = evaluate(job, pool=pool)

@@ -1,4 +1,8 @@
-"""Real multi-rank process groups for parity cases (gloo here, hccl on an NPU).
+"""Real multi-rank process groups for parity cases, on the device's own backend.
+
+The backend comes from the device object (:attr:`megatron_npu.devices.Device.dist_backend`):
+gloo for ``cpu`` and ``npu-emulated``, hccl for ``npu``, nccl for ``cuda``; a pool serves the jobs
+of every device with its backend.
 
 A :class:`RankPool` starts ``world`` spawned processes that join one process group and then run
 :class:`~parity.harness.Job` s sent to them, each on Megatron's model-parallel groups for the job's
@@ -38,14 +42,29 @@ class RankTimeout(RankError):
 DEFAULT_RUNNER = "parity.harness:run_examples"
 
 
-def _worker(rank: int, world: int, store: str, conn: Any, runner: str = DEFAULT_RUNNER) -> None:
+def backend_for(device: str) -> str:
+    """The process-group backend ``device`` uses (from its device object, never hard-coded)."""
+    from megatron_npu import devices
+
+    return devices.make(device).dist_backend
+
+
+def _worker(
+    rank: int, world: int, store: str, conn: Any, runner: str = DEFAULT_RUNNER,
+    device: str = "cpu",
+) -> None:  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
 
+        from megatron_npu import devices
+
         torch.set_num_threads(1)
+        dev = devices.make(device)
+        if dev.torch_type != "cpu":  # hccl / nccl: one accelerator per rank
+            dev.accelerator.set_device(rank)
         torch.distributed.init_process_group(
-            "gloo",
+            dev.dist_backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=world,
@@ -82,13 +101,16 @@ def _worker(rank: int, world: int, store: str, conn: Any, runner: str = DEFAULT_
 
 
 class RankPool:
-    """``world`` worker processes in one gloo group."""
+    """``world`` worker processes in one process group on ``device``'s backend."""
 
     def __init__(
-        self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, runner: str = DEFAULT_RUNNER
-    ) -> None:
+        self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, runner: str = DEFAULT_RUNNER,
+        device: str = "cpu",
+    ) -> None:  # fmt: skip
         self.world = world
         self.timeout_s = timeout_s
+        self.device = device
+        self.backend = backend_for(device)
         self._dir = tempfile.mkdtemp(prefix="megatron-npu-ranks-")
         ctx = mp.get_context("spawn")
         self._conns = []
@@ -97,7 +119,7 @@ class RankPool:
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world, store, child, runner), daemon=True,
+                target=_worker, args=(rank, world, store, child, runner, device), daemon=True,
                 name=f"parity-rank{rank}",
             )  # fmt: skip
             proc.start()
@@ -148,6 +170,11 @@ class RankPool:
             raise RankError("the rank pool is closed")
         if job.parallel.world != self.world:
             raise ValueError(f"job needs {job.parallel.world} ranks, pool has {self.world}")
+        if backend_for(job.device) != self.backend:
+            raise ValueError(
+                f"job on {job.device} needs the {backend_for(job.device)} backend, the pool "
+                f"runs {self.backend} (started for {self.device})"
+            )
         for conn in self._conns:
             conn.send(job)
         return self._collect(f"parity job {job.patch_id} {job.dtype} {job.parallel.label()}")[0]
@@ -171,15 +198,17 @@ class RankPool:
 
 
 class PoolManager:
-    """One healthy pool per world size, replaced after a failure, all closed on :meth:`close`."""
+    """One healthy pool per world size and backend (``cpu`` and ``npu-emulated`` share gloo's),
+    replaced after a failure, all closed on :meth:`close`."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
+        self._pools: dict[tuple[int, str], RankPool] = {}
 
-    def get(self, world: int) -> RankPool:
-        pool = self._pools.get(world)
+    def get(self, world: int, device: str = "cpu") -> RankPool:
+        key = (world, backend_for(device))
+        pool = self._pools.get(key)
         if pool is None or not pool.alive:
-            pool = self._pools[world] = RankPool(world)
+            pool = self._pools[key] = RankPool(world, device=device)
         return pool
 
     def close(self) -> None:

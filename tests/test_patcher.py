@@ -252,7 +252,7 @@ def test_disable_patch_flag_reaches_info(monkeypatch, capsys):
     from megatron_npu import cli
     from megatron_npu.registry import all_patches
 
-    monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")  # the flag publishes its ids here
+    monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")  # the command publishes its ids here
     first, second = (p.id for p in all_patches()[:2])
     argv = ["info", "--device", "cpu", "--json", "--disable-patch", first, "--disable-patch", second]
     assert cli.main(argv) == 0
@@ -390,9 +390,17 @@ def test_disable_patch_flag_on_train_reaches_the_ranks_environment(monkeypatch):
 
     seen = {}
     monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")
-    monkeypatch.setattr(cli, "_train", lambda args: seen.setdefault("argv", args.train_argv) and 0)
+
+    def train(args):
+        seen["argv"] = args.train_argv
+        seen["env"] = os.environ[patcher.DISABLE_FLAG_ENV]  # inherited by launched ranks
+        seen["reasons"] = patcher.disabled_patches(known=[patch_id])
+        return 0
+
+    monkeypatch.setattr(cli, "_train", train)
     patch_id = all_patches()[0].id
     cli.main(["train", "--num-layers", "2", "--disable-patch", patch_id, "--lr", "1e-3"])
     assert seen["argv"] == ["--num-layers", "2", "--lr", "1e-3"]  # Megatron's options untouched
-    assert os.environ[patcher.DISABLE_FLAG_ENV] == patch_id  # inherited by launched ranks
-    assert patcher.disabled_patches(known=[patch_id]) == {patch_id: "disabled by --disable-patch"}
+    assert seen["env"] == patch_id
+    assert seen["reasons"] == {patch_id: "disabled by --disable-patch"}
+    assert os.environ[patcher.DISABLE_FLAG_ENV] == ""  # the command's run only

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import warnings
 
 import torch
@@ -22,7 +21,6 @@ _MODULES = {"cpu": "cpu", "npu": "npu", "npu-emulated": "npu_emulated", "cuda": 
 NAMES = tuple(_MODULES)
 
 _active: Device | None = None
-_installed_torch_npu_stub = False
 
 
 def make(name: str) -> Device:
@@ -66,24 +64,24 @@ def resolve(name: str | Device | None = None) -> Device:
 
 
 def activate(device: Device) -> None:
-    """Make ``device`` the one Megatron's patched code uses (ops read its kernels)."""
-    global _active, _installed_torch_npu_stub
+    """Make ``device`` the one Megatron's patched code uses (ops read its kernels).
+
+    The kernels are bound only through :func:`megatron_npu.ops.kernels.use_npu_kernels`: the
+    emulation of ``npu-emulated`` stays under its own module name and is never registered as
+    ``torch_npu``, so ``import torch_npu``, ``find_spec("torch_npu")`` and
+    :func:`megatron_npu.devices.npu.torch_npu_installed` keep answering for the real package.
+    """
+    global _active
     from megatron_npu.ops.kernels import use_npu_kernels
 
     _active = device
     use_npu_kernels(device.kernels)
-    if device.emulated and "torch_npu" not in sys.modules:
-        sys.modules["torch_npu"] = device.kernels
-        _installed_torch_npu_stub = True
 
 
 def deactivate() -> None:
-    global _active, _installed_torch_npu_stub
+    global _active
     from megatron_npu.ops.kernels import use_npu_kernels
 
-    if _installed_torch_npu_stub:
-        sys.modules.pop("torch_npu", None)
-        _installed_torch_npu_stub = False
     use_npu_kernels(None)
     _active = None
 

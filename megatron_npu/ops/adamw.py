@@ -10,10 +10,19 @@
 
 with ``v' = v`` or, with amsgrad, ``v' = max_exp_avg_sq <- max(max_exp_avg_sq, v)``.
 
-Native path: ``torch._fused_adamw_`` per (device, dtype) group (falls back to a plain fp32
-per-tensor update where the fused kernel is missing). NPU path: ``npu_apply_adam_w`` per tensor,
-passing ``beta1**(step-1)`` and ``beta2**(step-1)`` because the op multiplies the powers by beta
-itself.
+Native path: ``torch._fused_adamw_`` per (device, dtype) group. Where that kernel is missing for
+the device and dtypes (found once by a one-element probe, not by catching errors of the real
+update) a plain fp32 per-tensor update runs instead, and says so: a
+:class:`~megatron_npu.ops.fallbacks.FusedKernelFallbackWarning` once, recorded for
+``megatron-npu info`` (:mod:`megatron_npu.ops.fallbacks`).
+
+NPU path: ``npu_apply_adam_w`` (which takes one tensor per operand) once per chunk of up to
+:data:`NPU_CHUNK_ELEMENTS` elements, not once per parameter: each operand list is viewed as one
+flat tensor where its tensors already lie back to back in one buffer (the moments
+:class:`~megatron_npu.optim.adamw.FusedAdamW` keeps do), else gathered with one ``cat``; gathered
+outputs go back with one ``_foreach_copy_``. So a step launches a handful of kernels per chunk,
+whatever the parameter count. The powers passed are ``beta1**(step-1)`` and ``beta2**(step-1)``
+because the op multiplies them by beta itself.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from types import ModuleType
 
 import torch
 
+from megatron_npu.ops import fallbacks
 from megatron_npu.ops._common import check_float_dtype
 from megatron_npu.ops.kernels import npu_kernels
 
@@ -74,6 +84,49 @@ def _plain_adamw(p, g, m, v, vmax, step, lr, beta1, beta2, eps, weight_decay, ma
     v.copy_(vf)
 
 
+_FUSED = "torch._fused_adamw_"
+_fused_available: dict[tuple[str, torch.dtype, torch.dtype, torch.dtype, torch.dtype], bool] = {}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fused_adamw_available(
+    device: torch.device | str, dtype: torch.dtype, grad_dtype: torch.dtype,
+    exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+) -> bool:  # fmt: skip
+    """Whether ``torch._fused_adamw_`` runs for params of ``dtype``, grads of ``grad_dtype`` and
+    moments of the given dtypes (default ``dtype``) on ``device``'s type: a one-element probe,
+    once per combination. A missing kernel is recorded as a named fallback
+    (:func:`megatron_npu.ops.fallbacks.record`)."""
+    device = torch.device(device)
+    m_dtype = dtype if exp_avg_dtype is None else exp_avg_dtype
+    v_dtype = dtype if exp_avg_sq_dtype is None else exp_avg_sq_dtype
+    key = (device.type, dtype, grad_dtype, m_dtype, v_dtype)
+    if key not in _fused_available:
+        p = torch.zeros(1, dtype=dtype, device=device)
+        m = torch.zeros(1, dtype=m_dtype, device=device)
+        v = torch.zeros(1, dtype=v_dtype, device=device)
+        g = torch.zeros(1, dtype=grad_dtype, device=device)
+        try:
+            torch._fused_adamw_(
+                [p], [g], [m], [v], [], [torch.ones((), device=device)], lr=0.0, beta1=0.9,
+                beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            _fused_available[key] = True
+        except (RuntimeError, NotImplementedError) as exc:
+            _fused_available[key] = False
+            fallbacks.record(fallbacks.Fallback(
+                op=_OP, kernel=_FUSED,
+                where=f"{device.type} {_name(dtype)} params, {_name(grad_dtype)} grads, "
+                f"{_name(m_dtype)}/{_name(v_dtype)} moments",
+                instead="a per-tensor fp32 AdamW update (one op chain per parameter)",
+                reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            ))  # fmt: skip
+    return _fused_available[key]
+
+
 def native_adamw_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -94,31 +147,32 @@ def native_adamw_step_(
            weight_decay, amsgrad)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        groups.setdefault((p.device, p.dtype, grads[i].dtype), []).append(i)
-    for (device, _, _), idx in groups.items():
-        steps = [torch.tensor(float(step), device=device) for _ in idx]
-        vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
-        try:
-            torch._fused_adamw_(
-                [params[i] for i in idx],
-                [grads[i] for i in idx],
-                [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx],
-                vmax,
-                steps,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=weight_decay,
-                eps=eps,
-                amsgrad=amsgrad,
-                maximize=maximize,
-            )
-        except (RuntimeError, NotImplementedError):  # no fused kernel for this device/dtype
+        key = (p.device, p.dtype, grads[i].dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype)
+        groups.setdefault(key, []).append(i)
+    for (device, dtype, grad_dtype, m_dtype, v_dtype), idx in groups.items():
+        if not fused_adamw_available(device, dtype, grad_dtype, m_dtype, v_dtype):
             for i in idx:
                 _plain_adamw(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                              max_exp_avg_sqs[i] if amsgrad else None, step, lr, beta1, beta2,
-                             eps, weight_decay, maximize)
+                             eps, weight_decay, maximize)  # fmt: skip
+            continue
+        steps = [torch.tensor(float(step), device=device) for _ in idx]
+        vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
+        torch._fused_adamw_(
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            vmax,
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
 
 
 def npu_adamw_step_(
@@ -141,24 +195,81 @@ def npu_adamw_step_(
     _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, eps,
            weight_decay, amsgrad)
     beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+    groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        vmax = max_exp_avg_sqs[i] if amsgrad else None
-        kernels.npu_apply_adam_w(
-            beta1_power,
-            beta2_power,
-            lr,
-            weight_decay,
-            beta1,
-            beta2,
-            eps,
-            grads[i],
-            vmax,
-            amsgrad,
-            maximize,
-            out=(p, exp_avgs[i], exp_avg_sqs[i]),
-        )
-        if vmax is not None:  # the op reads the running max but does not write it back
-            torch.maximum(vmax, exp_avg_sqs[i], out=vmax)
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for idx in groups.values():
+        for chunk in _chunks(idx, params, NPU_CHUNK_ELEMENTS):
+            p_list = [params[i] for i in chunk]
+            dtype = p_list[0].dtype
+            operands = {
+                "var": p_list, "grad": [grads[i] for i in chunk],
+                "m": [exp_avgs[i] for i in chunk], "v": [exp_avg_sqs[i] for i in chunk],
+            }  # fmt: skip
+            if amsgrad:
+                operands["vmax"] = [max_exp_avg_sqs[i] for i in chunk]
+            for name, tensors in operands.items():
+                wrong = next((t.dtype for t in tensors if t.dtype != dtype), None)
+                if wrong is not None:  # the kernel takes one dtype for all of them
+                    raise TypeError(f"{_OP}: npu_apply_adam_w needs {name} in the params' dtype "
+                                    f"{dtype}, got {wrong}")  # fmt: skip
+            flat = {name: flat_view(tensors) for name, tensors in operands.items()}
+            gathered = [name for name, view in flat.items() if view is None]
+            for name in gathered:
+                flat[name] = torch.cat([t.reshape(-1) for t in operands[name]])
+            kernels.npu_apply_adam_w(
+                beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, flat["grad"],
+                flat.get("vmax"), amsgrad, maximize, out=(flat["var"], flat["m"], flat["v"]),
+            )  # fmt: skip
+            if amsgrad:  # the op reads the running max but does not write it back
+                torch.maximum(flat["vmax"], flat["v"], out=flat["vmax"])
+            back = [name for name in gathered if name != "grad"]
+            if back:
+                torch._foreach_copy_(
+                    [t for name in back for t in operands[name]],
+                    [piece for name in back for piece in _unflatten(flat[name], operands[name])],
+                )
+
+
+#: Largest number of elements one ``npu_apply_adam_w`` call covers where the operands have to be
+#: gathered (bounds the temporary copies); whole tensors are never split.
+NPU_CHUNK_ELEMENTS = 1 << 26
+
+
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D view covering ``tensors`` in order when they lie back to back (contiguous, one
+    storage, one dtype, each starting where the previous ends), else None. Launches nothing."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    start = offset
+    for t in tensors:
+        if (
+            t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset
+        ):  # fmt: skip
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - start,), (1,), start)
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = flat.split([t.numel() for t in like])
+    return [piece.view(t.shape) for piece, t in zip(pieces, like, strict=True)]
+
+
+def _chunks(idx: list[int], params: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    """``idx`` cut, at tensor boundaries, into runs of at most ``limit`` elements (a larger
+    tensor is a run of its own)."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in idx:
+        n = params[i].numel()
+        if not runs or size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
 
 
 def adamw_step_(

@@ -9,7 +9,9 @@ Semantics shared by both paths (and by :func:`fused_attention`, which picks one 
 * ``attention_mask`` is bool or uint8, **True/1 means masked out**, shaped ``(B, N, Sq, Skv)``,
   ``(B, 1, Sq, Skv)``, ``(1, 1, Sq, Skv)`` or ``(Sq, Skv)``. With ``causal`` both apply (a key
   is visible where the mask and causality allow it); a mask that is exactly the causal one is
-  recognised and dropped (see :func:`without_redundant_causal_mask`).
+  recognised and dropped (see :func:`without_redundant_causal_mask`). No call compares a mask
+  on the host per layer: the shared :func:`causal_mask` is recognised by identity, any other mask
+  is classified once per tensor (cached while the tensor lives unmodified).
 * Window: with ``offset = Skv - Sq`` (queries aligned to the *end* of the keys, bottom-right, as
   in torch_npu ``sparse_mode`` 3/4 and flash-attention), query ``i`` may attend key ``j`` iff
   ``-pre_tokens <= j - i - offset <= next_tokens``; ``causal=True`` additionally caps the upper
@@ -35,6 +37,7 @@ The NPU binding maps the window to torch_npu ``sparse_mode`` (see :func:`npu_spa
 from __future__ import annotations
 
 import math
+import weakref
 from types import ModuleType
 from typing import NamedTuple
 
@@ -187,7 +190,59 @@ def window_bounds(
     return max(lo, -(skv - 1)), min(hi, sq - 1)
 
 
-_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_causal_masks: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _causal_pair(sq: int, skv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(Sq, Skv)`` causal mask (True = masked, bottom-right aligned) and its
+    ``(1, 1, Sq, Skv)`` view, built once per shape and device."""
+    key = (sq, skv, torch.device(device))
+    pair = _causal_masks.get(key)
+    if pair is None:
+        hidden = ~visible_keys(0, sq, 0, skv, skv - sq, -(skv - 1), 0, device)
+        if len(_causal_masks) >= 8:  # one or two shapes per run in practice: keep it small
+            _causal_masks.clear()
+        pair = _causal_masks[key] = (hidden, hidden.view(1, 1, sq, skv))
+        # "npu" and "npu:0" name the same mask once built: tensors report the indexed device
+        _causal_masks.setdefault((sq, skv, hidden.device), pair)
+    return pair
+
+
+def causal_mask(sq: int, skv: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Megatron's plain causal attention mask, ``(1, 1, Sq, Skv)`` bool (True = masked), shared.
+
+    A caller that knows its mask is the plain causal one (the training loop, whose data layer
+    builds no document masks) passes this tensor: attention recognises it by identity, so no
+    call compares it on the host. It must not be modified in place."""
+    return _causal_pair(sq, sq if skv is None else skv, torch.device(device))[1]
+
+
+#: ``id(mask)`` -> (weak reference, ``mask._version`` when classified, answers so far)
+_mask_facts: dict[int, tuple[weakref.ref, int, dict[tuple, bool]]] = {}
+_MASK_FACTS_LIMIT = 16
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _mask_facts.get(key)
+    if entry is not None and entry[0] is ref:
+        del _mask_facts[key]
+
+
+def mask_fact(mask: torch.Tensor, question: tuple, answer) -> bool:  # noqa: ANN001
+    """``answer()`` (a host-side bool about ``mask``, which costs a device-to-host sync) asked
+    once per mask tensor: cached under ``question`` while the tensor lives and is not modified
+    in place (its version counter is unchanged), so the layers of a step share one answer."""
+    key = id(mask)
+    entry = _mask_facts.get(key)
+    if entry is None or entry[0]() is not mask or entry[1] != mask._version:
+        if len(_mask_facts) >= _MASK_FACTS_LIMIT:
+            _mask_facts.clear()
+        ref = weakref.ref(mask, lambda r, k=key: _forget(k, r))
+        entry = _mask_facts[key] = (ref, mask._version, {})
+    facts = entry[2]
+    if question not in facts:
+        facts[question] = bool(answer())
+    return facts[question]
 
 
 def without_redundant_causal_mask(
@@ -197,18 +252,19 @@ def without_redundant_causal_mask(
 
     Causal attention applies a supplied mask *as well* (a key is visible only where both allow
     it), so a document mask (``--reset-attention-mask``) is honoured. Megatron's data loader
-    hands every causal run its plain causal mask; recognising it keeps the unmasked kernels
-    (one O(B*S^2) bool comparison instead of a masked attention)."""
+    hands every causal run its plain causal mask; recognising it keeps the unmasked kernels.
+    The shared :func:`causal_mask` is recognised by identity (no comparison); any other mask is
+    compared once per tensor (:func:`mask_fact`), not once per layer."""
     if mask is None or not causal:
         return mask
     sq, skv = shape.sq, shape.skv
-    key = (sq, skv, mask.device)
-    hidden = _causal_masks.get(key)
-    if hidden is None:
-        hidden = ~visible_keys(0, sq, 0, skv, skv - sq, -(skv - 1), 0, mask.device)
-        _causal_masks.clear()  # one shape per run in practice: keep the cache small
-        _causal_masks[key] = hidden
-    same = bool((mask.reshape(-1, sq, skv).bool() == hidden).all())
+    hidden, shared = _causal_pair(sq, skv, mask.device)
+    if mask is shared or mask is hidden:
+        return None
+    same = mask_fact(
+        mask, ("causal", sq, skv),
+        lambda: (mask.reshape(-1, sq, skv).bool() == hidden).all(),
+    )  # fmt: skip
     return None if same else mask
 
 
@@ -268,16 +324,12 @@ def _sdpa(q, k, v, visible, scale, dropout_p, gqa) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
+    # no host-side "are there empty rows?": open them for SDPA and zero their output anyway
     empty = ~visible.any(dim=-1, keepdim=True)
-    has_empty = bool(empty.any())
-    if has_empty:
-        visible = visible | empty
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        q, k, v, attn_mask=visible | empty, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
     )
-    if has_empty:
-        out = out.masked_fill(empty, 0.0)
-    return out
+    return out.masked_fill(empty, 0.0)
 
 
 def native_fused_attention(
@@ -491,8 +543,8 @@ class _BandAttention(torch.autograd.Function):
             lses[0] = lses[0].flip(2)
         total = torch.logsumexp(lses, dim=0)
         weights = (lses - total).exp_()
-        if not bool(torch.isfinite(total).all()):  # rows that see no key at all stay zero
-            weights = torch.where(torch.isfinite(total), weights, 0.0)
+        # rows that see no key at all stay zero (decided on the device: no host sync)
+        weights = torch.where(torch.isfinite(total), weights, 0.0)
         out = (outs * weights.unsqueeze(-1)).sum(dim=0)
         ctx.save_for_backward(q, k, v, out, total)
         return out
@@ -779,9 +831,15 @@ def npu_fused_attention(
         scale = 1.0 / math.sqrt(shape.head_dim)
     # A fully masked query row ("invalid row") is computed correctly (output 0) only with
     # inner_precise=2 under an explicit mask; the kernel finds such rows itself in modes 2-4.
-    dead_rows = plan.atten_mask is not None and plan.sparse_mode == SPARSE_MODE_DEFAULT and bool(
-        plan.atten_mask.bool().all(dim=-1).any()
-    )
+    # Only a supplied mask can hide a whole row in mode 0; asked once per mask (:func:`mask_fact`).
+    dead_rows = (
+        attention_mask is not None
+        and plan.sparse_mode == SPARSE_MODE_DEFAULT
+        and mask_fact(
+            attention_mask, ("dead-rows", shape.sq, shape.skv, pre_tokens, next_tokens, causal),
+            lambda: plan.atten_mask.bool().all(dim=-1).any(),
+        )
+    )  # fmt: skip
     outputs = kernels.npu_fusion_attention(
         query,
         key,

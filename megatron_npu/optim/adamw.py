@@ -5,6 +5,10 @@ this class keeps torch's state keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``ma
 and parameter-group options, so checkpoints and Megatron's distributed optimizer see no
 difference, and performs each group's update through :func:`megatron_npu.ops.adamw.adamw_step_`
 (``npu_apply_adam_w`` on the NPU, ``torch._fused_adamw_`` natively).
+
+The moments of a parameter group live back to back in one flat buffer per device and dtype
+(each state entry is a view of it), so the NPU path hands them to the kernel as single tensors;
+moments that arrive otherwise (a loaded checkpoint) are packed on the next step.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 
 import torch
 
-from megatron_npu.ops.adamw import adamw_step_
+from megatron_npu.ops.adamw import adamw_step_, flat_view
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -48,15 +54,31 @@ class FusedAdamW(torch.optim.AdamW):
             fused=None,
         )  # fmt: skip
 
-    def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+    def _pack_moments(self, params: list[torch.Tensor], amsgrad: bool) -> None:
+        """Give ``params`` (one group's, with grads) their moments as views of one flat buffer
+        per device and dtype: zeros when new, the current values when they are not already
+        back to back. Launches nothing when they already are."""
+        keys = _MOMENTS if amsgrad else _MOMENTS[:2]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        for same in by_kind.values():
+            for key in keys:
+                current = [self.state[p].get(key) for p in same]
+                if all(t is not None for t in current) and flat_view(current) is not None:
+                    continue
+                flat = torch.zeros(sum(p.numel() for p in same), dtype=same[0].dtype,
+                                   device=same[0].device)  # fmt: skip
+                offset = 0
+                for p, old in zip(same, current, strict=True):
+                    view = flat[offset : offset + p.numel()].view(p.shape)
+                    if old is not None:
+                        view.copy_(old)
+                    self.state[p][key] = view
+                    offset += p.numel()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -67,12 +89,12 @@ class FusedAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             amsgrad = group["amsgrad"]
             by_step: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW does not support sparse gradients")
-                state = self._state_of(p, amsgrad)
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in with_grad):
+                raise RuntimeError("FusedAdamW does not support sparse gradients")
+            self._pack_moments(with_grad, amsgrad)
+            for p in with_grad:
+                state = self.state[p]
                 state["step"] += 1
                 by_step.setdefault(int(state["step"].item()), []).append((p, state))
             beta1, beta2 = (float(b) for b in group["betas"])

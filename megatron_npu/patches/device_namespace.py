@@ -2,50 +2,68 @@
 
 Each entry replaces one module's ``torch`` global with
 :data:`megatron_npu.devices.torch_namespace.TORCH_NAMESPACE`; only code in that module sees it.
-The list holds the modules a GPT pretraining run (TP/SP/PP/DP, distributed optimizer,
-dist-checkpointing) executes that call ``torch.cuda`` or create tensors on ``"cuda"``.
+Which modules: derived, not hand-kept. :func:`megatron_npu.devices.cuda_scan.cuda_using_modules`
+scans the installed megatron-core's sources for CUDA uses, and every such module under
+:data:`ROUTED` (what GPT pretraining with TP/SP/PP/DP, the distributed optimizer and
+dist-checkpointing imports) is routed, unless :data:`NOT_ROUTED` says why not. A CUDA-using module
+that is neither (a new Megatron module, say) fails ``tests/test_device_routing_scan.py``.
 """
 
 from __future__ import annotations
 
+from megatron_npu.devices.cuda_scan import classify, cuda_using_modules
 from megatron_npu.devices.torch_namespace import TORCH_NAMESPACE
 from megatron_npu.registry import Patch
 
-MODULES = (
-    "megatron.core.datasets.blended_megatron_dataset_builder",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.distributed.distributed_data_parallel",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.models.gpt.gpt_model",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.optimizer.optimizer",
+#: Megatron packages and modules whose CUDA uses are routed (GPT pretraining's import closure).
+ROUTED = (
+    "megatron.core.datasets",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.fp8_utils",
+    "megatron.core.models.common",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
     "megatron.core.parallel_state",
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.pipeline_parallel",
     "megatron.core.rerun_state_machine",
-    "megatron.core.tensor_parallel.data",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.random",
-    "megatron.core.tensor_parallel.utils",
+    "megatron.core.tensor_parallel",
     "megatron.core.timers",
-    "megatron.core.transformer.attention",
-    "megatron.core.transformer.dot_product_attention",
-    "megatron.core.transformer.mlp",
-    "megatron.core.transformer.module",
-    "megatron.core.transformer.transformer_layer",
-    "megatron.core.transformer.utils",
+    "megatron.core.transformer",
     "megatron.core.utils",
 )
+
+_GPU_ONLY = "GPU-only machinery with no NPU/CPU counterpart the adaptor provides"
+#: CUDA-using Megatron code left unrouted, and why (a package covers every module under it; the
+#: more specific of a ROUTED and a NOT_ROUTED entry wins).
+NOT_ROUTED = {
+    "megatron.core.inference": "inference engines and servers: the adaptor covers training",
+    "megatron.core.export": f"TensorRT-LLM export: {_GPU_ONLY}",
+    "megatron.core.resharding": f"NCCL/NVSHMEM weight-resharding services: {_GPU_ONLY}",
+    "megatron.core.nccl_allocator": f"NCCL user-buffer allocator: {_GPU_ONLY}",
+    "megatron.core.energy_monitor": f"NVML energy counters: {_GPU_ONLY}",
+    "megatron.core.full_cuda_graph": f"CUDA graphs: {_GPU_ONLY}",
+    "megatron.core.transformer.cuda_graphs": f"CUDA graphs: {_GPU_ONLY}",
+    "megatron.core.extensions.transformer_engine": "TransformerEngine layers (CUDA-only): the "
+    "adaptor runs the local layer spec",
+    "megatron.core.fusions": "Triton/TransformerEngine fused kernels: the adaptor replaces the GPT "
+    "entry points (activation, softmax, rotary, cross-entropy patches) instead",
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels": "Triton kernels (needs "
+    "triton, CUDA-only)",
+    "megatron.core.ssm": "Mamba / gated-delta-net layers: outside the GPT scope",
+    "megatron.core.models.bert": "BERT: outside the GPT scope",
+    "megatron.core.transformer.moe": "mixture of experts: outside the dense-GPT scope",
+    "megatron.core.distributed.fsdp": "Megatron-FSDP: not supported (DDP and the distributed "
+    "optimizer are)",
+    "megatron.core.distributed.torch_fully_sharded_data_parallel": "torch FSDP2: not supported",
+    "megatron.core.transformer.fsdp_dtensor_checkpoint": "FSDP DTensor checkpoints: not supported",
+    "megatron.core.optimizer.cpu_offloading": "the CPU-offload hybrid optimizer: not supported",
+    "megatron.core.distributed.distributed_data_parallel_config": "names 'cuda' only in "
+    "documentation; no CUDA call to route",
+}
+
+#: The routed modules: the scan's, classified (see the module docstring).
+MODULES = tuple(classify(cuda_using_modules("megatron.core"), ROUTED, NOT_ROUTED)[0])
 
 #: modules whose routing a parity case exercises on real process groups (the rest are exempt)
 _PARITY = {

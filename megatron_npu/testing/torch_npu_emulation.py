@@ -7,11 +7,9 @@ return tuples (e.g. ``npu_fusion_attention`` returns ``(out, softmax_max, softma
 seed, offset, numels)`` with fp32 softmax statistics shaped ``(B, N, Sq, 8)``), and the input
 checks the kernel documentation states. Errors name the broken constraint.
 
-It can stand in for the real module::
-
-    import sys
-    from megatron_npu.testing import torch_npu_emulation
-    sys.modules["torch_npu"] = torch_npu_emulation
+The adaptor binds it as its kernel module (``megatron_npu.ops.kernels.use_npu_kernels``) on the
+``npu-emulated`` device; it is never registered as ``torch_npu``, so nothing can mistake it for an
+installed torch_npu.
 
 Results produced through it are labelled ``npu-emulated``, never ``npu``: they say the NPU code
 path (argument mapping, mask conventions, sparse modes, layouts) is right, not that an Ascend

@@ -73,12 +73,17 @@ def _is_built_on_rank() -> bool:
     ) or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
+#: The datasets build no document masks: every sample's attention mask is the plain causal one
+#: (the training loop relies on it to hand attention the shared causal mask).
+RESET_ATTENTION_MASK = False
+
+
 def _gpt_config_kwargs(args: Namespace) -> dict[str, Any]:
     return dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_attention_mask=RESET_ATTENTION_MASK,
         eod_mask_loss=False,
         create_attention_mask=True,
     )

@@ -37,6 +37,7 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices, patcher
+from megatron_npu.ops.attention import causal_mask
 from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
     arguments,
@@ -120,7 +121,12 @@ def forward_step(device_type, data_iterator, model):
 
     tokens = take("tokens", gpt.pre_process)
     position_ids = take("position_ids", gpt.pre_process)
-    attention_mask = take("attention_mask", True)
+    if batch is not None and not data_mod.RESET_ATTENTION_MASK:
+        # the plain causal mask, stated as such: attention recognises the shared tensor by
+        # identity instead of comparing every micro-batch's copy on the host
+        attention_mask = causal_mask(*batch["attention_mask"].shape[-2:], device=device_type)
+    else:
+        attention_mask = take("attention_mask", True)
     labels = take("labels", gpt.post_process)
     loss_mask = take("loss_mask", gpt.post_process)
     output = model(tokens, position_ids, attention_mask, labels=labels)

@@ -36,7 +36,8 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
     """Megatron's parallel_state and model-parallel RNG tracker for one call.
 
     In a rank-pool worker both already exist (the pool initialised them for the job's layout)
-    and are used as they are. In a single-process case a one-rank gloo world and
+    and are used as they are. In a single-process case a one-rank world on the active device's
+    backend (gloo on cpu and npu-emulated, hccl on npu) and
     ``initialize_model_parallel(1, 1)`` are set up here and torn down on exit, so the test
     process is left as it was found. The RNG tracker is (re)seeded either way: Megatron's
     unfused attention forks it even with dropout 0.
@@ -45,11 +46,15 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_npu import devices
+
     store = None
     if not dist.is_initialized():
         store = tempfile.mkdtemp(prefix="megatron-npu-parity-")
+        active = devices.active()  # the device's own backend: hccl on an NPU, gloo on the CPU
         dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1
+            active.dist_backend if active is not None else "gloo",
+            init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1,
         )
     made_state = not parallel_state.model_parallel_is_initialized()
     try:

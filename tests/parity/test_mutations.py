@@ -15,7 +15,8 @@ from parity.mutations import MUTATIONS, planted
 
 def _evaluate(mutation, with_bug, rank_pools):
     world = mutation.parallel.world
-    return evaluate_mutation(mutation, with_bug, pool=rank_pools.get(world) if world > 1 else None)
+    pool = rank_pools.get(world, mutation.device) if world > 1 else None
+    return evaluate_mutation(mutation, with_bug, pool=pool)
 
 
 def _why(record):

@@ -47,3 +47,97 @@ def test_a_crashing_rank_pool_cell_is_an_error_record():
     assert (record.verdict.status, record.verdict.rule) == ("error", "crash")
     assert "deliberate failure on rank 1" in record.verdict.reason
     assert record.tensors == {} and not pool.alive
+
+
+def _npu_like(monkeypatch, calls):
+    """``npu`` answers as an NPU would (hccl, tensors on 'npu'), without torch_npu."""
+    import types
+
+    from megatron_npu import devices
+    from megatron_npu.devices.base import Device
+
+    real_make = devices.make
+    accelerator = types.SimpleNamespace(set_device=lambda index: calls.append(("set_device", index)))
+
+    def make(name):
+        if name == "npu":
+            return Device("npu", "npu", "hccl", accelerator)
+        return real_make(name)
+
+    monkeypatch.setattr(devices, "make", make)
+
+
+def test_a_rank_joins_the_process_group_on_its_devices_backend(monkeypatch):
+    """The worker takes the backend (and its per-rank device) from the device object: hccl for
+    npu, where a hard-coded gloo would leave the NPU's collectives unused."""
+    import torch.distributed
+
+    from parity import ranks
+
+    calls = []
+    _npu_like(monkeypatch, calls)
+
+    def init_process_group(backend, **kwargs):
+        calls.append(("init", backend, kwargs["rank"]))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    sent = []
+    conn = type("Conn", (), {"send": lambda self, msg: sent.append(msg)})()
+    ranks._worker(1, 2, "/nonexistent/store", conn, device="npu")
+    assert calls == [("set_device", 1), ("init", "hccl", 1)]
+    assert sent[0][0] == "error" and "stop here" in sent[0][1]
+    calls.clear()
+    ranks._worker(0, 2, "/nonexistent/store", conn, device="npu-emulated")
+    assert calls == [("init", "gloo", 0)]
+
+
+def test_pools_are_kept_per_backend_and_a_job_for_another_backend_is_refused(monkeypatch):
+    from parity import ranks
+
+    _npu_like(monkeypatch, [])
+    started = []
+
+    class FakePool:
+        alive = True
+
+        def __init__(self, world, *, device):
+            started.append((world, device, ranks.backend_for(device)))
+
+    monkeypatch.setattr(ranks, "RankPool", FakePool)
+    manager = ranks.PoolManager()
+    assert manager.get(2, "cpu") is manager.get(2, "npu-emulated")  # both gloo
+    manager.get(2, "npu")
+    assert started == [(2, "cpu", "gloo"), (2, "npu", "hccl")]
+    monkeypatch.undo()
+    _npu_like(monkeypatch, [])
+    pool = object.__new__(RankPool)
+    pool.world, pool.backend, pool.device = 2, "gloo", "cpu"
+    monkeypatch.setattr(RankPool, "alive", property(lambda self: True))
+    with pytest.raises(ValueError, match="job on npu needs the hccl backend, the pool runs gloo"):
+        pool.submit(Job("any", "npu", "float32", Parallel(tp=2), ()))
+
+
+def test_a_single_process_case_opens_its_world_on_the_active_devices_backend(monkeypatch):
+    import torch.distributed as dist
+
+    from megatron_npu import devices
+    from megatron_npu.devices.base import Device
+    from parity.cases._common import megatron_parallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process: the case reuses it")
+    seen = []
+
+    def init_process_group(backend, **kwargs):
+        seen.append(backend)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(devices, "active", lambda: Device("npu", "npu", "hccl", object()))
+    with pytest.raises(RuntimeError, match="stop here"), megatron_parallel():
+        pass
+    monkeypatch.setattr(devices, "active", lambda: None)
+    with pytest.raises(RuntimeError, match="stop here"), megatron_parallel():
+        pass
+    assert seen == ["hccl", "gloo"]
