@@ -223,9 +223,15 @@ class CpuAccelerator:
         return max(total - host_memory.rss_bytes(), 0), total
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
+        # the keys of torch.cuda.memory_stats() that Megatron-LM's TensorBoard logging reads;
+        # a host process has one "allocation" (its resident set) and reserves what it holds
+        current, peak = self.memory_allocated(), self.max_memory_allocated()
         return {
-            "allocated_bytes.all.current": self.memory_allocated(),
-            "allocated_bytes.all.peak": self.max_memory_allocated(),
+            "allocated_bytes.all.current": current,
+            "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": current,
+            "reserved_bytes.all.peak": peak,
+            "allocation.all.current": 1,
         }
 
     # --- properties -------------------------------------------------------------------------

@@ -111,6 +111,17 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
         ("pp2", 2, ("--pipeline-model-parallel-size", "2", "--log-straggler")),
         ("tp2-sp-distopt", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                "--use-distributed-optimizer")),
+        ("vpp", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")),
+        # DP2 with Megatron-LM's overlap, recompute, evaluation and logging options
+        ("dp2-options", 2, ("--use-distributed-optimizer", "--overlap-grad-reduce",
+                            "--overlap-param-gather", "--recompute-granularity", "full",
+                            "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                            "--eval-iters", "2", "--eval-interval", "5", "--log-throughput",
+                            "--timing-log-level", "2", "--log-params-norm",
+                            "--log-num-zeros-in-grad", "--tensorboard-dir", "tb",
+                            "--log-memory-to-tensorboard", "--log-timers-to-tensorboard",
+                            "--log-validation-ppl-to-tensorboard")),
         ("bf16", 1, ("--bf16",)),
         # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here)
         ("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
@@ -134,6 +145,8 @@ def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device):
         assert all(counts.get(k, 0) > 0 for k in LLAMA_KERNELS), counts
     if "--log-straggler" in extra:
         assert "MnRtt/Rnk" in run.log, run.tail()
+    if "--eval-interval" in extra:  # later --eval-* win over TINY's
+        assert run.log.count("validation loss at iteration") >= 4, run.tail()
 
 
 def _preprocess(jsonl, prefix) -> str:
