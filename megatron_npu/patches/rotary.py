@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from megatron_npu.ops.rotary import rotary_mul, rotate
@@ -34,13 +36,46 @@ def _apply_rotary_pos_emb_bshd(
     return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
 
 
+def _apply_rotary_pos_emb_bshd_mla_flag(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    rotary_interleaved: bool = False,
+    mla_rotary_interleaved: bool = False,
+    mscale: float = 1.0,
+    multi_latent_attention: bool | None = None,
+) -> torch.Tensor:
+    """0.19's signature: the MLA regrouping is ``mla_rotary_interleaved``; the old
+    ``multi_latent_attention`` keyword still wins when given, with Megatron's own warning."""
+    if multi_latent_attention is not None:
+        warnings.warn(
+            "multi_latent_attention is deprecated. Please use mla_rotary_interleaved instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        mla_rotary_interleaved = multi_latent_attention
+    return _apply_rotary_pos_emb_bshd(
+        t, freqs, rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=mla_rotary_interleaved, mscale=mscale,
+    )  # fmt: skip
+
+
 PATCHES = [
     Patch(
         id="rotary.apply-bshd",
         target="megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
         replacement=_apply_rotary_pos_emb_bshd,
         reason="--position-embedding-type rope through npu_rotary_mul (half / interleave)",
-        versions=">=0.13",
+        versions=">=0.13,<0.19",
+        parity="parity.cases.rotary:ROTARY_BSHD",
+        benchmark="perf.cases.layers:ROTARY",
+        npu_kernels=("npu_rotary_mul",),
+    ),
+    Patch(
+        id="rotary.apply-bshd-mla-flag",
+        target="megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+        replacement=_apply_rotary_pos_emb_bshd_mla_flag,
+        reason="the same rotary op, with 0.19's mla_rotary_interleaved parameter",
+        versions=">=0.19",
         parity="parity.cases.rotary:ROTARY_BSHD",
         benchmark="perf.cases.layers:ROTARY",
         npu_kernels=("npu_rotary_mul",),
