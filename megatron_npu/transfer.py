@@ -150,11 +150,15 @@ def _loader_with_own_generator(init: Any) -> Any:
     dropout uses; here the "CUDA" generator *is* the CPU generator, so the draw would shift the
     dropout stream by where in the run the loader happens to start (Megatron-LM builds it after
     loading a checkpoint, so a resumed run would not repeat the straight one). The loader gets a
-    generator of its own, seeded from the process's initial seed, as CUDA's separation implies."""
+    generator of its own, seeded from the process's initial seed, as CUDA's separation implies.
+
+    ``pin_memory`` is switched off: page-locked host memory only speeds host-to-device copies,
+    and there is no device here (a CUDA build of torch would ask the absent driver for one)."""
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        self.pin_memory = False
         if self.generator is None:
             own = torch.Generator()
             own.manual_seed(torch.initial_seed())

@@ -40,12 +40,22 @@ def client_devices() -> tuple[str, ...]:
 
 
 def megatron_lm_folder() -> Path:
-    """The Megatron-LM tag matching the installed megatron-core (``core_v<version>``)."""
-    folder = SHARED / f"core_v{megatron_core_version()}"
+    """The Megatron-LM tag of the installed megatron-core's release line: ``core_v<version>``,
+    else the newest ``core_v<major.minor>.*`` (0.19.2's wheel pairs with the core_v0.19.0 tag)."""
+    from packaging.version import Version
+
+    installed = Version(megatron_core_version())
+    exact = SHARED / f"core_v{installed}"
+    same_line = sorted(
+        (f for f in SHARED.glob(f"core_v{installed.major}.{installed.minor}.*")
+         if (f / "pretrain_gpt.py").is_file()),
+        key=lambda f: Version(f.name.removeprefix("core_v")),
+    )  # fmt: skip
+    folder = exact if (exact / "pretrain_gpt.py").is_file() else (same_line or [exact])[-1]
     if not (folder / "pretrain_gpt.py").is_file():
         raise AssertionError(
-            f"no Megatron-LM training layer for megatron-core {megatron_core_version()} at "
-            f"{folder} (the steering repo's shared/megatron-lm; set MEGATRON_LM_ROOT elsewhere)"
+            f"no Megatron-LM training layer for megatron-core {installed} at {folder} (the "
+            "steering repo's shared/megatron-lm; set MEGATRON_LM_ROOT elsewhere)"
         )
     return folder
 
