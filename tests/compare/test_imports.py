@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -146,3 +147,30 @@ def test_matrix_import_and_script_keys(tmp_path):
         with pytest.raises(m.MatrixError, match=None) as info:
             load(text)
         assert needle in str(info.value), (text, str(info.value))
+
+
+def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, monkeypatch):
+    from megatron_npu.compare import runner
+
+    script = tmp_path / "Megatron-LM" / "pretrain_gpt.py"
+    script.parent.mkdir()
+    script.write_text("print('hello')\n")
+    (tmp_path / "m.toml").write_text(
+        '[[run]]\nname = "mlm"\nscript = "Megatron-LM/pretrain_gpt.py"\n'
+        'args = ["--num-layers", "2", "--bf16"]\nnproc_per_node = 2\ndevice = "npu-emulated"\n'
+    )
+    spec = m.load(tmp_path / "m.toml").run("mlm")
+    assert runner.script_command(spec) == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "-m", "megatron_npu.run_script", str(script), "--num-layers", "2", "--bf16",
+    ]  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    env = runner.script_environment(spec, "npu-emulated")
+    assert env["MEGATRON_NPU_DEVICE"] == "npu-emulated"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(script.parent), "/somewhere/else"]
+    # a script that logs no Megatron-LM line is a failed run naming its log, not an empty curve
+    monkeypatch.setattr(runner, "script_command", lambda spec: [sys.executable, str(spec.path)])
+    outcome = runner.execute_script(spec, "npu-emulated", tmp_path / "run", timeout_s=60,
+                                    echo=io.StringIO(), session="s")  # fmt: skip
+    assert outcome.status == "failed"
+    assert outcome.error.startswith(f"its log cannot be read: {tmp_path / 'run' / 'train.log'}: no argument dump")
