@@ -162,6 +162,13 @@ def parse(path: str | Path) -> dict[str, Any]:
     }
 
 
+def _data_description(args: dict[str, Any], what: str, source: str) -> str:
+    """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
+    if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
+        return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
+    return f"{what} {source}"
+
+
 def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
     """The parsed log in the shape of ``megatron-npu train --metrics-out`` (config, steps,
     summary), so that compare's rules read it like a local run."""
@@ -187,7 +194,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "world_size": world,
             "data_parallel_size": dp,
             "padded_vocab_size": parsed.get("padded_vocab_size") or args.get("padded_vocab_size"),
-            "data": {"source": data_source, "description": f"Megatron-LM log {source}"},
+            "data": {"source": data_source, "description": _data_description(args, "Megatron-LM log", source)},
         },
         "steps": steps,
         "summary": {

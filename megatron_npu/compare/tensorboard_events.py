@@ -40,6 +40,27 @@ def _text(value: Any) -> Any:
         return text
 
 
+def check_records(file: Path) -> int:
+    """Walk every record with tensorboard's own record reader: the event accumulator stops
+    silently at a truncated or corrupt record (a shorter curve); here that is an error naming
+    the record. Returns the number of records."""
+    from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
+
+    reader = pywrap_tensorflow.PyRecordReader_New(str(file), 0)
+    count = 0
+    while True:
+        try:
+            reader.GetNext()
+        except errors.OutOfRangeError:
+            return count
+        except errors.DataLossError as exc:
+            reason = str(getattr(exc, "message", exc)).replace(str(file), "").strip()
+            raise EventFolderError(
+                f"{file}: record {count + 1} is truncated or corrupt ({reason}), after {count} good ones"
+            ) from None
+        count += 1
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """``{"arguments", "scalars": {tag: {step: value}}}`` of the folder's events."""
     path = Path(path)
@@ -61,6 +82,7 @@ def read(path: str | Path) -> dict[str, Any]:
     for file in files:
         if file.stat().st_size == 0:
             raise EventFolderError(f"{file}: empty event file")
+        check_records(file)
         accumulator = EventAccumulator(str(file), size_guidance={"scalars": 0, "tensors": 0})
         try:
             accumulator.Reload()
@@ -93,6 +115,13 @@ def read(path: str | Path) -> dict[str, Any]:
     return {"arguments": arguments, "scalars": scalars}
 
 
+def _data_description(args: dict[str, Any], what: str, source: str) -> str:
+    """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
+    if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
+        return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
+    return f"{what} {source}"
+
+
 def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
     """The events in the shape of ``megatron-npu train --metrics-out`` (config, steps, summary)."""
     args = events["arguments"]
@@ -121,7 +150,7 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
             "padded_vocab_size": args.get("padded_vocab_size"),
             "data": {
                 "source": "mock" if args.get("mock_data") else "data-path",
-                "description": f"Megatron-LM TensorBoard events {source}",
+                "description": _data_description(args, "Megatron-LM TensorBoard events", source),
             },
         },
         "steps": steps,
