@@ -45,8 +45,10 @@ CLOZE_LABELS = {
 
 def cloze_set(data: Any) -> str:
     """``lambada`` for a user-supplied lambada_test.jsonl-format file, ``corpus-cloze`` for the
-    shipped set cut from the embedded corpus (megatron_npu/evaluate/cloze_set.py)."""
-    return "corpus-cloze" if data in (None, "default") else "lambada"
+    shipped set cut from the embedded corpus (the evaluation's own rule: ``lambada.set_name``)."""
+    from megatron_npu.evaluate.lambada import set_name
+
+    return set_name(data)
 
 
 def cloze_label(rows: list[dict[str, Any]]) -> str:
