@@ -233,11 +233,17 @@ def script_command(spec: RunSpec) -> list[str]:
 
 
 def script_environment(spec: RunSpec, device: str) -> dict[str, str]:
-    """The device for ``megatron_npu.auto``, and the script's folder (the Megatron-LM checkout
-    that holds ``megatron/training``) on ``PYTHONPATH`` before what is there already."""
+    """The device for ``megatron_npu.auto``, the script's folder (the Megatron-LM checkout that
+    holds ``megatron/training``) on ``PYTHONPATH`` before what is there already, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set."""
     folder = str(Path(str(spec.path)).resolve().parent)
     paths = [folder, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {"MEGATRON_NPU_DEVICE": device, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    return {
+        "MEGATRON_NPU_DEVICE": device,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        # Megatron-LM asserts it for tensor/sequence-parallel overlap; its own examples set it
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+    }
 
 
 def execute_script(
