@@ -15,7 +15,6 @@ for a matrix that cannot be used.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import uuid
@@ -484,7 +483,3 @@ def main(args) -> int:
         return 2
     return status
 
-
-def load_results(out_dir: str | Path) -> dict[str, Any]:
-    """Read a comparison's ``results.json`` (for readers such as the reports package)."""
-    return json.loads((Path(out_dir) / "results.json").read_text(encoding="utf-8"))
