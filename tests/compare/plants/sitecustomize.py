@@ -4,7 +4,7 @@
 
 * ``slow-attention``: the adaptor's native fused attention
   (``megatron_npu.ops.attention.native_fused_attention``, what ``--use-flash-attn`` runs on cpu)
-  sleeps 50 ms per call -- a slowdown with right results;
+  sleeps 100 ms per call -- a slowdown with right results;
 * ``wrong-adamw``: the emulated NPU kernel ``npu_apply_adam_w`` steps with 1.5x the learning
   rate -- an accuracy bug on the NPU code path only.
 """
@@ -21,7 +21,7 @@ if _PLANT == "slow-attention":
     _original_attention = _attention.native_fused_attention
 
     def _slow_attention(*args, **kwargs):
-        time.sleep(0.05)
+        time.sleep(0.1)
         return _original_attention(*args, **kwargs)
 
     _attention.native_fused_attention = _slow_attention
