@@ -12,7 +12,8 @@ What is read (``megatron/training/training.py`` ``training_log`` and ``arguments
   of skipped steps), ``loss scale``, ``grad norm``, ``number of skipped iterations``; values are
   averages over the ``--log-interval`` steps up to N, so a step of the curve is one logged line;
 * ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` -- the
-  allocator's peak (largest over ranks and lines).
+  peak of ``torch.cuda.max_memory_allocated`` (largest over ranks and lines): the allocator's on
+  a GPU, the process's RSS where the adaptor ran it on cpu.
 
 Other lines, rank prefixes (``[rank3]:``, ``[default0]:``) and the output of several ranks
 interleaved line by line are allowed. The same iteration logged twice with the same figures
@@ -201,8 +202,10 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "steps": len(steps),
             "first_lm_loss": losses[0] if losses else None,
             "last_lm_loss": losses[-1] if losses else None,
+            # what torch.cuda.max_memory_allocated measured on the run's device (through the
+            # adaptor on cpu/npu-emulated that is the process's peak RSS): compare's
+            # MEMORY_MEASURE of the run's device says which column it belongs to
             "peak_memory_bytes": int(peak * 2**20) if peak is not None else None,
-            "peak_memory_measure": "allocator" if peak is not None else None,
             "log_interval": args.get("log_interval"),
         },
     }

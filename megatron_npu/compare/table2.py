@@ -63,8 +63,16 @@ def cloze_label(rows: list[dict[str, Any]]) -> str:
 
 
 def labels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(key, label) of every column, the cloze column headed for these rows."""
-    return [(key, cloze_label(rows) if key == "cloze" else label) for key, label in COLUMNS]
+    """(key, label) of every column, the cloze column headed for these rows and left out when no
+    run was evaluated (an empty matrix gets every column)."""
+    evaluated = not rows or any(
+        row.get("cloze_nll") is not None or row.get("cloze_accuracy") is not None for row in rows
+    )
+    return [
+        (key, cloze_label(rows) if key == "cloze" else label)
+        for key, label in COLUMNS
+        if key != "cloze" or evaluated
+    ]
 
 
 def layout_of(arguments: dict[str, Any], world_size: int | None) -> str:

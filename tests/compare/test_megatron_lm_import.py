@@ -200,6 +200,11 @@ options = {{ nproc-per-node = 2, tensor-model-parallel-size = 2 }}
     assert set(rows) == {"mlm-cpu", "mlm-npu-emulated", "mlm-events", "npu-tp2"}
     assert rows["mlm-cpu"]["hardware"].startswith("Megatron-LM") and rows["mlm-cpu"]["layout"] == "TP2 PP1 DP1"
     assert rows["npu-tp2"]["mfu"] is None and rows["mlm-npu-emulated"]["emulated"] is True
+    # Megatron-LM's 'max allocated' of a run on cpu is what the adaptor's cpu device measures:
+    # the process's peak RSS, so it goes in the RSS column
+    assert rows["mlm-cpu"]["peak_rss_mib"] > 0 and rows["mlm-cpu"]["peak_allocated_mib"] is None
+    header = (tmp_path / "out" / "table2.md").read_text().splitlines()[2]
+    assert "peak RSS MiB" in header and "cloze" not in header  # no run was evaluated
     runs = {r["name"]: r for r in document["runs"]}
     assert runs["mlm-cpu"]["imported_from"]["kind"] == "megatron-lm-log"
     assert runs["mlm-cpu"]["imported_from"]["sha256"]
