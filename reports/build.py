@@ -53,6 +53,7 @@ def context(rs: ResultSet, base: ResultSet | None = None) -> dict[str, Any]:
         "comparisons": [
             compare_view.comparison_section(c, i) for i, c in enumerate(rs.comparisons)
         ],
+        "headline": compare_view.headline(rs.comparisons),
         "bench_lines": bench_lines,
         "bench_charts": bench_view.charts_by_device(bench_lines),
         "baseline_path": bench_view.BASELINE_PATH,

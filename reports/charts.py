@@ -39,6 +39,21 @@ def loss_curves(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
     return to_div(fig, div_id)
 
 
+def grad_norms(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
+    """Grad norm per step of a candidate and its baseline (one trace each)."""
+    fig = go.Figure()
+    for run in runs:
+        fig.add_trace(
+            go.Scatter(
+                x=run["iterations"], y=run["grad_norms"], mode="lines+markers", name=run["legend"],
+                marker={"size": 4}, hovertemplate="step %{x}<br>grad norm %{y:.6g}<extra>%{fullData.name}</extra>",
+            )
+        )  # fmt: skip
+    fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="grad norm",
+                      hovermode="x unified", height=300, legend={"orientation": "h", "y": -0.3})  # fmt: skip
+    return to_div(fig, div_id)
+
+
 def relative_difference(
     title: str,
     iterations: list[int],

@@ -32,6 +32,7 @@ class Run:
     options: dict[str, Any]
     iterations: list[int]
     losses: list[float | None]
+    grad_norms: list[float | None]
     perf: dict[str, Any] | None
     lambada: dict[str, Any] | None
     wall_s: float | None
@@ -77,9 +78,11 @@ def _run(data: Any, index: int) -> Run:
     steps = _need(data, "steps", list, where)
     iterations: list[int] = []
     losses: list[float | None] = []
+    grad_norms: list[float | None] = []
     for j, step in enumerate(steps):
         iterations.append(_need(step, "iteration", int, f"{where}.steps[{j}]"))
         losses.append(_number(step.get("loss")) if isinstance(step, dict) else None)
+        grad_norms.append(_number(step.get("grad_norm")) if isinstance(step, dict) else None)
     return Run(
         name=_need(data, "name", str, where),
         device=_need(data, "device", (str, type(None)), where),
@@ -90,6 +93,7 @@ def _run(data: Any, index: int) -> Run:
         options=data.get("options") or {},
         iterations=iterations,
         losses=losses,
+        grad_norms=grad_norms,
         perf=data.get("perf"),
         lambada=data.get("lambada"),
         wall_s=_number(data.get("wall_s")),

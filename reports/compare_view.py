@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_npu.compare import table2 as compare_table
 from reports import charts
 from reports.compare_results import Comparison
 from reports.formatting import command_line, device_label, number
+
+#: Rules whose verdicts compare two training curves (a grad-norm plot is drawn for each pair).
+CURVE_RULES = ("deterministic", "layout", "approximate")
+FAILING = ("fail", "refused")
 
 #: Tolerance keys (docs/compare-results.md) that bound every step's relative loss difference:
 #: ``rtol`` of the approximate rule, ``per_step_rel`` of the layout rule. The deterministic
@@ -51,6 +56,7 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
     ]
     loss_div = charts.loss_curves(f"{comp.title}: loss per step", runs, f"loss-{index}")
     verdicts = []
+    by_name = {r.name: r for r in comp.runs}
     for j, v in enumerate(comp.verdicts):
         per_step = v.get("per_step") or None
         plot = None
@@ -60,12 +66,21 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
                 per_step.get("iteration", []), _finite_or_none(per_step.get("rel_diff")),
                 band(v.get("tolerance")), f"reldiff-{index}-{j}",
             )  # fmt: skip
+        pair = [by_name.get(v["candidate"]), by_name.get(v["baseline"])]
+        grad_plot = None
+        if v["rule"] in CURVE_RULES and all(r is not None and r.iterations for r in pair):
+            grad_plot = charts.grad_norms(
+                f"{v['candidate']} vs {v['baseline']}: grad norm per step",
+                [{"iterations": r.iterations, "grad_norms": r.grad_norms, "legend": _legend(r)}
+                 for r in pair],
+                f"gradnorm-{index}-{j}",
+            )  # fmt: skip
         verdicts.append(
             {
                 "candidate": v["candidate"], "baseline": v["baseline"], "rule": v["rule"],
                 "status": v["status"], "detail": v.get("detail") or "",
                 "tolerance": v.get("tolerance") or {}, "band": band(v.get("tolerance")),
-                "plot": plot,
+                "plot": plot, "grad_plot": grad_plot,
             }
         )  # fmt: skip
     return {
@@ -86,25 +101,68 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
     }
 
 
+def _cell_text(key: str, row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Table 2's own cell text (megatron_npu.compare.table2), or the plain number when a damaged
+    file gives a value of another type."""
+    try:
+        return compare_table.cell(key, row, rows)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError):
+        return number(row.get(key))
+
+
+def _has_column(key: str, rows: list[dict[str, Any]]) -> bool:
+    if key == "cloze":
+        return any(k in row for row in rows for k in ("cloze_nll", "cloze_accuracy"))
+    return any(key in row for row in rows)
+
+
 def table2(comp: Comparison) -> dict[str, Any]:
-    """Table 2 as the results file gives it: its columns are the rows' keys, in their order."""
-    columns: list[str] = []
-    for row in comp.table2:
-        columns.extend(k for k in row if k not in columns and k != "emulated")
+    """Table 2 as ``compare`` prints it: the same columns, labels (with units) and cell texts
+    (:mod:`megatron_npu.compare.table2`); a column no row has is left out."""
+    rows_in = comp.table2
+    columns = [(k, label) for k, label in compare_table.labels(rows_in) if _has_column(k, rows_in)]
     rows = []
-    for row in comp.table2:
+    for row in rows_in:
         device = row.get("device")
         emulated = row.get("emulated")
         cells = {}
-        for col in columns:
-            value = row.get(col)
-            if col == "device" and isinstance(device, str):
-                cells[col] = device_label(device, emulated if isinstance(emulated, bool) else None)
+        for key, _ in columns:
+            if key == "device" and isinstance(device, str):
+                cells[key] = device_label(device, emulated if isinstance(emulated, bool) else None)
+                hardware = row.get("hardware")
+                cells[key]["hardware"] = hardware if isinstance(hardware, str) else ""
             else:
-                numeric = isinstance(value, int | float | list) and not isinstance(value, bool)
-                cells[col] = {"text": number(value), "numeric": numeric}
+                value = row.get(key)
+                numeric = isinstance(value, int | float) and not isinstance(value, bool)
+                cells[key] = {"text": _cell_text(key, row, rows_in), "numeric": numeric}
         rows.append(cells)
-    return {"columns": columns, "rows": rows}
+    return {
+        "columns": [k for k, _ in columns],
+        "labels": dict(columns),
+        "rows": rows,
+        "notes": [compare_table.MEMORY_NOTE]  # the page labels emulated devices itself
+        + ([compare_table.EMULATED_NOTE.replace("`*` ", "")] if any(r.get("emulated") for r in rows_in) else []),
+    }
+
+
+def headline(comps: list[Comparison]) -> dict[str, Any] | None:
+    """One line for the top of the page: did every comparison pass, and if not which rule
+    failed for which run (and which runs did not finish)."""
+    if not comps:
+        return None
+    problems = []
+    for comp in comps:
+        where = f" ({comp.title})" if len(comps) > 1 else ""
+        for run in comp.runs:
+            if run.status == "failed":
+                problems.append(f"run {run.name} failed{where}")
+        for v in comp.verdicts:
+            if v.get("status") in FAILING:
+                problems.append(f"{v['rule']} {v['status']} for {v['candidate']} vs {v['baseline']}{where}")
+    if not problems:
+        runs = sum(len(c.runs) for c in comps)
+        return {"passed": True, "text": f"Comparison passed: {runs} runs, no rule failed."}
+    return {"passed": False, "text": "Comparison FAILED: " + "; ".join(problems) + "."}
 
 
 def run_provenance(comp: Comparison) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
 * ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
   :mod:`.matrix`);
 * ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
-  embedded corpus's carries its content hash -- or the mock vocabulary), plus ``--split``;
+  embedded corpus's carries its content hash -- or Megatron's mock dataset), plus ``--split``;
 * ``seed``;
 * ``tokenizer``: type and vocab/merge file names.
 
@@ -22,6 +22,7 @@ A candidate whose fingerprint differs from its reference on a field the matrix d
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 MODEL_FIELDS = (
@@ -81,7 +82,9 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         "hidden_size": args.get("hidden_size"),
         "ffn_hidden_size": args.get("ffn_hidden_size"),
         "num_attention_heads": heads,
-        "num_query_groups": args.get("num_query_groups"),
+        # Megatron reads num_query_groups only with group_query_attention (else one group per
+        # head), and Megatron-LM's argument dump shows its unused default 1
+        "num_query_groups": args.get("num_query_groups") if args.get("group_query_attention") else heads,
         "kv_channels": kv,
         "seq_length": args.get("seq_length"),
         "max_position_embeddings": args.get("max_position_embeddings"),
@@ -97,7 +100,11 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
     data = config.get("data", {}) or {}
     source = data.get("source")
     if args.get("mock_data"):
-        identity = f"vocab {args.get('vocab_size')}"
+        # Megatron's MockGPTDataset: its tokens are (1, 2, ...) modulo the tokenizer's vocabulary,
+        # then EOD. The tokenizer's size is what the description says ("vocab N"): Megatron-LM's
+        # --vocab-size N builds a NullTokenizer of N + 1 (with EOD), megatron-npu's of N.
+        described = re.search(r"\bvocab (\d+)", str(data.get("description", "")))
+        identity = f"vocab {described.group(1) if described else args.get('vocab_size')}"
     elif args.get("data_path"):
         identity = " ".join(_names(args.get("data_path")))
     else:

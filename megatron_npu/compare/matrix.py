@@ -29,6 +29,22 @@ reference = "ref-fp32"         # what its verdict compares against (default: the
 rerun_of = "ref-fp32"          # the same configuration again: the deterministic rule
 optional = true                # skipped (and said so) when none of its devices is here
 timeout_s = 300                # this run's own limit
+speed_reference = "ref-fp32"   # time it against this run, like for like or not (default: its
+                               # reference, judged like for like only: see rules.speed_mismatch)
+hardware = "8x H200"           # a label for Table 2 (default: the device)
+
+[[run]]                        # an imported run: results from another machine, not trained here
+name = "gpu-8p"
+import = "logs/gpu-8p.log"     # a Megatron-LM log, a TensorBoard event folder, or a megatron-npu
+device = "cuda"                # metrics.json / compare results.json (+ run = "NAME" for the latter);
+hardware = "8x H200"           # relative paths are relative to the matrix file
+
+[[run]]                        # a user's Megatron-LM script, run through the adaptor
+name = "mlm-script"
+script = "Megatron-LM/pretrain_gpt.py"   # relative to the matrix file
+args = ["--num-layers", "2", "..."]      # the script's own arguments
+nproc_per_node = 1
+device = "npu-emulated"
 ```
 
 ``align_vocab``: Megatron pads the vocabulary to a multiple of ``make-vocab-size-divisible-by x
@@ -103,6 +119,13 @@ class RunSpec:
     rerun_of: str | None = None
     optional: bool = False
     timeout_s: float | None = None  # overrides [compare] timeout_s
+    speed_reference: str | None = None  # an explicitly named speed pair
+    hardware: str | None = None  # Table 2's hardware label
+    kind: str = "train"  # train | import | script
+    path: str | None = None  # import: the file or folder; script: the script
+    import_run: str | None = None  # import of a compare results.json: which of its runs
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
 
     def option(self, name: str, default: Any = None) -> Any:
         return self.options.get(name, default)
@@ -208,8 +231,10 @@ def _settings(raw: dict, runs: list[dict], where: str) -> Settings:
     return Settings(baseline=str(baseline), vary=tuple(vary), **values)
 
 
-def parse(data: dict, source: str) -> Matrix:
-    """Build a :class:`Matrix` from parsed TOML ``data`` (``source`` names it in errors)."""
+def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
+    """Build a :class:`Matrix` from parsed TOML ``data`` (``source`` names it in errors;
+    ``base_dir``: where relative import/script paths start, default the working folder)."""
+    base_dir = base_dir if base_dir is not None else Path.cwd()
     raw_runs = data.get("run", [])
     if not isinstance(raw_runs, list) or not raw_runs:
         raise MatrixError(f"{source}: no [[run]] entries")
@@ -233,15 +258,18 @@ def parse(data: dict, source: str) -> Matrix:
         if name in names:
             raise MatrixError(f"{where}: the name is used twice")
         names.add(name)
-        extra = sorted(
-            set(raw)
-            - {"name", "device", "options", "reference", "rerun_of", "optional", "timeout_s"}
-        )
+        extra = sorted(set(raw) - RUN_KEYS)
         if extra:
             raise MatrixError(f"{where}: unknown key(s) {extra}")
         rerun_of = raw.get("rerun_of")
+        kind, path, extras = _source(raw, base_dir, where)
         options = {**defaults, **_check_options(raw.get("options", {}), where)}
-        devices = _devices(raw.get("device", "cpu"), where)
+        if kind == "import":
+            options = {}
+        if kind == "import" and "device" not in raw:
+            devices: tuple[str, ...] = ()  # the imported file says which device ran it
+        else:
+            devices = _devices(raw.get("device", "cpu"), where)
         if rerun_of is not None:
             original = next((r for r in runs if r.name == rerun_of), None)
             if original is None:
@@ -262,6 +290,11 @@ def parse(data: dict, source: str) -> Matrix:
                 rerun_of=rerun_of,
                 optional=bool(raw.get("optional", False)),
                 timeout_s=_timeout(raw.get("timeout_s"), where),
+                speed_reference=_name_or_none(raw, "speed_reference", where),
+                hardware=_name_or_none(raw, "hardware", where),
+                kind=kind,
+                path=path,
+                **extras,
             )
         )
     if settings.baseline not in names:
@@ -269,13 +302,16 @@ def parse(data: dict, source: str) -> Matrix:
             f"{source}: baseline {settings.baseline!r} is not one of the runs {sorted(names)}"
         )
     for spec in runs:
-        if spec.reference is not None and spec.reference not in names:
-            raise MatrixError(
-                f"{source} run {spec.name!r}: reference {spec.reference!r} is not a run"
-            )
+        for key in ("reference", "speed_reference"):
+            value = getattr(spec, key)
+            if value is not None and value not in names:
+                raise MatrixError(f"{source} run {spec.name!r}: {key} {value!r} is not a run")
     notes: list[str] = []
     if settings.align_vocab:
-        runs, notes = align_vocab_padding(runs)
+        trained = [r for r in runs if r.kind == "train"]
+        aligned, notes = align_vocab_padding(trained) if trained else ([], [])
+        by_name = {r.name: r for r in aligned}
+        runs = [by_name.get(r.name, r) for r in runs]
     return Matrix(source=source, settings=settings, runs=tuple(runs), notes=tuple(notes))
 
 
@@ -302,6 +338,52 @@ def align_vocab_padding(runs: list[RunSpec]) -> tuple[list[RunSpec], list[str]]:
     return out, notes
 
 
+RUN_KEYS = frozenset({
+    "name", "device", "options", "reference", "rerun_of", "optional", "timeout_s",
+    "speed_reference", "hardware", "import", "run", "script", "args", "nproc_per_node",
+})  # fmt: skip
+
+
+def _name_or_none(raw: dict, key: str, where: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise MatrixError(f"{where}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _source(raw: dict, base_dir: Path, where: str) -> tuple[str, str | None, dict[str, Any]]:
+    """(kind, path, extra RunSpec fields) of a run: trained here, imported, or a script."""
+    if "import" in raw and "script" in raw:
+        raise MatrixError(f"{where}: a run is either import = ... or script = ..., not both")
+    if "import" in raw:
+        bad = sorted({"options", "rerun_of", "args", "nproc_per_node", "timeout_s"} & set(raw))
+        if bad:
+            raise MatrixError(f"{where}: an imported run takes no {bad}: it is not run here")
+        path = _name_or_none(raw, "import", where)
+        return "import", str(base_dir / path), {"import_run": _name_or_none(raw, "run", where)}
+    if "run" in raw:
+        raise MatrixError(f"{where}: run = ... names a run of an imported results.json; add import = ...")
+    if "script" in raw:
+        if "rerun_of" in raw or "options" in raw:
+            raise MatrixError(
+                f"{where}: a script run takes its arguments in args = [...], not options/rerun_of"
+            )
+        path = _name_or_none(raw, "script", where)
+        args = raw.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str | int | float) for a in args):
+            raise MatrixError(f"{where}: args must be a list of strings, got {args!r}")
+        nproc = raw.get("nproc_per_node", 1)
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+            raise MatrixError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
+        return "script", str(base_dir / path), {
+            "script_args": tuple(str(a) for a in args), "nproc_per_node": nproc,
+        }  # fmt: skip
+    for key in ("args", "nproc_per_node"):
+        if key in raw:
+            raise MatrixError(f"{where}: {key} belongs to a script = ... run")
+    return "train", None, {}
+
+
 def _timeout(value: Any, where: str) -> float | None:
     if value is None:
         return None
@@ -322,4 +404,4 @@ def load(path: str | Path | None) -> Matrix:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise MatrixError(f"{source}: not valid TOML: {exc}") from None
-    return parse(data, source)
+    return parse(data, source, file.resolve().parent)

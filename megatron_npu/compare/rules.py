@@ -11,12 +11,16 @@
   ``mean_rtol`` (2 %, MindSpeed's acceptance bar); (c) no late divergence: over the last
   ``late_window`` steps, the mean relative error stays below ``mean_rtol`` and its least-squares
   trend, projected over the window, grows by less than ``late_growth`` (1 %).
-* ``performance`` -- median s/step after ``warmup_steps`` with a 95 % bootstrap confidence
-  interval; the candidate is flagged (``fail``) when it is slower by more than ``perf_threshold``
-  (10 %) at that confidence: the low end of its interval lies more than the threshold above the
-  high end of the baseline's (a rerun of the same code on a busy VM can differ by 20 % in
-  median with narrow intervals; that is not called a slowdown). Never judged on emulated
-  figures ("not NPU performance": ``not-applicable``).
+* ``performance`` -- like for like only (:func:`speed_mismatch`): a candidate is timed against a
+  run of the same precision, parallel layout and sequence/batch shape on another device of the
+  same class or another code path on the same device, or against the run the matrix names in
+  ``speed_reference``; any other pair is ``not-applicable`` with the reason (a bf16 and an fp32
+  run, a GPU and a CPU, a rerun of the very same configuration). Emulated figures are never
+  judged (:data:`EMULATED_SPEED`). Median s/step after ``warmup_steps`` with a 95 % bootstrap
+  confidence interval; the candidate fails when it is slower by more than ``perf_threshold`` at
+  that confidence: the low end of its interval lies more than the threshold above the high end
+  of the reference's (a rerun of the same code on a busy VM can differ by 20 % in median with
+  narrow intervals; that is not called a slowdown).
 
 Relative error of a step is ``|candidate - reference| / |reference|``.
 """
@@ -236,6 +240,61 @@ def approximate(
     )
 
 
+#: The one rule for emulated rows (``npu-emulated``: the NPU code path run on CPU through the
+#: torch_npu emulation): their s/step and tokens/s are shown as measured and marked emulated, but
+#: they have no MFU (no NPU peak applies to them) and never a speed verdict.
+EMULATED_SPEED = "emulated figures: not NPU performance, never compared for speed and shown without MFU"
+
+
+def mfu_shown(emulated: bool) -> bool:
+    """Whether a row gets an MFU figure (:data:`EMULATED_SPEED`)."""
+    return not emulated
+
+
+#: Which devices may be timed against each other: a device's class. Emulated runs have none.
+SPEED_CLASS = {"cpu": "host CPU", "cuda": "accelerator", "npu": "accelerator"}
+
+
+@dataclass(frozen=True)
+class SpeedSetup:
+    """What a run's speed depends on besides the code: where it ran and the shape of its work."""
+
+    device: str | None
+    emulated: bool
+    precision: str
+    layout: str
+    shape: dict[str, Any]  # seq_length, micro_batch_size, global_batch_size
+    hardware: str | None = None
+
+
+def speed_mismatch(
+    cand: SpeedSetup, base: SpeedSetup, *, same_configuration: bool = False, explicit: bool = False
+) -> str | None:
+    """Why ``cand`` may not be timed against ``base`` (None: it may). ``explicit``: the matrix
+    named the pair (``speed_reference``), which waives the like-for-like checks but never the
+    emulation rule; ``same_configuration``: the same options on the same device (a rerun)."""
+    if cand.emulated or base.emulated:
+        return EMULATED_SPEED
+    if explicit:
+        return None
+    if same_configuration and cand.device == base.device:
+        return "the same configuration on the same device: a rerun, not another code path"
+    differs = []
+    if cand.precision != base.precision:
+        differs.append(f"precision {cand.precision} vs {base.precision}")
+    if cand.layout != base.layout:
+        differs.append(f"layout {cand.layout} vs {base.layout}")
+    for key in sorted(set(cand.shape) | set(base.shape)):
+        if cand.shape.get(key) != base.shape.get(key):
+            differs.append(f"{key} {cand.shape.get(key)} vs {base.shape.get(key)}")
+    classes = SPEED_CLASS.get(cand.device or ""), SPEED_CLASS.get(base.device or "")
+    if classes[0] != classes[1] or classes[0] is None:
+        differs.append(f"device {cand.device} ({classes[0]}) vs {base.device} ({classes[1]})")
+    if not differs:
+        return None
+    return "not like for like: " + ", ".join(differs) + " (name the pair in speed_reference to time it anyway)"
+
+
 @dataclass(frozen=True)
 class StepTimeStats:
     median: float
@@ -246,8 +305,12 @@ class StepTimeStats:
 def step_time_stats(
     times: Sequence[float], warmup: int = 2, *, resamples: int = BOOTSTRAP_RESAMPLES
 ) -> StepTimeStats | None:
-    """Median s/step after ``warmup`` steps, with a percentile-bootstrap 95 % interval."""
-    steady = np.asarray(list(times)[warmup:] or list(times), dtype=np.float64)
+    """Median s/step after ``warmup`` steps, with a percentile-bootstrap 95 % interval (steps
+    without a time -- NaN or None, as an imported log may have -- are left out)."""
+    def finite(values: list) -> list[float]:
+        return [float(t) for t in values if t is not None and np.isfinite(t)]
+
+    steady = np.asarray(finite(list(times)[warmup:]) or finite(list(times)), dtype=np.float64)
     if steady.size == 0:
         return None
     rng = np.random.default_rng(BOOTSTRAP_SEED)
@@ -258,18 +321,12 @@ def step_time_stats(
 
 def performance(
     name: str, reference: str, base: StepTimeStats | None, cand: StepTimeStats | None, *,
-    comparable: bool, threshold: float = 0.10,
+    mismatch: str | None = None, threshold: float = 0.10,
 ) -> Verdict:  # fmt: skip
+    """``mismatch``: :func:`speed_mismatch`'s reason the pair is not timed (None: it is)."""
     tolerance = {"threshold": threshold, "ci": 0.95}
-    if not comparable:
-        return Verdict(
-            name,
-            reference,
-            "performance",
-            NOT_APPLICABLE,
-            "emulated figures: not NPU performance, never compared for speed",
-            tolerance,
-        )
+    if mismatch is not None:
+        return Verdict(name, reference, "performance", NOT_APPLICABLE, mismatch, tolerance)
     if base is None or cand is None:
         return Verdict(
             name, reference, "performance", NOT_APPLICABLE, "no step times to compare", tolerance

@@ -42,6 +42,7 @@ class Outcome:
     command: list[str]
     config_hash: str
     lambada: dict[str, Any] | None = None
+    session: str | None = None  # the compare invocation that timed it (cached runs keep theirs)
 
 
 def device_available(name: str) -> bool:
@@ -128,8 +129,9 @@ def run_environment() -> dict[str, str]:
 
 
 def stream(
-    command: list[str], log_path: Path, timeout_s: float, echo: TextIO
-) -> tuple[int | None, list[str], float]:
+    command: list[str], log_path: Path, timeout_s: float, echo: TextIO,
+    env: dict[str, str] | None = None,
+) -> tuple[int | None, list[str], float]:  # fmt: skip
     """Run ``command`` in its own process group, copying its output to ``echo`` and ``log_path``.
     Returns (exit code or None if killed at the timeout, the log's last lines, seconds)."""
     tail: list[str] = []
@@ -137,7 +139,7 @@ def stream(
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            start_new_session=True, env=run_environment(),
+            start_new_session=True, env={**run_environment(), **(env or {})},
         )  # fmt: skip
 
         def pump() -> None:
@@ -175,7 +177,7 @@ def _failure(code: int | None, tail: list[str], timeout_s: float) -> str:
 
 def execute(
     spec: RunSpec, device: str, run_dir: Path, *, corpus_dir: Path, timeout_s: float,
-    rerun_index: int = 0, checkpoint: bool = False, echo: TextIO = sys.stdout,
+    rerun_index: int = 0, checkpoint: bool = False, echo: TextIO = sys.stdout, session: str | None = None,
 ) -> Outcome:  # fmt: skip
     """Train ``spec`` on ``device`` unless an identical finished run is cached in ``run_dir``."""
     digest = config_hash(spec, device, rerun_index, checkpoint)
@@ -190,8 +192,9 @@ def execute(
     ):
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
         return Outcome(
-            "cached", None, float(cached.get("wall_s", 0.0)), command, digest, cached.get("lambada")
-        )
+            "cached", None, float(cached.get("wall_s", 0.0)), command, digest,
+            cached.get("lambada"), cached.get("session"),
+        )  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
@@ -214,9 +217,74 @@ def execute(
             "error": error,
             "wall_s": wall,
             "command": command,
+            "session": session,
         },
     )
-    return Outcome("ok" if ok else "failed", error, wall, command, digest)
+    return Outcome("ok" if ok else "failed", error, wall, command, digest, session=session)
+
+
+def script_command(spec: RunSpec) -> list[str]:
+    """``torchrun --nproc-per-node N -m megatron_npu.run_script SCRIPT ARGS...`` (torchrun as
+    ``python -m torch.distributed.run``, so the interpreter is this one)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc_per_node),
+        "-m", "megatron_npu.run_script", str(spec.path), *spec.script_args,
+    ]  # fmt: skip
+
+
+def script_environment(spec: RunSpec, device: str) -> dict[str, str]:
+    """The device for ``megatron_npu.auto``, the script's folder (the Megatron-LM checkout that
+    holds ``megatron/training``) on ``PYTHONPATH`` before what is there already, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set."""
+    folder = str(Path(str(spec.path)).resolve().parent)
+    paths = [folder, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {
+        "MEGATRON_NPU_DEVICE": device,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        # Megatron-LM asserts it for tensor/sequence-parallel overlap; its own examples set it
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+    }
+
+
+def execute_script(
+    spec: RunSpec, device: str, run_dir: Path, *, timeout_s: float, echo: TextIO = sys.stdout,
+    session: str | None = None,
+) -> Outcome:  # fmt: skip
+    """Run a user's Megatron-LM script through the adaptor (cached by hash like a train run) and
+    turn its log into ``metrics.json`` (:mod:`.mlm_log`)."""
+    from megatron_npu.compare import mlm_log
+
+    command = script_command(spec)
+    script = Path(str(spec.path))
+    identity = {"device": device, "command": command[3:], "versions": library_versions(),
+                "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest() if script.is_file() else None}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    record_path, metrics_path, log_path = run_dir / "run.json", run_dir / "metrics.json", run_dir / "train.log"
+    cached = read_json(record_path)
+    if cached and cached.get("config_hash") == digest and cached.get("status") == "ok" and metrics_path.is_file():
+        echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
+        return Outcome("cached", None, float(cached.get("wall_s", 0.0)), command, digest,
+                       None, cached.get("session"))  # fmt: skip
+    if not script.is_file():
+        return Outcome("failed", f"no script {script}", 0.0, command, digest)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (metrics_path, record_path):
+        stale.unlink(missing_ok=True)
+    echo.write(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}\n")
+    code, tail, wall = stream(command, log_path, timeout_s, echo, script_environment(spec, device))
+    error = _failure(code, tail, timeout_s) if code != 0 else None
+    if error is None:
+        try:
+            metrics = mlm_log.to_metrics(mlm_log.parse(log_path), str(log_path))
+        except mlm_log.LogFormatError as exc:
+            error = f"its log cannot be read: {exc}"
+        else:
+            metrics["config"]["device"] = device
+            metrics["config"]["device_emulated"] = device == "npu-emulated"
+            _write_json(metrics_path, metrics)
+    _write_json(record_path, {"config_hash": digest, "status": "failed" if error else "ok", "error": error,
+                              "wall_s": wall, "command": command, "session": session})  # fmt: skip
+    return Outcome("failed" if error else "ok", error, wall, command, digest, session=session)
 
 
 def evaluation_options(spec: RunSpec) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """Table 2 of the seeds ("competitor vs NPU: loss, s/step"), one row per run, as markdown.
 
-Columns: name, device (emulated marked ``*``), layout, precision, first/last loss, s/step (median
-after warm-up, with its 95 % bootstrap interval), tokens/s, MFU (with the interval that s/step
-interval gives), peak memory, verdict.
+Columns (:data:`COLUMNS`, labels with units): run, device (emulated marked ``*``, with its
+hardware label), layout, precision, first/last loss, s/step (median after warm-up, with its 95 %
+bootstrap interval), tokens/s, MFU in % (with the interval the s/step interval gives; none for
+emulated rows, :func:`megatron_npu.compare.rules.mfu_shown`), peak allocator memory and peak
+process RSS (each one measure on every device), the cloze evaluation (:func:`cloze_label`),
+verdict.
 """
 
 from __future__ import annotations
@@ -11,21 +14,65 @@ from typing import Any
 
 from megatron_npu.ops.settings import FULL_WINDOW
 
+#: (row key, column label with its unit): the one list the markdown and the HTML report use.
 COLUMNS = (
-    ("name", "name"),
-    ("device", "device"),
+    ("name", "run"),
+    ("device", "device (hardware)"),
     ("layout", "layout"),
     ("precision", "precision"),
     ("first_loss", "first loss"),
     ("last_loss", "last loss"),
     ("s_per_step", "s/step [95% CI]"),
     ("tokens_per_s", "tokens/s"),
-    ("mfu", "MFU [95% CI]"),
-    ("peak_memory_mib", "peak MiB"),
-    ("lambada", "LAMBADA acc (target nll)"),
+    ("mfu", "MFU % [95% CI]"),
+    ("peak_allocated_mib", "peak allocated MiB"),
+    ("peak_rss_mib", "peak RSS MiB"),
+    ("cloze", "cloze"),  # labelled by :func:`cloze_label`
     ("verdict", "verdict"),
 )
-EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance."
+EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance (no MFU, no speed verdict)."
+MEMORY_NOTE = (
+    "peak allocated: the accelerator allocator's peak (torch's max_memory_allocated on cuda/npu, "
+    "largest over ranks); peak RSS: the process's peak resident set on cpu and npu-emulated rows."
+)
+#: How the cloze column is headed: the LAMBADA test set only when the user gave one.
+CLOZE_LABELS = {
+    "lambada": "LAMBADA acc % (target NLL)",
+    "corpus-cloze": "corpus cloze target NLL",
+    "corpus-cloze-acc": "corpus cloze acc % (target NLL)",
+}
+
+
+def cloze_set(data: Any) -> str:
+    """``lambada`` for a user-supplied lambada_test.jsonl-format file, ``corpus-cloze`` for the
+    shipped set cut from the embedded corpus (the evaluation's own rule: ``lambada.set_name``)."""
+    from megatron_npu.evaluate.lambada import set_name
+
+    return set_name(data)
+
+
+def cloze_label(rows: list[dict[str, Any]]) -> str:
+    """The cloze column's heading: the shipped set reports its accuracy only where some run got
+    a non-zero one (else target NLL alone: an all-zero accuracy column says nothing)."""
+    sets = {row.get("cloze_set") for row in rows if row.get("cloze_set")}
+    if sets == {"lambada"}:
+        return CLOZE_LABELS["lambada"]
+    if any(row.get("cloze_accuracy") for row in rows):
+        return CLOZE_LABELS["corpus-cloze-acc"] if sets else CLOZE_LABELS["corpus-cloze"]
+    return CLOZE_LABELS["corpus-cloze"]
+
+
+def labels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(key, label) of every column, the cloze column headed for these rows and left out when no
+    run was evaluated (an empty matrix gets every column)."""
+    evaluated = not rows or any(
+        row.get("cloze_nll") is not None or row.get("cloze_accuracy") is not None for row in rows
+    )
+    return [
+        (key, cloze_label(rows) if key == "cloze" else label)
+        for key, label in COLUMNS
+        if key != "cloze" or evaluated
+    ]
 
 
 def layout_of(arguments: dict[str, Any], world_size: int | None) -> str:
@@ -56,12 +103,26 @@ def precision_of(arguments: dict[str, Any]) -> str:
     return base + (f" ({', '.join(attention)})" if attention else "")
 
 
-def _fmt(key: str, row: dict[str, Any]) -> str:
+def cell(key: str, row: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> str:
+    """What one cell shows (the markdown table and the HTML report alike)."""
     value = row.get(key)
     if key == "device":
-        return f"{value}*" if row.get("emulated") else str(value)
+        text = f"{value}*" if row.get("emulated") else str(value)
+        hardware = row.get("hardware")
+        return f"{text} ({hardware})" if hardware and hardware != value else text
+    if key == "mfu" and row.get("emulated"):
+        return "n/a (emulated)"
     if key == "mfu" and row.get("peak_understated"):
         return "n/a (peak understated)"
+    if key == "cloze":
+        nll, acc = row.get("cloze_nll"), row.get("cloze_accuracy")
+        if nll is None and acc is None:
+            return "-"
+        label = cloze_label(rows or [row])
+        nll_text = f"{nll:.3f}" if nll is not None else "-"
+        if label == CLOZE_LABELS["corpus-cloze"]:
+            return nll_text
+        return f"{100 * (acc or 0.0):.1f} ({nll_text})"
     if value is None:
         return "-"
     if key in ("first_loss", "last_loss"):
@@ -73,24 +134,23 @@ def _fmt(key: str, row: dict[str, Any]) -> str:
         return f"{value:.0f}"
     if key == "mfu":
         ci = row.get("mfu_ci95")
-        text = f"{100 * value:.2f}%"
+        text = f"{100 * value:.2f}"
         return f"{text} [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}]" if ci else text
-    if key == "peak_memory_mib":
+    if key in ("peak_allocated_mib", "peak_rss_mib"):
         return f"{value:.0f}"
-    if key == "lambada":
-        nll = row.get("lambada_nll")
-        return f"{100 * value:.1f}%" + (f" (nll {nll:.3f})" if nll is not None else "")
     return str(value)
 
 
 def markdown(rows: list[dict[str, Any]], title: str = "") -> str:
     lines = [f"## {title}", ""] if title else []
-    lines.append("| " + " | ".join(label for _, label in COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
+    columns = labels(rows)
+    lines.append("| " + " | ".join(label for _, label in columns) + " |")
+    lines.append("|" + "---|" * len(columns))
     for row in rows:
         lines.append(
-            "| " + " | ".join(_fmt(key, row).replace("|", "/") for key, _ in COLUMNS) + " |"
+            "| " + " | ".join(cell(key, row, rows).replace("|", "/") for key, _ in columns) + " |"
         )
+    lines += ["", MEMORY_NOTE]
     if any(row.get("emulated") for row in rows):
         lines += ["", EMULATED_NOTE]
     return "\n".join(lines) + "\n"

@@ -260,13 +260,16 @@ def _evaluate(args, own, env, device) -> dict | None:
     if env.rank != 0:
         return None
     accuracy = correct / n if n else 0.0
+    from megatron_npu.evaluate.lambada import SET_TITLES, set_name
+
     line = (
-        f" validation results on LAMBADA{' (strict)' if own.strict_lambada else ''} | number correct: "
+        f" validation results on {SET_TITLES[set_name(own.valid_data)]}{' (strict)' if own.strict_lambada else ''} | number correct: "
         f"{correct:.4E} | total examples: {n:.4E} | avg accuracy: {accuracy:.4E}"
     )
     print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
     return {
         "task": "lambada",
+        "set": set_name(own.valid_data),
         "accuracy": accuracy,
         "correct": correct,
         "n": n,

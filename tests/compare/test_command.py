@@ -85,7 +85,7 @@ def fake_runs(monkeypatch):
         losses = list(np.linspace(6, 3, 12))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.json").write_text(json.dumps(_metrics(spec, device, losses)))
-        return runner.Outcome("ok", None, 1.0, ["train", spec.name], "h")
+        return runner.Outcome("ok", None, 1.0, ["train", spec.name], "h", session=kwargs["session"])
 
     monkeypatch.setattr(runner, "execute", execute)
     monkeypatch.setattr(runner, "device_available", lambda name: name in ("cpu", "npu-emulated"))
@@ -156,21 +156,41 @@ def test_the_report_is_built_when_the_reports_package_imports(tmp_path, monkeypa
     assert f"report: {out / 'report.html'}" in printed
 
 
-def test_a_performance_flag_is_reported_but_does_not_fail_the_comparison(tmp_path, monkeypatch):
+def test_a_like_for_like_slowdown_fails_and_unlike_pairs_are_not_timed(tmp_path, monkeypatch):
     def execute(spec, device, run_dir, **kwargs):
         metrics = _metrics(spec, device, list(np.linspace(6, 3, 12)))
+        metrics["config"]["arguments"]["bf16"] = bool(spec.options.get("bf16"))
+        fast = spec.name == "ref" or (spec.name == "flaky" and run_dir.name == "retime")
         for i, step in enumerate(metrics["steps"]):
-            step["step_time_s"] = (0.3 if spec.name == "slow" else 0.1) + 0.001 * (i % 3)
+            step["step_time_s"] = (0.1 if fast else 0.3) + 0.001 * (i % 3)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
-        return runner.Outcome("ok", None, 1.0, ["train"], "h")
+        session = "earlier" if spec.name == "other-session" else kwargs["session"]
+        return runner.Outcome("ok", None, 1.0, ["train"], "h", session=session)
 
     monkeypatch.setattr(runner, "execute", execute)
     monkeypatch.setitem(sys.modules, "reports", None)
     path = tmp_path / "m.toml"
-    path.write_text('[[run]]\nname = "ref"\n[[run]]\nname = "slow"\noptions = { lr = 1e-3 }\n')
+    path.write_text(
+        '[[run]]\nname = "ref"\n[[run]]\nname = "bf16"\noptions = { bf16 = true }\n'
+        '[[run]]\nname = "bf16-named"\noptions = { bf16 = true }\nspeed_reference = "ref"\n'
+        '[[run]]\nname = "other-session"\nspeed_reference = "ref"\noptions = { bf16 = true }\n'
+        '[[run]]\nname = "flaky"\nspeed_reference = "ref"\noptions = { lr = 2e-3 }\n'
+    )
     document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
-    perf = next(v for v in document["verdicts"] if v["rule"] == "performance")
-    assert perf["status"] == "fail" and "2.98x" in perf["detail"]
-    assert document["table2"][1]["verdict"].endswith("; SLOWER")
-    assert status == 0
+    perf = {v["candidate"]: v for v in document["verdicts"] if v["rule"] == "performance"}
+    # bf16 against fp32 is not like for like: not timed, with the reason
+    assert perf["bf16"]["status"] == "not-applicable"
+    assert "precision bf16 vs fp32" in perf["bf16"]["detail"]
+    # the same pair named in speed_reference is timed, and 3x slower fails the comparison
+    assert perf["bf16-named"]["status"] == "fail" and "2.98x" in perf["bf16-named"]["detail"]
+    # a slowdown stands only when both runs, timed again back to back, show it again
+    assert "; confirmed back to back (medians 2.98x): " in perf["bf16-named"]["detail"]
+    assert perf["flaky"]["status"] == "pass"
+    assert perf["flaky"]["detail"].startswith("not confirmed: first timing slower than ref")
+    assert document["table2"][2]["verdict"].endswith("; SLOWER")
+    assert not document["table2"][1]["verdict"].endswith("; SLOWER")
+    # a run reused from an earlier invocation was timed under another load: not timed against
+    assert perf["other-session"]["status"] == "not-applicable"
+    assert "not timed in the same compare invocation" in perf["other-session"]["detail"]
+    assert status == 1

@@ -107,17 +107,44 @@ def test_performance_flags_slower_and_never_judges_emulated_speed():
     same = rules.step_time_stats(
         [0.1] * 2 + list(np.random.default_rng(2).normal(0.101, 0.002, 30))
     )
-    assert rules.performance("b", "a", base, slow, comparable=True).status == rules.FAIL
-    assert rules.performance("b", "a", base, same, comparable=True).status == rules.PASS
+    assert rules.performance("b", "a", base, slow, mismatch=None).status == rules.FAIL
+    assert rules.performance("b", "a", base, same, mismatch=None).status == rules.PASS
     # 12 % slower in median, intervals apart, but not surely beyond 10 %: not called slower
     near = rules.step_time_stats(
         [0.1] * 2 + list(np.random.default_rng(4).normal(0.112, 0.004, 30))
     )
     assert near.median > 1.1 * base.median and near.ci95[0] > base.ci95[1]
     assert near.ci95[0] <= 1.1 * base.ci95[1]
-    assert rules.performance("b", "a", base, near, comparable=True).status == rules.PASS
-    emulated = rules.performance("b", "a", base, slow, comparable=False)
+    assert rules.performance("b", "a", base, near, mismatch=None).status == rules.PASS
+    emulated = rules.performance("b", "a", base, slow, mismatch=rules.EMULATED_SPEED)
     assert emulated.status == rules.NOT_APPLICABLE and "not NPU performance" in emulated.detail
+
+
+def _setup(**changes):
+    fields = dict(device="cpu", emulated=False, precision="fp32", layout="TP1 PP1 DP1",
+                  shape={"seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8})
+    return rules.SpeedSetup(**{**fields, **changes})  # fmt: skip
+
+
+def test_speed_is_judged_like_for_like_only():
+    base = _setup()
+    assert rules.speed_mismatch(_setup(), base) is None  # another code path on the same cpu
+    assert rules.speed_mismatch(_setup(device="cuda"), _setup(device="npu")) is None  # Table 2
+    bf16 = rules.speed_mismatch(_setup(precision="bf16"), base)
+    assert bf16.startswith("not like for like") and "precision bf16 vs fp32" in bf16
+    gpu = rules.speed_mismatch(_setup(device="cuda"), base)
+    assert "device cuda (accelerator) vs cpu (host CPU)" in gpu
+    tp2 = rules.speed_mismatch(_setup(layout="TP2 PP1 DP1"), base)
+    assert "layout TP2 PP1 DP1 vs TP1 PP1 DP1" in tp2
+    shape = rules.speed_mismatch(_setup(shape={**base.shape, "seq_length": 256}), base)
+    assert "seq_length 256 vs 128" in shape
+    rerun = rules.speed_mismatch(_setup(), base, same_configuration=True)
+    assert "rerun" in rerun
+    # a pair the matrix names is timed whatever differs, but never on emulated figures
+    assert rules.speed_mismatch(_setup(device="cuda", precision="bf16"), base, explicit=True) is None
+    emulated = rules.speed_mismatch(_setup(device="npu-emulated", emulated=True), base, explicit=True)
+    assert emulated == rules.EMULATED_SPEED
+    assert rules.mfu_shown(False) and not rules.mfu_shown(True)
 
 
 def _config(**overrides):

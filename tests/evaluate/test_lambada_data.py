@@ -102,3 +102,22 @@ def test_evaluate_refuses_bad_invocations(tmp_path, capsys):
     assert command.main(["--task", "lambada", "--load", str(tmp_path), "--valid-data", str(bad), "--num-layers", "1",
                          "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "16"]) == 2  # fmt: skip
     assert f"{bad}:1" in capsys.readouterr().err
+
+
+def test_only_a_users_file_is_called_lambada(tmp_path):
+    from megatron_npu.compare import table2
+
+    path = tmp_path / "lambada_test.jsonl"
+    path.write_text(PUBLIC)
+    assert lb.set_name("default") == lb.set_name(lb.DEFAULT_DATA) == lb.CORPUS_CLOZE_SET
+    assert lb.set_name(path) == lb.LAMBADA_SET
+    # Table 2 heads its column by the set, and hides an accuracy no run scored
+    rows = [{"cloze_set": "corpus-cloze", "cloze_accuracy": 0.0, "cloze_nll": 4.5}]
+    assert table2.cloze_label(rows) == "corpus cloze target NLL"
+    assert table2.cell("cloze", rows[0], rows) == "4.500"
+    rows.append({"cloze_set": "corpus-cloze", "cloze_accuracy": 0.02, "cloze_nll": 4.1})
+    assert table2.cloze_label(rows) == "corpus cloze acc % (target NLL)"
+    assert table2.cell("cloze", rows[1], rows) == "2.0 (4.100)"
+    lambada = [{"cloze_set": "lambada", "cloze_accuracy": 0.0, "cloze_nll": 7.0}]
+    assert table2.cloze_label(lambada) == "LAMBADA acc % (target NLL)"
+    assert table2.cell("cloze", lambada[0], lambada) == "0.0 (7.000)"

@@ -57,7 +57,8 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
             "evaluate", "--task", "lambada", "--load", str(ckpt), *MODEL, *layout,
             "--results-out", str(out), env=env,
         )  # fmt: skip
-        assert "validation results on LAMBADA" in printed
+        # the default data is the corpus cloze set, and says so (it is not LAMBADA)
+        assert "validation results on the corpus cloze set (LAMBADA format" in printed
         results[name] = json.loads(out.read_text())
     tp1, tp2 = results["tp1"], results["tp2"]
     assert (
@@ -65,6 +66,7 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
         and tp2["layout"]["tensor_model_parallel_size"] == 2
     )
     assert tp1["n"] == tp2["n"] == 200 and tp1["iteration"] == tp2["iteration"] == 12
+    assert tp1["set"] == tp2["set"] == "corpus-cloze"
     assert tp1["correct"] == tp2["correct"] and tp1["accuracy"] == tp2["accuracy"]
     assert tp1["target_nll"] == pytest.approx(tp2["target_nll"], rel=1e-6)
     assert (

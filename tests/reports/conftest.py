@@ -1,5 +1,5 @@
-"""Inputs shared by the report tests: real parity cells (computed once per session) and
-schema-built compare, benchmark and info files."""
+"""Inputs shared by the report tests, computed once per session: real parity cells, a real
+compare output, a real info file, and a schema-built benchmark file."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def parity_runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def compare_dir(tmp_path_factory) -> Path:
+    """The output folder of a real ``megatron-npu compare`` run (fx.COMPARE_MATRIX)."""
     return fx.compare_results(tmp_path_factory.mktemp("compare") / "default")
 
 

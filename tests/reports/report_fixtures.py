@@ -1,10 +1,9 @@
-"""Small inputs for the report tests, built from the schemas of INTERFACES.md (compare results,
-pytest-benchmark JSON) and from the real parity harness (a few cells of one patch)."""
+"""Inputs for the report tests: a real ``compare`` run of a tiny matrix, real parity cells (a few
+cells of one patch, from the harness), and pytest-benchmark JSON built from its schema."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -48,71 +47,82 @@ def write_parity(directory: Path) -> Path:
     return directory
 
 
-RUNS = (  # name, device, emulated, tensor parallel size, loss offset
-    ("cpu-tp1", "cpu", False, 1, 0.0),
-    ("cpu-tp2", "cpu", False, 2, 0.002),
-    ("emu-tp2", "npu-emulated", True, 2, 0.004),
+#: The comparison the report tests read: a real ``megatron-npu compare`` of this matrix, run once
+#: per session (:func:`compare_results`); never a hand-written results file.
+COMPARE_MATRIX = """
+[compare]
+baseline = "cpu-tp1"
+
+[defaults]
+num-layers = 1
+hidden-size = 32
+num-attention-heads = 2
+seq-length = 64
+micro-batch-size = 2
+global-batch-size = 4
+train-iters = 8
+lr = 5e-3
+attention-dropout = 0.0
+hidden-dropout = 0.0
+log-interval = 4
+seed = 1234
+
+[[run]]
+name = "cpu-tp1"
+device = "cpu"
+
+[[run]]
+name = "cpu-tp2"
+device = "cpu"
+options = { nproc-per-node = 2, tensor-model-parallel-size = 2 }
+
+[[run]]
+name = "emu-tp2"
+device = "npu-emulated"
+options = { nproc-per-node = 2, tensor-model-parallel-size = 2 }
+"""
+RUNS = (  # name, device, emulated: what COMPARE_MATRIX runs
+    ("cpu-tp1", "cpu", False),
+    ("cpu-tp2", "cpu", False),
+    ("emu-tp2", "npu-emulated", True),
 )
-STEPS = 12
 
 
-def _losses(offset: float) -> list[float]:
-    return [5.5 * math.exp(-0.08 * i) + 2.0 + offset * (1 + 0.1 * i) for i in range(STEPS)]
+def compare_results(directory: Path) -> Path:
+    """Run COMPARE_MATRIX with the product's own ``compare`` into ``directory``."""
+    import io
+
+    import pytest
+
+    from megatron_npu.compare import command
+    from megatron_npu.compare.matrix import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    matrix = directory / "matrix.toml"
+    matrix.write_text(COMPARE_MATRIX, encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        echo = io.StringIO()
+        _, status = command.run_compare(load(matrix), directory, echo=echo)
+    assert status == 0, echo.getvalue()[-3000:]
+    return directory
 
 
-def compare_results(directory: Path, *, slower: float = 1.0) -> Path:
-    """A compare output folder with three runs (one emulated) and its rule verdicts."""
-    runs = []
-    for name, device, emulated, tp, offset in RUNS:
-        step_s = (0.2 if tp == 1 else 0.12) * (slower if name == "cpu-tp2" else 1.0)
-        runs.append({
-            "name": name, "device": device, "emulated": emulated,
-            "options": {"--tensor-model-parallel-size": tp, "seed": 1234},
-            "config_hash": f"h{tp}", "fingerprint": {"layers": 2}, "status": "ok", "error": None,
-            "wall_s": 3.0, "command": ["megatron-npu", "train", "--tensor-model-parallel-size", str(tp)],
-            "metrics_path": f"runs/{name}/metrics.json",
-            "steps": [{"iteration": i + 1, "loss": loss, "grad_norm": 1.0, "step_time_s": step_s}
-                      for i, loss in enumerate(_losses(offset))],
-            "perf": {"median_s_per_step": step_s, "ci95_s_per_step": [step_s * 0.98, step_s * 1.02],
-                     "tokens_per_s": 1024 / step_s, "model_flops_per_step": 3.2e9,
-                     "mfu": None if emulated else 0.01, "peak_tflops": None if emulated else 1.5,
-                     "peak_memory_mib": 512.0, "speed_comparable": not emulated},
-            "lambada": None,
-        })  # fmt: skip
-    base = _losses(0.0)
-    verdicts = []
-    for name, _device, emulated, _tp, offset in RUNS[1:]:
-        rel = [(b - a) / abs(a) for a, b in zip(base, _losses(offset))]
-        verdicts.append({
-            "candidate": name, "baseline": "cpu-tp1", "rule": "approximate", "status": "pass",
-            "detail": f"max relative difference {max(map(abs, rel)):.2e} <= 0.05",
-            "tolerance": {"rtol": 0.05, "mean_rtol": 0.02, "late_window": 10, "late_growth": 0.01},
-            "per_step": {"iteration": list(range(1, STEPS + 1)), "rel_diff": rel},
-        })  # fmt: skip
-        verdicts.append({
-            "candidate": name, "baseline": "cpu-tp1", "rule": "performance",
-            "status": "refused" if emulated else "pass",
-            "detail": "emulated speed is never compared" if emulated else "within 5 %",
-            "tolerance": {}, "per_step": None,
-        })  # fmt: skip
-    table2 = [
-        {"name": r["name"], "device": r["device"], "emulated": r["emulated"], "layout": r["name"][-3:],
-         "precision": "fp32", "first_loss": r["steps"][0]["loss"], "last_loss": r["steps"][-1]["loss"],
-         "s_per_step": r["perf"]["median_s_per_step"], "s_per_step_ci95": r["perf"]["ci95_s_per_step"],
-         "tokens_per_s": r["perf"]["tokens_per_s"], "mfu": r["perf"]["mfu"],
-         "mfu_ci95": None if r["emulated"] else [0.0098, 0.0102], "peak_memory_mib": 512.0,
-         "verdict": "pass"}
-        for r in runs
-    ]  # fmt: skip
-    data = {
-        "schema": "megatron-npu/compare", "schema_version": 1, "matrix": "default",
-        "created": "2026-11-22T20:00:00Z",
-        "provenance": {"megatron_npu": "0.1.0", "megatron_core": "0.16.1", "torch": "2.13.0+cpu",
-                       "commit": "abc1234", "host": "ci", "command": ["megatron-npu", "compare"]},
-        "baseline": "cpu-tp1", "runs": runs, "verdicts": verdicts, "table2": table2,
-        "skipped": [{"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}],
-        "notes": ["vocabulary padding aligned to a multiple of 256"],
-    }  # fmt: skip
+def copy_results(source: Path, directory: Path, *, slower: float = 1.0) -> Path:
+    """A copy of a real compare output's results.json, every step time and s/step of the run
+    ``cpu-tp2`` (and of its Table 2 row) multiplied by ``slower`` (the diff tests' speed change)."""
+    data = json.loads((source / "results.json").read_text(encoding="utf-8"))
+    for run in data["runs"]:
+        if run["name"] != "cpu-tp2":
+            continue
+        for step in run["steps"]:
+            step["step_time_s"] *= slower
+        perf = run["perf"]
+        perf["median_s_per_step"] *= slower
+        perf["ci95_s_per_step"] = [t * slower for t in perf["ci95_s_per_step"]]
+    for row in data["table2"]:
+        if row["name"] == "cpu-tp2":
+            row["s_per_step"] *= slower
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     return directory

@@ -22,6 +22,8 @@ BROWSER_ENV = "REPORT_CHROMIUM"
 ARTIFACTS_ENV = "REPORT_ARTIFACTS"
 #: generous: parsing the inlined plotly.js on a loaded 2-core CI machine can take many seconds
 PAGE_TIMEOUT_MS = 180_000
+#: the page must fit this width without a horizontal scroll of the body
+PAGE_WIDTH = 1280
 
 
 def _chromium() -> str:
@@ -48,7 +50,7 @@ def browser():
 class Opened:
     def __init__(self, browser, path: Path):
         self.url = path.resolve().as_uri()
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page = browser.new_page(viewport={"width": PAGE_WIDTH, "height": 1000})
         self.page.set_default_timeout(PAGE_TIMEOUT_MS)
         self.errors: list[str] = []
         self.requests: list[str] = []
@@ -91,7 +93,22 @@ def test_report_in_chromium(browser, report, tmp_path):
     assert len(traces) == 1
     assert [name.split(" ")[0] for name in traces[0]] == [r[0] for r in fx.RUNS]
     assert all(("[emulated]" in n) == r[2] for n, r in zip(traces[0], fx.RUNS))
+    # per candidate: its relative difference with the tolerance band, and both grad-norm curves
     assert page.locator(".reldiff-plot .js-plotly-plot").count() == len(fx.RUNS) - 1
+    grad = page.eval_on_selector_all(
+        ".gradnorm-plot .js-plotly-plot", "plots => plots.map(p => p.data.map(t => t.name))"
+    )
+    assert len(grad) == len(fx.RUNS) - 1 and all(len(names) == 2 for names in grad)
+    assert page.inner_text("#headline").startswith("Comparison passed")
+
+    # Table 2: human column names with units, MFU in %, and no horizontal scroll at 1280 px
+    headers = page.eval_on_selector_all(".table2 th", "ths => ths.map(t => t.innerText.trim())")
+    assert "MFU % [95% CI]" in headers and "s/step [95% CI]" in headers
+    assert not any("_" in h for h in headers)
+    assert page.evaluate("document.documentElement.scrollWidth") <= PAGE_WIDTH
+    table_box = page.locator(".table2").bounding_box()
+    assert table_box["x"] + table_box["width"] <= PAGE_WIDTH
+    page.locator("#table2").screenshot(path=str(tmp_path / "table2.png"))
 
     # the parity table filters on a click: the planted regression is the one error cell
     all_rows = opened.visible_rows()

@@ -34,7 +34,7 @@ def test_identical_sets_show_nothing(parity_runs, compare_dir, bench_file):
 
 
 def test_speed_changes_skip_emulated(tmp_path, compare_dir, bench_file):
-    slower_cmp = fx.compare_results(tmp_path / "default", slower=1.5)
+    slower_cmp = fx.copy_results(compare_dir, tmp_path / "default", slower=10.0)
     slower_bench = fx.benchmark_json(tmp_path / "b.json", scale=1.5)
     d = diff(load([compare_dir, bench_file]), load([slower_cmp, slower_bench]))
     flagged = {row["what"] for row in d["speed_changes"]}

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import report_fixtures as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,4 +65,4 @@ def test_damaged_compare_results_render(compare_dir, tmp_path, choice, value):
     _damaged(compare_dir / "results.json", folder / "results.json", choice, value)
     rs = load([folder])
     assert len(rs.comparisons) + len(rs.skipped) == 1
-    assert "<html" in render(rs, base=load([fx.compare_results(tmp_path / "base")]))
+    assert "<html" in render(rs, base=load([compare_dir]))

@@ -57,7 +57,7 @@ def test_emulated_devices_are_labelled_and_never_merged(ctx):
     }  # fmt: skip
     runs = next(row for row in ctx["banner"] if row["kind"] == "training runs")
     assert {d["name"]: d["emulated"] for d in runs["devices"]} == {
-        device: emulated for _, device, emulated, *_ in fx.RUNS
+        device: emulated for _, device, emulated in fx.RUNS
     }
 
 
@@ -73,41 +73,77 @@ def test_benchmark_ratios_and_flags(ctx):
     assert len(ctx["bench_charts"]) == 1  # cpu only: emulated timings are not charted
 
 
-def test_loss_curves_table2_and_verdicts(ctx):
+def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
+    import json
+
+    from megatron_npu.compare import table2 as compare_table
+    from megatron_npu.compare.rules import mfu_shown
+
     [comp] = ctx["comparisons"]
     assert comp["run_names"] == [r[0] for r in fx.RUNS]
-    for name, device, *_ in fx.RUNS:  # one trace each; the browser test counts them on the page
+    for name, device, _ in fx.RUNS:  # one trace each; the browser test counts them on the page
         assert f'"name":"{name} ({device})' in comp["loss_div"]
-    approximate = [v for v in comp["verdicts"] if v["rule"] == "approximate"]
-    assert approximate and all(v["band"] == 0.05 and v["plot"] for v in approximate)
+    curve_verdicts = [v for v in comp["verdicts"] if v["rule"] in ("layout", "approximate")]
+    assert {v["rule"] for v in curve_verdicts} == {"layout", "approximate"}
+    assert all(v["plot"] and v["grad_plot"] for v in curve_verdicts)
+    assert {v["band"] for v in curve_verdicts} == {1e-5, 0.05}
     table = comp["table2"]
-    assert "emulated" not in table["columns"] and table["columns"][0] == "name"
+    # compare's own column labels, with units, in compare's order
+    assert [table["labels"][k] for k in table["columns"]] == [
+        label for key, label in compare_table.labels([]) if key in table["columns"]
+    ]
+    assert "emulated" not in table["columns"] and table["labels"]["mfu"] == "MFU % [95% CI]"
+    assert table["labels"]["s_per_step"] == "s/step [95% CI]"
     assert [row["device"]["emulated"] for row in table["rows"]] == [r[2] for r in fx.RUNS]
-    # s/step and MFU each with their 95 % interval, as compare's Table 2 gives them
-    columns = table["columns"]
-    assert columns.index("s_per_step_ci95") == columns.index("s_per_step") + 1
-    assert columns.index("mfu_ci95") == columns.index("mfu") + 1
-    first = table["rows"][0]
-    assert first["s_per_step_ci95"] == {"text": "[0.196, 0.204]", "numeric": True}
-    assert first["mfu_ci95"]["text"] == "[0.0098, 0.0102]"
-    emulated = next(r for r, run in zip(table["rows"], fx.RUNS) if run[2])
-    assert emulated["mfu_ci95"]["text"] == "-"  # emulated speed: no MFU, no interval
+    # every cell is what compare's table2.md shows for that run
+    written = (compare_dir / "table2.md").read_text()
+    results = json.loads((compare_dir / "results.json").read_text())
+    for row, cells in zip(results["table2"], table["rows"]):
+        shown = [cells[k]["text"] for k in table["columns"] if k != "device"]
+        line = next(x for x in written.splitlines() if x.startswith(f"| {row['name']} |"))
+        assert all(f"| {text} |" in line for text in shown), (line, shown)
+    # the emulated-row rule is the product's: MFU only where compare's rule shows one
+    for row, cells, (_, _, emulated) in zip(results["table2"], table["rows"], fx.RUNS):
+        assert row["emulated"] is emulated
+        assert (row["mfu"] is not None) == mfu_shown(emulated)
+        assert (cells["mfu"]["text"] == "n/a (emulated)") == emulated
+        if not emulated:  # MFU in %, with the interval the s/step interval gives
+            assert cells["mfu"]["text"].startswith(f"{100 * row['mfu']:.2f} [")
+
+
+def test_headline_says_which_rule_failed_for_which_run(compare_dir, tmp_path):
+    import json
+
+    from reports.compare_view import headline
+
+    assert headline(load([compare_dir]).comparisons)["text"].startswith("Comparison passed")
+    data = json.loads((compare_dir / "results.json").read_text())
+    verdict = next(v for v in data["verdicts"] if v["rule"] == "approximate")
+    verdict["status"] = "fail"
+    folder = tmp_path / "failed"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(data))
+    line = headline(load([folder]).comparisons)
+    assert not line["passed"]
+    assert line["text"] == (
+        f"Comparison FAILED: approximate fail for {verdict['candidate']} vs {verdict['baseline']}."
+    )
 
 
 def test_provenance_has_commands_seeds_and_versions(ctx):
     [cmp] = ctx["provenance"]["compare"]
-    assert [r["command"] for r in cmp["runs"]][0].startswith("megatron-npu train")
+    assert " -m megatron_npu.cli train " in cmp["runs"][0]["command"]
     assert cmp["runs"][0]["seed"] == 1234
     [parity] = [p for p in ctx["provenance"]["parity"] if p["device"]["name"] == "cpu"]
     assert parity["seeds"] == "7" and parity["fields"]["torch"].startswith("2.")
 
 
-def test_a_failed_run_keeps_its_trace_and_error(tmp_path):
+def test_a_failed_run_keeps_its_trace_and_error(compare_dir, tmp_path):
     import json
 
     from reports.compare_view import comparison_section
 
-    folder = fx.compare_results(tmp_path / "cmp")
+    folder = fx.copy_results(compare_dir, tmp_path / "cmp")
     data = json.loads((folder / "results.json").read_text())
     data["runs"][1].update(status="failed", error="rank 1 exited with code 1", steps=[])
     (folder / "results.json").write_text(json.dumps(data))
@@ -132,13 +168,15 @@ def test_page_is_self_contained(parity_runs, compare_dir, bench_file, tmp_path):
     assert "Content-Security-Policy" in text and "default-src 'none'" in text
 
 
-def test_compare_extras_and_a_run_without_device(tmp_path):
+def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
     import json
 
     from reports.compare_view import band, comparison_section
 
-    folder = fx.compare_results(tmp_path / "cmp")
+    folder = fx.copy_results(compare_dir, tmp_path / "cmp")
     data = json.loads((folder / "results.json").read_text())
+    data["skipped"] = [{"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}]
+    data["notes"] = ["vocabulary padding aligned to a multiple of 256"]
     data["runs"][2].update(device=None, emulated=False, status="failed", steps=[], perf=None,
                            error="no device of its list is available")  # fmt: skip
     (folder / "results.json").write_text(json.dumps(data))

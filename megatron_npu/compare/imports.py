@@ -1,0 +1,161 @@
+"""Runs imported from another machine (a matrix ``[[run]]`` with ``import = "PATH"``).
+
+The kind is told by content, never by the name:
+
+* a folder, or a file named ``*tfevents*``: a TensorBoard event folder written by Megatron-LM
+  (:mod:`.tensorboard_events`);
+* a JSON object with ``config``, ``steps`` and ``summary``: a ``megatron-npu train
+  --metrics-out`` file;
+* a JSON object with ``"schema": "megatron-npu/compare"``: a ``compare`` ``results.json``; the
+  run is the one the matrix names in ``run = "NAME"`` (or the only one), read from the
+  ``metrics.json`` beside it (``runs/NAME/metrics.json``);
+* any other text with Megatron-LM's argument dump or iteration lines: a Megatron-LM log
+  (:mod:`.mlm_log`).
+
+Each becomes a metrics document in ``megatron-npu train``'s ``--metrics-out`` shape, so every
+rule reads an imported run like a local one. Its device is the file's own (``config.device``
+of a metrics file) or the matrix's ``device``; a log or event folder says nothing of it, so the
+matrix must. Every problem is an :class:`ImportedRunError` naming the file (and line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_npu.compare import mlm_log, tensorboard_events
+
+METRICS_KEYS = ("config", "steps", "summary")
+COMPARE_SCHEMA = "megatron-npu/compare"
+
+
+class ImportedRunError(ValueError):
+    """An import that cannot be used; the message names the file (and line)."""
+
+
+@dataclass
+class Imported:
+    metrics: dict[str, Any]
+    device: str | None  # what the file says, if anything
+    emulated: bool
+    provenance: dict[str, Any]  # kind, path, sha256, and what the file says of its origin
+
+
+def _sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _check_metrics(data: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(data, dict) or not all(k in data for k in METRICS_KEYS):
+        raise ImportedRunError(f"{path}: not a megatron-npu metrics.json (needs {list(METRICS_KEYS)})")
+    steps = data["steps"]
+    if not isinstance(steps, list) or not steps:
+        raise ImportedRunError(f"{path}: 'steps' is empty: the run logged no step")
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict) or not isinstance(step.get("step"), int) or not isinstance(
+            step.get("step_time_s"), int | float
+        ):
+            raise ImportedRunError(f"{path}: steps[{i}] needs an integer 'step' and a number 'step_time_s'")
+    if not isinstance(data["config"], dict) or not isinstance(data["config"].get("arguments"), dict):
+        raise ImportedRunError(f"{path}: 'config.arguments' is missing: no fingerprint can be taken")
+    return data
+
+
+def _read_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ImportedRunError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}): truncated or corrupt"
+        ) from None
+
+
+def _from_results(data: dict, path: Path, run: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    runs = data.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise ImportedRunError(f"{path}: a compare results.json without runs")
+    names = [r.get("name") for r in runs if isinstance(r, dict)]
+    if run is None:
+        if len(names) != 1:
+            raise ImportedRunError(f"{path}: holds runs {names}: name one with run = \"NAME\"")
+        run = names[0]
+    entry = next((r for r in runs if isinstance(r, dict) and r.get("name") == run), None)
+    if entry is None:
+        raise ImportedRunError(f"{path}: no run {run!r} in it (runs: {names})")
+    metrics_path = path.parent / str(entry.get("metrics_path") or f"runs/{run}/metrics.json")
+    try:
+        text = metrics_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ImportedRunError(
+            f"{path}: run {run!r}: cannot read its metrics {metrics_path}: {exc.strerror or exc} "
+            "(copy the whole compare folder)"
+        ) from None
+    metrics = _check_metrics(_read_json(metrics_path, text), metrics_path)
+    origin = {"results": str(path), "run": run, "created": data.get("created"),
+              "provenance": data.get("provenance")}  # fmt: skip
+    return metrics, origin
+
+
+def load(path: str | Path, run: str | None = None) -> Imported:
+    """Read one imported run (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise ImportedRunError(f"{path}: no such file or folder")
+    if path.is_dir() or "tfevents" in path.name:
+        try:
+            events = tensorboard_events.read(path)
+        except tensorboard_events.EventFolderError as exc:
+            raise ImportedRunError(str(exc)) from None
+        metrics = tensorboard_events.to_metrics(events, str(path))
+        return Imported(metrics, None, False, {"kind": "tensorboard", "path": str(path)})
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ImportedRunError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not raw.strip():
+        raise ImportedRunError(f"{path}: empty file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ImportedRunError(
+            f"{path}: not a text file (byte {exc.start} is not UTF-8): a log, metrics.json or "
+            "results.json was expected (an event file's name contains 'tfevents')"
+        ) from None
+    digest = _sha256(path)
+    if text.lstrip().startswith(("{", "[")):
+        data = _read_json(path, text)
+        if isinstance(data, dict) and data.get("schema") == COMPARE_SCHEMA:
+            metrics, origin = _from_results(data, path, run)
+            kind = "compare-results"
+        else:
+            if run is not None:
+                raise ImportedRunError(f"{path}: run = {run!r} is for a compare results.json")
+            metrics, origin = _check_metrics(data, path), {}
+            kind = "metrics"
+        config = metrics["config"]
+        device = config.get("device") if isinstance(config.get("device"), str) else None
+        versions = config.get("versions") if isinstance(config.get("versions"), dict) else {}
+        return Imported(
+            metrics, device, bool(config.get("device_emulated")),
+            {"kind": kind, "path": str(path), "sha256": digest, "versions": versions, **origin},
+        )  # fmt: skip
+    if run is not None:
+        raise ImportedRunError(f"{path}: run = {run!r} is for a compare results.json")
+    if not mlm_log.looks_like_log(text):
+        raise ImportedRunError(
+            f"{path}: neither a Megatron-LM log (no argument dump, no 'iteration N/ M |' line) "
+            "nor JSON nor a TensorBoard event file"
+        )
+    try:
+        parsed = mlm_log.parse(path)
+    except mlm_log.LogFormatError as exc:
+        raise ImportedRunError(str(exc)) from None
+    return Imported(
+        mlm_log.to_metrics(parsed, str(path)), None, False,
+        {"kind": "megatron-lm-log", "path": str(path), "sha256": digest},
+    )  # fmt: skip

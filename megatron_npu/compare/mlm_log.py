@@ -1,0 +1,211 @@
+"""A Megatron-LM training log (``pretrain_gpt.py`` of releases 0.13-0.19) as a run's metrics.
+
+What is read (``megatron/training/training.py`` ``training_log`` and ``arguments.py``
+``_print_args``):
+
+* the argument dump printed at start, between ``---- arguments ----`` and ``---- end of
+  arguments ----``: one ``  name ....... value`` line per argument, the value as ``str()`` gives
+  it -- the run's fingerprint (:mod:`.fingerprint`) is taken from these;
+* `` > padded vocab (size: V) with D dummy tokens (new size: P)`` -- the padded vocabulary;
+* every ``iteration N/ M | key: value | ...`` line (``print_rank_last``): ``elapsed time per
+  iteration (ms)``, ``learning rate``, ``global batch size``, ``lm loss`` (absent on an interval
+  of skipped steps), ``loss scale``, ``grad norm``, ``number of skipped iterations``; values are
+  averages over the ``--log-interval`` steps up to N, so a step of the curve is one logged line;
+* ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` -- the
+  peak of ``torch.cuda.max_memory_allocated`` (largest over ranks and lines): the allocator's on
+  a GPU, the process's RSS where the adaptor ran it on cpu.
+
+Other lines, rank prefixes (``[rank3]:``, ``[default0]:``) and the output of several ranks
+interleaved line by line are allowed. The same iteration logged twice with the same figures
+(several ranks, or a restart that repeats lines) counts once; with other figures it is an error.
+Every problem is a :class:`LogFormatError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any
+
+ARGS_START = re.compile(r"-{3,} arguments -{3,}")
+ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
+ARG_LINE = re.compile(r"^(?:\[[^\]]*\]:?)?\s+([A-Za-z_]\w*) (?:\.+ | )(.*)$")
+ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|(.*)$")
+PADDED_VOCAB = re.compile(r"padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)")
+MEMORY = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.eE+-]+) \| max allocated: ([\d.eE+-]+)")
+#: The last field Megatron-LM writes on every iteration line: a line without it is cut short.
+LAST_FIELD = "number of skipped iterations"
+FIELDS = {
+    "elapsed time per iteration (ms)": "step_time_ms",
+    "learning rate": "lr",
+    "global batch size": "global_batch_size",
+    "lm loss": "lm_loss",
+    "loss scale": "loss_scale",
+    "grad norm": "grad_norm",
+    "number of skipped iterations": "skipped",
+    "number of nan iterations": "nan",
+    "consumed samples": "consumed_samples",
+    "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
+}
+
+
+class LogFormatError(ValueError):
+    """A log that cannot be read as a Megatron-LM training log; names the file and line."""
+
+
+def looks_like_log(text: str) -> bool:
+    return bool(ITERATION.search(text)) or bool(ARGS_START.search(text))
+
+
+def _value(text: str) -> Any:
+    text = text.strip()
+    if text in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[text]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+def _number(path: Path, number: int, key: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise LogFormatError(f"{path}:{number}: {key!r} is not a number: {text.strip()!r}") from None
+
+
+def _iteration(path: Path, number: int, match: re.Match) -> dict[str, Any]:
+    record: dict[str, Any] = {"iteration": int(match.group(1)), "train_iters": int(match.group(2))}
+    rest = match.group(3)
+    if LAST_FIELD not in rest:
+        raise LogFormatError(
+            f"{path}:{number}: iteration line cut short (no {LAST_FIELD!r} field): truncated log?"
+        )
+    for part in rest.split("|"):
+        key, sep, value = part.partition(":")
+        key = key.strip()
+        if not sep or key not in FIELDS:
+            continue
+        record[FIELDS[key]] = _number(path, number, key, value)
+    if "step_time_ms" not in record:
+        raise LogFormatError(f"{path}:{number}: iteration line without 'elapsed time per iteration (ms)'")
+    return record
+
+
+def parse(path: str | Path) -> dict[str, Any]:
+    """``{"arguments", "padded_vocab_size", "iterations": [records], "peak_allocated_mb"}``."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise LogFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not raw.strip():
+        raise LogFormatError(f"{path}: empty file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LogFormatError(f"{path}: not a text log (byte {exc.start} is not UTF-8)") from None
+    arguments: dict[str, Any] | None = None
+    in_args = False
+    args_line = 0
+    padded = None
+    peak_mb = None
+    records: dict[int, tuple[int, dict[str, Any]]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if in_args:
+            if ARGS_END.search(line):
+                in_args = False
+                continue
+            match = ARG_LINE.search(line.rstrip())
+            if match:
+                arguments.setdefault(match.group(1), _value(match.group(2)))
+            continue
+        if ARGS_START.search(line):
+            if arguments is None:
+                arguments, in_args, args_line = {}, True, number
+            continue
+        match = ITERATION.search(line)
+        if match:
+            record = _iteration(path, number, match)
+            seen = records.get(record["iteration"])
+            if seen is not None and seen[1] != record:
+                raise LogFormatError(
+                    f"{path}:{number}: iteration {record['iteration']} is logged again with other "
+                    f"figures than at line {seen[0]} (two runs in one log?)"
+                )
+            records.setdefault(record["iteration"], (number, record))
+            continue
+        match = PADDED_VOCAB.search(line)
+        if match:
+            padded = int(match.group(3))
+            continue
+        match = MEMORY.search(line)
+        if match:
+            value = float(match.group(4))
+            peak_mb = value if peak_mb is None else max(peak_mb, value)
+    if in_args:
+        raise LogFormatError(f"{path}:{args_line}: the argument dump never ends: truncated log?")
+    if arguments is None:
+        raise LogFormatError(
+            f"{path}: no argument dump ('---- arguments ----'): not a Megatron-LM training log, "
+            "or its start is missing (the fingerprint is read from it)"
+        )
+    if not records:
+        raise LogFormatError(
+            f"{path}: no 'iteration N/ M | ...' lines after the argument dump: the run logged no step"
+        )
+    return {
+        "arguments": arguments,
+        "padded_vocab_size": padded,
+        "iterations": [records[i][1] for i in sorted(records)],
+        "peak_allocated_mb": peak_mb,
+    }
+
+
+def _data_description(args: dict[str, Any], what: str, source: str) -> str:
+    """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
+    if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
+        return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
+    return f"{what} {source}"
+
+
+def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
+    """The parsed log in the shape of ``megatron-npu train --metrics-out`` (config, steps,
+    summary), so that compare's rules read it like a local run."""
+    args = dict(parsed["arguments"])
+    steps = []
+    for rec in parsed["iterations"]:
+        skipped = bool(rec.get("skipped")) or "lm_loss" not in rec
+        steps.append({
+            "step": rec["iteration"], "lm_loss": None if skipped else rec.get("lm_loss"),
+            "grad_norm": rec.get("grad_norm"), "lr": rec.get("lr"), "loss_scale": rec.get("loss_scale"),
+            "skipped": skipped, "step_time_s": rec["step_time_ms"] / 1000.0,
+        })  # fmt: skip
+    losses = [s["lm_loss"] for s in steps if s["lm_loss"] is not None]
+    world = args.get("world_size")
+    tp = args.get("tensor_model_parallel_size") or 1
+    pp = args.get("pipeline_model_parallel_size") or 1
+    dp = args.get("data_parallel_size") or (world // (tp * pp) if isinstance(world, int) else None)
+    data_source = "mock" if args.get("mock_data") else "data-path"
+    peak = parsed.get("peak_allocated_mb")
+    return {
+        "config": {
+            "arguments": args,
+            "world_size": world,
+            "data_parallel_size": dp,
+            "padded_vocab_size": parsed.get("padded_vocab_size") or args.get("padded_vocab_size"),
+            "data": {"source": data_source, "description": _data_description(args, "Megatron-LM log", source)},
+        },
+        "steps": steps,
+        "summary": {
+            "steps": len(steps),
+            "first_lm_loss": losses[0] if losses else None,
+            "last_lm_loss": losses[-1] if losses else None,
+            # what torch.cuda.max_memory_allocated measured on the run's device (through the
+            # adaptor on cpu/npu-emulated that is the process's peak RSS): compare's
+            # MEMORY_MEASURE of the run's device says which column it belongs to
+            "peak_memory_bytes": int(peak * 2**20) if peak is not None else None,
+            "log_interval": args.get("log_interval"),
+        },
+    }

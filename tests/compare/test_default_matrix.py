@@ -1,0 +1,73 @@
+"""The shipped default matrix on real runs: on a healthy tree its rules end without a ``fail``;
+a slowdown planted in the adaptor's CPU attention fails the like-for-like speed pair, and an
+accuracy bug planted in the emulated NPU AdamW kernel fails the approximate rule -- each with exit
+status 1. The bugs are planted in the train subprocesses by ``plants/sitecustomize.py``.
+
+The runs are the default matrix's own entries (same options, same rules and thresholds), only
+the rows a bug touches, without the cloze evaluation, to keep the time down."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_npu.compare import command
+from megatron_npu.compare import matrix as m
+
+pytestmark = pytest.mark.slow
+
+PLANTS = Path(__file__).with_name("plants")
+
+
+def _default_rows(*names: str) -> m.Matrix:
+    default = m.load(None)
+    return dataclasses.replace(
+        default,
+        settings=dataclasses.replace(default.settings, lambada=False),
+        runs=tuple(r for r in default.runs if r.name in names),
+    )
+
+
+def _compare(tmp_path: Path, monkeypatch, plant: str | None, *names: str):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if plant:
+        monkeypatch.setenv("MEGATRON_NPU_TEST_PLANT", plant)
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")]))
+        )
+    monkeypatch.setitem(__import__("sys").modules, "reports", None)
+    return command.run_compare(_default_rows(*names), tmp_path / "out", echo=io.StringIO())
+
+
+def _verdicts(document) -> dict[tuple[str, str], dict]:
+    return {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
+
+
+def test_healthy_tree_has_no_fail(tmp_path, monkeypatch):
+    document, status = _compare(tmp_path, monkeypatch, None, "ref-fp32", "cpu-fp32-flash", "npu-fp32")
+    verdicts = _verdicts(document)
+    assert status == 0, [v for v in verdicts.values() if v["status"] != "pass"]
+    assert not [v for v in verdicts.values() if v["status"] in ("fail", "refused")]
+    # the one like-for-like speed pair was timed; the emulated row was not
+    assert verdicts[("cpu-fp32-flash", "performance")]["status"] == "pass"
+    assert verdicts[("npu-fp32", "performance")]["status"] == "not-applicable"
+
+
+def test_planted_slowdown_fails_the_default_matrix(tmp_path, monkeypatch):
+    document, status = _compare(tmp_path, monkeypatch, "slow-attention", "ref-fp32", "cpu-fp32-flash")
+    verdicts = _verdicts(document)
+    perf = verdicts[("cpu-fp32-flash", "performance")]
+    assert perf["status"] == "fail", perf["detail"]
+    assert verdicts[("cpu-fp32-flash", "approximate")]["status"] == "pass"  # right results, slow
+    assert status == 1
+
+
+def test_planted_accuracy_bug_fails_the_default_matrix(tmp_path, monkeypatch):
+    document, status = _compare(tmp_path, monkeypatch, "wrong-adamw", "ref-fp32", "npu-fp32")
+    verdict = _verdicts(document)[("npu-fp32", "approximate")]
+    assert verdict["status"] == "fail", verdict["detail"]
+    assert status == 1

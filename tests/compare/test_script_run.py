@@ -1,0 +1,66 @@
+"""A matrix run of a user's own Megatron-LM script: Megatron-LM's unmodified pretrain_gpt.py
+(the release matching the installed megatron-core, from ../shared/megatron-lm) launched by
+compare through torchrun and megatron_npu.run_script on npu-emulated, its log read back and judged
+against the log the same configuration wrote on cpu (fixtures/megatron-lm/tp2-cpu.log)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_npu.compare import command
+from megatron_npu.compare import matrix as m
+from megatron_npu.versions import library_versions
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).with_name("fixtures") / "megatron-lm"
+#: fixtures/megatron-lm/README.md: the arguments its logs were written with
+ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--train-iters", "12", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "1024", "--transformer-impl", "local", "--eval-iters", "0", "--log-interval", "1",
+    "--eval-interval", "1000", "--tensor-model-parallel-size", "2",
+]  # fmt: skip
+
+
+def _megatron_lm() -> Path:
+    version = library_versions().get("megatron-core")
+    root = Path(os.environ.get("MEGATRON_LM_ROOT", REPO.parent / "shared" / "megatron-lm"))
+    return root / f"core_v{version}"
+
+
+def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, monkeypatch):
+    script = _megatron_lm() / "pretrain_gpt.py"
+    if not script.is_file():
+        pytest.skip(f"no Megatron-LM checkout at {script.parent} (../shared/megatron-lm, or $MEGATRON_LM_ROOT)")
+    if importlib.util.find_spec("megatron_npu.run_script") is None:
+        pytest.skip("megatron_npu.run_script (the one-line wrapper module) is not in this tree")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setitem(sys.modules, "reports", None)
+    args = ", ".join(f'"{a}"' for a in ARGS)
+    (tmp_path / "m.toml").write_text(
+        f'[compare]\nbaseline = "mlm-cpu"\n'
+        f'[[run]]\nname = "mlm-cpu"\nimport = "{FIXTURES / "tp2-cpu.log"}"\ndevice = "cpu"\n'
+        f'[[run]]\nname = "mlm-script"\nscript = "{script}"\nargs = [{args}]\n'
+        'nproc_per_node = 2\ndevice = "npu-emulated"\ntimeout_s = 540\n'
+    )
+    echo = io.StringIO()
+    document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out", echo=echo)
+    runs = {r["name"]: r for r in document["runs"]}
+    assert runs["mlm-script"]["status"] == "ok", runs["mlm-script"]["error"]
+    assert runs["mlm-script"]["command"][-len(ARGS) - 1 :] == [str(script), *ARGS]
+    assert len(runs["mlm-script"]["steps"]) == 12
+    verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
+    assert verdicts[("mlm-script", "fingerprint")]["status"] == "pass"
+    assert verdicts[("mlm-script", "approximate")]["status"] == "pass", verdicts[("mlm-script", "approximate")]
+    assert verdicts[("mlm-script", "performance")]["status"] == "not-applicable"
+    assert (tmp_path / "out" / "runs" / "mlm-script" / "metrics.json").is_file()
+    assert status == 0, echo.getvalue()[-3000:]
