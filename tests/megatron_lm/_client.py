@@ -5,13 +5,13 @@ wrote: its ``iteration N/ M | ...`` log lines and its TensorBoard scalars."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_npu.compare import mlm_log
 from megatron_npu.patcher import megatron_core_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,6 @@ TINY = (
     "--log-interval", "1",
 )  # fmt: skip
 
-_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*?number of skipped iterations:\s+\d+)")
 
 
 def client_devices() -> tuple[str, ...]:
@@ -76,13 +75,11 @@ class Run:
     tensorboard: Path | None = None
 
     def scalars(self, tag: str) -> dict[int, float]:
-        """TensorBoard scalar ``tag`` per iteration (float32, as Megatron wrote it)."""
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        """TensorBoard scalar ``tag`` per iteration, read by compare's event-folder importer."""
+        from megatron_npu.compare import tensorboard_events
 
         assert self.tensorboard is not None, "the run wrote no TensorBoard folder"
-        events = EventAccumulator(str(self.tensorboard), size_guidance={"scalars": 0})
-        events.Reload()
-        return {e.step: e.value for e in events.Scalars(tag)}
+        return tensorboard_events.read(self.tensorboard)["scalars"][tag]
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.splitlines()[-lines:])
@@ -115,16 +112,17 @@ def pretrain_gpt(
     )  # fmt: skip
     (tmp / f"{name}.log").write_text(proc.stdout)
     run = Run(proc.returncode, proc.stdout, tensorboard=tb if tensorboard else None)
-    for match in _LINE.finditer(proc.stdout):
-        iteration = int(match.group(1))
-        fields = dict(
-            part.strip().rsplit(":", 1) for part in match.group(2).split("|") if ":" in part
-        )
-        if "lm loss" in fields:
-            run.losses[iteration] = float(fields["lm loss"])
-        if "grad norm" in fields:
-            run.grad_norms[iteration] = float(fields["grad norm"])
-        run.skipped[iteration] = int(fields["number of skipped iterations"]) > 0
+    try:  # compare's Megatron-LM log importer: one reading of that log for product and tests
+        parsed = mlm_log.parse(tmp / f"{name}.log")
+    except mlm_log.LogFormatError:  # a run that logged no step: the tests read the text
+        return run
+    for record in parsed["iterations"]:
+        iteration = record["iteration"]
+        if record.get("lm_loss") is not None:
+            run.losses[iteration] = record["lm_loss"]
+        if record.get("grad_norm") is not None:
+            run.grad_norms[iteration] = record["grad_norm"]
+        run.skipped[iteration] = bool(record.get("skipped"))
     return run
 
 
