@@ -3,6 +3,8 @@
 :class:`TrainingInputError` stands for every fault the user can fix: an option value, a data file,
 a checkpoint file, a directory. Its message names the flag, file or field and says what to do;
 the run then exits with status :data:`EXIT_STATUS` (2, argparse's) and prints no traceback.
+(The class lives in :mod:`megatron_npu.data.errors`, so the data checks need not import this
+package.)
 
 Where it is raised decides who prints it:
 
@@ -21,24 +23,15 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_npu.data.errors import TrainingInputError
+
+__all__ = ["ERROR_DIR_ENV", "EXIT_STATUS", "PREFIX", "TrainingInputError", "collect", "report"]
+
 #: Exit status of a run stopped by a :class:`TrainingInputError` (argparse uses 2 as well).
 EXIT_STATUS = 2
 #: Set by the launcher for its ranks: where a rank leaves its error message.
 ERROR_DIR_ENV = "MEGATRON_NPU_ERROR_DIR"
 PREFIX = "megatron-npu train: error: "
-
-
-class TrainingInputError(Exception):
-    """A fault in what the user gave the run. ``message`` names the flag, file or field;
-    ``remedy`` (optional) says how to fix it."""
-
-    def __init__(self, message: str, remedy: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.remedy = remedy
-
-    def __str__(self) -> str:
-        return self.message if not self.remedy else f"{self.message}; {self.remedy}"
 
 
 def report(exc: TrainingInputError) -> None:
