@@ -169,8 +169,8 @@ def test_forked_writer_dies_with_its_rank(protected, tmp_path):
     marker = str(tmp_path / "writer-marker")
     script = (
         "import os, sys, time\n"
-        "from megatron_npu.training import launch\n"
-        f"if {protected}: launch.children_die_with_this_process()\n"
+        "from megatron_npu.training import children\n"
+        f"if {protected}: children.tie_children().__enter__()\n"
         "if os.fork() == 0:\n"
         "    time.sleep(600)\n"
         "    os._exit(0)\n"
