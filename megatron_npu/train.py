@@ -7,8 +7,8 @@ running :func:`main` of this module; under torchrun (``RANK``/``WORLD_SIZE``/``L
 only parses and checks the options, the data files and the ``--load`` checkpoint
 (:mod:`megatron_npu.training.preflight`; it never imports the model stack), then starts and
 watches the ranks (:mod:`megatron_npu.training.launch`). A fault in the input ends the run with
-one named message and exit status 2 (:mod:`megatron_npu.training.errors`); ``--metrics-out`` is
-held for the run (:mod:`megatron_npu.training.run_lock`).
+one named message and exit status 2 (:mod:`megatron_npu.training.errors`); ``--metrics-out`` and
+``--save`` are held for the run (:mod:`megatron_npu.training.run_lock`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
             for note in preflight.check(arguments.finalize(copy.copy(args), world)):
                 if os.environ.get("RANK", "0") == "0":
                     print(note, flush=True)
-            if args.metrics_out and os.environ.get("RANK", "0") == "0":
-                run_lock.hold(args.metrics_out)  # held until this process ends the run
+            if os.environ.get("RANK", "0") == "0":  # held until this process ends the run
+                if args.metrics_out:
+                    run_lock.hold(args.metrics_out, "--metrics-out")
+                if args.save:
+                    run_lock.hold(args.save, "--save", directory=True)
     except errors.TrainingInputError as exc:
         return errors.report(exc)
     try:

@@ -118,6 +118,7 @@ def test_guard_stops_after_n_consecutive_nonfinite_losses():
     with pytest.raises(TrainingStopped) as info:
         guard.after_step(7, NAN, False, 1e-3)
     assert info.value.reason == "nonfinite-loss"
+    assert guard.diverging  # no save at this step
     assert "NaN/inf for 3 consecutive iterations (5..7)" in str(info.value)
     assert "--no-divergence-stop" in str(info.value)
     assert guard.record(info.value)["exit_status"] == errors.STOPPED_EXIT_STATUS == 3
@@ -140,6 +141,19 @@ def test_guard_end_of_run_rules(steps, reason, words):
     _feed(divergence.Guard(steps_limit=5, enabled=False), steps)  # the opt-out
 
 
+def test_guard_says_when_a_save_would_keep_diverged_weights():
+    guard = divergence.Guard(steps_limit=5)
+    guard.after_step(1, 3.0, False, 1e-3)
+    assert not guard.diverging
+    guard.after_step(2, NAN, False, 1e-3)
+    assert guard.diverging
+    guard.after_step(3, 2.5, False, 1e-3)
+    assert not guard.diverging
+    off = divergence.Guard(steps_limit=5, enabled=False)
+    off.after_step(1, NAN, False, 1e-3)
+    assert not off.diverging  # the opt-out saves as Megatron-LM would
+
+
 def test_guard_lets_a_healthy_run_end():
     # warm-up starts at lr 0, an early overflow is skipped, a NaN in the middle recovers
     _feed(divergence.Guard(steps_limit=3), [
@@ -150,21 +164,27 @@ def test_guard_lets_a_healthy_run_end():
 # --- one live run per --metrics-out, a busy --master-port ---------------------------------------
 
 
-def test_metrics_out_held_by_a_live_run_is_refused(tmp_path, capsys, monkeypatch):
-    metrics = tmp_path / "metrics.json"
+@pytest.mark.parametrize(
+    ("flag", "name", "lock"),
+    [("--metrics-out", "metrics.json", "metrics.json.lock"),
+     ("--save", "ckpt", "ckpt/.megatron-npu.lock")],
+)  # fmt: skip
+def test_output_held_by_a_live_run_is_refused(flag, name, lock, tmp_path, capsys, monkeypatch):
+    target, lock = tmp_path / name, tmp_path / lock
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom megatron_npu.training import run_lock\n"
-         f"run_lock.hold({str(metrics)!r})\nprint('held', flush=True)\ntime.sleep(300)"],
+         f"run_lock.hold({str(target)!r}, {flag!r}, directory={flag == '--save'})\n"
+         "print('held', flush=True)\ntime.sleep(300)"],
         cwd=REPO, env=run_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        code, out = run_main([*TINY, "--metrics-out", str(metrics)], capsys, monkeypatch)
+        code, out = run_main([*TINY, flag, str(target)], capsys, monkeypatch)
         assert code == 2 and LAUNCHED not in out and "Traceback" not in out, out
         assert [line for line in out.splitlines() if "error:" in line] == [
-            f"megatron-npu train: error: --metrics-out {metrics} is in use by another live run "
-            f"(process {holder.pid}) (lock {metrics}.lock); give this run its own --metrics-out "
-            "file, or wait for the other run to end"
+            f"megatron-npu train: error: {flag} {target} is in use by another live run "
+            f"(process {holder.pid}) (lock {lock}); give this run its own {flag}, or wait for "
+            "the other run to end"
         ], out
     finally:
         holder.kill()
@@ -172,8 +192,8 @@ def test_metrics_out_held_by_a_live_run_is_refused(tmp_path, capsys, monkeypatch
     # the kernel dropped the dead holder's lock: the same command now reaches the launcher,
     # and the lock this process took is released (and its file removed) when main returns
     with pytest.raises(AssertionError, match=LAUNCHED):
-        run_main([*TINY, "--metrics-out", str(metrics)], capsys, monkeypatch)
-    assert not Path(f"{metrics}.lock").exists() and not run_lock._held
+        run_main([*TINY, flag, str(target)], capsys, monkeypatch)
+    assert not lock.exists() and not run_lock._held
 
 
 def test_busy_master_port_is_a_named_error(capsys, monkeypatch):
