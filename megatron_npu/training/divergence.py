@@ -4,8 +4,8 @@ Every rank runs the same :class:`Guard` on the same global figures (the all-redu
 learning rate, whether the optimizer skipped the update), so every rank stops at the same step
 and none waits in a collective for another. A stop raises
 :class:`~megatron_npu.training.errors.TrainingStopped` (exit status 3, distinct from bad input's
-2); the loop records the reason in the metrics file first and never saves the diverged weights
-over the last good checkpoint. ``--no-divergence-stop`` turns the guard off.
+2); the loop records the reason in the metrics file first, and skips any save while the last
+loss is NaN/inf (:attr:`Guard.diverging`), so the last good checkpoint stays the latest. ``--no-divergence-stop`` turns the guard off.
 
 The rules (``N`` = ``--divergence-steps``, default :data:`DEFAULT_STEPS`):
 
@@ -47,6 +47,12 @@ class Guard:
 
     def _stop(self, reason: str, message: str, remedy: str) -> TrainingStopped:
         return TrainingStopped(reason, message, f"{remedy}; {OPT_OUT} lets such a run go on")
+
+    @property
+    def diverging(self) -> bool:
+        """The last step's loss was NaN/inf (and the guard is on): a save now would replace the
+        last good checkpoint with unusable weights."""
+        return self.enabled and bool(self.nonfinite_run)
 
     def after_step(self, step: int, loss: float | None, skipped: bool, lr: float) -> None:
         """Record one step; raise when the loss has been NaN/inf for ``steps_limit`` steps."""

@@ -443,6 +443,10 @@ def _train(args, env, device) -> int:
             _guarded(guard.after_step, guard, args, run_metrics if rank0 else None,
                      step, loss, skipped, lr)  # fmt: skip
             if args.save and args.save_interval and step % args.save_interval == 0:
+                if guard.diverging:  # keep the last good checkpoint the latest
+                    if rank0:
+                        progress.print(f" not saving iteration {step}: its lm loss is NaN/inf")
+                    continue
                 checkpointing.save(args, model, optimizer, scheduler, step)
                 last_saved = step
                 if rank0:

@@ -137,7 +137,10 @@ def test_diverged_run_stops_with_exit_3_through_the_launcher(tmp_path):
     metrics, save = tmp_path / "metrics.json", tmp_path / "ckpt"
     argv = list(TINY)
     argv[argv.index("--lr") + 1] = "1e30"
-    code, out = run(*argv, *TWO_RANKS, "--metrics-out", str(metrics), "--save", str(save))
+    code, out = run(
+        *argv, *TWO_RANKS, "--metrics-out", str(metrics), "--save", str(save),
+        "--save-interval", "2",
+    )  # fmt: skip
     assert code == 3 and "Traceback" not in out, out[-3000:]
     lines = _error_lines(out)
     assert len(lines) == 1 and lines[0].startswith(
@@ -147,7 +150,13 @@ def test_diverged_run_stops_with_exit_3_through_the_launcher(tmp_path):
     stopped = _strict(metrics)["summary"]["stopped"]
     assert stopped["reason"] == "nonfinite-loss" and stopped["exit_status"] == 3, stopped
     assert stopped["iteration"] == 4 and len(_strict(metrics)["steps"]) == 4
-    assert not (save / "iter_0000004").exists()  # the diverged weights were not saved
+    # a step whose loss is NaN/inf is not saved: the last good checkpoint stays the latest
+    losses = {s["step"]: s["lm_loss"] for s in _strict(metrics)["steps"]}
+    assert losses[4] is None  # strict JSON writes NaN as null
+    for step in (2, 4):
+        assert (save / f"iter_{step:07d}").exists() == (losses[step] is not None), losses
+        if losses[step] is None:
+            assert f" not saving iteration {step}: its lm loss is NaN/inf" in out
 
 
 def test_fp16_on_cpu_that_skips_every_step_stops_unless_told(tmp_path):
