@@ -48,19 +48,23 @@ def _error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "error:" in line or "stopped:" in line]
 
 
-def test_killed_launcher_after_a_save_leaves_no_process_and_no_folder(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_killed_launcher_after_a_save_leaves_no_process_and_no_folder(ranks, tmp_path):
+    """``ranks=1``: no launcher of its own, the one process is the run (and is killed)."""
     private_tmp = tmp_path / "tmp"  # the run's own TMPDIR: other runs on this machine stay out
     private_tmp.mkdir()
+    launch = TWO_RANKS if ranks == 2 else []
     proc = start(
-        *_long(*TWO_RANKS, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"),
+        *_long(*launch, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"),
         env={"TMPDIR": str(private_tmp)},
     )
     lines: list[str] = []
     wait_for_line(proc, "saved checkpoint at iteration 1", lines)
     tree = descendants(proc.pid)
     commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree}
-    # the two ranks, and what their first save spawned (results Manager, resource tracker)
-    assert sum(b"megatron_npu.train" in c for c in commands.values()) == 2, commands
+    # the ranks, and what their first save spawned (results Manager, resource tracker)
+    ranks_seen = sum(b"megatron_npu.train" in c for c in commands.values())
+    assert ranks_seen == (2 if ranks == 2 else 0), commands
     assert any(b"multiprocessing" in c for c in commands.values()), commands
     proc.kill()
     proc.communicate(timeout=60)
