@@ -15,7 +15,9 @@ processes form a chain, each link armed:
   the signal armed. The original function is back when the context ends.
 
 A child whose parent died before the signal was armed exits at once (its parent id is no longer
-the one that started it). Elsewhere than Linux nothing is armed.
+the one that started it). Elsewhere than Linux nothing is armed. (The kernel sends the signal
+when the *thread* that created the child ends: a run starts its writers, Manager and tracker
+from its main thread, which lives as long as the process.)
 """
 
 from __future__ import annotations
