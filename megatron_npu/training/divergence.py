@@ -12,7 +12,9 @@ The rules (``N`` = ``--divergence-steps``, default :data:`DEFAULT_STEPS`):
 * ``nonfinite-loss``: the lm loss is NaN or inf for ``N`` consecutive steps (checked after each
   step), or the run ends with a NaN/inf loss (checked at its end: its weights are not usable);
 * ``all-skipped``: the loss scaler skipped the update at every step of the run (fp16 whose
-  gradients overflow at every scale) -- checked at the end;
+  gradients overflow at every scale) -- checked at the end; and ``stuck-loss-scale``: ``N``
+  consecutive steps skipped at the scaler's smallest scale (``--min-loss-scale``, or a static
+  ``--loss-scale``), where it cannot back off further -- checked after each step;
 * ``zero-lr``: the learning rate was 0 at every step of the run (e.g. a resume with
   ``--use-checkpoint-opt_param-scheduler`` past the checkpoint's schedule) -- checked at the end.
 """
@@ -38,9 +40,12 @@ class Guard:
 
     steps_limit: int = DEFAULT_STEPS
     enabled: bool = True
+    min_loss_scale: float | None = None  # the scaler's floor (fp16), None without a scaler
     first: int | None = None
     last: int | None = None
     nonfinite_run: list[int] = field(default_factory=list)
+    stuck_run: list[int] = field(default_factory=list)
+    scale: float | None = None  # the loss scale the next step runs with (after the last one)
     steps: int = 0
     skipped: int = 0
     zero_lr: int = 0
@@ -54,8 +59,12 @@ class Guard:
         last good checkpoint with unusable weights."""
         return self.enabled and bool(self.nonfinite_run)
 
-    def after_step(self, step: int, loss: float | None, skipped: bool, lr: float) -> None:
-        """Record one step; raise when the loss has been NaN/inf for ``steps_limit`` steps."""
+    def after_step(
+        self, step: int, loss: float | None, skipped: bool, lr: float,
+        loss_scale: float | None = None,
+    ) -> None:  # fmt: skip
+        """Record one step (``loss_scale``: the scale after it); raise when the loss has been
+        NaN/inf, or the update skipped at the smallest loss scale, for ``steps_limit`` steps."""
         self.first = step if self.first is None else self.first
         self.last = step
         self.steps += 1
@@ -65,6 +74,21 @@ class Guard:
             self.nonfinite_run.clear()
         else:
             self.nonfinite_run.append(step)
+        floor, during = self.min_loss_scale, self.scale
+        self.scale = loss_scale
+        if skipped and floor is not None and during is not None and during <= floor:
+            self.stuck_run.append(step)  # skipped although it ran at the floor already
+        else:
+            self.stuck_run.clear()
+        if self.enabled and len(self.stuck_run) >= self.steps_limit:
+            run = self.stuck_run
+            raise self._stop(
+                "stuck-loss-scale",
+                f"the loss scaler skipped the update at {len(run)} consecutive iterations "
+                f"({run[0]}..{run[-1]}) at its smallest loss scale {floor:g}: the gradients "
+                "are inf/nan at every scale, the run trains nothing",
+                "fp16 overflows here: use --bf16 or fp32, or lower --lr",
+            )
         if self.enabled and len(self.nonfinite_run) >= self.steps_limit:
             run = self.nonfinite_run
             raise self._stop(

@@ -349,6 +349,16 @@ def build_trainer(args, env, device) -> Trainer:
                    get_forward_backward_func())  # fmt: skip
 
 
+def _loss_scales(args) -> tuple[float | None, float | None]:
+    """fp16's loss scaler: the smallest scale it reaches and the one the first step runs with
+    (a static scale is both); ``(None, None)`` without a scaler."""
+    if not args.fp16:
+        return None, None
+    if args.loss_scale is not None:
+        return float(args.loss_scale), float(args.loss_scale)
+    return float(args.min_loss_scale), float(args.initial_loss_scale)
+
+
 def _guarded(check, guard, args, run_metrics, *check_args) -> None:
     """Run one :class:`~.divergence.Guard` check; on a stop, rank 0 (``run_metrics`` given)
     records why in the metrics file before the stop propagates."""
@@ -403,7 +413,10 @@ def _train(args, env, device) -> int:
         chunk.train()
     device.accelerator.reset_peak_memory_stats()
     last_saved = resume.iteration
-    guard = divergence.Guard(args.divergence_steps, args.divergence_stop)
+    floor, first_scale = _loss_scales(args)
+    guard = divergence.Guard(
+        args.divergence_steps, args.divergence_stop, min_loss_scale=floor, scale=first_scale
+    )
     try:
         for step in range(resume.iteration + 1, args.train_iters + 1):
             start = _timed_sync(device)
@@ -441,7 +454,7 @@ def _train(args, env, device) -> int:
                     )
                 progress.update(step, loss, log_now)
             _guarded(guard.after_step, guard, args, run_metrics if rank0 else None,
-                     step, loss, skipped, lr)  # fmt: skip
+                     step, loss, skipped, lr, record.loss_scale)  # fmt: skip
             if args.save and args.save_interval and step % args.save_interval == 0:
                 if guard.diverging:  # keep the last good checkpoint the latest
                     if rank0:

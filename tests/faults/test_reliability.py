@@ -141,6 +141,23 @@ def test_guard_end_of_run_rules(steps, reason, words):
     _feed(divergence.Guard(steps_limit=5, enabled=False), steps)  # the opt-out
 
 
+def test_guard_stops_a_scaler_stuck_at_its_smallest_scale():
+    guard = divergence.Guard(steps_limit=3, min_loss_scale=1.0)
+    # backing off (4, 2) does not count, nor does an applied step at the floor
+    for step, (skipped, scale) in enumerate(
+        [(True, 4.0), (True, 2.0), (True, 1.0), (False, 1.0), (True, 1.0), (True, 1.0)], start=1
+    ):
+        guard.after_step(step, 5.0, skipped, 1e-3, scale)
+    with pytest.raises(TrainingStopped) as info:
+        guard.after_step(7, 5.0, True, 1e-3, 1.0)
+    assert info.value.reason == "stuck-loss-scale"
+    assert "skipped the update at 3 consecutive iterations (5..7) at its smallest loss scale 1" in (
+        str(info.value)
+    )
+    no_scaler = divergence.Guard(steps_limit=1)  # fp32/bf16: no floor, never this rule
+    no_scaler.after_step(1, 5.0, True, 1e-3, 1.0)
+
+
 def test_guard_says_when_a_save_would_keep_diverged_weights():
     guard = divergence.Guard(steps_limit=5)
     guard.after_step(1, 3.0, False, 1e-3)

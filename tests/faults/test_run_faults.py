@@ -176,6 +176,17 @@ def test_fp16_on_cpu_that_skips_every_step_stops_unless_told(tmp_path):
     ), out[-3000:]
     code, out = run(*TINY, "--fp16", "--no-divergence-stop")  # the opt-out
     assert code == 0 and " done: 4 steps" in out and "stopped:" not in out, out[-3000:]
+    # a long run stops once the scaler is stuck at its floor, not after all its iterations: a
+    # static scale of 2**32 (what the dynamic one starts from) cannot back off at all
+    argv = list(TINY)
+    argv[argv.index("--train-iters") + 1] = "200"
+    code, out = run(*argv, "--fp16", "--loss-scale", str(2**32), "--metrics-out", str(metrics))
+    assert code == 3, out[-3000:]
+    data = _strict(metrics)
+    assert data["summary"]["stopped"]["reason"] == "stuck-loss-scale", data["summary"]
+    # --divergence-steps (5) consecutive skipped steps at the floor
+    assert len(data["steps"]) == 5 and all(s["skipped"] for s in data["steps"]), data["steps"]
+    assert "(1..5) at its smallest loss scale 4.29497e+09" in out, out[-3000:]
 
 
 def test_resume_past_the_checkpoint_schedule_at_lr_0_stops(tmp_path, good_checkpoint):
