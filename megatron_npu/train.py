@@ -7,7 +7,8 @@ running :func:`main` of this module; under torchrun (``RANK``/``WORLD_SIZE``/``L
 only parses and checks the options, the data files and the ``--load`` checkpoint
 (:mod:`megatron_npu.training.preflight`; it never imports the model stack), then starts and
 watches the ranks (:mod:`megatron_npu.training.launch`). A fault in the input ends the run with
-one named message and exit status 2 (:mod:`megatron_npu.training.errors`).
+one named message and exit status 2 (:mod:`megatron_npu.training.errors`); ``--metrics-out`` and
+``--save`` are held for the run (:mod:`megatron_npu.training.run_lock`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_npu.training import (
     launch,
     preflight,
     quiet_expected_warnings,
+    run_lock,
     security,
 )
 
@@ -52,14 +54,21 @@ def main(argv: list[str] | None = None) -> int:
             for note in preflight.check(arguments.finalize(copy.copy(args), world)):
                 if os.environ.get("RANK", "0") == "0":
                     print(note, flush=True)
+            if os.environ.get("RANK", "0") == "0":  # held until this process ends the run
+                if args.metrics_out:
+                    run_lock.hold(args.metrics_out, "--metrics-out")
+                if args.save:
+                    run_lock.hold(args.save, "--save", directory=True)
     except errors.TrainingInputError as exc:
-        errors.report(exc)
-        return errors.EXIT_STATUS
-    if starts_ranks:
-        return launch.launch(argv, args)
-    from megatron_npu.training import loop
+        return errors.report(exc)
+    try:
+        if starts_ranks:
+            return launch.launch(argv, args)
+        from megatron_npu.training import loop
 
-    return loop.run(argv)
+        return loop.run(argv)
+    finally:
+        run_lock.release_all()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Megatron-Core's ``_IndexReader`` asserts on a bad header and otherwise maps what
 hold: a truncated ``.bin`` or an ``.idx`` whose counts disagree fails much later, in a worker, as
 an index error or garbage tokens. :func:`check_indexed_dataset` reads the same format
 (``megatron.core.datasets.indexed_dataset``, version 1) and raises
-:class:`~megatron_npu.training.errors.TrainingInputError` naming the file and the field:
+:class:`~megatron_npu.data.errors.TrainingInputError` naming the file and the field:
 
     magic "MMIDIDX\\0\\0" | version <Q == 1 | dtype code <B | sequence count <Q |
     document count <Q | int32 sizes[sequence count] | int64 pointers[sequence count] |
@@ -20,7 +20,7 @@ import struct
 
 import numpy as np
 
-from megatron_npu.training.errors import TrainingInputError
+from megatron_npu.data.errors import TrainingInputError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -28,6 +28,12 @@ HEADER_BYTES = 9 + 8 + 1 + 8 + 8
 #: Megatron's ``DType`` codes -> item size in bytes (uint8, int8, int16, int32, int64, float64,
 #: float32, uint16).
 ITEM_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+#: The same codes as numpy dtypes (the ``.bin`` is read with them).
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+          7: np.float32, 8: np.uint16}  # fmt: skip
+#: :func:`check_token_ids` scans a ``.bin`` up to this size; a larger one is checked batch by
+#: batch as the run reads it (``training.data``).
+SCAN_LIMIT_BYTES = 256 << 20
 
 _REMEDY = "rebuild it with `megatron-npu preprocess` (or Megatron's preprocess_data.py)"
 
@@ -88,9 +94,64 @@ def check_indexed_dataset(prefix: str, *, flag: str = "--data-path") -> None:
             "(must rise from 0 to the sequence count)",
         )
     needed = int(sizes.astype(np.int64).sum()) * item
+    if needed == 0:
+        raise TrainingInputError(
+            f"{flag} {prefix}: the dataset is empty ({sequences} sequences, 0 tokens): nothing "
+            "to train on",
+            "preprocess an input that holds text (megatron-npu preprocess reports its document "
+            "and token counts)",
+        )
     have = os.path.getsize(binary)
     if have < needed:
         raise TrainingInputError(
             f"indexed dataset file {binary}: truncated: {have} bytes, its index {idx} needs {needed}",
             _REMEDY,
         )
+
+
+def token_dtype(prefix: str) -> np.dtype:
+    """The token dtype ``prefix.idx`` records (the file passed :func:`check_indexed_dataset`)."""
+    with open(f"{prefix}.idx", "rb") as stream:
+        stream.seek(len(MAGIC) + 8)
+        return np.dtype(DTYPES[stream.read(1)[0]])
+
+
+def out_of_vocab_message(flag: str, where: str, token: int, vocab_size: int) -> str:
+    """The one wording of an out-of-vocabulary token id (preflight and the batch check)."""
+    return (
+        f"{flag} {where}: token id {token} is outside the tokenizer's vocabulary "
+        f"(ids 0..{vocab_size - 1})"
+    )
+
+
+OUT_OF_VOCAB_REMEDY = (
+    "preprocess the data with the tokenizer this run uses (the same --tokenizer-type, "
+    "--vocab-file and --merge-file)"
+)
+
+
+def check_token_ids(
+    prefix: str, vocab_size: int, *, flag: str = "--data-path", scan_limit: int = SCAN_LIMIT_BYTES
+) -> bool:
+    """Refuse ``prefix`` when it holds a token id outside ``0..vocab_size - 1``.
+
+    Cheap first: an unsigned dtype whose largest value is below ``vocab_size`` cannot hold one.
+    Otherwise the ``.bin`` is scanned when it is at most ``scan_limit`` bytes. Returns whether
+    the ids were proven in range (False: too large to scan here; the run checks each batch)."""
+    dtype = token_dtype(prefix)
+    if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+        return True
+    binary = f"{prefix}.bin"
+    if os.path.getsize(binary) > scan_limit:
+        return False
+    count = os.path.getsize(binary) // dtype.itemsize
+    if count == 0:
+        return True
+    tokens = np.memmap(binary, dtype=dtype, mode="r", shape=(count,))
+    low, high = tokens.min(), tokens.max()
+    bad = high if high >= vocab_size else low if low < 0 else None
+    if bad is not None:
+        raise TrainingInputError(
+            out_of_vocab_message(flag, prefix, int(bad), vocab_size), OUT_OF_VOCAB_REMEDY
+        )
+    return True

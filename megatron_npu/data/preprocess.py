@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -328,7 +329,7 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     except TokenizerError as exc:
         raise PreprocessError(str(exc)) from None
-    return preprocess(
+    summary = preprocess(
         args.input,
         args.output_prefix,
         tokenizer,
@@ -336,3 +337,20 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
         append_eod=getattr(args, "append_eod", True),
         workers=args.workers,
     )
+    for warning in empty_output_warnings(summary):
+        print(f"megatron-npu preprocess: warning: {warning}", file=sys.stderr, flush=True)
+    return summary
+
+
+def empty_output_warnings(summary: dict[str, Any]) -> list[str]:
+    """What to warn about in a :func:`preprocess` summary: a key that got no token at all
+    (0 documents, or only empty ones) makes a dataset ``megatron-npu train`` refuses."""
+    out = []
+    for key, prefix in summary["prefixes"].items():
+        if summary["tokens"][key] == 0:
+            out.append(
+                f"{prefix}.{{bin,idx}} holds {summary['documents']} documents and 0 tokens "
+                f"(no text under the JSON key {key!r} in {', '.join(summary['inputs'])}); "
+                "megatron-npu train refuses an empty dataset"
+            )
+    return out

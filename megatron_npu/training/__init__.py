@@ -4,8 +4,13 @@ One module per job:
 
 * :mod:`.arguments` -- the command line (Megatron's own option names) and its validation
 * :mod:`.launch` -- ``--nproc-per-node``: starting and watching the ranks; process-group set-up
-* :mod:`.errors` -- the one named error type for bad input, reported once (exit 2)
-* :mod:`.preflight` -- data, ``--save`` and ``--load`` checks before any rank starts
+* :mod:`.errors` -- the named errors: bad input (exit 2), a run stopped for training nothing
+  (exit 3), each reported once
+* :mod:`.children` -- every process a rank forks or spawns dies with it (parent-death signal)
+* :mod:`.preflight` -- port, data, ``--save`` and ``--load`` checks before any rank starts
+* :mod:`.run_lock` -- one live run per ``--metrics-out`` file and ``--save`` directory
+* :mod:`.divergence` -- the rules that stop a run whose loss is NaN/inf, whose steps are all
+  skipped or whose learning rate is 0
 * :mod:`.security` -- umask 027, the root warning, 0640/0750 modes on what training writes
 * :mod:`.model` -- TransformerConfig, the seeded local layer spec, GPTModel chunks, DDP wrapping
 * :mod:`.data` -- mock / indexed / default-corpus datasets and the per-DP-rank batch sampler

@@ -237,6 +237,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=_finite, default=1e-8)
     g.add_argument("--sgd-momentum", type=_finite, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--divergence-steps", type=_positive, default=5, metavar="N",
+        help="stop the run (exit status 3) when the lm loss is NaN/inf for N consecutive steps",
+    )
+    g.add_argument(
+        "--no-divergence-stop", dest="divergence_stop", action="store_false",
+        help="keep training when the loss is NaN/inf, every step is skipped or the learning "
+        "rate is 0 throughout (default: such a run stops with exit status 3)",
+    )
 
     g = parser.add_argument_group("data")
     g.add_argument(
@@ -287,6 +296,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-safe-load", dest="safe_load", action="store_false",
         help="let --load unpickle arbitrary objects in the checkpoint's .metadata and "
         "object shards (default: only tensors, torch's checkpoint metadata and RNG states)",
+    )
+    g.add_argument(
+        "--allow-unverified-load", action="store_true",
+        help="load a checkpoint that has no megatron_npu_checkpoint.json manifest (Megatron-LM's "
+        "own, or one whose manifest was removed): no checksum or model-fingerprint checks "
+        "(default: refused)",
     )
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -451,8 +466,16 @@ def check(args: argparse.Namespace) -> None:
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
             "exclude each other"
         )
-    if args.lr_decay_iters is None:
+    decay_defaulted = args.lr_decay_iters is None
+    if decay_defaulted:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:  # Megatron's scheduler asserts on it
+        decay = "--train-iters" if decay_defaulted else "--lr-decay-iters"
+        raise ArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than {decay} "
+            f"{args.lr_decay_iters} (the LR schedule warms up, then decays)",
+            f"lower --lr-warmup-iters or raise {decay}",
+        )
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must be <= --lr")
     if args.nnodes > 1 and args.nproc_per_node is None:

@@ -17,7 +17,8 @@ The manifest holds the model :func:`fingerprint` (weight shapes and vocabulary: 
 another model is refused naming the field), the LR/WD schedule (a changed one is refused naming
 the flag and Megatron's ``--override-opt_param-scheduler``) and every file's size and SHA-256
 (a truncated, emptied or altered file is refused naming the file). Checkpoints without a manifest
-(Megatron-LM's own, or older ones) load unverified, with a note saying so.
+(Megatron-LM's own, older ones, or one whose manifest was deleted) are refused by the launcher's
+checks unless ``--allow-unverified-load``; with it they load unverified, with a note saying so.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def latest_iteration(root: str) -> int | None:
 
 
 def _load_failed(path: str, root: str, iteration, exc: BaseException) -> TrainingInputError:
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    first = safe_load.refusal_detail(exc)  # one whole line, never cut mid-sentence
     return TrainingInputError(
         f"checkpoint {path} could not be loaded ({exc.__class__.__name__}: {first})",
         store.remedy_other_iteration(root, iteration),

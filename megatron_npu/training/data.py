@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from megatron_npu.training.errors import TrainingInputError
+
 
 @dataclass
 class TrainData:
@@ -37,6 +39,7 @@ class TrainData:
     vocab_size: int  # tokenizer vocabulary (before Megatron's padding)
     source: str  # "mock", "data-path" or "default-corpus"
     description: str
+    paths: str = ""  # the --data-path prefixes read (named by the token-id check)
 
 
 class PretrainingSampler:
@@ -133,13 +136,18 @@ def _indexed(
     if train is None:
         raise RuntimeError(f"no training split was built from {' '.join(data_path)}")
     vocab = int(tokenizer.vocab_size)
-    return TrainData(train, vocab, source, f"{' '.join(data_path)}, vocab {vocab}")
+    paths = " ".join(data_path)
+    return TrainData(train, vocab, source, f"{paths}, vocab {vocab}", paths)
 
 
 def _data_path(args: Namespace, train_samples: int) -> TrainData:
+    from megatron_npu.data.index_check import check_token_ids
     from megatron_npu.data.tokenizers import build_tokenizer
+    from megatron_npu.training.preflight import data_prefixes
 
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    for prefix in data_prefixes(list(args.data_path)):  # before the model is built
+        check_token_ids(prefix, int(tokenizer.vocab_size))  # larger files: checked per batch
     return _indexed(args, train_samples, list(args.data_path), tokenizer, "data-path")
 
 
@@ -209,5 +217,31 @@ def iterators(
             pin_memory=False,
             generator=torch.Generator().manual_seed(args.seed),
         )
-        out.append(iter(loader))
+        out.append(checked_token_ids(iter(loader), data))
     return out
+
+
+def checked_token_ids(
+    batches: Iterator[dict[str, torch.Tensor]], data: TrainData
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``batches``, each first checked to hold only ids of the tokenizer's vocabulary (an id
+    beyond it would fail deep in the embedding as ``IndexError: index out of range``)."""
+    from megatron_npu.data.index_check import OUT_OF_VOCAB_REMEDY, out_of_vocab_message
+
+    for batch in batches:
+        for key in ("tokens", "labels"):
+            ids = batch.get(key)
+            if ids is None or ids.numel() == 0:
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if high >= data.vocab_size or low < 0:
+                raise TrainingInputError(
+                    out_of_vocab_message(
+                        "--data-path" if data.source == "data-path" else "the training data",
+                        data.paths or data.description,
+                        high if high >= data.vocab_size else low,
+                        data.vocab_size,
+                    ),
+                    OUT_OF_VOCAB_REMEDY,
+                )
+        yield batch

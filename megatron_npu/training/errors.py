@@ -1,14 +1,21 @@
-"""The one error type a training run reports for bad input, and how it reaches the user once.
+"""The named errors a training run reports, and how each reaches the user once.
 
 :class:`TrainingInputError` stands for every fault the user can fix: an option value, a data file,
 a checkpoint file, a directory. Its message names the flag, file or field and says what to do;
 the run then exits with status :data:`EXIT_STATUS` (2, argparse's) and prints no traceback.
+(The class lives in :mod:`megatron_npu.data.errors`, so the data checks need not import this
+package.)
+
+:class:`TrainingStopped` stands for a run that trains nothing useful although its input was
+accepted (:mod:`.divergence`: a NaN/inf loss, every step skipped, a zero learning rate); it
+exits with :data:`STOPPED_EXIT_STATUS` (3) and is reported the same way, as
+``megatron-npu train: stopped: ...``.
 
 Where it is raised decides who prints it:
 
 * in the launcher process (argument checks and :mod:`.preflight`, before any rank starts): the
   launcher prints it once;
-* in a rank started by the launcher: the rank writes it to ``$MEGATRON_NPU_ERROR_DIR/rank-N.txt``
+* in a rank started by the launcher: the rank writes it to its pipe ``$MEGATRON_NPU_ERROR_FD``
   (:func:`report`) and exits 2 without printing; the launcher stops the other ranks and prints
   each distinct message once (:func:`collect`);
 * in a rank started by torchrun (no error directory): the rank prints it itself, prefixed with
@@ -19,21 +26,31 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+
+from megatron_npu.data.errors import TrainingInputError
+
+__all__ = [
+    "ERROR_FD_ENV", "EXIT_STATUS", "PREFIX", "STOPPED_EXIT_STATUS", "STOPPED_PREFIX",
+    "TrainingInputError", "TrainingStopped", "collect", "exit_status", "report",
+]  # fmt: skip
 
 #: Exit status of a run stopped by a :class:`TrainingInputError` (argparse uses 2 as well).
 EXIT_STATUS = 2
-#: Set by the launcher for its ranks: where a rank leaves its error message.
-ERROR_DIR_ENV = "MEGATRON_NPU_ERROR_DIR"
+#: Set by the launcher for its ranks: the pipe (file descriptor) a rank writes its message to.
+ERROR_FD_ENV = "MEGATRON_NPU_ERROR_FD"
 PREFIX = "megatron-npu train: error: "
+#: Exit status of a run stopped by a :class:`TrainingStopped` (diverged / trains nothing).
+STOPPED_EXIT_STATUS = 3
+STOPPED_PREFIX = "megatron-npu train: stopped: "
 
 
-class TrainingInputError(Exception):
-    """A fault in what the user gave the run. ``message`` names the flag, file or field;
-    ``remedy`` (optional) says how to fix it."""
+class TrainingStopped(Exception):
+    """The run was stopped because it trains nothing useful. ``reason`` is a short code
+    (recorded in the metrics file), ``message`` says what happened, ``remedy`` what to do."""
 
-    def __init__(self, message: str, remedy: str | None = None) -> None:
+    def __init__(self, reason: str, message: str, remedy: str | None = None) -> None:
         super().__init__(message)
+        self.reason = reason
         self.message = message
         self.remedy = remedy
 
@@ -41,28 +58,57 @@ class TrainingInputError(Exception):
         return self.message if not self.remedy else f"{self.message}; {self.remedy}"
 
 
-def report(exc: TrainingInputError) -> None:
-    """Hand ``exc`` to whoever prints it: the launcher's error directory, else stderr."""
+def _line(exc: TrainingInputError | TrainingStopped) -> str:
+    return f"{STOPPED_PREFIX if isinstance(exc, TrainingStopped) else PREFIX}{exc}"
+
+
+def exit_status(exc: TrainingInputError | TrainingStopped) -> int:
+    return STOPPED_EXIT_STATUS if isinstance(exc, TrainingStopped) else EXIT_STATUS
+
+
+def report(exc: TrainingInputError | TrainingStopped) -> int:
+    """Hand ``exc`` to whoever prints it (the launcher's pipe, else stderr) as one whole line;
+    returns the exit status the run ends with."""
     rank = os.environ.get("RANK")
-    error_dir = os.environ.get(ERROR_DIR_ENV)
-    if error_dir and rank is not None:
-        path = Path(error_dir) / f"rank-{int(rank)}.txt"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(str(exc), encoding="utf-8")
-        os.replace(tmp, path)  # the launcher never reads half a message
-        return
+    error_fd = os.environ.get(ERROR_FD_ENV)
+    if error_fd and rank is not None:
+        data = _line(exc).encode("utf-8")
+        try:
+            while data:  # the launcher reads it after this rank exits
+                data = data[os.write(int(error_fd), data) :]
+            return exit_status(exc)
+        except OSError:
+            pass  # no launcher to read it: print it instead
     where = (
         f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     )
-    print(f"{where}{PREFIX}{exc}", file=sys.stderr, flush=True)
+    print(f"{where}{_line(exc)}", file=sys.stderr, flush=True)
+    return exit_status(exc)
 
 
-def collect(error_dir: str | os.PathLike[str]) -> dict[str, list[int]]:
-    """The distinct messages left in ``error_dir``, each with the ranks that reported it."""
+def _drain(fd: int) -> str:
+    os.set_blocking(fd, False)  # a writer end may live on in a stray process: never wait
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace").strip()
+
+
+def collect(pipes: dict[int, int], ranks: list[int] | None = None) -> dict[str, list[int]]:
+    """The distinct lines the ranks wrote to their pipes (rank -> read end), each with the ranks
+    that reported it; ``ranks`` first, in that order, when given (the ranks that failed)."""
     found: dict[str, list[int]] = {}
-    directory = Path(error_dir)
-    if not directory.is_dir():
-        return found
-    for path in sorted(directory.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
-        found.setdefault(path.read_text(encoding="utf-8"), []).append(int(path.stem.split("-")[1]))
+    order = [r for r in (ranks or []) if r in pipes] + sorted(set(pipes) - set(ranks or []))
+    for rank in order:
+        line = _drain(pipes[rank])
+        if line:
+            found.setdefault(line, []).append(rank)
+    for reporters in found.values():
+        reporters.sort()
     return found

@@ -16,34 +16,38 @@ npu, ``nccl`` on cuda).
 What the launcher guarantees (issue 9's process faults):
 
 * every rank runs in its own process group with a parent-death signal (``PR_SET_PDEATHSIG``,
-  SIGKILL, Linux): a killed launcher takes its ranks with it; each rank sets the same signal on
-  the processes it forks (torch_dist's checkpoint writers), so they die with their rank;
+  SIGKILL, Linux): a killed launcher takes its ranks with it; each rank arms the same signal in
+  every process it forks or spawns (:mod:`.children`: torch_dist's checkpoint writers, the
+  checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
+* nothing is left on disk: a rank hands its named error to the launcher through a pipe
+  (``$MEGATRON_NPU_ERROR_FD``), not a temp folder;
+* before starting ranks, preflight refuses a ``--master-port`` that is in use; the ranks key
+  their rendezvous under the run's id, so a run never reads or overwrites another run's keys;
 * the first rank to fail stops the run: the launcher kills every rank's process group at once
   (checkpoints are crash-safe, so nothing is lost) and says which rank failed and how -- the
-  named error it left (:mod:`.errors`, exit 2) or its exit status / signal (exit 1);
+  named error it left (:mod:`.errors`, exit 2, or 3 for a stopped run) or its exit status /
+  signal (exit 1);
 * SIGINT or SIGTERM to the launcher stops all ranks (SIGTERM, then SIGKILL after
   :data:`STOP_GRACE_S`) and exits 130 / 143.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megatron_npu.devices.base import Device
-from megatron_npu.training import errors, preflight
+from megatron_npu.training import children, errors, preflight
 
 
 @dataclass(frozen=True)
@@ -78,38 +82,8 @@ def dist_env(master_addr: str = "127.0.0.1", master_port: int | None = None) -> 
 #: Seconds a rank gets to exit after SIGTERM before it is killed (launcher interrupted).
 STOP_GRACE_S = 5.0
 POLL_S = 0.05
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux
-    ``prctl(PR_SET_PDEATHSIG)``); False where that does not exist."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
-_fork_hook_installed = False
-
-
-def children_die_with_this_process() -> None:
-    """Every process forked from here on (torch_dist's checkpoint writers) gets SIGKILL when
-    this process exits, so a killed rank leaves no writer behind."""
-    global _fork_hook_installed
-    if sys.platform.startswith("linux") and not _fork_hook_installed:
-        os.register_at_fork(after_in_child=die_with_parent)
-        _fork_hook_installed = True
-
-
-def _rank_preexec(launcher_pid: int):
-    def preexec() -> None:  # runs in the child between fork and exec
-        os.setpgid(0, 0)
-        die_with_parent()
-        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
-            os._exit(1)
-
-    return preexec
+#: Set by the launcher for its ranks: this run's id, the namespace of its rendezvous keys.
+RUN_ID_ENV = "MEGATRON_NPU_RUN_ID"
 
 
 def _kill_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
@@ -149,15 +123,15 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
         # torchrun's rule: several ranks on one host must not each spawn a thread per core.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-    error_dir = tempfile.mkdtemp(prefix="megatron-npu-errors-")
     env.update({
         "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(args.node_rank),
-        errors.ERROR_DIR_ENV: error_dir, preflight.DONE_ENV: "1",
+        RUN_ID_ENV: run_id(args, port), preflight.DONE_ENV: "1",
     })  # fmt: skip
     command = [sys.executable, "-m", module, *strip_launch_options(argv)]
     procs: list[subprocess.Popen] = []
-    preexec = _rank_preexec(os.getpid())
+    error_pipes: list[int] = []  # read ends, one per rank (nothing on disk to leave behind)
+    preexec = children.arm_preexec(os.getpid(), new_group=True)
 
     def interrupted(signum, _frame):
         raise _Interrupted(signum)
@@ -166,9 +140,17 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
     try:
         for local in range(nproc):
             rank = args.node_rank * nproc + local
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local)}
-            procs.append(subprocess.Popen(command, env=rank_env, preexec_fn=preexec))
-        return _watch(procs, args.node_rank * nproc, error_dir)
+            read_end, write_end = os.pipe()
+            error_pipes.append(read_end)
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local),
+                        errors.ERROR_FD_ENV: str(write_end)}  # fmt: skip
+            try:
+                procs.append(subprocess.Popen(
+                    command, env=rank_env, preexec_fn=preexec, pass_fds=(write_end,)
+                ))  # fmt: skip
+            finally:
+                os.close(write_end)
+        return _watch(procs, args.node_rank * nproc, error_pipes)
     except _Interrupted as stop:
         _kill_groups(procs, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -184,10 +166,11 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
         _kill_groups(procs, signal.SIGKILL)  # no rank, no checkpoint writer outlives the run
         for proc in procs:
             proc.wait()
-        shutil.rmtree(error_dir, ignore_errors=True)
+        for fd in error_pipes:
+            os.close(fd)
 
 
-def _watch(procs: list[subprocess.Popen], first_rank: int, error_dir: str) -> int:
+def _watch(procs: list[subprocess.Popen], first_rank: int, error_pipes: list[int]) -> int:
     """Wait for the ranks; on the first failure kill the rest and report it once."""
     while True:
         codes = [p.poll() for p in procs]
@@ -201,12 +184,15 @@ def _watch(procs: list[subprocess.Popen], first_rank: int, error_dir: str) -> in
             return 0
         time.sleep(POLL_S)
     failed.sort(key=lambda item: (item[1] >= 0, item[0]))  # a signal is the cause, not an echo
-    messages = errors.collect(error_dir)
+    messages = errors.collect(
+        {first_rank + i: fd for i, fd in enumerate(error_pipes)}, [rank for rank, _ in failed]
+    )
     if messages:
-        for message, ranks in messages.items():
+        for line, ranks in messages.items():
             where = "" if len(ranks) == len(procs) else f" (rank {', '.join(map(str, ranks))})"
-            print(f"{errors.PREFIX}{message}{where}", file=sys.stderr, flush=True)
-        return errors.EXIT_STATUS
+            print(f"{line}{where}", file=sys.stderr, flush=True)
+        stopped = any(line.startswith(errors.STOPPED_PREFIX) for line in messages)
+        return errors.STOPPED_EXIT_STATUS if stopped else errors.EXIT_STATUS
     rank, code = failed[0]
     print(
         f"megatron-npu train: {_describe_exit(rank, code)}; stopped the other ranks",
@@ -235,23 +221,62 @@ def strip_launch_options(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def run_id(args, port: int) -> str:
+    """A run's rendezvous namespace: the same on every node of a multi-node run (which shares
+    its ``--master-addr:--master-port``), different for any other run."""
+    if args.nnodes > 1:
+        return f"{args.master_addr}:{port}"
+    return uuid.uuid4().hex
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    text = str(exc)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def init_process_group(env: DistEnv, device: Device, timeout_minutes: int) -> None:
-    """Join the default process group on the device's backend; pin this rank's device."""
+    """Join the default process group on the device's backend; pin this rank's device.
+
+    A rank of this launcher keys its rendezvous under its run's id (``$MEGATRON_NPU_RUN_ID``):
+    should it reach another run's store (a port taken between the launcher's check and rank
+    0's listen), it can neither read nor overwrite that run's keys, and rank 0 reports the
+    taken port as a named error."""
     if device.torch_type != "cpu":
         device.accelerator.set_device(env.local_rank)
     if torch.distributed.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    torch.distributed.init_process_group(
-        backend=device.dist_backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}"
-        if "RANK" not in os.environ
-        else "env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    namespace = os.environ.get(RUN_ID_ENV)
+    try:
+        if namespace and "RANK" in os.environ:
+            store = torch.distributed.TCPStore(
+                env.master_addr, env.master_port, env.world_size, env.rank == 0, timeout
+            )
+            torch.distributed.init_process_group(
+                backend=device.dist_backend,
+                store=torch.distributed.PrefixStore(f"megatron-npu/{namespace}/", store),
+                rank=env.rank, world_size=env.world_size, timeout=timeout,
+            )  # fmt: skip
+            return
+        torch.distributed.init_process_group(
+            backend=device.dist_backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}"
+            if "RANK" not in os.environ
+            else "env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    except Exception as exc:
+        if env.rank == 0 and _port_in_use(exc):
+            raise errors.TrainingInputError(
+                f"--master-port {env.master_port} is already in use on this machine (another "
+                "run, or another program, listens on it)",
+                "give another --master-port, or leave it out to take a free one",
+            ) from None
+        raise
 
 
 def init_model_parallel(args) -> None:

@@ -42,6 +42,8 @@ from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
     arguments,
     checkpointing,
+    children,
+    divergence,
     errors,
     flops,
     launch,
@@ -207,15 +209,20 @@ def _timed_sync(device) -> float:
 
 def run(argv: list[str]) -> int:
     """One rank: parse, set up, train, save, report. Returns 0, or :data:`errors.EXIT_STATUS`
-    after reporting a :class:`~.errors.TrainingInputError`; exits 1 with one line (no traceback)
-    when another rank went away."""
+    after reporting a :class:`~.errors.TrainingInputError`, or :data:`errors.STOPPED_EXIT_STATUS`
+    after a :class:`~.errors.TrainingStopped` (:mod:`.divergence`); exits 1 with one line (no
+    traceback) when another rank went away."""
     quiet_expected_warnings()
     args = arguments.parse_args(argv)
     security.set_umask()
     env = launch.dist_env(args.master_addr, args.master_port)
-    if "RANK" in os.environ:  # a launched rank: die with the launcher, take the writers along
-        launch.die_with_parent()
-    launch.children_die_with_this_process()
+    if "RANK" in os.environ:  # a launched rank: die with the launcher (torchrun's too)
+        children.die_with_parent()
+    with children.tie_children():  # checkpoint writers, Manager, resource tracker die with us
+        return _run(args, env)
+
+
+def _run(args, env) -> int:
     megatron_npu.apply(args.device)
     try:
         device = devices.require_active()
@@ -234,9 +241,8 @@ def run(argv: list[str]) -> int:
             raise
         launch.shutdown()
         return rc
-    except errors.TrainingInputError as exc:
-        errors.report(exc)
-        return errors.EXIT_STATUS
+    except (errors.TrainingInputError, errors.TrainingStopped) as exc:
+        return errors.report(exc)
     except Exception as exc:
         if not checkpointing.is_peer_failure(exc) or env.world_size == 1:
             raise
@@ -349,6 +355,29 @@ def build_trainer(args, env, device) -> Trainer:
                    get_forward_backward_func())  # fmt: skip
 
 
+def _loss_scales(args) -> tuple[float | None, float | None]:
+    """fp16's loss scaler: the smallest scale it reaches and the one the first step runs with
+    (a static scale is both); ``(None, None)`` without a scaler."""
+    if not args.fp16:
+        return None, None
+    if args.loss_scale is not None:
+        return float(args.loss_scale), float(args.loss_scale)
+    return float(args.min_loss_scale), float(args.initial_loss_scale)
+
+
+def _guarded(check, guard, args, run_metrics, *check_args) -> None:
+    """Run one :class:`~.divergence.Guard` check; on a stop, rank 0 (``run_metrics`` given)
+    records why in the metrics file before the stop propagates."""
+    try:
+        check(*check_args)
+    except errors.TrainingStopped as stop:
+        if run_metrics is not None:
+            run_metrics.stopped = guard.record(stop)
+            if args.metrics_out:
+                run_metrics.write(args.metrics_out)
+        raise
+
+
 def _train(args, env, device) -> int:
     rank0 = env.rank == 0
     trainer = build_trainer(args, env, device)
@@ -390,6 +419,10 @@ def _train(args, env, device) -> int:
         chunk.train()
     device.accelerator.reset_peak_memory_stats()
     last_saved = resume.iteration
+    floor, first_scale = _loss_scales(args)
+    guard = divergence.Guard(
+        args.divergence_steps, args.divergence_stop, min_loss_scale=floor, scale=first_scale
+    )
     try:
         for step in range(resume.iteration + 1, args.train_iters + 1):
             start = _timed_sync(device)
@@ -426,11 +459,18 @@ def _train(args, env, device) -> int:
                         f"loss scale now {record.loss_scale:.1f}"
                     )
                 progress.update(step, loss, log_now)
+            _guarded(guard.after_step, guard, args, run_metrics if rank0 else None,
+                     step, loss, skipped, lr, record.loss_scale)  # fmt: skip
             if args.save and args.save_interval and step % args.save_interval == 0:
+                if guard.diverging:  # keep the last good checkpoint the latest
+                    if rank0:
+                        progress.print(f" not saving iteration {step}: its lm loss is NaN/inf")
+                    continue
                 checkpointing.save(args, model, optimizer, scheduler, step)
                 last_saved = step
                 if rank0:
                     progress.print(f" saved checkpoint at iteration {step} to {args.save}")
+        _guarded(guard.at_end, guard, args, run_metrics if rank0 else None)
         if args.save and last_saved != args.train_iters:
             checkpointing.save(args, model, optimizer, scheduler, args.train_iters)
             if rank0:

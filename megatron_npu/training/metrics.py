@@ -12,7 +12,9 @@ The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``)
   and throughput: ``model_flops_per_step`` (Megatron-LM's GPT formula, :mod:`.flops`),
   ``achieved_tflops_per_s`` at the median step time, ``mfu`` against ``peak`` (the per-device
   peak of :mod:`.peak` -- measured GEMM probe, cached, or stated -- times ``peak_devices``; null
-  with ``peak_understated: true`` when the model ran faster than that peak).
+  with ``peak_understated: true`` when the model ran faster than that peak); ``stopped``: null,
+  or why :mod:`.divergence` stopped the run (``reason``, ``message``, ``iteration``,
+  ``exit_status`` 3).
 
 The loss lives on the last pipeline stage; :mod:`megatron_npu.training.loop` sums it onto every
 rank with one all-reduce per step (see ``loop.reduce_loss``), so rank 0 writes it here.
@@ -67,6 +69,7 @@ class RunMetrics:
     model_flops_per_step: float | None = None
     peak: dict[str, Any] | None = None  # PeakFlops.as_dict()
     peak_devices: int = 1
+    stopped: dict[str, Any] | None = None  # why the run was stopped (training.divergence)
 
     def throughput(
         self, step_time_s: float | None, raw: bool = False
@@ -104,6 +107,7 @@ class RunMetrics:
             "peak_understated": (self.throughput(median, raw=True)[1] or 0.0) > 1.0,
             "peak": self.peak,
             "peak_devices": self.peak_devices,
+            "stopped": self.stopped,
         }
 
     def as_dict(self) -> dict[str, Any]:

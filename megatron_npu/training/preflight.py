@@ -1,18 +1,22 @@
-"""Checks of a run's inputs before any rank starts: data files, tokenizer files, the ``--save``
-directory and the ``--load`` checkpoint (tracker, manifest, model fingerprint, LR schedule,
-per-file SHA-256, safe-load metadata).
+"""Checks of a run's inputs before any rank starts: the ``--master-port``, data files, tokenizer
+files, the ``--save`` directory and the ``--load``
+checkpoint (tracker, manifest -- refused without one unless ``--allow-unverified-load`` --,
+model fingerprint, LR schedule, per-file SHA-256, safe-load ``.metadata`` and ``common.pt``).
 
 :func:`check` runs in the launcher process (``--nproc-per-node``), or in the one process of a
 single-rank run, or in every rank under torchrun. Each fault raises
 :class:`~megatron_npu.training.errors.TrainingInputError` naming the flag, file or field, so the
 launcher prints one message and exits 2 without starting ranks. Nothing here imports
 Megatron-Core (only ``--data-path`` runs resuming a checkpoint build their tokenizer, to learn
-its vocabulary size).
+its vocabulary size; token ids are checked against the tokenizer by the ranks, in
+``training.data``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import tempfile
 from argparse import Namespace
 
@@ -47,6 +51,38 @@ def check_data(args: Namespace) -> None:
             raise TrainingInputError(f"--{flag.replace('_', '-')} {value}: no such file")
     for prefix in data_prefixes(list(args.data_path or [])):
         check_indexed_dataset(prefix)
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` as the rendezvous store does (SO_REUSEADDR) fails because
+    the port is in use; False where ``host`` is not an address of this machine."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def check_port(args: Namespace) -> None:
+    """``--master-port`` is free on this machine (where rank 0 will listen on it), so a second
+    run on a busy port gets a named error instead of joining -- and harming -- another run's
+    rendezvous. Skipped under torchrun (its agent owns the port) and on nodes other than 0."""
+    if "RANK" in os.environ or args.master_port is None or args.node_rank != 0:
+        return
+    for host in dict.fromkeys(("0.0.0.0", args.master_addr)):
+        try:
+            taken = _port_taken(host, args.master_port)
+        except (OSError, socket.gaierror):
+            taken = False  # not resolvable here: another host's address
+        if taken:
+            raise TrainingInputError(
+                f"--master-port {args.master_port} is already in use on this machine (another "
+                "run, or another program, listens on it)",
+                "give another --master-port, or leave it out to take a free one",
+            )
 
 
 def check_save(args: Namespace) -> None:
@@ -132,18 +168,27 @@ def check_load(args: Namespace) -> str | None:
             if not args.no_load_optim:
                 store.check_schedule(path, manifest, args)
         store.verify_files(path, manifest)
+    elif not args.allow_unverified_load:
+        raise TrainingInputError(
+            f"checkpoint {path} has no {store.MANIFEST}: its files' checksums and its model "
+            "fingerprint cannot be verified",
+            "pass --allow-unverified-load to load it anyway (a checkpoint from Megatron-LM, or "
+            "one you trust), or " + store.remedy_other_iteration(root, iteration),
+        )
     if args.safe_load:
         safe_load.check_metadata(metadata)
+        safe_load.check_common(path)
     if manifest is None:
         return (
             f" checkpoint {path} has no {store.MANIFEST}: loading it without checksum or "
-            "model-fingerprint verification"
+            "model-fingerprint verification (--allow-unverified-load)"
         )
     return None
 
 
 def check(args: Namespace) -> list[str]:
     """Every pre-start check; returns the notes to print (raises on a fault)."""
+    check_port(args)
     check_data(args)
     check_save(args)
     note = check_load(args)

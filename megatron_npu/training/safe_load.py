@@ -9,15 +9,21 @@ objects need more) closes both:
 * :func:`check_metadata` unpickles ``.metadata`` with an allow-list (:data:`ALLOWED`): torch's
   checkpoint metadata classes, ``torch.Size``, dtypes/layouts/memory formats and plain builtins;
   any other global is refused naming it, before any rank starts;
+* :func:`check_common` loads the checkpoint's ``common.pt`` (iteration, schedule, layout) with
+  ``weights_only=True`` before any rank starts, so a crafted one is refused at once, whole;
 * :func:`restricted_objects` makes the object shards load with ``weights_only=True`` (tensors,
-  plain containers, and the numpy pieces of numpy's RNG state) while a checkpoint loads.
+  plain containers, and the numpy pieces of numpy's RNG state) while a checkpoint loads: the
+  patch of ``DefaultLoadPlanner.load_bytes`` exists only inside that context and the class is
+  pristine again when it ends, however it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pickle
+import re
 
 from megatron_npu.training.errors import TrainingInputError
 
@@ -82,6 +88,48 @@ def check_metadata(path: str) -> None:
         ) from None
 
 
+#: The sentence of torch's ``weights_only`` refusal that names what was refused.
+_REFUSED = re.compile(r"(Trying to load unsupported GLOBAL [^\s]+|Unsupported [^\n]+)")
+COMMON_FILE = "common.pt"
+
+
+def refusal_detail(exc: BaseException) -> str:
+    """What torch's ``weights_only`` unpickler refused, as one whole phrase (its message is a
+    long paragraph about PyTorch 2.6 defaults)."""
+    text = str(exc)
+    found = _REFUSED.search(text)
+    if found:
+        return found.group(1).strip().rstrip(".")
+    return (text.strip().splitlines() or [exc.__class__.__name__])[0]
+
+
+def check_common(path: str) -> None:
+    """Load checkpoint directory ``path``'s ``common.pt`` with ``weights_only=True`` (what
+    Megatron-Core's loader does later, in every rank); refuse it naming what it holds."""
+    import torch
+
+    file = os.path.join(path, COMMON_FILE)
+    if not os.path.isfile(file):
+        raise TrainingInputError(
+            f"checkpoint {path} has no {COMMON_FILE}: not a complete torch_dist checkpoint",
+            "load another iteration with --ckpt-step N",
+        )
+    try:
+        torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise TrainingInputError(
+            f"checkpoint file {file} holds more than tensors and plain data, which safe load "
+            f"refuses ({refusal_detail(exc)})",
+            "load only checkpoints you trust; for a trusted one pass --no-safe-load",
+        ) from None
+    except Exception as exc:  # truncated, or not a torch file at all
+        raise TrainingInputError(
+            f"checkpoint file {file} is unreadable ({exc.__class__.__name__}: "
+            f"{refusal_detail(exc)})",
+            "load another iteration with --ckpt-step N",
+        ) from None
+
+
 def _numpy_rng_globals() -> list:
     import numpy as np
 
@@ -106,7 +154,7 @@ def restricted_objects():
         except pickle.UnpicklingError as exc:
             raise TrainingInputError(
                 f"checkpoint object {read_item.dest_index.fqn} holds more than tensors and plain "
-                f"data, which safe load refuses ({str(exc).splitlines()[0]})",
+                f"data, which safe load refuses ({refusal_detail(exc)})",
                 "load only checkpoints you trust; for a trusted one pass --no-safe-load",
             ) from None
         if self.flatten_state_dict:

@@ -37,7 +37,8 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "MASTER_PORT",
         "MEGATRON_NPU_DEVICE",
         "MEGATRON_NPU_PREFLIGHT_DONE",
-        "MEGATRON_NPU_ERROR_DIR",
+        "MEGATRON_NPU_ERROR_FD",
+        "MEGATRON_NPU_RUN_ID",
     ):
         env.pop(key, None)  # fmt: skip
     return env
@@ -90,6 +91,40 @@ def assert_no_orphans(marker: str, deadline_s: float = 30.0) -> None:
     for pid in left:  # never leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes outlived the run: {left}"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, grandchildren, ...), found through /proc."""
+    parents = {int(e): _parent(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        kids = [child for child, parent in parents.items() if parent == pid]
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pids: list[int], deadline_s: float = 30.0) -> list[int]:
+    """Those of ``pids`` still running (zombies count as gone) after at most ``deadline_s``."""
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
+        except OSError:
+            return False
+
+    end = time.monotonic() + deadline_s
+    while (left := [p for p in pids if running(p)]) and time.monotonic() < end:
+        time.sleep(0.2)
+    return left
 
 
 def write_indexed_dataset(prefix: Path, documents: int = 6, length: int = 40) -> Path:

@@ -30,7 +30,7 @@ LAUNCHED = "ranks were started"
 
 
 def run_main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
-    for key in ("RANK", "WORLD_SIZE", "MEGATRON_NPU_PREFLIGHT_DONE", "MEGATRON_NPU_ERROR_DIR"):
+    for key in ("RANK", "WORLD_SIZE", "MEGATRON_NPU_PREFLIGHT_DONE", "MEGATRON_NPU_ERROR_FD"):
         monkeypatch.delenv(key, raising=False)
 
     def tripwire(_argv, _args):
@@ -56,6 +56,17 @@ def _data(tmp: Path, corrupt=None) -> list[str]:
         *[a for a in TINY if a != "--mock-data"], "--tokenizer-type", "ByteLevel",
         "--data-path", str(prefix),
     ]  # fmt: skip
+
+
+def _empty_dataset(tmp: Path) -> str:
+    """The dataset `megatron-npu preprocess` writes for an empty JSONL (0 documents)."""
+    from megatron_npu.data.preprocess import preprocess
+    from megatron_npu.data.tokenizers import ByteLevelTokenizer
+
+    (tmp / "empty.jsonl").write_text("")
+    return preprocess([str(tmp / "empty.jsonl")], str(tmp / "empty"), ByteLevelTokenizer())[
+        "prefix"
+    ]
 
 
 def _patch(path: Path, offset: int, data: bytes) -> None:
@@ -109,6 +120,23 @@ def _crafted_metadata(ckpt: Path) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
+def _crafted_common(ckpt: Path) -> None:
+    """A common.pt (a torch zip) whose pickle calls os.system, the manifest updated to match."""
+    import torch
+
+    directory = ckpt / "iter_0000004"
+    torch.save({"iteration": 4, "x": _Evil()}, directory / "common.pt")
+    manifest_path = directory / checkpoint_store.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    data = (directory / "common.pt").read_bytes()
+    manifest["files"]["common.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def _no_manifest(ckpt: Path) -> None:
+    (ckpt / "iter_0000004" / checkpoint_store.MANIFEST).unlink()
+
+
 def _with(flag: str, value: str) -> list[str]:
     argv = list(TINY)
     argv[argv.index(flag) + 1] = value
@@ -136,6 +164,15 @@ ARG_FAULTS = {
     "ckpt-step-without-load": (
         lambda t, g: [*TINY, "--ckpt-step", "2"],
         r"--ckpt-step needs --load",
+    ),
+    # issue 22: Megatron's scheduler asserts lr_warmup_steps < lr_decay_steps
+    "lr-warmup-beyond-train-iters": (
+        lambda t, g: [*TINY, "--lr-warmup-iters", "10"],
+        r"--lr-warmup-iters 10 must be smaller than --train-iters 4",
+    ),
+    "lr-warmup-equals-decay-iters": (
+        lambda t, g: [*TINY, "--lr-warmup-iters", "3", "--lr-decay-iters", "3"],
+        r"--lr-warmup-iters 3 must be smaller than --lr-decay-iters 3",
     ),
 }
 
@@ -171,6 +208,10 @@ DATA_FAULTS = {
     "idx-counts-inconsistent": (  # sizes say 40 tokens, pointers say otherwise
         lambda t, g: _data(t, lambda idx, b: _patch(idx, 34, struct.pack("<i", 41))),
         r"corpus\.idx: sequence pointers disagree with the sequence lengths",
+    ),
+    "empty-dataset": (  # what `megatron-npu preprocess` writes for an empty JSONL
+        lambda t, g: [*_data(t)[:-1], _empty_dataset(t)],
+        r"--data-path .*empty_text_document: the dataset is empty \(0 sequences, 0 tokens\)",
     ),
     "idx-document-count-inconsistent": (
         lambda t, g: _data(t, lambda idx, b: _patch(idx, 26, struct.pack("<Q", 9))),
@@ -252,6 +293,22 @@ CKPT_FAULTS = {
         r"metadata .*\.metadata refers to posix\.system, which safe load refuses.*--no-safe-load",
     ),
     "save-is-a-file": (lambda t, g: [*TINY, "--save", str(Path(__file__))], r"--save .* is a file"),
+    # issue 22: no manifest = no checksums; refused unless --allow-unverified-load
+    "manifest-deleted": (
+        lambda t, g: _ckpt(t, g, _no_manifest),
+        r"iter_0000004 has no megatron_npu_checkpoint\.json: .*cannot be verified; pass "
+        r"--allow-unverified-load",
+    ),
+    "manifest-deleted-and-shard-flipped": (
+        lambda t, g: _ckpt(t, g, lambda c: (_no_manifest(c), _flip_400(c))),
+        r"iter_0000004 has no megatron_npu_checkpoint\.json.*--allow-unverified-load",
+    ),
+    "unsafe-pickle-in-common-pt": (
+        lambda t, g: _ckpt(t, g, _crafted_common),
+        r"common\.pt holds more than tensors and plain data, which safe load refuses \(Trying "
+        r"to load unsupported GLOBAL posix\.system\); load only checkpoints you trust; for a "
+        r"trusted one pass --no-safe-load$",
+    ),
 }
 
 FAULTS = {**ARG_FAULTS, **DATA_FAULTS, **CKPT_FAULTS}

@@ -157,37 +157,45 @@ def test_input_fault_through_the_real_launcher(tmp_path):
     assert out.count("error:") == 1 and "--load-optional" in out, out
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.parametrize("protected", [True, False])
-def test_forked_writer_dies_with_its_rank(protected, tmp_path):
-    """What a rank does for torch_dist's forked checkpoint writers; the unprotected control
-    shows the check can fail (the child outlives its killed parent)."""
+def test_forked_writer_dies_with_its_rank(protected, method, tmp_path):
+    """What a rank does for torch_dist's forked checkpoint writers and for the processes
+    multiprocessing spawns (Megatron's results Manager, the resource tracker): with
+    ``children.tie_children`` they die with it; the unprotected control shows the check can fail
+    (the children outlive their killed parent)."""
     import subprocess
     import sys
 
-    from ._harness import REPO, run_env
+    from ._harness import REPO, alive, descendants, run_env
 
-    marker = str(tmp_path / "writer-marker")
     script = (
-        "import os, sys, time\n"
-        "from megatron_npu.training import launch\n"
-        f"if {protected}: launch.children_die_with_this_process()\n"
-        "if os.fork() == 0:\n"
+        "import contextlib, multiprocessing, os, time\n"
+        "from megatron_npu.training import children\n"
+        f"with children.tie_children() if {protected} else contextlib.nullcontext():\n"
+        f"    if {method!r} == 'fork':\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(600)\n"
+        "            os._exit(0)\n"
+        "    else:\n"
+        "        ctx = multiprocessing.get_context('spawn')\n"
+        "        ctx.Process(target=time.sleep, args=(600,)).start()\n"
+        "    print('forked', flush=True)\n"
         "    time.sleep(600)\n"
-        "    os._exit(0)\n"
-        "print('forked', flush=True)\n"
-        "time.sleep(600)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, marker], cwd=REPO, env=run_env(),
-        stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", script], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     assert proc.stdout.readline().strip() == "forked"
+    tree = descendants(proc.pid)
+    assert len(tree) == (1 if method == "fork" else 2), tree  # spawn: the child and the tracker
     proc.kill()
     proc.wait()
+    left = alive(tree, deadline_s=30.0 if protected else 2.0)
+    for pid in left:  # never leave them to the next test
+        os.kill(pid, signal.SIGKILL)
     if protected:
-        assert_no_orphans(marker)
+        assert not left, f"processes outlived their parent: {left}"
     else:
-        left = processes_mentioning(marker)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        assert left, "the unprotected child should have outlived its parent"
+        assert left, "the unprotected children should have outlived their parent"
