@@ -1,0 +1,103 @@
+"""Delta debugging over the adaptor's patches: which one makes the divergent module diverge.
+
+``fixed(disabled)`` replays the step with the patches in ``disabled`` switched off (the
+adaptor's own switch, ``apply(disable=...)``) and says whether the divergent module is back
+within tolerance. :func:`search` first checks that switching off the whole candidate set fixes
+the module (otherwise the culprit is not among them and the next, wider set is tried), then
+narrows it with Zeller's ``ddmin``: split the set into ``n`` parts, keep a part (or the
+complement of a part) whose removal still fixes the module, and refine until no single patch can
+be dropped. The result is one patch, or a minimal set of patches that only together explain the
+divergence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Trial:
+    disabled: list[str]
+    fixed: bool | None  # None: the replay failed
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"disabled": self.disabled, "fixed": self.fixed, "detail": self.detail}
+
+
+@dataclass
+class Search:
+    culprits: list[str]  # empty: not found
+    candidate_sets: list[list[str]]
+    trials: list[Trial] = field(default_factory=list)
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"culprits": self.culprits, "candidate_sets": self.candidate_sets,
+                "trials": [t.as_dict() for t in self.trials], "note": self.note}  # fmt: skip
+
+
+def _split(items: list[str], n: int) -> list[list[str]]:
+    size, extra = divmod(len(items), n)
+    parts, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        parts.append(items[start:end])
+        start = end
+    return [p for p in parts if p]
+
+
+def ddmin(items: Sequence[str], fixed: Callable[[list[str]], bool]) -> list[str]:
+    """A 1-minimal subset of ``items`` whose disabling still fixes (``fixed(items)`` is True)."""
+    current = list(items)
+    n = 2
+    while len(current) >= 2:
+        parts = _split(current, n)
+        for part in parts:
+            if fixed(part):
+                current, n = part, 2
+                break
+        else:
+            for part in parts:
+                complement = [x for x in current if x not in part]
+                if len(parts) > 2 and complement and fixed(complement):
+                    current, n = complement, max(n - 1, 2)
+                    break
+            else:
+                if n >= len(current):
+                    break
+                n = min(len(current), 2 * n)
+    return current
+
+
+def search(candidate_sets: Sequence[Sequence[str]],
+           replay: Callable[[list[str]], tuple[bool | None, str]]) -> Search:  # fmt: skip
+    """Try each candidate set in turn (narrowest first); ddmin inside the first that fixes."""
+    result = Search([], [list(s) for s in candidate_sets])
+    cache: dict[tuple[str, ...], bool] = {}
+
+    def fixed(disabled: list[str]) -> bool:
+        key = tuple(sorted(disabled))
+        if key not in cache:
+            ok, detail = replay(sorted(disabled))
+            result.trials.append(Trial(sorted(disabled), ok, detail))
+            cache[key] = bool(ok)
+        return cache[key]
+
+    tried: set[tuple[str, ...]] = set()
+    for candidates in candidate_sets:
+        key = tuple(sorted(candidates))
+        if not candidates or key in tried:
+            continue
+        tried.add(key)
+        if fixed(list(candidates)):
+            result.culprits = ddmin(sorted(candidates), fixed)
+            return result
+    result.note = (
+        "switching off the patches the module reaches does not bring it back within tolerance: "
+        "the divergence is not caused by one of the adaptor's patches (or needs patches the "
+        "module does not reach)"
+    )
+    return result

@@ -1,0 +1,121 @@
+"""Which adaptor patches each module reaches.
+
+A patch is *reached* by a module when the patch's installed code runs while the module's forward
+is on the stack (the module's own code or a descendant's), or when the patch built the module
+(e.g. ``norm.wrapped-torch-norm`` replaces ``WrappedTorchNorm.__new__``: its code runs once, at
+model construction, and returns the norm instance). The tracer uses ``sys.setprofile`` with a
+map from each applied patch's code objects to its id, so it sees calls through any binding of
+the replacement (``from``-import copies included) without rebinding anything.
+
+The sets are the culprit search's candidates (:mod:`.culprit`): ``own`` (ran while the module
+was the innermost one on the stack, or built it) first, then ``total`` (the module and all its
+descendants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any
+
+
+def _codes(obj: Any) -> Iterator[CodeType]:
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    if isinstance(obj, property):
+        for part in (obj.fget, obj.fset, obj.fdel):
+            if part is not None:
+                yield from _codes(part)
+        return
+    if inspect.isfunction(obj):
+        yield obj.__code__
+    elif isinstance(obj, type):
+        for value in vars(obj).values():
+            if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(
+                value
+            ):
+                yield from _codes(value)
+
+
+def patch_code_objects() -> dict[CodeType, str]:
+    """Code object -> patch id, for every patch applied in this process."""
+    from megatron_npu import patcher
+
+    out: dict[CodeType, str] = {}
+    for result in patcher.results():
+        if result.status != patcher.APPLIED:
+            continue
+        try:
+            owner, name = patcher.resolve(result.target)
+            raw = inspect.getattr_static(owner, name)
+        except (ImportError, AttributeError):
+            continue
+        for code in _codes(raw):
+            out.setdefault(code, result.id)
+    return out
+
+
+class Tracer:
+    """Records the patches reached per module name (see the module docstring)."""
+
+    def __init__(self, codes: dict[CodeType, str] | None = None) -> None:
+        self.codes = patch_code_objects() if codes is None else codes
+        self.stack: list[str] = []
+        self.own: dict[str, set[str]] = defaultdict(set)
+        self.total: dict[str, set[str]] = defaultdict(set)
+        self.built: dict[int, str] = {}  # id(module) -> the patch whose code returned it
+        self._building = False
+
+    def _profile(self, frame, event: str, arg: Any) -> None:
+        if event == "call":
+            pid = self.codes.get(frame.f_code)
+            if pid is not None and self.stack:
+                self.own[self.stack[-1]].add(pid)
+                for name in self.stack:
+                    self.total[name].add(pid)
+        elif event == "return" and self._building:
+            pid = self.codes.get(frame.f_code)
+            if pid is not None and arg is not None and hasattr(arg, "named_modules"):
+                self.built.setdefault(id(arg), pid)
+
+    @contextlib.contextmanager
+    def active(self, building: bool = False) -> Iterator[None]:
+        """Trace calls inside the block (``building``: also note which patch built a module)."""
+        if not self.codes:
+            yield
+            return
+        previous = sys.getprofile()
+        self._building = building
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+            self._building = False
+
+    def enter(self, name: str) -> None:
+        self.stack.append(name)
+
+    def leave(self, name: str) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
+    def reached(self, name: str, module: Any = None) -> dict[str, list[str]]:
+        """``{"own": [...], "total": [...]}`` for module ``name`` (sorted patch ids)."""
+        own = set(self.own.get(name, ()))
+        total = set(self.total.get(name, ()))
+        if module is not None:
+            for sub in module.modules():
+                pid = self.built.get(id(sub))
+                if pid is not None:
+                    total.add(pid)
+                    if sub is module:
+                        own.add(pid)
+        return {"own": sorted(own), "total": sorted(total | own)}
