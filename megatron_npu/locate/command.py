@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,7 +148,11 @@ class Locator:
                 given.parent.mkdir(parents=True, exist_ok=True)
                 iters = int(_option(side.argv, "--train-iters"))
                 self.echo(f" locate: training {side.label} ({side.device}) for {iters} steps")
-                jobs.append((side, {"stop": iters, "curve": str(given)}, f"curve-{side.label}"))
+                name = "reference" if side is self.reference else "candidate"
+                # step 1 is dumped on the way: a bug in the first step needs no replay
+                spec = {"stop": iters, "curve": str(given), "hook_step": 1, "limit": self.limit,
+                        "dump": str(self.out / "dumps" / name)}  # fmt: skip
+                jobs.append((side, spec, f"curve-{side.label}"))
             paths[side.label] = given
         with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs side by side
             for future in [pool.submit(self._run, *job) for job in jobs]:
@@ -162,6 +167,7 @@ class Locator:
     def dump_reference(self, step: int) -> Path:
         start = time.perf_counter()
         folder = self.out / "dumps" / "reference"
+        shutil.rmtree(folder, ignore_errors=True)
         spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
                 "save_before": str(folder / "checkpoint") if step > 1 else None}  # fmt: skip
         self.echo(f" locate: replaying step {step} of {self.reference.label} with hooks")
@@ -172,6 +178,7 @@ class Locator:
     def dump_candidate(self, step: int, reference_dump: Path, name: str,
                        disable: list[str] = ()) -> Path:  # fmt: skip
         folder = self.out / "dumps" / name
+        shutil.rmtree(folder, ignore_errors=True)
         checkpoint = reference_dump / "checkpoint"
         spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
                 "load": str(checkpoint) if step > 1 else None}  # fmt: skip
@@ -192,10 +199,18 @@ class Locator:
             rule = modules.Rule(max(rule.base, base.base))
         return modules.Rule(rule.base, self.growth, self.gain)
 
-    def culprit(self, step: int, reference_dump: Path, comparison: modules.Comparison):
+    def culprit(self, step: int, reference_dump: Path, candidate_dump: Path,
+                comparison: modules.Comparison):  # fmt: skip
         row, phase = comparison.first
-        all_reached = sorted({p for r in comparison.rows for p in r.patches.get("total", [])})
-        sets = [row.patches.get("own", []), row.patches.get("total", []), all_reached]
+        table = dump.read_rank(candidate_dump, row.rank)[0].get("modules", {})
+        all_reached = sorted(
+            {p for info in table.values() for p in info["patches"].get("total", [])}
+        )
+        if phase == "update":  # the optimizer step changed the parameters
+            optimizer = table.get(dump.OPTIMIZER, {}).get("patches", {})
+            sets = [optimizer.get("own", []), all_reached]
+        else:
+            sets = [row.patches.get("own", []), row.patches.get("total", []), all_reached]
         start = time.perf_counter()
 
         def replay(disabled: list[str]) -> tuple[bool | None, str]:
@@ -216,6 +231,13 @@ class Locator:
         found = search(sets, replay)
         self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
         return found
+
+
+def _has_dump(folder: Path, step: int) -> bool:
+    try:
+        return int(dump.read_meta(folder).get("step", -1)) == step
+    except dump.DumpError:
+        return False
 
 
 def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
@@ -261,13 +283,18 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         meta = dump.read_meta(ref_dump)
         if int(meta.get("step", -1)) != step:
             raise LocateError(f"{ref_dump} holds step {meta.get('step')}, not step {step}")
+    elif _has_dump(out / "dumps" / "reference", step):
+        ref_dump = out / "dumps" / "reference"  # made by the curve run
     else:
         ref_dump = loc.dump_reference(step)
     cand_dump = None
     if not args.dump_only:
         start = time.perf_counter()
-        echo(f" locate: replaying step {step} of {candidate.label} with hooks")
-        cand_dump = loc.dump_candidate(step, ref_dump, "candidate")
+        if _has_dump(out / "dumps" / "candidate", step):
+            cand_dump = out / "dumps" / "candidate"
+        else:
+            echo(f" locate: replaying step {step} of {candidate.label} with hooks")
+            cand_dump = loc.dump_candidate(step, ref_dump, "candidate")
         loc.timing["dump_candidate_s"] = round(time.perf_counter() - start, 2)
     data: dict[str, Any] = {
         "reference": reference.as_dict(), "candidate": candidate.as_dict(),
@@ -286,7 +313,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             row, phase = comparison.first
             echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
             if not args.no_culprit:
-                found = loc.culprit(step, ref_dump, comparison)
+                found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
                 echo(f" locate: culprit: {', '.join(found.culprits) or 'not found'}")
         else:

@@ -56,6 +56,7 @@ _KINDS = (
     ),  # fmt: skip
     (re.compile(r"(^|\.)core_attention$"), "attention"),
     (re.compile(r"(^|\.)self_attention$"), "attention"),
+    (re.compile(r"(^|\.)scale_mask_softmax$"), "softmax"),
     (re.compile(r"(^|\.)rotary_pos_emb$"), "rotary"),
     (re.compile(r"(^|\.)(embedding|word_embeddings|position_embeddings)$"), "embedding"),
     (re.compile(r"(^|\.)output_layer$"), "output"),

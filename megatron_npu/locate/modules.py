@@ -280,8 +280,10 @@ class Comparison:
         if self.first is None:
             return None
         row, phase = self.first
+        kind = "optimizer" if phase == "update" else row.kind  # the update is the optimizer's
         return {"module": row.module, "name": row.name, "shard": row.shard, "rank": row.rank,
-                "kind": row.kind, "phase": phase, **row.phases[phase].as_dict()}  # fmt: skip
+                "kind": kind, "module_kind": row.kind, "phase": phase,
+                **row.phases[phase].as_dict()}  # fmt: skip
 
 
 def first_divergent(rows: list[ModuleRow]) -> tuple[ModuleRow, str] | None:

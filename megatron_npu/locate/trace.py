@@ -44,11 +44,13 @@ def _codes(obj: Any) -> Iterator[CodeType]:
                 yield from _codes(value)
 
 
-def patch_code_objects() -> dict[CodeType, str]:
-    """Code object -> patch id, for every patch applied in this process."""
+def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
+    """Code object -> the ids of the patches that installed it (two patches may install the
+    same replacement, e.g. a class and the factory that builds it), for every patch applied in
+    this process."""
     from megatron_npu import patcher
 
-    out: dict[CodeType, str] = {}
+    out: dict[CodeType, tuple[str, ...]] = {}
     for result in patcher.results():
         if result.status != patcher.APPLIED:
             continue
@@ -58,32 +60,33 @@ def patch_code_objects() -> dict[CodeType, str]:
         except (ImportError, AttributeError):
             continue
         for code in _codes(raw):
-            out.setdefault(code, result.id)
+            if result.id not in out.get(code, ()):
+                out[code] = (*out.get(code, ()), result.id)
     return out
 
 
 class Tracer:
     """Records the patches reached per module name (see the module docstring)."""
 
-    def __init__(self, codes: dict[CodeType, str] | None = None) -> None:
+    def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None) -> None:
         self.codes = patch_code_objects() if codes is None else codes
         self.stack: list[str] = []
         self.own: dict[str, set[str]] = defaultdict(set)
         self.total: dict[str, set[str]] = defaultdict(set)
-        self.built: dict[int, str] = {}  # id(module) -> the patch whose code returned it
+        self.built: dict[int, tuple[str, ...]] = {}  # id(module) -> the patches that built it
         self._building = False
 
     def _profile(self, frame, event: str, arg: Any) -> None:
         if event == "call":
-            pid = self.codes.get(frame.f_code)
-            if pid is not None and self.stack:
-                self.own[self.stack[-1]].add(pid)
+            pids = self.codes.get(frame.f_code)
+            if pids is not None and self.stack:
+                self.own[self.stack[-1]].update(pids)
                 for name in self.stack:
-                    self.total[name].add(pid)
+                    self.total[name].update(pids)
         elif event == "return" and self._building:
-            pid = self.codes.get(frame.f_code)
-            if pid is not None and arg is not None and hasattr(arg, "named_modules"):
-                self.built.setdefault(id(arg), pid)
+            pids = self.codes.get(frame.f_code)
+            if pids is not None and arg is not None and hasattr(arg, "named_modules"):
+                self.built.setdefault(id(arg), pids)
 
     @contextlib.contextmanager
     def active(self, building: bool = False) -> Iterator[None]:
@@ -113,9 +116,8 @@ class Tracer:
         total = set(self.total.get(name, ()))
         if module is not None:
             for sub in module.modules():
-                pid = self.built.get(id(sub))
-                if pid is not None:
-                    total.add(pid)
-                    if sub is module:
-                        own.add(pid)
+                pids = self.built.get(id(sub), ())
+                total.update(pids)
+                if sub is module:
+                    own.update(pids)
         return {"own": sorted(own), "total": sorted(total | own)}

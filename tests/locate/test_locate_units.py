@@ -292,3 +292,85 @@ def test_the_report_renders_the_module_tree_step_module_patch_and_command(tmp_pa
     # one heat cell per phase and module; the named one is marked
     assert html.count('class="heat"') == 3 * len(comp.rows)
     assert "error 0.00e+00" in html  # an agreeing module's cell shows its error
+
+
+# ------------------------------------------------------------------ which patches a module reaches
+
+
+def test_the_tracer_attributes_patch_code_to_the_modules_on_the_stack():
+    from megatron_npu.locate.trace import Tracer
+
+    def patched_kernel(x):
+        return x * 2
+
+    def builder():
+        return torch.nn.Linear(2, 2)
+
+    tracer = Tracer({patched_kernel.__code__: ("ops.kernel",), builder.__code__: ("ops.build",)})
+    with tracer.active(building=True):
+        built = builder()
+    with tracer.active():
+        tracer.enter("outer")
+        tracer.enter("outer.inner")
+        patched_kernel(1)
+        tracer.leave("outer.inner")
+        tracer.leave("outer")
+    assert tracer.reached("outer.inner") == {"own": ["ops.kernel"], "total": ["ops.kernel"]}
+    assert tracer.reached("outer") == {"own": [], "total": ["ops.kernel"]}
+    assert tracer.reached("lin", built) == {"own": ["ops.build"], "total": ["ops.build"]}
+
+
+def test_patch_code_objects_cover_the_applied_patches():
+    import megatron_npu
+    from megatron_npu.locate.trace import patch_code_objects
+
+    megatron_npu.apply("cpu")
+    try:
+        ids = {pid for pids in patch_code_objects().values() for pid in pids}
+    finally:
+        megatron_npu.restore()
+    assert {"norm.wrapped-torch-norm", "optimizer.adam", "cross-entropy.vocab-parallel"} <= ids
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_clean_argv_takes_the_layout_and_switches_and_drops_what_locate_sets():
+    from megatron_npu.locate.command import clean_argv
+
+    argv, world, disable = clean_argv([
+        "--device", "cpu", "--nproc-per-node", "2", "--metrics-out", "m.json", "--save", "ck",
+        "--no-save-optim", "--disable-patch=norm.wrapped-torch-norm", "--tensor-model-parallel-size",
+        "2", "--progress", "plain",
+    ])  # fmt: skip
+    assert argv == ["--device", "cpu", "--tensor-model-parallel-size", "2"]
+    assert (world, disable) == (2, ["norm.wrapped-torch-norm"])
+
+
+def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
+    from megatron_npu.locate.command import LocateError, side_from_compare
+
+    run = tmp_path / "runs" / "npu-fp32"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text('{"steps": []}')
+    (run / "run.json").write_text(json.dumps({"command": [
+        "python", "-m", "megatron_npu.cli", "train", "--num-layers", "2", "--device",
+        "npu-emulated", "--metrics-out", str(run / "metrics.json"), "--progress", "plain",
+    ]}))  # fmt: skip
+    side, metrics = side_from_compare(tmp_path, "npu-fp32")
+    assert side.argv == ["--num-layers", "2", "--device", "npu-emulated"]
+    assert side.device == "npu-emulated" and metrics == run / "metrics.json"
+    with pytest.raises(LocateError, match="no finished compare run named 'ref'"):
+        side_from_compare(tmp_path, "ref")
+
+
+def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
+    from megatron_npu.cli import main
+
+    code = main(["locate", "--reference", "--train-iters 2", "--candidate", "--device cpu "
+                 "--train-iters 2", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-npu locate: --reference options must name --device"]
+    code = main(["locate", "--compare-dir", str(tmp_path), "--out", str(tmp_path)])
+    assert code == 2 and "needs --pair" in capsys.readouterr().err
