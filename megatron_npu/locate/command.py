@@ -181,7 +181,7 @@ class Locator:
         shutil.rmtree(folder, ignore_errors=True)
         checkpoint = reference_dump / "checkpoint"
         spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
-                "load": str(checkpoint) if step > 1 else None}  # fmt: skip
+                "load": str(checkpoint) if step > 1 else None, "trial": bool(disable)}  # fmt: skip
         if step > 1 and not checkpoint.is_dir():
             raise LocateError(f"{reference_dump}: no checkpoint/ to replay step {step} from")
         self._run(self.candidate, spec, f"dump-{name}", disable)

@@ -11,7 +11,9 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
 * ``save_before``: save a checkpoint there just before step ``hook_step`` (the replay point that
   the other run then loads);
 * ``hook_step`` + ``dump``: record that step with :class:`~.dump.Recorder` into ``dump``;
-* ``curve``: write ``{"iterations", "losses", "grad_norms"}`` (rank 0).
+* ``curve``: write ``{"iterations", "losses", "grad_norms"}`` (rank 0);
+* ``trial``: a culprit trial -- ``--use-flash-attn`` with the ``attention.*`` patch switched off
+  runs Megatron's unfused attention instead of being refused as ``train`` refuses it.
 
 ``plant`` (testing aid, like train's ``--force-overflow-step``) puts one of the parity harness's
 planted bugs (:mod:`parity.mutations`) in place in this process for the whole run.
@@ -80,7 +82,8 @@ def _run_rank(spec: dict[str, Any]) -> None:
     megatron_npu.apply(args.device, disable=tuple(spec.get("disable", ())))
     try:
         device = devices.require_active()
-        loop.check_fused_attention_applied(args, device.name)
+        if not spec.get("trial"):  # a culprit trial may switch the fused attention patch off:
+            loop.check_fused_attention_applied(args, device.name)  # Megatron's unfused path runs
         set_fused_attention(use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
                             pre_tokens=args.pre_tokens, next_tokens=args.next_tokens)  # fmt: skip
         hook_step = spec.get("hook_step")
