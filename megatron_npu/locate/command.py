@@ -206,11 +206,12 @@ class Locator:
         all_reached = sorted(
             {p for info in table.values() for p in info["patches"].get("total", [])}
         )
+        applied = sorted(dump.read_meta(candidate_dump).get("applied", []))
         if phase == "update":  # the optimizer step changed the parameters
             optimizer = table.get(dump.OPTIMIZER, {}).get("patches", {})
-            sets = [optimizer.get("own", []), all_reached]
+            sets = [optimizer.get("own", []), all_reached, applied]
         else:
-            sets = [row.patches.get("own", []), row.patches.get("total", []), all_reached]
+            sets = [row.patches.get("own", []), row.patches.get("total", []), all_reached, applied]
         start = time.perf_counter()
 
         def replay(disabled: list[str]) -> tuple[bool | None, str]:

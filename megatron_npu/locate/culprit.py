@@ -4,7 +4,9 @@
 adaptor's own switch, ``apply(disable=...)``) and says whether the divergent module is back
 within tolerance. :func:`search` first checks that switching off the whole candidate set fixes
 the module (otherwise the culprit is not among them and the next, wider set is tried), then
-narrows it with Zeller's ``ddmin``: split the set into ``n`` parts, keep a part (or the
+narrows it with Zeller's ``ddmin`` (a replay that fails -- some patches cannot be switched off
+together, e.g. the device plumbing the optimizer step needs -- counts as "not fixed"; when the
+whole set cannot be switched off, each half is tried instead): split the set into ``n`` parts, keep a part (or the
 complement of a part) whose removal still fixes the module, and refine until no single patch can
 be dropped. The result is one patch, or a minimal set of patches that only together explain the
 divergence.
@@ -76,15 +78,33 @@ def search(candidate_sets: Sequence[Sequence[str]],
            replay: Callable[[list[str]], tuple[bool | None, str]]) -> Search:  # fmt: skip
     """Try each candidate set in turn (narrowest first); ddmin inside the first that fixes."""
     result = Search([], [list(s) for s in candidate_sets])
-    cache: dict[tuple[str, ...], bool] = {}
+    done: dict[tuple[str, ...], Trial] = {}
+
+    def attempt(disabled: list[str]) -> bool | None:
+        """True: fixed; False: still divergent; None: the replay failed."""
+        key = tuple(sorted(disabled))
+        if key not in done:
+            ok, detail = replay(sorted(disabled))
+            done[key] = Trial(sorted(disabled), ok, detail)
+            result.trials.append(done[key])
+        return done[key].fixed
 
     def fixed(disabled: list[str]) -> bool:
-        key = tuple(sorted(disabled))
-        if key not in cache:
-            ok, detail = replay(sorted(disabled))
-            result.trials.append(Trial(sorted(disabled), ok, detail))
-            cache[key] = bool(ok)
-        return cache[key]
+        return bool(attempt(disabled))
+
+    def narrow(candidates: list[str]) -> list[str] | None:
+        """ddmin inside ``candidates`` if switching them all off fixes; when the replay fails
+        (some patches cannot be switched off together, e.g. the device plumbing the optimizer
+        needs), look in each half instead."""
+        state = attempt(candidates)
+        if state:
+            return ddmin(sorted(candidates), fixed)
+        if state is None and len(candidates) > 1:
+            for part in _split(sorted(candidates), 2):
+                found = narrow(part)
+                if found:
+                    return found
+        return None
 
     tried: set[tuple[str, ...]] = set()
     for candidates in candidate_sets:
@@ -92,8 +112,9 @@ def search(candidate_sets: Sequence[Sequence[str]],
         if not candidates or key in tried:
             continue
         tried.add(key)
-        if fixed(list(candidates)):
-            result.culprits = ddmin(sorted(candidates), fixed)
+        found = narrow(list(candidates))
+        if found:
+            result.culprits = found
             return result
     result.note = (
         "switching off the patches the module reaches does not bring it back within tolerance: "

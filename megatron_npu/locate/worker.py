@@ -58,11 +58,37 @@ def _coords() -> dict[str, int]:
     }
 
 
+@contextlib.contextmanager
+def _optimizer_build_traced(tracer):
+    """The patches that run while the optimizer is built count as the optimizer's (e.g. the
+    factory patch that makes Megatron build the adaptor's AdamW)."""
+    from megatron_npu.locate.dump import OPTIMIZER
+    from megatron_npu.training import optimizer as optim_mod
+
+    if tracer is None:
+        yield
+        return
+    build = optim_mod.build
+
+    def traced(*args, **kwargs):
+        tracer.enter(OPTIMIZER)
+        try:
+            return build(*args, **kwargs)
+        finally:
+            tracer.leave(OPTIMIZER)
+
+    optim_mod.build = traced
+    try:
+        yield
+    finally:
+        optim_mod.build = build
+
+
 def _run_rank(spec: dict[str, Any]) -> None:
     import torch
 
     import megatron_npu
-    from megatron_npu import devices
+    from megatron_npu import devices, patcher
     from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
     from megatron_npu.locate.trace import Tracer
     from megatron_npu.ops.settings import set_fused_attention
@@ -92,7 +118,8 @@ def _run_rank(spec: dict[str, Any]) -> None:
         try:
             with _plant(spec.get("plant")):
                 with tracer.active(building=True) if tracer else contextlib.nullcontext():
-                    trainer = loop.build_trainer(args, env, device)
+                    with _optimizer_build_traced(tracer):
+                        trainer = loop.build_trainer(args, env, device)
                 model, optimizer = trainer.model, trainer.optimizer
                 start = 0
                 if spec.get("load"):
@@ -137,6 +164,8 @@ def _run_rank(spec: dict[str, Any]) -> None:
                                 "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
                                 "argv": list(spec["argv"]), "disabled": list(spec.get("disable", ())),
                                 "plant": spec.get("plant"), "loss": loss, "grad_norm": grad_norm,
+                                "applied": [r.id for r in patcher.results()
+                                            if r.status == patcher.APPLIED],
                             })  # fmt: skip
                     else:
                         loss, grad_norm, _, _ = trainer.step(step, iterators)

@@ -231,6 +231,19 @@ def test_search_widens_to_the_next_set_and_says_when_nothing_fixes():
     assert none.culprits == [] and "not caused" in none.note
 
 
+def test_search_looks_in_halves_when_a_set_cannot_be_switched_off_together():
+    # "plumb" cannot be switched off (the replay fails): the set holding it is split
+    def replay(disabled):
+        if "plumb" in disabled:
+            return None, "worker failed"
+        return "adam" in disabled, ""
+
+    found = search([["adam", "l2", "plumb", "scope"]], replay)
+    assert found.culprits == ["adam"]
+    assert found.trials[0].fixed is None
+    assert len({tuple(t.disabled) for t in found.trials}) == len(found.trials)  # no repeats
+
+
 # ------------------------------------------------------------------ locate.json and the report
 
 
