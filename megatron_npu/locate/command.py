@@ -207,11 +207,16 @@ class Locator:
             {p for info in table.values() for p in info["patches"].get("total", [])}
         )
         applied = sorted(dump.read_meta(candidate_dump).get("applied", []))
+        common = _ubiquitous(table)
         if phase == "update":  # the optimizer step changed the parameters
-            optimizer = table.get(dump.OPTIMIZER, {}).get("patches", {})
-            sets = [optimizer.get("own", []), all_reached, applied]
+            own = table.get(dump.OPTIMIZER, {}).get("patches", {}).get("own", [])
+            sets = [own, all_reached, applied]
         else:
-            sets = [row.patches.get("own", []), row.patches.get("total", []), all_reached, applied]
+            own, total = row.patches.get("own", []), row.patches.get("total", [])
+            sets = [own, total, all_reached, applied]
+        # first without the patches nearly every module reaches (device plumbing such as the
+        # torch-namespace routing): cheaper to search, and switching them off rarely runs
+        sets = [s for full in sets for s in ([p for p in full if p not in common], full)]
         start = time.perf_counter()
 
         def replay(disabled: list[str]) -> tuple[bool | None, str]:
@@ -232,6 +237,17 @@ class Locator:
         found = search(sets, replay)
         self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
         return found
+
+
+def _ubiquitous(table: dict[str, Any]) -> set[str]:
+    """Patches in the own set of more than half of the modules that reach any patch."""
+    owns = [set(info.get("patches", {}).get("own", [])) for info in table.values()]
+    owns = [o for o in owns if o]
+    counts: dict[str, int] = {}
+    for own in owns:
+        for pid in own:
+            counts[pid] = counts.get(pid, 0) + 1
+    return {pid for pid, n in counts.items() if n > len(owns) / 2}
 
 
 def _has_dump(folder: Path, step: int) -> bool:

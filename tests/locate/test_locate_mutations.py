@@ -41,21 +41,22 @@ CASES = {
         {"norm.wrapped-torch-norm"},
     ),
     "adamw-bias-correction-dropped": ("cpu", "", "optimizer", None, "update", ADAMW),
-    # a wider initialisation: with std 0.02 the attention scores are so small that the softmax
-    # is uniform with or without the scale, and the loss curves cannot tell
+    # attention bugs get a wider initialisation: with std 0.02 the attention scores are so small
+    # that the softmax is uniform with or without the scale (or the rotation), and the loss
+    # curves cannot tell
     "attention-scale-dropped": (
         "npu-emulated", "--use-flash-attn --init-method-std 0.2", "attention",
         "decoder.layers.0.self_attention.core_attention", "forward", {"attention.dot-product"},
     ),
     "rotary-kernel-r1-r2-swapped": (
-        "npu-emulated", "--position-embedding-type rope", "attention",
+        "npu-emulated", "--position-embedding-type rope --init-method-std 0.2", "attention",
         "decoder.layers.0.self_attention", "forward", {"rotary.apply-bshd"},
     ),
     "swiglu-swapped-halves": (
         "cpu", "--swiglu", "mlp", "decoder.layers.0.mlp", "forward", {"activation.bias-swiglu"},
     ),
     "softmax-scale-dropped": (
-        "npu-emulated", "--bf16", "softmax",
+        "npu-emulated", "--bf16 --init-method-std 0.2", "softmax",
         "decoder.layers.0.self_attention.core_attention.scale_mask_softmax", "forward",
         {"softmax.fused"},
     ),

@@ -387,3 +387,15 @@ def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
     assert err == ["megatron-npu locate: --reference options must name --device"]
     code = main(["locate", "--compare-dir", str(tmp_path), "--out", str(tmp_path)])
     assert code == 2 and "needs --pair" in capsys.readouterr().err
+
+
+def test_patches_nearly_every_module_reaches_are_searched_last():
+    from megatron_npu.locate.command import _ubiquitous
+
+    table = {
+        "a": {"patches": {"own": ["ns:x", "rotary"]}},
+        "b": {"patches": {"own": ["ns:x"]}},
+        "c": {"patches": {"own": ["ns:x", "norm"]}},
+        "d": {"patches": {"own": []}},
+    }
+    assert _ubiquitous(table) == {"ns:x"}
