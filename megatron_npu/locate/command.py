@@ -250,6 +250,19 @@ def _ubiquitous(table: dict[str, Any]) -> set[str]:
     return {pid for pid, n in counts.items() if n > len(owns) / 2}
 
 
+def _clear_dumps(out: Path, keep: str | None) -> None:
+    """A rerun into the same folder never reads the last run's dumps (the code may have
+    changed since); a reference dump given with --reference-dump is kept."""
+    folder = out / "dumps"
+    if not folder.is_dir():
+        return
+    kept = Path(keep).resolve() if keep else None
+    for item in folder.iterdir():
+        if kept is not None and (kept == item.resolve() or item.resolve() in kept.parents):
+            continue
+        shutil.rmtree(item, ignore_errors=True)
+
+
 def _has_dump(folder: Path, step: int) -> bool:
     try:
         return int(dump.read_meta(folder).get("step", -1)) == step
@@ -267,6 +280,8 @@ def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
             parts += ["--common", args.common]
     if step is not None:
         parts += ["--step", str(step)]
+    if args.plant_candidate:
+        parts += ["--plant-candidate", args.plant_candidate]
     parts += ["--out", str(args.out)]
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -286,6 +301,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         reference = side_from_options("reference", args.reference, args.common or "", None)
         candidate = side_from_options("candidate", args.candidate, args.common or "",
                                       args.plant_candidate)  # fmt: skip
+    _clear_dumps(out, args.reference_dump)
     loc = Locator(reference, candidate, out, limit=args.limit, rule_base=args.base_tolerance,
                   gain=args.gain, growth=args.depth_growth, timeout_s=args.timeout,
                   echo=echo)  # fmt: skip

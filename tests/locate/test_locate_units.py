@@ -399,3 +399,14 @@ def test_patches_nearly_every_module_reaches_are_searched_last():
         "d": {"patches": {"own": []}},
     }
     assert _ubiquitous(table) == {"ns:x"}
+
+
+def test_a_rerun_into_the_same_folder_drops_the_old_dumps_but_keeps_a_given_reference(tmp_path):
+    from megatron_npu.locate.command import _clear_dumps
+
+    for name in ("reference", "candidate", "trial-1"):
+        (tmp_path / "dumps" / name).mkdir(parents=True)
+    _clear_dumps(tmp_path, str(tmp_path / "dumps" / "reference"))
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["reference"]
+    _clear_dumps(tmp_path, None)
+    assert list((tmp_path / "dumps").iterdir()) == []
