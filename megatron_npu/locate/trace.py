@@ -24,7 +24,11 @@ from types import CodeType
 from typing import Any
 
 
-def _codes(obj: Any) -> Iterator[CodeType]:
+def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
+    """The code objects that run when ``obj`` (a patch's installed object) is used: a
+    function's, a class's methods, and -- for an adaptor object that routes attribute access,
+    e.g. a namespace whose ``optim.AdamW`` is the adaptor's AdamW -- those of the adaptor
+    objects it holds (a few levels deep)."""
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     if isinstance(obj, functools.partial):
@@ -32,7 +36,7 @@ def _codes(obj: Any) -> Iterator[CodeType]:
     if isinstance(obj, property):
         for part in (obj.fget, obj.fset, obj.fdel):
             if part is not None:
-                yield from _codes(part)
+                yield from _codes(part, depth)
         return
     if not (inspect.isfunction(obj) or isinstance(obj, type)) and _own_object(obj):
         obj = type(obj)  # an instance installed as the replacement: its class's methods run
@@ -43,10 +47,15 @@ def _codes(obj: Any) -> Iterator[CodeType]:
             if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(
                 value
             ):
-                yield from _codes(value)
+                yield from _codes(value, depth)
+            elif depth < 3 and _own_object(value, itself=True):
+                yield from _codes(value, depth + 1)
 
 
-def _own_object(obj: Any) -> bool:
+def _own_object(obj: Any, itself: bool = False) -> bool:
+    """An object (``itself``: or a class) defined in the adaptor."""
+    if itself and isinstance(obj, type):
+        return obj.__module__.startswith("megatron_npu.")
     return type(obj).__module__.startswith("megatron_npu.")
 
 

@@ -71,7 +71,7 @@ CASES = {
     ),
     # softmax (the fused path: 16-bit only)
     "softmax-causal-masks-diagonal": (
-        "npu-emulated", "--bf16 --lr 1e-2 --train-iters 10", "softmax",
+        "npu-emulated", f"--bf16 {WIDE} --lr 1e-2 --train-iters 16", "softmax",
         "decoder.layers.0.self_attention.core_attention.scale_mask_softmax", "forward", SOFTMAX,
     ),
     # cross entropy, and TP communication: its SUM all-reduces over the TP group dropped
@@ -132,7 +132,7 @@ def test_locate_names_the_planted_bug(mutation, tmp_path, corpus_dir):
     if module is not None:
         assert found["module"] == module, found
     culprits = data["culprit"]["culprits"]
-    assert len(culprits) == 1 and culprits[0] in patch, data["culprit"]
+    assert culprits and set(culprits) <= patch, data["culprit"]
     if " --nproc-per-node 2 " in f" {extra} ":  # per-shard rows, named with their shard
         assert found["shard"] and found["name"] == f"{found['module']}@{found['shard']}"
         assert {r["shard"] for r in data["modules"]} == {"tp0.pp0.dp0", "tp1.pp0.dp0"}

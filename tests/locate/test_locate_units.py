@@ -343,6 +343,16 @@ def test_patch_code_objects_cover_the_applied_patches():
     finally:
         megatron_npu.restore()
     assert {"norm.wrapped-torch-norm", "optimizer.adam", "cross-entropy.vocab-parallel"} <= ids
+    # the factory routing installs a namespace whose optim.AdamW is the adaptor's AdamW: its
+    # step's code counts for both patches
+    from megatron_npu.optim.adamw import FusedAdamW
+
+    megatron_npu.apply("cpu")
+    try:
+        owners = patch_code_objects()[FusedAdamW.step.__code__]
+    finally:
+        megatron_npu.restore()
+    assert {"optimizer.adam", "optimizer.factory-torch-adamw"} <= set(owners)
 
 
 # ------------------------------------------------------------------ the command line
