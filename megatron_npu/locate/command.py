@@ -122,7 +122,7 @@ def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
 class Locator:
     def __init__(self, reference: RunSide, candidate: RunSide, out: Path, *, limit: int,
                  rule_base: float | None, gain: float, growth: float, timeout_s: float,
-                 echo=print) -> None:  # fmt: skip
+                 max_trials: int = 16, echo=print) -> None:  # fmt: skip
         if reference.world != candidate.world:
             raise LocateError(
                 f"the runs have different worlds ({reference.world} vs {candidate.world} ranks): "
@@ -131,6 +131,7 @@ class Locator:
         self.reference, self.candidate, self.out = reference, candidate, out
         self.limit, self.rule_base, self.gain, self.growth = limit, rule_base, gain, growth
         self.timeout_s, self.echo = timeout_s, echo
+        self.max_trials = max_trials
         self.timing: dict[str, float] = {}
         self._trials = 0
 
@@ -214,9 +215,19 @@ class Locator:
         else:
             own, total = row.patches.get("own", []), row.patches.get("total", [])
             sets = [own, total, all_reached, applied]
-        # first without the patches nearly every module reaches (device plumbing such as the
-        # torch-namespace routing): cheaper to search, and switching them off rarely runs
-        sets = [s for full in sets for s in ([p for p in full if p not in common], full)]
+        # each set first as its patches that change numerics (those with a parity case), then
+        # without the patches nearly every module reaches (device plumbing), then whole:
+        # cheaper to search, and switching plumbing off rarely runs at all
+        numeric = _numeric_patches()
+        sets = [
+            s
+            for full in sets
+            for s in (
+                [p for p in full if p in numeric and p not in common],
+                [p for p in full if p not in common],
+                full,
+            )
+        ]
         start = time.perf_counter()
 
         def replay(disabled: list[str]) -> tuple[bool | None, str]:
@@ -234,9 +245,16 @@ class Locator:
             err = same[0].phases[phase]
             return not err.diverges, f"{phase} error {err.output:.3g} (input {err.input:.3g})"
 
-        found = search(sets, replay)
+        found = search(sets, replay, self.max_trials)
         self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
         return found
+
+
+def _numeric_patches() -> set[str]:
+    """Patches with a parity case: those that compute something (not device plumbing)."""
+    from megatron_npu.registry import all_patches
+
+    return {p.id for p in all_patches() if p.parity is not None}
 
 
 def _ubiquitous(table: dict[str, Any]) -> set[str]:
@@ -304,6 +322,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     _clear_dumps(out, args.reference_dump)
     loc = Locator(reference, candidate, out, limit=args.limit, rule_base=args.base_tolerance,
                   gain=args.gain, growth=args.depth_growth, timeout_s=args.timeout,
+                  max_trials=args.max_trials,
                   echo=echo)  # fmt: skip
     if args.step is not None:
         finding = curves.StepFinding(args.step, None, None, None, {"status": "not-run"})
@@ -348,7 +367,11 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             if not args.no_culprit:
                 found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
-                echo(f" locate: culprit: {', '.join(found.culprits) or 'not found'}")
+                named = ", ".join(found.culprits) or (
+                    f"not found (suspects: {', '.join(found.suspects)})" if found.suspects
+                    else "not found"
+                )  # fmt: skip
+                echo(f" locate: culprit: {named}")
         else:
             echo(" locate: no divergent module")
     loc.timing["total_s"] = round(time.perf_counter() - started, 2)
@@ -391,6 +414,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--depth-growth", type=float, default=modules.DEPTH_GROWTH)
     s.add_argument("--no-culprit", action="store_true", help="stop after naming the module")
+    s.add_argument("--max-trials", type=int, default=16,
+                   help="most replays the culprit search may run")  # fmt: skip
     s.add_argument(
         "--dump-only",
         action="store_true",

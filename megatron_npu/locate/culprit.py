@@ -35,10 +35,18 @@ class Search:
     candidate_sets: list[list[str]]
     trials: list[Trial] = field(default_factory=list)
     note: str = ""
+    #: nothing fixed: the narrowest set tried whose switching-off could not even be replayed
+    #: (the patches Megatron cannot run without in this configuration)
+    suspects: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"culprits": self.culprits, "candidate_sets": self.candidate_sets,
+        return {"culprits": self.culprits, "suspects": self.suspects,
+                "candidate_sets": self.candidate_sets,
                 "trials": [t.as_dict() for t in self.trials], "note": self.note}  # fmt: skip
+
+
+class _OutOfTrials(Exception):
+    pass
 
 
 def _split(items: list[str], n: int) -> list[list[str]]:
@@ -75,8 +83,10 @@ def ddmin(items: Sequence[str], fixed: Callable[[list[str]], bool]) -> list[str]
 
 
 def search(candidate_sets: Sequence[Sequence[str]],
-           replay: Callable[[list[str]], tuple[bool | None, str]]) -> Search:  # fmt: skip
-    """Try each candidate set in turn (narrowest first); ddmin inside the first that fixes."""
+           replay: Callable[[list[str]], tuple[bool | None, str]],
+           max_trials: int = 16) -> Search:  # fmt: skip
+    """Try each candidate set in turn (narrowest first); ddmin inside the first that fixes.
+    At most ``max_trials`` replays."""
     result = Search([], [list(s) for s in candidate_sets])
     done: dict[tuple[str, ...], Trial] = {}
 
@@ -84,6 +94,8 @@ def search(candidate_sets: Sequence[Sequence[str]],
         """True: fixed; False: still divergent; None: the replay failed."""
         key = tuple(sorted(disabled))
         if key not in done:
+            if len(done) >= max_trials:
+                raise _OutOfTrials
             ok, detail = replay(sorted(disabled))
             done[key] = Trial(sorted(disabled), ok, detail)
             result.trials.append(done[key])
@@ -107,18 +119,28 @@ def search(candidate_sets: Sequence[Sequence[str]],
         return None
 
     tried: set[tuple[str, ...]] = set()
-    for candidates in candidate_sets:
-        key = tuple(sorted(candidates))
-        if not candidates or key in tried:
-            continue
-        tried.add(key)
-        found = narrow(list(candidates))
-        if found:
-            result.culprits = found
-            return result
-    result.note = (
-        "switching off the patches the module reaches does not bring it back within tolerance: "
-        "the divergence is not caused by one of the adaptor's patches (or needs patches the "
-        "module does not reach)"
-    )
+    try:
+        for candidates in candidate_sets:
+            key = tuple(sorted(candidates))
+            if not candidates or key in tried:
+                continue
+            tried.add(key)
+            found = narrow(list(candidates))
+            if found:
+                result.culprits = found
+                return result
+        result.note = (
+            "switching off the patches the module reaches does not bring it back within "
+            "tolerance: the divergence is not caused by one of the adaptor's patches (or needs "
+            "patches the module does not reach)"
+        )
+    except _OutOfTrials:
+        result.note = f"stopped after {max_trials} replays without a patch whose removal fixes"
+    failed = [t for t in result.trials if t.fixed is None]
+    if failed:
+        result.suspects = min(failed, key=lambda t: len(t.disabled)).disabled
+        result.note += (
+            f"; switching off {', '.join(result.suspects)} could not be replayed (Megatron cannot "
+            "run this configuration without them): suspects"
+        )
     return result

@@ -231,6 +231,18 @@ def test_search_widens_to_the_next_set_and_says_when_nothing_fixes():
     assert none.culprits == [] and "not caused" in none.note
 
 
+def test_when_nothing_fixes_the_narrowest_unreplayable_set_is_named_suspect():
+    # Megatron cannot run without "fused" here; switching "check" off changes nothing
+    def replay(disabled):
+        return (None, "fails") if "fused" in disabled else (False, "")
+
+    found = search([["fused"], ["check", "fused"], ["a", "b", "check", "fused"]], replay)
+    assert found.culprits == [] and found.suspects == ["fused"]
+    assert "suspects" in found.note
+    capped = search([["a", "b", "c", "d"]], lambda d: (None, "fails"), max_trials=3)
+    assert len(capped.trials) == 3 and "stopped after 3 replays" in capped.note
+
+
 def test_search_looks_in_halves_when_a_set_cannot_be_switched_off_together():
     # "plumb" cannot be switched off (the replay fails): the set holding it is split
     def replay(disabled):
