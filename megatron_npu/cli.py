@@ -50,6 +50,10 @@ _DELEGATED = {
         "megatron_npu.compare.command",
         "run a matrix of training configurations and judge them (Table 2)",
     ),
+    "locate": (
+        "megatron_npu.locate.command",
+        "the first divergent step, module and patch between two runs",
+    ),
 }
 
 

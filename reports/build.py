@@ -12,7 +12,7 @@ from typing import Any
 
 import jinja2
 
-from reports import bench_view, charts, compare_view, diff, parity_view, summary_view
+from reports import bench_view, charts, compare_view, diff, locate_view, parity_view, summary_view
 from reports.errors import ReportInputError
 from reports.formatting import number, status_class
 from reports.inputs import ResultSet, load
@@ -54,6 +54,7 @@ def context(rs: ResultSet, base: ResultSet | None = None) -> dict[str, Any]:
             compare_view.comparison_section(c, i) for i, c in enumerate(rs.comparisons)
         ],
         "headline": compare_view.headline(rs.comparisons),
+        "locates": [locate_view.section(r, i) for i, r in enumerate(rs.locates)],
         "bench_lines": bench_lines,
         "bench_charts": bench_view.charts_by_device(bench_lines),
         "baseline_path": bench_view.BASELINE_PATH,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reports import benchmarks, compare_results, parity_records
+from reports import benchmarks, compare_results, locate_view, parity_records
 from reports.errors import ReportInputError, Skipped
 
 KINDS = ("parity", "compare", "benchmark", "info")
@@ -50,6 +50,7 @@ class ResultSet:
     benchmark_files: list[benchmarks.BenchmarkFile] = field(default_factory=list)
     infos: list[InfoSnapshot] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    locates: list[locate_view.LocateResult] = field(default_factory=list)
 
     @property
     def benches(self) -> list[benchmarks.Bench]:
@@ -89,6 +90,8 @@ def _add_json_file(path: Path, out: ResultSet) -> None:
             out.infos.append(
                 InfoSnapshot(str(path), data["device"], data["versions"], data["patches"])
             )
+        elif locate_view.looks_like_locate(data):
+            out.locates.append(locate_view.parse(data, str(path)))
         elif parity_records.looks_like_record(data):
             out.parity.append(parity_records.parse_cell(data, str(path)))
         else:
@@ -103,6 +106,7 @@ def _add_json_file(path: Path, out: ResultSet) -> None:
         parity_records.BadRecord,
         compare_results.BadCompareResults,
         benchmarks.BadBenchmarkFile,
+        locate_view.BadLocateResult,
     ) as exc:
         out.skipped.append(Skipped(str(path), str(exc)))
 
@@ -114,6 +118,10 @@ def _parity_runs(directory: Path) -> list[Path]:
 
 
 def _add_folder(directory: Path, out: ResultSet) -> None:
+    located = directory / locate_view.LOCATE_FILE
+    if located.is_file():
+        _add_json_file(located, out)
+        return
     results = directory / compare_results.RESULTS_FILE
     if results.is_file():
         _add_json_file(results, out)

@@ -1,0 +1,439 @@
+"""``megatron-npu locate``: the whole search (docs/locate.md).
+
+1. **step** -- both runs train (or their ``compare`` curves are read) and
+   :func:`~.curves.first_divergent_step` names the first step beyond the approximate rule's
+   tolerance (``--step`` skips this);
+2. **module** -- the reference replays up to that step, saves a checkpoint just before it (in its
+   dump folder) and dumps the step; the candidate loads that checkpoint and dumps the same step
+   (same weights, same batch); :func:`~.modules.compare_dumps` names the first module whose error
+   its inputs do not explain;
+3. **patch** -- :func:`~.culprit.search` replays the candidate's step with the patches that
+   module reaches switched off, halving the set, until one patch (or a minimal set) is left whose
+   removal brings the module back within tolerance;
+4. ``<out>/locate.json`` (:mod:`.result`) and the command that reproduces it.
+
+With no divergent step (the curves agree) the first step is replayed and compared all the same:
+the result then says that no module diverges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_npu.locate import curves, dump, modules, result, worker
+from megatron_npu.locate.culprit import search
+
+#: train options that locate sets itself (a compare run's command carries them)
+_DROPPED_WITH_VALUE = ("--metrics-out", "--progress", "--save", "--load", "--save-interval")
+_DROPPED_FLAGS = ("--no-save-optim", "--no-save-rng")
+
+
+class LocateError(ValueError):
+    """Bad input to ``megatron-npu locate`` (reported as one line, exit status 2)."""
+
+
+@dataclass
+class RunSide:
+    label: str
+    argv: list[str]  # train options, --device included, without --nproc-per-node
+    world: int = 1
+    plant: str | None = None  # testing aid: a parity mutation planted in this run
+    disable: list[str] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        return _option(self.argv, "--device") or "auto"
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"label": self.label, "device": self.device, "argv": self.argv,
+               "world": self.world, "disable": self.disable}  # fmt: skip
+        if self.plant:
+            out["plant"] = self.plant
+        return out
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    for i, token in enumerate(argv):
+        if token == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(name + "="):
+            return token.partition("=")[2]
+    return None
+
+
+def clean_argv(argv: list[str]) -> tuple[list[str], int, list[str]]:
+    """(train options, world size, disabled patches) from a train command line."""
+    out: list[str] = []
+    world, disable = 1, []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token.partition("=")
+        takes = name in _DROPPED_WITH_VALUE or name in ("--nproc-per-node", "--disable-patch")
+        if takes:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise LocateError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            if name == "--nproc-per-node":
+                world = int(value)
+            elif name == "--disable-patch":
+                disable.append(value)
+        elif token not in _DROPPED_FLAGS:
+            out.append(token)
+        i += 1
+    return out, world, disable
+
+
+def side_from_options(label: str, options: str, common: str, plant: str | None) -> RunSide:
+    argv, world, disable = clean_argv(shlex.split(common) + shlex.split(options))
+    if _option(argv, "--device") is None:
+        raise LocateError(f"--{label} options must name --device")
+    if _option(argv, "--train-iters") is None:
+        raise LocateError(f"--{label} options must give --train-iters")
+    return RunSide(label, argv, world, plant, disable)
+
+
+def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
+    """A compare run's train options (from its ``run.json`` command) and its metrics file."""
+    from megatron_npu.compare.runner import read_json
+
+    run_dir = out_dir / "runs" / name
+    record = read_json(run_dir / "run.json")
+    metrics = run_dir / "metrics.json"
+    if record is None or not metrics.is_file():
+        raise LocateError(f"{out_dir}: no finished compare run named {name!r} ({run_dir})")
+    command = list(record.get("command") or [])
+    if "train" not in command:
+        raise LocateError(f"{run_dir / 'run.json'}: its command is not a train command")
+    argv, world, disable = clean_argv(command[command.index("train") + 1 :])
+    return RunSide(name, argv, world, None, disable), metrics
+
+
+class Locator:
+    def __init__(self, reference: RunSide, candidate: RunSide, out: Path, *, limit: int,
+                 rule_base: float | None, gain: float, growth: float, timeout_s: float,
+                 max_trials: int = 16, echo=print) -> None:  # fmt: skip
+        if reference.world != candidate.world:
+            raise LocateError(
+                f"the runs have different worlds ({reference.world} vs {candidate.world} ranks): "
+                "locate replays both in the same layout"
+            )
+        self.reference, self.candidate, self.out = reference, candidate, out
+        self.limit, self.rule_base, self.gain, self.growth = limit, rule_base, gain, growth
+        self.timeout_s, self.echo = timeout_s, echo
+        self.max_trials = max_trials
+        self.timing: dict[str, float] = {}
+        self._trials = 0
+
+    def _run(self, side: RunSide, spec: dict[str, Any], log: str, disable: list[str] = ()) -> None:
+        spec = {"argv": side.argv, "plant": side.plant,
+                "disable": sorted(set(side.disable) | set(disable)), **spec}  # fmt: skip
+        worker.run(spec, side.world, self.timeout_s, self.out / "logs" / f"{log}.log")
+
+    def curves(self, ref_metrics: Path | None, cand_metrics: Path | None) -> curves.StepFinding:
+        start = time.perf_counter()
+        paths, jobs = {}, []
+        for side, given in ((self.reference, ref_metrics), (self.candidate, cand_metrics)):
+            if given is None:
+                given = self.out / "curves" / f"{side.label}.json"
+                given.parent.mkdir(parents=True, exist_ok=True)
+                iters = int(_option(side.argv, "--train-iters"))
+                self.echo(f" locate: training {side.label} ({side.device}) for {iters} steps")
+                name = "reference" if side is self.reference else "candidate"
+                # step 1 is dumped on the way: a bug in the first step needs no replay
+                spec = {"stop": iters, "curve": str(given), "hook_step": 1, "limit": self.limit,
+                        "dump": str(self.out / "dumps" / name)}  # fmt: skip
+                jobs.append((side, spec, f"curve-{side.label}"))
+            paths[side.label] = given
+        with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs side by side
+            for future in [pool.submit(self._run, *job) for job in jobs]:
+                future.result()
+        finding = curves.first_divergent_step(
+            curves.read_curve(paths[self.reference.label]),
+            curves.read_curve(paths[self.candidate.label]),
+        )
+        self.timing["curves_s"] = round(time.perf_counter() - start, 2)
+        return finding
+
+    def dump_reference(self, step: int) -> Path:
+        start = time.perf_counter()
+        folder = self.out / "dumps" / "reference"
+        shutil.rmtree(folder, ignore_errors=True)
+        spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
+                "save_before": str(folder / "checkpoint") if step > 1 else None}  # fmt: skip
+        self.echo(f" locate: replaying step {step} of {self.reference.label} with hooks")
+        self._run(self.reference, spec, "dump-reference")
+        self.timing["dump_reference_s"] = round(time.perf_counter() - start, 2)
+        return folder
+
+    def dump_candidate(self, step: int, reference_dump: Path, name: str,
+                       disable: list[str] = ()) -> Path:  # fmt: skip
+        folder = self.out / "dumps" / name
+        shutil.rmtree(folder, ignore_errors=True)
+        checkpoint = reference_dump / "checkpoint"
+        spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
+                "load": str(checkpoint) if step > 1 else None, "trial": bool(disable)}  # fmt: skip
+        if step > 1 and not checkpoint.is_dir():
+            raise LocateError(f"{reference_dump}: no checkpoint/ to replay step {step} from")
+        self._run(self.candidate, spec, f"dump-{name}", disable)
+        return folder
+
+    def rule(self, reference_dump: Path) -> modules.Rule:
+        base = modules.rule_for(dump.read_meta(reference_dump).get("dtype", "float32"))
+        dtype = None
+        try:
+            dtype = dump.read_meta(self.out / "dumps" / "candidate").get("dtype")
+        except dump.DumpError:
+            pass
+        rule = modules.rule_for(dtype or "float32", self.rule_base)
+        if self.rule_base is None:  # the looser of the two dtypes' bases
+            rule = modules.Rule(max(rule.base, base.base))
+        return modules.Rule(rule.base, self.growth, self.gain)
+
+    def culprit(self, step: int, reference_dump: Path, candidate_dump: Path,
+                comparison: modules.Comparison):  # fmt: skip
+        row, phase = comparison.first
+        table = dump.read_rank(candidate_dump, row.rank)[0].get("modules", {})
+        all_reached = sorted(
+            {p for info in table.values() for p in info["patches"].get("total", [])}
+        )
+        applied = sorted(dump.read_meta(candidate_dump).get("applied", []))
+        common = _ubiquitous(table)
+        if phase == "update":  # the optimizer step changed the parameters
+            own = table.get(dump.OPTIMIZER, {}).get("patches", {}).get("own", [])
+            sets = [own, all_reached, applied]
+        else:
+            own, total = row.patches.get("own", []), row.patches.get("total", [])
+            sets = [own, total, all_reached, applied]
+        # each set first as its patches that change numerics (those with a parity case), then
+        # without the patches nearly every module reaches (device plumbing), then whole:
+        # cheaper to search, and switching plumbing off rarely runs at all
+        numeric = _numeric_patches()
+        sets = [
+            s
+            for full in sets
+            for s in (
+                [p for p in full if p in numeric and p not in common],
+                [p for p in full if p not in common],
+                full,
+            )
+        ]
+        start = time.perf_counter()
+
+        def replay(disabled: list[str]) -> tuple[bool | None, str]:
+            self._trials += 1
+            name = f"trial-{self._trials}"
+            self.echo(f" locate: trial {self._trials}: {row.module} with {', '.join(disabled)} off")
+            try:
+                folder = self.dump_candidate(step, reference_dump, name, disabled)
+                trial = modules.compare_dumps(reference_dump, folder, comparison.rule, {row.module})
+            except (worker.WorkerError, dump.DumpError) as exc:
+                return None, str(exc).splitlines()[0]
+            same = [r for r in trial.rows if r.rank == row.rank and phase in r.phases]
+            if not same:
+                return None, f"{row.module} not recorded in the trial"
+            err = same[0].phases[phase]
+            return not err.diverges, f"{phase} error {err.output:.3g} (input {err.input:.3g})"
+
+        found = search(sets, replay, self.max_trials)
+        self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
+        return found
+
+
+def _numeric_patches() -> set[str]:
+    """Patches with a parity case: those that compute something (not device plumbing)."""
+    from megatron_npu.registry import all_patches
+
+    return {p.id for p in all_patches() if p.parity is not None}
+
+
+def _ubiquitous(table: dict[str, Any]) -> set[str]:
+    """Patches in the own set of more than half of the modules that reach any patch."""
+    owns = [set(info.get("patches", {}).get("own", [])) for info in table.values()]
+    owns = [o for o in owns if o]
+    counts: dict[str, int] = {}
+    for own in owns:
+        for pid in own:
+            counts[pid] = counts.get(pid, 0) + 1
+    return {pid for pid, n in counts.items() if n > len(owns) / 2}
+
+
+def _clear_dumps(out: Path, keep: str | None) -> None:
+    """A rerun into the same folder never reads the last run's dumps (the code may have
+    changed since); a reference dump given with --reference-dump is kept."""
+    folder = out / "dumps"
+    if not folder.is_dir():
+        return
+    kept = Path(keep).resolve() if keep else None
+    for item in folder.iterdir():
+        if kept is not None and (kept == item.resolve() or item.resolve() in kept.parents):
+            continue
+        shutil.rmtree(item, ignore_errors=True)
+
+
+def _has_dump(folder: Path, step: int) -> bool:
+    try:
+        return int(dump.read_meta(folder).get("step", -1)) == step
+    except dump.DumpError:
+        return False
+
+
+def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
+    parts = ["megatron-npu", "locate"]
+    if args.compare_dir:
+        parts += ["--compare-dir", str(args.compare_dir), "--pair", *args.pair]
+    else:
+        parts += ["--reference", args.reference, "--candidate", args.candidate]
+        if args.common:
+            parts += ["--common", args.common]
+    if step is not None:
+        parts += ["--step", str(step)]
+    if args.plant_candidate:
+        parts += ["--plant-candidate", args.plant_candidate]
+    parts += ["--out", str(args.out)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
+    """Run the search for parsed ``args``; write and return the locate.json content."""
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ref_metrics = cand_metrics = None
+    if args.compare_dir:
+        reference, ref_metrics = side_from_compare(Path(args.compare_dir), args.pair[0])
+        candidate, cand_metrics = side_from_compare(Path(args.compare_dir), args.pair[1])
+    else:
+        if not (args.reference and args.candidate):
+            raise LocateError("give --reference and --candidate options, or --compare-dir --pair")
+        reference = side_from_options("reference", args.reference, args.common or "", None)
+        candidate = side_from_options("candidate", args.candidate, args.common or "",
+                                      args.plant_candidate)  # fmt: skip
+    _clear_dumps(out, args.reference_dump)
+    loc = Locator(reference, candidate, out, limit=args.limit, rule_base=args.base_tolerance,
+                  gain=args.gain, growth=args.depth_growth, timeout_s=args.timeout,
+                  max_trials=args.max_trials,
+                  echo=echo)  # fmt: skip
+    if args.step is not None:
+        finding = curves.StepFinding(args.step, None, None, None, {"status": "not-run"})
+    else:
+        finding = loc.curves(ref_metrics, cand_metrics)
+    step = finding.step if finding.step is not None else 1
+    echo(f" locate: first divergent step: {finding.step} ({finding.quantity or 'curves agree'})")
+    if args.reference_dump:
+        ref_dump = Path(args.reference_dump)
+        meta = dump.read_meta(ref_dump)
+        if int(meta.get("step", -1)) != step:
+            raise LocateError(f"{ref_dump} holds step {meta.get('step')}, not step {step}")
+    elif _has_dump(out / "dumps" / "reference", step):
+        ref_dump = out / "dumps" / "reference"  # made by the curve run
+    else:
+        ref_dump = loc.dump_reference(step)
+    cand_dump = None
+    if not args.dump_only:
+        start = time.perf_counter()
+        if _has_dump(out / "dumps" / "candidate", step):
+            cand_dump = out / "dumps" / "candidate"
+        else:
+            echo(f" locate: replaying step {step} of {candidate.label} with hooks")
+            cand_dump = loc.dump_candidate(step, ref_dump, "candidate")
+        loc.timing["dump_candidate_s"] = round(time.perf_counter() - start, 2)
+    data: dict[str, Any] = {
+        "reference": reference.as_dict(), "candidate": candidate.as_dict(),
+        "step": finding.as_dict(), "replayed_step": step,
+        "dumps": {"reference": str(ref_dump), "candidate": str(cand_dump) if cand_dump else None},
+        "modules": [], "divergent": None, "culprit": None,
+    }  # fmt: skip
+    if cand_dump is not None:
+        start = time.perf_counter()
+        comparison = modules.compare_dumps(ref_dump, cand_dump, loc.rule(ref_dump))
+        loc.timing["compare_s"] = round(time.perf_counter() - start, 2)
+        data["rule"] = comparison.rule.as_dict()
+        data["modules"] = [r.as_dict() for r in comparison.rows]
+        data["divergent"] = comparison.first_dict()
+        if comparison.first is not None:
+            row, phase = comparison.first
+            echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
+            if not args.no_culprit:
+                found = loc.culprit(step, ref_dump, cand_dump, comparison)
+                data["culprit"] = found.as_dict()
+                named = ", ".join(found.culprits) or (
+                    f"not found (suspects: {', '.join(found.suspects)})" if found.suspects
+                    else "not found"
+                )  # fmt: skip
+                echo(f" locate: culprit: {named}")
+        else:
+            echo(" locate: no divergent module")
+    loc.timing["total_s"] = round(time.perf_counter() - started, 2)
+    data["timing"] = loc.timing
+    data["reproduce"] = reproduce_command(args, finding.step)
+    path = result.write(out, data)
+    echo(f" locate: {path} ({loc.timing['total_s']:.0f} s)")
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("the two runs")
+    g.add_argument("--reference", help="train options of the reference run (one quoted string, "
+                   "--device included)")  # fmt: skip
+    g.add_argument("--candidate", help="train options of the candidate run")
+    g.add_argument("--common", help="train options both runs share")
+    g.add_argument("--compare-dir", help="a compare output folder: take the runs from it")
+    g.add_argument("--pair", nargs=2, metavar=("REFERENCE", "CANDIDATE"),
+                   help="with --compare-dir: the two run names (e.g. the failing pair)")  # fmt: skip
+    g.add_argument("--plant-candidate", help=argparse.SUPPRESS)  # testing aid: a parity mutation
+    s = parser.add_argument_group("search")
+    s.add_argument("--step", type=int, default=None, help="replay this step (skip the curves)")
+    s.add_argument(
+        "--limit",
+        type=int,
+        default=dump.DEFAULT_LIMIT,
+        help="elements kept per tensor (larger ones: statistics and a sample)",
+    )
+    s.add_argument(
+        "--base-tolerance",
+        type=float,
+        default=None,
+        help="module rel-L2 tolerance at depth 0 (default by dtype)",
+    )
+    s.add_argument(
+        "--gain",
+        type=float,
+        default=modules.GAIN,
+        help="how much a module may amplify its inputs' error",
+    )
+    s.add_argument("--depth-growth", type=float, default=modules.DEPTH_GROWTH)
+    s.add_argument("--no-culprit", action="store_true", help="stop after naming the module")
+    s.add_argument("--max-trials", type=int, default=16,
+                   help="most replays the culprit search may run")  # fmt: skip
+    s.add_argument(
+        "--dump-only",
+        action="store_true",
+        help="only dump the reference's step (take the folder to another machine)",
+    )
+    s.add_argument("--reference-dump", help="a reference dump made elsewhere (--dump-only)")
+    s.add_argument("--timeout", type=float, default=900.0, help="seconds per worker run")
+    parser.add_argument("--out", required=True, help="output folder (locate.json, dumps, logs)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.compare_dir and not args.pair:
+            raise LocateError("--compare-dir needs --pair REFERENCE CANDIDATE")
+        if args.limit < 1:
+            raise LocateError("--limit must be positive")
+        locate(args)
+    except (LocateError, curves.CurveError, dump.DumpError, worker.WorkerError) as exc:
+        print(f"megatron-npu locate: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,355 @@
+"""Hooks on every module of one rank's model for one training step, and the dump folder.
+
+What is recorded (per call of each module, in the order it happens):
+
+* ``forward.input`` -- every floating-point tensor the module is called with (args and kwargs)
+* ``forward.output`` -- every floating-point tensor it returns (``(output, bias)`` tuples too)
+* ``backward.grad_output`` -- the gradient that reaches the module's outputs
+* ``backward.grad_input`` -- the gradient its backward sends to its inputs
+* ``param.grad`` / ``param.update`` -- each parameter's gradient (``main_grad``) after the
+  step's backward and its change by the optimizer step (pseudo-module ``optimizer``)
+
+The backward quantities come from identity taps (an autograd function that clones its input and
+records the gradient that flows back through it) put on the inputs by a forward pre-hook and on
+the outputs by a forward hook, so each module's own share of a gradient is seen, not the sum over
+every consumer of a tensor. The root module is named ``model`` (kind ``loss``: with labels it
+returns the per-token loss).
+
+Size limit: a tensor of at most ``limit`` elements is stored whole; a larger one as its
+statistics plus a deterministic sample of ``limit`` elements (flat indices drawn by a generator
+seeded with the element count, sorted: the same on both runs, so samples compare position by
+position; random rather than strided, so a bug confined to some columns or heads is not stepped
+over).
+
+Dump folder (docs/locate.md)::
+
+    <dump>/dump.json            {"format": "megatron-npu-locate-dump", "version": 1, step, world,
+                                 device, dtype, argv, disabled, ranks: [...]}
+    <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"}, "entries": [...],
+                                 "modules": {name: {"kind", "depth", "patches": {own, total}}}}
+    <dump>/rank<R>/tensors.pt   {key: tensor} (torch.save; read back with weights_only=True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DUMP_FORMAT = "megatron-npu-locate-dump"
+DUMP_VERSION = 1
+DEFAULT_LIMIT = 4096
+ROOT = "model"
+OPTIMIZER = "optimizer"
+
+_KINDS = (
+    (
+        re.compile(
+            r"(^|\.)(input_layernorm|pre_mlp_layernorm|final_layernorm|pre_cross_attn_layernorm"
+            r"|q_layernorm|k_layernorm|layer_norm)$"
+        ),
+        "norm",
+    ),  # fmt: skip
+    (re.compile(r"(^|\.)core_attention$"), "attention"),
+    (re.compile(r"(^|\.)self_attention$"), "attention"),
+    (re.compile(r"(^|\.)scale_mask_softmax$"), "softmax"),
+    (re.compile(r"(^|\.)rotary_pos_emb$"), "rotary"),
+    (re.compile(r"(^|\.)(embedding|word_embeddings|position_embeddings)$"), "embedding"),
+    (re.compile(r"(^|\.)output_layer$"), "output"),
+    (re.compile(r"(^|\.)mlp$"), "mlp"),
+    (re.compile(r"(^|\.)linear_\w+$"), "linear"),
+    (re.compile(r"(^|\.)layers\.\d+$"), "layer"),
+    (re.compile(r"(^|\.)decoder$"), "block"),
+)
+
+
+#: modules that compute nothing (Megatron's placeholders, containers that are never called)
+_SKIPPED_CLASSES = frozenset({"IdentityOp", "IdentityFuncOp", "ModuleList", "ModuleDict"})
+
+
+class DumpError(ValueError):
+    """A dump folder is missing, unreadable or of another format."""
+
+
+def module_kind(name: str) -> str:
+    """``decoder.layers.0.input_layernorm`` -> ``norm``; the root is ``loss``."""
+    if name == ROOT:
+        return "loss"
+    if name == OPTIMIZER:
+        return "optimizer"
+    for pattern, kind in _KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def module_depth(name: str, num_layers: int) -> int:
+    """0 for the embedding, ``N + 1`` inside layer ``N``, ``num_layers + 1`` after the layers."""
+    match = re.search(r"layers\.(\d+)", name)
+    if match:
+        return int(match.group(1)) + 1
+    if name.startswith("embedding") or name == "rotary_pos_emb":
+        return 0
+    return num_layers + 1
+
+
+def sample_indices(numel: int, limit: int) -> torch.Tensor | None:
+    """The flat indices kept of a tensor with ``numel`` elements (None: all of them)."""
+    if numel <= limit:
+        return None
+    generator = torch.Generator().manual_seed(numel)
+    return torch.randperm(numel, generator=generator)[:limit].sort().values
+
+
+def summarize(tensor: torch.Tensor, limit: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """(index fields, stored tensor): statistics of ``tensor`` and it or its sample."""
+    t = tensor.detach()
+    flat = t.reshape(-1)
+    wide = flat.double()
+    finite = wide[torch.isfinite(wide)]
+    stats = {
+        "numel": flat.numel(),
+        "nonfinite": int(flat.numel() - finite.numel()),
+        "mean": float(finite.mean()) if finite.numel() else None,
+        "std": float(finite.std()) if finite.numel() > 1 else None,
+        "min": float(finite.min()) if finite.numel() else None,
+        "max": float(finite.max()) if finite.numel() else None,
+        "l2": float(finite.norm()) if finite.numel() else None,
+    }
+    keep = sample_indices(flat.numel(), limit)
+    stored = (flat if keep is None else flat[keep.to(flat.device)]).cpu().clone()
+    fields = {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "sampled": keep is not None,
+        "stats": stats,
+    }
+    return fields, stored
+
+
+class _Tap(torch.autograd.Function):
+    """Identity (a clone) whose backward hands the incoming gradient to a callback."""
+
+    @staticmethod
+    def forward(ctx, x, callback):  # noqa: ANN001, ANN205
+        ctx.callback = callback
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        ctx.callback(grad)
+        return grad, None
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+class Recorder:
+    """Hooks on every module of ``chunks`` (unwrapped GPT models) for one step."""
+
+    def __init__(self, chunks: list[torch.nn.Module], tracer: Any = None,
+                 limit: int = DEFAULT_LIMIT, num_layers: int = 0) -> None:  # fmt: skip
+        self.chunks = chunks
+        self.tracer = tracer
+        self.limit = limit
+        self.num_layers = num_layers
+        self.entries: list[dict[str, Any]] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.modules: dict[str, dict[str, Any]] = {}
+        self._handles: list[Any] = []
+        self._calls: dict[str, int] = {}
+        self._by_name: dict[str, torch.nn.Module] = {}
+        self._params_before: dict[str, torch.Tensor] = {}
+
+    # -- naming
+    def _named(self) -> list[tuple[str, torch.nn.Module]]:
+        out = []
+        for index, chunk in enumerate(self.chunks):
+            prefix = f"chunk{index}." if len(self.chunks) > 1 else ""
+            for name, module in chunk.named_modules():
+                if type(module).__name__ in _SKIPPED_CLASSES:
+                    continue
+                out.append((prefix + (name or ROOT), module))
+        return out
+
+    def _record(self, module: str, quantity: str, call: int, i: int, tensor: torch.Tensor) -> None:
+        key = f"{module}#{call}|{quantity}|{i}"
+        fields, stored = summarize(tensor, self.limit)
+        self.entries.append({"key": key, "module": module, "call": call, "quantity": quantity,
+                             "index": i, "order": len(self.entries), **fields})  # fmt: skip
+        self.tensors[key] = stored
+
+    def _tap(self, value: Any, module: str, call: int, quantity: str, counter: list[int]) -> Any:
+        if _is_float(value) and value.requires_grad and torch.is_grad_enabled():
+            i = counter[0]
+            counter[0] += 1
+
+            def callback(grad, module=module, call=call, i=i):
+                if grad is not None:
+                    self._record(module, quantity, call, i, grad)
+
+            return _Tap.apply(value, callback)
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._tap(v, module, call, quantity, counter) for v in value)
+        if isinstance(value, list):
+            return [self._tap(v, module, call, quantity, counter) for v in value]
+        return value
+
+    def _floats(self, value: Any) -> list[torch.Tensor]:
+        if _is_float(value):
+            return [value]
+        if isinstance(value, (tuple, list)):
+            return [t for v in value for t in self._floats(v)]
+        return []
+
+    # -- hooks
+    def _pre_hook(self, name: str):
+        def hook(module, args, kwargs):
+            call = self._calls.get(name, -1) + 1
+            self._calls[name] = call
+            for i, t in enumerate(self._floats(list(args) + list(kwargs.values()))):
+                self._record(name, "forward.input", call, i, t)
+            if self.tracer is not None:
+                self.tracer.enter(name)
+            counter = [0]
+            new_args = self._tap(tuple(args), name, call, "backward.grad_input", counter)
+            new_kwargs = {
+                k: self._tap(v, name, call, "backward.grad_input", counter)
+                for k, v in kwargs.items()
+            }
+            return new_args, new_kwargs
+
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            call = self._calls.get(name, 0)
+            if self.tracer is not None:
+                self.tracer.leave(name)
+            for i, t in enumerate(self._floats(output)):
+                self._record(name, "forward.output", call, i, t)
+            return self._tap(output, name, call, "backward.grad_output", [0])
+
+        return hook
+
+    def __enter__(self) -> Recorder:
+        for name, module in self._named():
+            self._by_name[name] = module
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._post_hook(name), with_kwargs=True)
+            )
+        for name, param in self._parameters():
+            keep = sample_indices(param.numel(), self.limit)
+            flat = param.detach().reshape(-1)
+            self._params_before[name] = (flat if keep is None else flat[keep]).double().cpu()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        out = []
+        for index, chunk in enumerate(self.chunks):
+            prefix = f"chunk{index}." if len(self.chunks) > 1 else ""
+            out += [(prefix + name, p) for name, p in chunk.named_parameters()]
+        return out
+
+    def record_parameters(self) -> None:
+        """After the step: each parameter's gradient and its update, under its owning module."""
+        for name, param in self._parameters():
+            owner = name.rpartition(".")[0] or ROOT
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None:
+                self._record(owner, f"param.grad:{name.rpartition('.')[2]}", 0, 0, grad)
+            keep = sample_indices(param.numel(), self.limit)
+            flat = param.detach().reshape(-1)
+            after = (flat if keep is None else flat[keep]).double().cpu()
+            update = after - self._params_before[name]
+            key = f"{OPTIMIZER}#0|param.update:{name}|0"
+            self.entries.append({
+                "key": key, "module": OPTIMIZER, "call": 0, "quantity": f"param.update:{name}",
+                "index": 0, "order": len(self.entries), "shape": list(param.shape),
+                "dtype": str(param.dtype).removeprefix("torch."), "sampled": keep is not None,
+                "stats": {"numel": param.numel(), "l2": float(update.norm())},
+                "param_owner": owner,
+            })  # fmt: skip
+            self.tensors[key] = update
+
+    def module_table(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, module in self._by_name.items():
+            out[name] = {
+                "kind": module_kind(name),
+                "class": type(module).__name__,
+                "depth": module_depth(name, self.num_layers),
+                "patches": self.tracer.reached(name, module) if self.tracer else {},
+            }
+        out[OPTIMIZER] = {
+            "kind": "optimizer", "class": "optimizer", "depth": self.num_layers + 2,
+            "patches": self.tracer.reached(OPTIMIZER) if self.tracer else {},
+        }  # fmt: skip
+        return out
+
+    def write(self, dump_dir: str | Path, rank: int, coords: dict[str, int]) -> Path:
+        folder = Path(dump_dir) / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(self.tensors, folder / "tensors.pt")
+        index = {"rank": rank, "coords": coords, "limit": self.limit,
+                 "entries": self.entries, "modules": self.module_table()}  # fmt: skip
+        (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+        return folder
+
+
+def write_meta(dump_dir: str | Path, meta: dict[str, Any]) -> None:
+    data = {"format": DUMP_FORMAT, "version": DUMP_VERSION, **meta}
+    path = Path(dump_dir) / "dump.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def read_meta(dump_dir: str | Path) -> dict[str, Any]:
+    path = Path(dump_dir) / "dump.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DumpError(f"{dump_dir}: not a locate dump ({exc.strerror}: {path})") from None
+    except ValueError as exc:
+        raise DumpError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
+        raise DumpError(f"{path}: not a {DUMP_FORMAT} file")
+    if data.get("version") != DUMP_VERSION:
+        raise DumpError(f"{path}: dump version {data.get('version')!r}, expected {DUMP_VERSION}")
+    return data
+
+
+def read_rank(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One rank's index and tensors (``torch.load(weights_only=True)``: no code is unpickled)."""
+    folder = Path(dump_dir) / f"rank{rank}"
+    try:
+        index = json.loads((folder / "index.json").read_text(encoding="utf-8"))
+        tensors = torch.load(folder / "tensors.pt", map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
+    if not isinstance(tensors, dict):
+        raise DumpError(f"{folder / 'tensors.pt'}: not a dict of tensors")
+    return index, tensors
+
+
+def rank_count(meta: dict[str, Any]) -> int:
+    return int(meta.get("world", 1))
+
+
+def dump_exists(dump_dir: str | Path) -> bool:
+    return os.path.isfile(Path(dump_dir) / "dump.json")

@@ -1,0 +1,138 @@
+"""Which adaptor patches each module reaches.
+
+A patch is *reached* by a module when the patch's installed code runs while the module's forward
+is on the stack (the module's own code or a descendant's), or when the patch built the module
+(e.g. ``norm.wrapped-torch-norm`` replaces ``WrappedTorchNorm.__new__``: its code runs once, at
+model construction, and returns the norm instance). The tracer uses ``sys.setprofile`` with a
+map from each applied patch's code objects to its id, so it sees calls through any binding of
+the replacement (``from``-import copies included) without rebinding anything.
+
+The sets are the culprit search's candidates (:mod:`.culprit`): ``own`` (ran while the module
+was the innermost one on the stack, or built it) first, then ``total`` (the module and all its
+descendants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any
+
+
+def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
+    """The code objects that run when ``obj`` (a patch's installed object) is used: a
+    function's, a class's methods, and -- for an adaptor object that routes attribute access,
+    e.g. a namespace whose ``optim.AdamW`` is the adaptor's AdamW -- those of the adaptor
+    objects it holds (a few levels deep)."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    if isinstance(obj, property):
+        for part in (obj.fget, obj.fset, obj.fdel):
+            if part is not None:
+                yield from _codes(part, depth)
+        return
+    if not (inspect.isfunction(obj) or isinstance(obj, type)) and _own_object(obj):
+        obj = type(obj)  # an instance installed as the replacement: its class's methods run
+    if inspect.isfunction(obj):
+        yield obj.__code__
+    elif isinstance(obj, type):
+        for value in vars(obj).values():
+            if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(
+                value
+            ):
+                yield from _codes(value, depth)
+            elif depth < 3 and _own_object(value, itself=True):
+                yield from _codes(value, depth + 1)
+
+
+def _own_object(obj: Any, itself: bool = False) -> bool:
+    """An object (``itself``: or a class) defined in the adaptor."""
+    if itself and isinstance(obj, type):
+        return obj.__module__.startswith("megatron_npu.")
+    return type(obj).__module__.startswith("megatron_npu.")
+
+
+def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
+    """Code object -> the ids of the patches that installed it (two patches may install the
+    same replacement, e.g. a class and the factory that builds it), for every patch applied in
+    this process."""
+    from megatron_npu import patcher
+
+    out: dict[CodeType, tuple[str, ...]] = {}
+    for result in patcher.results():
+        if result.status != patcher.APPLIED:
+            continue
+        try:
+            owner, name = patcher.resolve(result.target)
+            raw = inspect.getattr_static(owner, name)
+        except (ImportError, AttributeError):
+            continue
+        for code in _codes(raw):
+            if result.id not in out.get(code, ()):
+                out[code] = (*out.get(code, ()), result.id)
+    return out
+
+
+class Tracer:
+    """Records the patches reached per module name (see the module docstring)."""
+
+    def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None) -> None:
+        self.codes = patch_code_objects() if codes is None else codes
+        self.stack: list[str] = []
+        self.own: dict[str, set[str]] = defaultdict(set)
+        self.total: dict[str, set[str]] = defaultdict(set)
+        self.built: dict[int, tuple[str, ...]] = {}  # id(module) -> the patches that built it
+        self._building = False
+
+    def _profile(self, frame, event: str, arg: Any) -> None:
+        if event == "call":
+            pids = self.codes.get(frame.f_code)
+            if pids is not None and self.stack:
+                self.own[self.stack[-1]].update(pids)
+                for name in self.stack:
+                    self.total[name].update(pids)
+        elif event == "return" and self._building:
+            pids = self.codes.get(frame.f_code)
+            if pids is not None and arg is not None and hasattr(arg, "named_modules"):
+                self.built.setdefault(id(arg), pids)
+
+    @contextlib.contextmanager
+    def active(self, building: bool = False) -> Iterator[None]:
+        """Trace calls inside the block (``building``: also note which patch built a module)."""
+        if not self.codes:
+            yield
+            return
+        previous = sys.getprofile()
+        self._building = building
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+            self._building = False
+
+    def enter(self, name: str) -> None:
+        self.stack.append(name)
+
+    def leave(self, name: str) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
+    def reached(self, name: str, module: Any = None) -> dict[str, list[str]]:
+        """``{"own": [...], "total": [...]}`` for module ``name`` (sorted patch ids)."""
+        own = set(self.own.get(name, ()))
+        total = set(self.total.get(name, ()))
+        if module is not None:
+            for sub in module.modules():
+                pids = self.built.get(id(sub), ())
+                total.update(pids)
+                if sub is module:
+                    own.update(pids)
+        return {"own": sorted(own), "total": sorted(total | own)}

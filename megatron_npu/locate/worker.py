@@ -1,0 +1,259 @@
+"""One run of one configuration, in its own process per rank (``python -m
+megatron_npu.locate.worker SPEC.json``).
+
+It builds the trainer exactly as ``megatron-npu train`` does (:func:`megatron_npu.training.loop.
+build_trainer` with train's own options, the adaptor applied for the spec's device minus its
+``disable`` list) and then, step by step:
+
+* ``stop``: the last step to run (the LR schedule still follows ``--train-iters``);
+* ``load``: start from this checkpoint (train's own format, :mod:`~megatron_npu.training.
+  checkpointing`) instead of step 0;
+* ``save_before``: save a checkpoint there just before step ``hook_step`` (the replay point that
+  the other run then loads);
+* ``hook_step`` + ``dump``: record that step with :class:`~.dump.Recorder` into ``dump``;
+* ``curve``: write ``{"iterations", "losses", "grad_norms"}`` (rank 0);
+* ``trial``: a culprit trial -- ``--use-flash-attn`` with the ``attention.*`` patch switched off
+  runs Megatron's unfused attention instead of being refused as ``train`` refuses it.
+
+``plant`` (testing aid, like train's ``--force-overflow-step``) puts one of the parity harness's
+planted bugs (:mod:`parity.mutations`) in place in this process for the whole run.
+
+:func:`run` starts the ranks (``world`` processes with torchrun's environment variables) and
+waits for them; a failure raises :class:`WorkerError` with the log's tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LOG_TAIL_LINES = 25
+
+
+class WorkerError(RuntimeError):
+    """A worker run failed (its log's tail is in the message)."""
+
+
+def _plant(name: str | None):
+    if not name:
+        return contextlib.nullcontext()
+    from parity.mutations import planted
+
+    return planted(name)
+
+
+def _coords() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+
+
+@contextlib.contextmanager
+def _optimizer_build_traced(tracer):
+    """The patches that run while the optimizer is built count as the optimizer's (e.g. the
+    factory patch that makes Megatron build the adaptor's AdamW)."""
+    from megatron_npu.locate.dump import OPTIMIZER
+    from megatron_npu.training import optimizer as optim_mod
+
+    if tracer is None:
+        yield
+        return
+    build = optim_mod.build
+
+    def traced(*args, **kwargs):
+        tracer.enter(OPTIMIZER)
+        try:
+            return build(*args, **kwargs)
+        finally:
+            tracer.leave(OPTIMIZER)
+
+    optim_mod.build = traced
+    try:
+        yield
+    finally:
+        optim_mod.build = build
+
+
+def _run_rank(spec: dict[str, Any]) -> None:
+    import torch
+
+    import megatron_npu
+    from megatron_npu import devices, patcher
+    from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
+    from megatron_npu.locate.trace import Tracer
+    from megatron_npu.ops.settings import set_fused_attention
+    from megatron_npu.training import (
+        arguments,
+        checkpointing,
+        launch,
+        loop,
+        quiet_expected_warnings,
+    )
+    from megatron_npu.training import data as data_mod
+    from megatron_npu.training import model as model_mod
+
+    quiet_expected_warnings()
+    args = arguments.parse_args(list(spec["argv"]))
+    env = launch.dist_env(args.master_addr, args.master_port)
+    megatron_npu.apply(args.device, disable=tuple(spec.get("disable", ())))
+    try:
+        device = devices.require_active()
+        if not spec.get("trial"):  # a culprit trial may switch the fused attention patch off:
+            loop.check_fused_attention_applied(args, device.name)  # Megatron's unfused path runs
+        set_fused_attention(use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
+                            pre_tokens=args.pre_tokens, next_tokens=args.next_tokens)  # fmt: skip
+        hook_step = spec.get("hook_step")
+        tracer = Tracer() if hook_step else None
+        launch.init_process_group(env, device, args.distributed_timeout_minutes)
+        try:
+            with _plant(spec.get("plant")):
+                with tracer.active(building=True) if tracer else contextlib.nullcontext():
+                    with _optimizer_build_traced(tracer):
+                        trainer = loop.build_trainer(args, env, device)
+                model, optimizer = trainer.model, trainer.optimizer
+                start = 0
+                if spec.get("load"):
+                    args.load = spec["load"]
+                    start = checkpointing.load(args, model, optimizer, trainer.scheduler).iteration
+                iterators = data_mod.iterators(
+                    args, trainer.train_data, model, start * args.global_batch_size
+                )
+                for chunk in model:
+                    chunk.train()
+                curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
+                for step in range(start + 1, int(spec["stop"]) + 1):
+                    if step == hook_step:
+                        if spec.get("save_before"):
+                            args.save = spec["save_before"]
+                            checkpointing.save(args, model, optimizer, trainer.scheduler,
+                                               step - 1)  # fmt: skip
+                        chunks = [model_mod.unwrap(c) for c in model]
+                        recorder = Recorder(chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)),
+                                            args.num_layers)  # fmt: skip
+                        step_fn = optimizer.step
+
+                        def traced_step(*a, _step=step_fn, **kw):
+                            tracer.enter(OPTIMIZER)
+                            try:
+                                return _step(*a, **kw)
+                            finally:
+                                tracer.leave(OPTIMIZER)
+
+                        optimizer.step = traced_step
+                        try:
+                            with recorder, tracer.active():
+                                loss, grad_norm, _, _ = trainer.step(step, iterators)
+                        finally:
+                            optimizer.step = step_fn
+                        recorder.record_parameters()
+                        rank = torch.distributed.get_rank()
+                        recorder.write(spec["dump"], rank, _coords())
+                        if rank == 0:
+                            write_meta(spec["dump"], {
+                                "step": step, "world": env.world_size, "device": device.name,
+                                "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
+                                "argv": list(spec["argv"]), "disabled": list(spec.get("disable", ())),
+                                "plant": spec.get("plant"), "loss": loss, "grad_norm": grad_norm,
+                                "applied": [r.id for r in patcher.results()
+                                            if r.status == patcher.APPLIED],
+                            })  # fmt: skip
+                    else:
+                        loss, grad_norm, _, _ = trainer.step(step, iterators)
+                    curve["iterations"].append(step)
+                    curve["losses"].append(loss)
+                    curve["grad_norms"].append(grad_norm)
+                if spec.get("curve") and env.rank == 0:
+                    Path(spec["curve"]).write_text(json.dumps(curve) + "\n", encoding="utf-8")
+        except BaseException:
+            launch.shutdown(barrier=False)
+            raise
+        launch.shutdown()
+    finally:
+        megatron_npu.restore()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    _run_rank(spec)
+    return 0
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("MEGATRON_NPU_DISABLE", None)  # the spec's list is the whole disabled set
+    env.pop("MEGATRON_NPU_DISABLE_FLAG", None)
+    return env
+
+
+def run(
+    spec: dict[str, Any], world: int = 1, timeout_s: float = 900.0, log: Path | None = None
+) -> None:
+    """Run ``spec`` on ``world`` ranks and wait; raise :class:`WorkerError` on failure."""
+    from megatron_npu.training.launch import free_port
+
+    with tempfile.TemporaryDirectory(prefix="locate-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        base = _environment()
+        port = free_port("127.0.0.1")
+        procs = []
+        logs = []
+        for rank in range(world):
+            env = dict(base)
+            if world > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))  # fmt: skip
+            out = open(Path(tmp) / f"rank{rank}.log", "w+", encoding="utf-8")  # noqa: SIM115
+            logs.append(out)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "megatron_npu.locate.worker", str(spec_path)],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            ))  # fmt: skip
+        failed = None
+        try:
+            for rank, proc in enumerate(procs):
+                try:
+                    code = proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if code != 0 and failed is None:
+                    failed = (rank, code)
+                    for other in procs:
+                        if other.poll() is None:
+                            other.kill()
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            texts = []
+            for out in logs:
+                out.seek(0)
+                texts.append(out.read())
+                out.close()
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("\n".join(texts), encoding="utf-8")
+        if failed is not None:
+            rank, code = failed
+            tail = "\n".join(texts[rank].splitlines()[-LOG_TAIL_LINES:])
+            reason = "timed out" if code is None else f"exit status {code}"
+            raise WorkerError(f"locate worker rank {rank} failed ({reason}):\n{tail}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""locate's pieces on synthetic data: curves -> step, dumps of a small torch model -> module,
+delta debugging -> patch, locate.json and its report section. No training run, no subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_npu.compare import rules
+from megatron_npu.locate import curves, dump, modules, result
+from megatron_npu.locate.culprit import ddmin, search
+
+# ------------------------------------------------------------------ first divergent step
+
+
+def _curve(losses, norms):
+    its = list(range(1, len(losses) + 1))
+    return rules.Curve(its, list(losses), list(norms), [0.0] * len(its))
+
+
+def test_first_divergent_step_is_the_first_beyond_the_approximate_rtol():
+    ref = _curve([5.0, 4.0, 3.0, 2.5], [1.0, 1.0, 1.0, 1.0])
+    cand = _curve([5.0, 4.04, 3.3, 3.0], [1.0, 1.0, 1.0, 1.0])  # 1 %, 10 %, 20 %
+    found = curves.first_divergent_step(ref, cand)
+    assert (found.step, found.quantity) == (3, "loss")
+    assert found.rel_error == pytest.approx(0.1)
+    assert found.approximate["status"] == rules.FAIL
+
+
+def test_a_grad_norm_beyond_the_rule_counts_before_a_later_loss():
+    ref = _curve([5.0, 4.0, 3.0], [1.0, 1.0, 1.0])
+    cand = _curve([5.0, 4.0, 3.6], [1.0, 1.5, 1.0])
+    found = curves.first_divergent_step(ref, cand)
+    assert (found.step, found.quantity) == (2, "grad_norm")
+
+
+def test_small_errors_fall_back_to_mean_rtol_then_the_floor():
+    ref = _curve([5.0, 5.0, 5.0], [1.0, 1.0, 1.0])
+    assert curves.first_divergent_step(ref, _curve([5.0, 5.15, 5.0], [1.0] * 3)).step == 2
+    found = curves.first_divergent_step(ref, _curve([5.0, 5.0, 5.005], [1.0] * 3))
+    assert (found.step, found.threshold) == (3, curves.FLOOR)
+
+
+def test_agreeing_curves_have_no_divergent_step():
+    ref = _curve([5.0, 4.0], [1.0, 0.9])
+    found = curves.first_divergent_step(ref, _curve([5.0 * (1 + 1e-7), 4.0], [1.0, 0.9]))
+    assert found.step is None and found.approximate["status"] == rules.PASS
+
+
+def test_curves_of_different_steps_are_a_named_error():
+    with pytest.raises(curves.CurveError, match="different steps"):
+        curves.first_divergent_step(_curve([1.0, 2.0], [1, 1]), _curve([1.0], [1]))
+
+
+def test_read_curve_takes_train_metrics_json(tmp_path):
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({"steps": [{"step": 1, "lm_loss": 2.0, "grad_norm": 0.5}]}))
+    curve = curves.read_curve(path)
+    assert (curve.iterations, curve.losses, curve.grad_norms) == ([1], [2.0], [0.5])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(curves.CurveError, match="neither"):
+        curves.read_curve(tmp_path / "bad.json")
+
+
+# ------------------------------------------------------------------ dumps and modules
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, bug: str | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Linear(width, width)
+        self.bug = bug
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        if self.bug == "norm-forward":
+            h = h * 1.01
+        return x + torch.tanh(self.mlp(h))
+
+
+class Net(torch.nn.Module):
+    """Named like Megatron's GPT (embedding, decoder.layers.N, output_layer)."""
+
+    def __init__(self, bug: str | None = None, bug_layer: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Linear(8, 16)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(
+            [Block(16, bug if i == bug_layer else None) for i in range(3)]
+        )
+        self.output_layer = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embedding(x)
+        for layer in self.decoder.layers:
+            h = layer(h)
+        return self.output_layer(h).pow(2).mean(dim=-1)
+
+
+def _dump(tmp_path, name, bug=None, bug_layer=0, lr=0.1, limit=dump.DEFAULT_LIMIT):
+    net = Net(bug, bug_layer)
+    torch.manual_seed(1)
+    x = torch.randn(5, 8)
+    with dump.Recorder([net], None, limit, num_layers=3) as rec:
+        loss = net(x).sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= (lr * 1.5 if bug == "update" and p.dim() == 1 else lr) * p.grad
+    rec.record_parameters()
+    folder = tmp_path / name
+    rec.write(folder, 0, {"tp": 0, "pp": 0, "dp": 0})
+    dump.write_meta(folder, {"step": 1, "world": 1, "dtype": "float32"})
+    return folder
+
+
+def test_a_clean_pair_has_no_divergent_module(tmp_path):
+    comp = modules.compare_dumps(_dump(tmp_path, "a"), _dump(tmp_path, "b"))
+    assert comp.first is None
+    assert {r.module for r in comp.rows} >= {"embedding", "decoder.layers.2.mlp", "model"}
+
+
+def test_the_first_module_whose_error_its_inputs_do_not_explain_is_named(tmp_path):
+    comp = modules.compare_dumps(
+        _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    )
+    row, phase = comp.first
+    # the norm is right; the block's own code scales its output: layer 1 (not layer 0, whose
+    # output agrees, nor layer 2 or the output layer, whose error their inputs explain)
+    assert (row.module, phase) == ("decoder.layers.1", "forward")
+    by_name = {r.module: r for r in comp.rows}
+    later = by_name["decoder.layers.2.mlp"].phases["forward"]
+    assert later.output > later.tolerance and not later.diverges  # inherited, not its own
+    assert by_name["decoder.layers.0"].phases["forward"].output == 0.0
+
+
+def test_an_update_bug_is_named_in_the_update_phase(tmp_path):
+    comp = modules.compare_dumps(_dump(tmp_path, "ref"), _dump(tmp_path, "upd", "update"))
+    row, phase = comp.first
+    assert phase == "update" and row.module == "embedding"  # the first module with a bias
+
+
+def test_the_tolerance_grows_with_depth_and_gain_bounds_inherited_error():
+    rule = modules.Rule(1e-5, growth=0.5, gain=10.0)
+    assert rule.tolerance(4) == pytest.approx(3e-5)
+    assert rule.diverges(1e-4, 0.0, 0) and not rule.diverges(2e-5, 0.0, 4)
+    assert not rule.diverges(1e-3, 1e-4, 0)  # 10x its inputs: explained
+    assert rule.diverges(1e-2, 1e-4, 0)
+
+
+def test_base_tolerance_follows_the_parity_bound_of_the_dtype():
+    from parity.metrics import dtype_config
+
+    for name in ("float32", "bfloat16", "float16"):
+        expected = modules.BASE_MULTIPLE * dtype_config(name).rel_l2_bound
+        assert modules.rule_for(name).base == expected
+
+
+def test_large_tensors_are_sampled_identically_on_both_runs(tmp_path):
+    t = torch.arange(10_000, dtype=torch.float32)
+    fields, stored = dump.summarize(t, 100)
+    assert fields["sampled"] and stored.numel() == 100
+    assert fields["stats"]["max"] == 9999.0 and fields["stats"]["numel"] == 10_000
+    _, again = dump.summarize(t.clone(), 100)
+    assert torch.equal(stored, again)
+    steps = torch.diff(stored)
+    assert len(set(steps.tolist())) > 1  # not a fixed stride
+
+
+def test_dump_reads_back_with_weights_only_and_rejects_other_folders(tmp_path):
+    folder = _dump(tmp_path, "a", limit=16)
+    index, tensors = dump.read_rank(folder, 0)
+    assert all(e["key"] in tensors for e in index["entries"])
+    assert any(e["sampled"] for e in index["entries"])
+    with pytest.raises(dump.DumpError, match="not a locate dump"):
+        dump.read_meta(tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "dump.json").write_text('{"format": "x"}')
+    with pytest.raises(dump.DumpError, match="not a megatron-npu-locate-dump"):
+        dump.read_meta(tmp_path / "other")
+
+
+def test_tensor_error_uses_parity_rel_l2():
+    ref = torch.ones(100)
+    assert modules.tensor_error(ref.clone(), ref) == 0.0
+    assert modules.tensor_error(ref * 1.01, ref) == pytest.approx(0.01, rel=1e-4)
+    assert math.isinf(modules.tensor_error(torch.ones(3), torch.ones(4)))
+    nan = ref.clone()
+    nan[0] = float("nan")
+    assert math.isinf(modules.tensor_error(nan, ref))
+
+
+def test_module_kinds():
+    assert dump.module_kind("decoder.layers.0.input_layernorm") == "norm"
+    assert dump.module_kind("decoder.layers.3.self_attention.core_attention") == "attention"
+    assert dump.module_kind("decoder.layers.0.mlp") == "mlp"
+    assert dump.module_kind("model") == "loss" and dump.module_kind("output_layer") == "output"
+
+
+# ------------------------------------------------------------------ delta debugging
+
+
+@pytest.mark.parametrize("guilty", [{"c"}, {"a", "f"}, {"h"}], ids=["one", "two-together", "last"])
+def test_ddmin_finds_the_patches_whose_removal_fixes(guilty):
+    items = list("abcdefgh")
+    calls = []
+
+    def fixed(disabled):
+        calls.append(tuple(sorted(disabled)))
+        return guilty <= set(disabled)
+
+    assert set(ddmin(items, fixed)) == guilty
+    # distinct replays (search() caches repeats): fewer than switching patches off one by one
+    # in pairs would need
+    assert len(set(calls)) < len(items) * (len(items) - 1) // 2
+
+
+def test_search_widens_to_the_next_set_and_says_when_nothing_fixes():
+    def replay(disabled):
+        return ("z" in disabled), "detail"
+
+    found = search([["a", "b"], ["a", "b", "z", "y"]], replay)
+    assert found.culprits == ["z"]
+    assert found.trials[0].disabled == ["a", "b"] and found.trials[0].fixed is False
+    none = search([["a"], ["b"]], lambda d: (False, ""))
+    assert none.culprits == [] and "not caused" in none.note
+
+
+def test_when_nothing_fixes_the_narrowest_unreplayable_set_is_named_suspect():
+    # Megatron cannot run without "fused" here; switching "check" off changes nothing
+    def replay(disabled):
+        return (None, "fails") if "fused" in disabled else (False, "")
+
+    found = search([["fused"], ["check", "fused"], ["a", "b", "check", "fused"]], replay)
+    assert found.culprits == [] and found.suspects == ["fused"]
+    assert "suspects" in found.note
+    capped = search([["a", "b", "c", "d"]], lambda d: (None, "fails"), max_trials=3)
+    assert len(capped.trials) == 3 and "stopped after 3 replays" in capped.note
+
+
+def test_search_looks_in_halves_when_a_set_cannot_be_switched_off_together():
+    # "plumb" cannot be switched off (the replay fails): the set holding it is split
+    def replay(disabled):
+        if "plumb" in disabled:
+            return None, "worker failed"
+        return "adam" in disabled, ""
+
+    found = search([["adam", "l2", "plumb", "scope"]], replay)
+    assert found.culprits == ["adam"]
+    assert found.trials[0].fixed is None
+    assert len({tuple(t.disabled) for t in found.trials}) == len(found.trials)  # no repeats
+
+
+# ------------------------------------------------------------------ locate.json and the report
+
+
+def _locate_json(tmp_path, comp):
+    data = {
+        "reference": {"label": "reference", "device": "cpu", "argv": []},
+        "candidate": {
+            "label": "candidate",
+            "device": "npu-emulated",
+            "argv": [],
+            "plant": "demo",
+        },  # fmt: skip
+        "step": {
+            "step": 2,
+            "quantity": "loss",
+            "rel_error": 0.1,
+            "threshold": 0.05,
+            "approximate": {"status": "fail"},
+        },  # fmt: skip
+        "replayed_step": 2,
+        "modules": [r.as_dict() for r in comp.rows],
+        "divergent": comp.first_dict(),
+        "culprit": {
+            "culprits": ["norm.wrapped-torch-norm"],
+            "candidate_sets": [],
+            "trials": [],
+            "note": "",
+        },  # fmt: skip
+        "reproduce": "megatron-npu locate --step 2 --out x",
+    }
+    return result.write(tmp_path / "loc", data)
+
+
+def test_locate_json_round_trip_and_named_errors(tmp_path):
+    comp = modules.compare_dumps(
+        _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    )
+    path = _locate_json(tmp_path, comp)
+    data = result.read(path)
+    assert data["divergent"]["module"] == "decoder.layers.1"
+    assert data["schema_version"] == result.SCHEMA_VERSION
+    path.write_text(json.dumps({**data, "schema_version": 99}))
+    with pytest.raises(result.LocateResultError, match="schema_version 99"):
+        result.read(path)
+
+
+def test_the_report_renders_the_module_tree_step_module_patch_and_command(tmp_path):
+    from reports.build import build_report
+
+    comp = modules.compare_dumps(
+        _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    )
+    path = _locate_json(tmp_path, comp)
+    html = build_report([str(path.parent)], tmp_path / "r.html").read_text()
+    assert 'id="locate"' in html
+    assert 'class="locate-named"' in html and 'data-module="decoder.layers.1"' in html
+    assert "norm.wrapped-torch-norm" in html
+    assert "megatron-npu locate --step 2 --out x" in html
+    # one heat cell per phase and module; the named one is marked
+    assert html.count('class="heat"') == 3 * len(comp.rows)
+    assert "error 0.00e+00" in html  # an agreeing module's cell shows its error
+
+
+# ------------------------------------------------------------------ which patches a module reaches
+
+
+def test_the_tracer_attributes_patch_code_to_the_modules_on_the_stack():
+    from megatron_npu.locate.trace import Tracer
+
+    def patched_kernel(x):
+        return x * 2
+
+    def builder():
+        return torch.nn.Linear(2, 2)
+
+    tracer = Tracer({patched_kernel.__code__: ("ops.kernel",), builder.__code__: ("ops.build",)})
+    with tracer.active(building=True):
+        built = builder()
+    with tracer.active():
+        tracer.enter("outer")
+        tracer.enter("outer.inner")
+        patched_kernel(1)
+        tracer.leave("outer.inner")
+        tracer.leave("outer")
+    assert tracer.reached("outer.inner") == {"own": ["ops.kernel"], "total": ["ops.kernel"]}
+    assert tracer.reached("outer") == {"own": [], "total": ["ops.kernel"]}
+    assert tracer.reached("lin", built) == {"own": ["ops.build"], "total": ["ops.build"]}
+
+
+def test_patch_code_objects_cover_the_applied_patches():
+    import megatron_npu
+    from megatron_npu.locate.trace import patch_code_objects
+
+    megatron_npu.apply("cpu")
+    try:
+        ids = {pid for pids in patch_code_objects().values() for pid in pids}
+    finally:
+        megatron_npu.restore()
+    assert {"norm.wrapped-torch-norm", "optimizer.adam", "cross-entropy.vocab-parallel"} <= ids
+    # the factory routing installs a namespace whose optim.AdamW is the adaptor's AdamW: its
+    # step's code counts for both patches
+    from megatron_npu.optim.adamw import FusedAdamW
+
+    megatron_npu.apply("cpu")
+    try:
+        owners = patch_code_objects()[FusedAdamW.step.__code__]
+    finally:
+        megatron_npu.restore()
+    assert {"optimizer.adam", "optimizer.factory-torch-adamw"} <= set(owners)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_clean_argv_takes_the_layout_and_switches_and_drops_what_locate_sets():
+    from megatron_npu.locate.command import clean_argv
+
+    argv, world, disable = clean_argv([
+        "--device", "cpu", "--nproc-per-node", "2", "--metrics-out", "m.json", "--save", "ck",
+        "--no-save-optim", "--disable-patch=norm.wrapped-torch-norm", "--tensor-model-parallel-size",
+        "2", "--progress", "plain",
+    ])  # fmt: skip
+    assert argv == ["--device", "cpu", "--tensor-model-parallel-size", "2"]
+    assert (world, disable) == (2, ["norm.wrapped-torch-norm"])
+
+
+def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
+    from megatron_npu.locate.command import LocateError, side_from_compare
+
+    run = tmp_path / "runs" / "npu-fp32"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text('{"steps": []}')
+    (run / "run.json").write_text(json.dumps({"command": [
+        "python", "-m", "megatron_npu.cli", "train", "--num-layers", "2", "--device",
+        "npu-emulated", "--metrics-out", str(run / "metrics.json"), "--progress", "plain",
+    ]}))  # fmt: skip
+    side, metrics = side_from_compare(tmp_path, "npu-fp32")
+    assert side.argv == ["--num-layers", "2", "--device", "npu-emulated"]
+    assert side.device == "npu-emulated" and metrics == run / "metrics.json"
+    with pytest.raises(LocateError, match="no finished compare run named 'ref'"):
+        side_from_compare(tmp_path, "ref")
+
+
+def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
+    from megatron_npu.cli import main
+
+    code = main(["locate", "--reference", "--train-iters 2", "--candidate", "--device cpu "
+                 "--train-iters 2", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-npu locate: --reference options must name --device"]
+    code = main(["locate", "--compare-dir", str(tmp_path), "--out", str(tmp_path)])
+    assert code == 2 and "needs --pair" in capsys.readouterr().err
+
+
+def test_patches_nearly_every_module_reaches_are_searched_last():
+    from megatron_npu.locate.command import _ubiquitous
+
+    table = {
+        "a": {"patches": {"own": ["ns:x", "rotary"]}},
+        "b": {"patches": {"own": ["ns:x"]}},
+        "c": {"patches": {"own": ["ns:x", "norm"]}},
+        "d": {"patches": {"own": []}},
+    }
+    assert _ubiquitous(table) == {"ns:x"}
+
+
+def test_a_rerun_into_the_same_folder_drops_the_old_dumps_but_keeps_a_given_reference(tmp_path):
+    from megatron_npu.locate.command import _clear_dumps
+
+    for name in ("reference", "candidate", "trial-1"):
+        (tmp_path / "dumps" / name).mkdir(parents=True)
+    _clear_dumps(tmp_path, str(tmp_path / "dumps" / "reference"))
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["reference"]
+    _clear_dumps(tmp_path, None)
+    assert list((tmp_path / "dumps").iterdir()) == []
