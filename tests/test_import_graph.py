@@ -36,7 +36,7 @@ PACKAGES = ("megatron_npu", "parity", "perf", "reports")
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 FOUNDATION = ("versions", "devices", "ops", "data", "modules", "optim")
-COMMANDS = ("cli", "compare", "evaluate", "info", "train", "training")
+COMMANDS = ("cli", "compare", "evaluate", "info", "locate", "train", "training")
 SUBSYSTEMS = ("patches", *COMMANDS)
 #: top-level package -> packages it must not import
 FORBIDDEN_TOP = {
