@@ -70,6 +70,16 @@ class Mutation:
 # ---------------------------------------------------------------------------- the bugs
 
 
+def _wgrad_in_input_dtype(original):
+    def _wgrad_fp32(total_input, grad_output):
+        import torch
+
+        # the GEMM in the activations' dtype, only its result upcast: no fp32 accumulation
+        return (grad_output.t() @ total_input).to(torch.float32)
+
+    return _wgrad_fp32
+
+
 def _swapped_swiglu(original):
     def swiglu(x, dim=-1):
         import torch.nn.functional as F
@@ -450,6 +460,9 @@ _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 
 _ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
           "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1}  # fmt: skip
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
+#: long token sums (12 x 3 tokens), fp32 main_grad: where a bf16 accumulation shows
+_WGRAD = {"seq": 12, "batch": 3, "fan_in": 48, "fan_out": 48, "main_grad_fp32": True,
+          "bias": False, "seed": 4}  # fmt: skip
 #: with the 4096-element grad, where a 16-bit accumulation goes wrong
 _GRAD_NORM_LARGE = {"tensors": 6, "scale": 1.0, "seed": 1}
 _CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
@@ -543,6 +556,12 @@ _ALL = (
         "grad-norm-bf16-accumulation", "the l2-norm kernel sums a bf16 tensor's squares in bf16",
         "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
         "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="bfloat16",
+    ),
+    Mutation(
+        "wgrad-accum-in-input-dtype", "the gradient-accumulation-fusion kernel multiplies in the "
+        "activations' dtype and only upcasts the product (no fp32 accumulation)",
+        "megatron_npu.ops.wgrad_accum._wgrad_fp32", _wgrad_in_input_dtype,
+        "grad-accum-fusion.kernel", (_WGRAD,), dtype="bfloat16",
     ),
     # ---- attention: a window narrower than the sequence, dropout in training and eval
     Mutation(

@@ -133,8 +133,10 @@ def test_layer_norm_matches_fp64_reference(dtype_name, lead, hidden, affine, see
     # a row whose variance is near eps is ill-conditioned (rstd ~ 1/sqrt(eps) amplifies the
     # rounding of every input); accuracy thresholds only make sense for conditioned rows. A
     # single feature is the extreme case (every dx is 0 in exact arithmetic, so what is left is
-    # rounding noise without direction): test_layer_norm_of_a_single_feature bounds it instead
-    assume(hidden > 1 and float(x.double().std(-1, unbiased=False).min()) > 0.1)
+    # rounding noise without direction): test_layer_norm_of_a_single_feature bounds it instead.
+    # Two features are nearly as bad: the normalised pair is (-1, +1) up to eps whatever x is,
+    # so dx is a tiny residue (hypothesis found cosine 0.988 on such a row)
+    assume(hidden > 2 and float(x.double().std(-1, unbiased=False).min()) > 0.1)
     w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype) if affine else None
     b = (0.3 * torch.randn(hidden, generator=gen)).to(dtype) if affine else None
     gy = torch.randn(shape, generator=gen).to(dtype)
