@@ -140,6 +140,8 @@ PATCHES = [
         target="megatron.legacy.fused_kernels.load",
         replacement=load_fused_kernels,
         requires="megatron.legacy.fused_kernels",
+        # Megatron-LM core_v0.17+ has no megatron.legacy and builds no kernels at start-up
+        versions="<0.17",
         reason="initialize_megatron builds CUDA kernels with nvcc: nothing to build, the "
         "adaptor's ops serve the fused paths",
         parity_exempt="a build step, no numerics: the ops it stands for have parity cases",
