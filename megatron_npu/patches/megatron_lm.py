@@ -64,26 +64,9 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
 )  # fmt: skip
 
 
-#: what the gloo devices (cpu, npu-emulated) cannot run of Megatron-LM's options
-GLOO_UNSUPPORTED = (
-    ("virtual_pipeline_model_parallel_size",
-     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank",
-     "the interleaved pipeline schedule over gloo gave NaN losses in about half the runs "
-     "here (its overlapped p2p batches; megatron-npu train's own interleaved schedule works); "
-     "run it on npu (hccl) or without virtual stages"),
-)  # fmt: skip
-
-
 def unsupported_options(args: Any) -> list[str]:
     """Each option of ``args`` the adaptor cannot serve, as ``"--option: why"``."""
-    from megatron_npu import active_device, devices
-
     found = []
-    device = active_device()
-    if device is not None and devices.resolve(device).dist_backend == "gloo":
-        for name, option, why in GLOO_UNSUPPORTED:
-            if getattr(args, name, None) not in (None, 1):
-                found.append(f"{option} on {device}: {why}")
     for name, trigger, option, why in UNSUPPORTED:
         value = getattr(args, name, None)
         hit = {
