@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from megatron_npu.ops import settings
@@ -29,6 +30,11 @@ def load_fused_kernels(args: Any) -> None:
     (masked softmax, bias-GELU/SwiGLU, rotary, flash attention, cross entropy) are served by the
     adaptor's patches of megatron-core."""
     _logger.info("megatron-npu: no CUDA fused kernels to build; the adaptor's ops serve them")
+
+
+#: how long the other ranks wait before exiting on a refused option, so that rank 0's one line is
+#: printed before torchrun tears the job down at the first rank's exit
+_OTHER_RANKS_EXIT_AFTER_S = 5.0
 
 
 class MegatronLMOptionError(SystemExit):
@@ -110,6 +116,8 @@ def _set_global_variables(original: Any) -> Any:
             error = MegatronLMOptionError(problems)
             if os.environ.get("RANK", "0") == "0":
                 print(str(error), file=sys.stderr, flush=True)
+            else:  # let rank 0 say it before torchrun stops the others at the first exit
+                time.sleep(_OTHER_RANKS_EXIT_AFTER_S)
             raise error
         settings.set_fused_attention(use_flash_attn=bool(getattr(namespace, "use_flash_attn", 0)))
         return original(*args, **kwargs)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +53,10 @@ def _error_lines(out: str) -> list[str]:
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_killed_launcher_after_a_save_leaves_no_process_and_no_folder(ranks, tmp_path):
     """``ranks=1``: no launcher of its own, the one process is the run (and is killed)."""
-    private_tmp = tmp_path / "tmp"  # the run's own TMPDIR: other runs on this machine stay out
-    private_tmp.mkdir()
+    # the run's own TMPDIR (other runs on this machine stay out), short: multiprocessing's
+    # Manager binds a Unix socket in it, and a path past 108 bytes (xdist's popen-gwN folders
+    # under tmp_path) makes the socket fail and the Manager die at start
+    private_tmp = Path(tempfile.mkdtemp(prefix="mnpu-"))
     launch = TWO_RANKS if ranks == 2 else []
     proc = start(
         *_long(*launch, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"),
@@ -73,6 +77,7 @@ def test_killed_launcher_after_a_save_leaves_no_process_and_no_folder(ranks, tmp
         os.kill(pid, signal.SIGKILL)
     assert not left, {pid: commands[pid][:200] for pid in left}
     assert not [p.name for p in private_tmp.iterdir() if p.name.startswith("megatron-npu-")]
+    shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def test_second_run_on_a_busy_port_is_refused_and_harms_nothing(tmp_path):

@@ -59,7 +59,10 @@ def train(
         cmd = [sys.executable, *module]
         if nproc > 1:
             cmd += ["--nproc-per-node", str(nproc)]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # MKL_DYNAMIC off: under load MKL may run a GEMM on fewer threads than asked, and on AVX-512
+    # machines its kernels then sum in another order, which broke the bitwise comparisons
+    # between two runs (host vs device initialisation) under xdist
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MKL_DYNAMIC": "FALSE", **(env or {})}
     full_env.pop("MEGATRON_NPU_DEVICE", None)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
