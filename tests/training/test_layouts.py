@@ -75,7 +75,13 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
     assert baseline.metrics["config"]["arguments"]["use_cpu_initialization"] is False
     run = train(train_tmp, *TINY, "--train-iters", "10", "--use-cpu-initialization", name="host")
     assert run.metrics["config"]["arguments"]["use_cpu_initialization"] is True
-    assert run.losses == baseline.losses
+    # the first loss is the initial model's: to the bit. Later steps may differ by an ulp under
+    # load (a clean-clone CI run saw step 2 off by 4.8e-7 with steps 3-10 bitwise equal: a
+    # thread-dependent reduction order in MKL on AVX-512), so they are held to 1e-6 relative
+    assert run.losses[1] == baseline.losses[1]
+    assert run.losses.keys() == baseline.losses.keys()
+    for step, loss in baseline.losses.items():
+        assert abs(run.losses[step] - loss) <= 1e-6 * abs(loss), (step, run.losses, baseline.losses)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
