@@ -11,7 +11,7 @@ import torch
 
 import megatron_npu
 
-pytest_plugins = ["parity.plugin"]
+pytest_plugins = ["megatron_npu.parity.plugin"]
 
 
 @pytest.fixture

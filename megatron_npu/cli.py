@@ -41,9 +41,9 @@ def _preprocess(args: argparse.Namespace) -> int:
 #: subcommands whose module provides ``add_arguments(parser)`` and ``main(args)``; imported only
 #: when the parser is built, so ``megatron-npu`` itself stays light
 _DELEGATED = {
-    "parity": ("parity.runner", "check every patched function against its CPU reference"),
+    "parity": ("megatron_npu.parity.runner", "check every patched function against its CPU reference"),
     "report": (
-        "reports.cli",
+        "megatron_npu.reports.cli",
         "one self-contained HTML page from parity, compare and benchmark results",
     ),
     "compare": (

@@ -8,8 +8,8 @@ Public API of the metrics / verdict / results layer:
   :func:`print_summary` (structured JSON results; schema in ``docs/parity-results.md``)
 """
 
-from parity.metrics import TensorComparison, compare
-from parity.results import (
+from megatron_npu.parity.metrics import TensorComparison, compare
+from megatron_npu.parity.results import (
     DEVICES,
     SCHEMA_VERSION,
     GitInfo,
@@ -26,7 +26,7 @@ from parity.results import (
     summary_table,
     write_record,
 )
-from parity.verdict import Tolerance, Verdict, verdict, worst
+from megatron_npu.parity.verdict import Tolerance, Verdict, verdict, worst
 
 __all__ = [
     "DEVICES",

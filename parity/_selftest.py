@@ -1,4 +1,4 @@
-"""Job runners that misbehave on purpose, for testing :mod:`parity.ranks` itself."""
+"""Job runners that misbehave on purpose, for testing :mod:`megatron_npu.parity.ranks` itself."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ same 16-bit dtype, against one high-precision CPU reference, and judges the *rat
 errors: a 16-bit path may be as inexact as a trusted 16-bit path, not more. Here the trusted
 16-bit path (the "benchmark") is the case's reference function -- the stock Megatron path --
 run on the CPU in the tested dtype; the path under test is the adaptor's. Both come with a
-:class:`~parity.metrics.TensorComparison` against the upcast reference.
+:class:`~megatron_npu.parity.metrics.TensorComparison` against the upcast reference.
 
 Ratio of a metric = ``|tested| / max(|benchmark|, floor)`` with floor 2**-11 fp16, 2**-8 bf16
 (msprobe ``calc_ratio`` / ``_minmum_err``). A ratio above its limit is an error, otherwise pass:
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
+from megatron_npu.parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
 
 __all__ = ["against_benchmark", "BENCHMARK_PATH", "CASE_LEVELS", "REL_L2_BENCHMARK_FACTOR", "with_benchmark", "LEVEL_LIMITS", "BenchmarkResult", "benchmark_result", "level_of"]
 
@@ -81,7 +81,7 @@ def against_benchmark(
 ) -> tuple[TensorComparison, BenchmarkResult | None]:
     """``tested`` with its benchmark applied (:func:`with_benchmark`) and, for a 16-bit float
     tensor, its stage-2 :func:`benchmark_result` (None otherwise): what the parity harness and
-    :func:`parity.verdict.judge` both judge."""
+    :func:`megatron_npu.parity.verdict.judge` both judge."""
     if tested.kind != "float" or bench.kind != "float":
         return tested, None
     tested = with_benchmark(tested, bench)

@@ -1,6 +1,6 @@
 """What a parity case is: the OpInfo-style description attached to a registry patch.
 
-A patch names its case by reference (``Patch.parity = "parity.cases.norm:WRAPPED_TORCH_NORM"``)
+A patch names its case by reference (``Patch.parity = "megatron_npu.parity.cases.norm:WRAPPED_TORCH_NORM"``)
 so the adaptor never imports the harness at run time; :func:`load_case` resolves it.
 
 A case says how to make inputs (a hypothesis strategy of parameter dicts plus explicit edge
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron_npu.parity.verdict import Tolerance
 
 from megatron_npu.registry import DEVICE_ORDER
-from parity.verdict import Tolerance
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: What each device can compute in. The NPU has no fp64, which only the reference uses.

@@ -3,17 +3,17 @@
 Each writes its JSON record into the results directory (``--parity-results``) and fails on an
 ``error`` verdict; ``warning`` is recorded and shown but does not fail (msprobe's meaning). A
 cell that crashes or hangs still writes a record (an ``error`` with rule ``crash`` /
-``timeout``, see :func:`parity.harness.evaluate`), so the summary counts it.
+``timeout``, see :func:`megatron_npu.parity.harness.evaluate`), so the summary counts it.
 Collected by ``tests/parity/test_parity_matrix.py`` in CI and run directly by
 ``megatron-npu parity``.
 """
 
 from __future__ import annotations
 
-from parity.harness import SIXTEEN_BIT, Job, evaluate
-from parity.matrix import Cell, case_examples, cells
-from parity.metrics import dtype_name
-from parity.results import write_record
+from megatron_npu.parity.harness import SIXTEEN_BIT, Job, evaluate
+from megatron_npu.parity.matrix import Cell, case_examples, cells
+from megatron_npu.parity.metrics import dtype_name
+from megatron_npu.parity.results import write_record
 
 
 def pytest_generate_tests(metafunc):

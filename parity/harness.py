@@ -9,7 +9,7 @@ on the CPU, with Megatron's ``"cuda"`` allocations routed to the CPU and every s
 under test replaced by a tripwire, so a reference that reaches the implementation is caught.
 
 :func:`evaluate` drives it in this process (world size 1) or through a
-:class:`parity.ranks.RankPool` (real gloo process groups) and turns the worst outcome of each
+:class:`megatron_npu.parity.ranks.RankPool` (real gloo process groups) and turns the worst outcome of each
 compared tensor across the examples into a record. A cell that raises, hangs past its deadline or
 whose reference touches the implementation still gives a record: an ``error`` with rule
 ``crash``, ``timeout`` or ``reference_hygiene`` and possibly no tensors.
@@ -32,18 +32,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from megatron_npu.parity.benchmark import BenchmarkResult, against_benchmark, level_of
+from megatron_npu.parity.case import Context, Parallel, ParityCase, load_case, upcast
+from megatron_npu.parity.metrics import TensorComparison, compare, dtype_name
+from megatron_npu.parity.mutations import Mutation, planted
+from megatron_npu.parity.results import ParityRecord, collect_provenance
+from megatron_npu.parity.verdict import final_verdict
 
 import megatron_npu
 from megatron_npu import devices, patcher
 from megatron_npu.registry import CPU, Patch, get_patch
 from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
-from parity.benchmark import BenchmarkResult, against_benchmark, level_of
-from parity.case import Context, Parallel, ParityCase, load_case, upcast
-from parity.metrics import TensorComparison, compare, dtype_name
-from parity.mutations import Mutation, planted
-from parity.results import ParityRecord, collect_provenance
-from parity.verdict import final_verdict
 
 #: Seconds an in-process cell may run before it is stopped and recorded as ``timeout``.
 CELL_TIMEOUT_S = float(os.environ.get("MEGATRON_NPU_PARITY_TIMEOUT", "240"))
@@ -59,7 +59,7 @@ class Job:
     dtype: str
     parallel: Parallel
     examples: tuple[dict[str, Any], ...]
-    #: a planted bug (a name in :data:`parity.mutations.MUTATIONS`), active around ``case.run``
+    #: a planted bug (a name in :data:`megatron_npu.parity.mutations.MUTATIONS`), active around ``case.run``
     #: only, on every rank; None for real runs. Used by tests/parity/test_mutations.py.
     mutation: str | None = None
 
@@ -401,7 +401,7 @@ def _deadline(seconds: float) -> Iterator[None]:
 
 
 def _failure_rule(exc: BaseException) -> str:
-    from parity.ranks import RankTimeout
+    from megatron_npu.parity.ranks import RankTimeout
 
     if isinstance(exc, ReferenceHygieneError) or "ReferenceHygieneError" in str(exc):
         return "reference_hygiene"

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from megatron_npu.parity.case import Parallel, ParityCase, load_case
+from megatron_npu.parity.metrics import dtype_name
+from megatron_npu.parity.sampling import examples
 
 from megatron_npu.registry import CPU, NPU_EMULATED, Patch, all_patches
-from parity.case import Parallel, ParityCase, load_case
-from parity.metrics import dtype_name
-from parity.sampling import examples
 
 #: Devices the matrix covers by default: what every machine can run.
 DEFAULT_DEVICES = (CPU, NPU_EMULATED)

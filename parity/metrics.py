@@ -4,7 +4,7 @@
 fp32: the *rule dtype*, the cell's dtype) against a reference computed on the CPU with the inputs
 upcast (fp16/bf16 -> fp32, fp32 -> fp64), as Ascend's msprobe API accuracy checker does
 (msprobe 26.2.0's ``api_accuracy_checker/compare/algorithm.py``, from the ``mindstudio-probe``
-package of the ``test`` extra; docs/parity-results.md lists the rules). It only measures; :mod:`parity.verdict` turns a
+package of the ``test`` extra; docs/parity-results.md lists the rules). It only measures; :mod:`megatron_npu.parity.verdict` turns a
 :class:`TensorComparison` into pass / warning / error.
 
 The stage-1 numbers are computed the way msprobe 26.2.0 computes them (numpy arithmetic in the
@@ -31,7 +31,7 @@ non-finite position is an ``inf_nan_mismatch_count``, which the verdict makes an
   relative error is strictly below N = 0.01 / 0.001 / 0.0001.
 
 msprobe's "benchmark" standard numbers (used per side by the stage-2 benchmark rule, see
-:mod:`parity.benchmark`): small values are ``|r| <= T`` (T = 2**-10 fp16/bf16, 2**-20 fp32) at
+:mod:`megatron_npu.parity.benchmark`): small values are ``|r| <= T`` (T = 2**-10 fp16/bf16, 2**-20 fp32) at
 among the compared positions;
 
 * ``max_rel_error`` / ``mean_rel_error``: max / mean of the relative error over the non-small
@@ -52,8 +52,8 @@ Added here (not msprobe): ``rel_l2 = ||x - r||_2 / max(||r||_2, sqrt(m) * T)`` o
 compared positions in float64, T the small-value threshold: where the reference is all small
 values, msprobe judges absolute rather than relative error, and so does this (an RMS error in
 units of T). It is
-the relative rule the max-abs shortcut cannot bypass (see :mod:`parity.verdict`); its bound
-``rel_l2_bound`` is ``REL_L2_ROUNDINGS[dtype] * u``, raised by :func:`parity.benchmark.with_benchmark`
+the relative rule the max-abs shortcut cannot bypass (see :mod:`megatron_npu.parity.verdict`); its bound
+``rel_l2_bound`` is ``REL_L2_ROUNDINGS[dtype] * u``, raised by :func:`megatron_npu.parity.benchmark.with_benchmark`
 to a multiple of what the stock path in the same dtype reaches (``rel_l2_benchmark``).
 
 Integer and bool tensors are compared for exact equality (``kind == "exact"``); their float
@@ -98,7 +98,7 @@ class DtypeConfig:
     ulp_min_exponent: int  # msprobe ULP_PARAMETERS min_eb
     ulp_bad_bound: float  # more ULP than this is a bad element
     unit_roundoff: float  # u = finfo(dtype).eps / 2: the relative error of one rounding
-    rel_l2_bound: float  # rel_l2 above this is an error (parity.verdict)
+    rel_l2_bound: float  # rel_l2 above this is an error (megatron_npu.parity.verdict)
     reference_dtypes: tuple[torch.dtype, ...]  # acceptable reference precisions
 
 

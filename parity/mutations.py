@@ -3,13 +3,13 @@
 Each :class:`Mutation` monkeypatches one function on the path a patch takes (an op, an op's NPU
 binding, the emulated kernel, or a name a patch module imported) for the duration of a ``with``
 block and restores it afterwards. :func:`planted` activates one by name; the harness does so
-around ``case.run`` only (never the reference) when a :class:`~parity.harness.Job` carries
+around ``case.run`` only (never the reference) when a :class:`~megatron_npu.parity.harness.Job` carries
 ``mutation=<name>``, on every rank of a rank pool, so a bug inside a collective is planted in
 every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
 bug and requires ``error`` only with it.
 
-The harness imports this module (never the reverse): :func:`parity.harness.mutation_job` builds a
-mutation's job and :func:`parity.harness.evaluate_mutation` runs it.
+The harness imports this module (never the reverse): :func:`megatron_npu.parity.harness.mutation_job` builds a
+mutation's job and :func:`megatron_npu.parity.harness.evaluate_mutation` runs it.
 
 A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
 changes the case itself, e.g. a reference that calls the patched implementation).
@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_npu.parity.case import Parallel
+
 from megatron_npu.registry import CPU, NPU_EMULATED
-from parity.case import Parallel
 
 
 @contextlib.contextmanager
@@ -434,9 +435,9 @@ def _reference_calls_implementation(case):
 
 # ---------------------------------------------------------------------------- examples
 
-from parity.cases.attention import _edge as _attention  # noqa: E402
-from parity.cases.norm import _edge as _norm  # noqa: E402
-from parity.cases.rotary import _edge as _rotary  # noqa: E402
+from megatron_npu.parity.cases.attention import _edge as _attention  # noqa: E402
+from megatron_npu.parity.cases.norm import _edge as _norm  # noqa: E402
+from megatron_npu.parity.cases.rotary import _edge as _rotary  # noqa: E402
 
 _SWIGLU = {"seq": 4, "batch": 2, "hidden": 64, "bias": True, "scale": 1.0, "seed": 1}
 _ATTENTION = _attention()
@@ -674,7 +675,7 @@ _ALL = (
     Mutation(
         "reference-calls-implementation", "the rotary case's reference calls the patched "
         "_apply_rotary_pos_emb_bshd, so any bug in it agrees with itself",
-        "parity.cases.rotary.ROTARY_BSHD", _reference_calls_implementation,
+        "megatron_npu.parity.cases.rotary.ROTARY_BSHD", _reference_calls_implementation,
         "rotary.apply-bshd", (_ROTARY,), scope="job",
     ),
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """pytest plugin of the parity matrix: its options and session fixtures.
 
-Loaded by the project's ``conftest.py`` and by ``megatron-npu parity`` (``-p parity.plugin``).
+Loaded by the project's ``conftest.py`` and by ``megatron-npu parity`` (``-p megatron_npu.parity.plugin``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def parity_results(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[object]:
     """Multi-rank process groups for parity cases, closed when the session ends."""
-    from parity.ranks import PoolManager
+    from megatron_npu.parity.ranks import PoolManager
 
     manager = PoolManager()
     yield manager

@@ -24,10 +24,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from megatron_npu.parity.benchmark import BENCHMARK_PATH, BenchmarkResult
+from megatron_npu.parity.metrics import TensorComparison, dtype_config
+from megatron_npu.parity.verdict import Tolerance, Verdict, final_verdict, worst
+
 from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
-from parity.benchmark import BENCHMARK_PATH, BenchmarkResult
-from parity.metrics import TensorComparison, dtype_config
-from parity.verdict import Tolerance, Verdict, final_verdict, worst
 
 __all__ = [
     "DEVICES",
@@ -91,6 +97,7 @@ class Provenance:
     timestamp_utc: str  # ISO 8601, e.g. 2025-01-31T12:00:00Z
     wall_time_s: float  # wall time of the case
     device_name: str | None = None  # free text, e.g. "Ascend910B3" or the CPU model
+    megatron_npu: str | None = None  # this package's version (absent in records before it)
 
 
 def _is_emulation(module: Any) -> bool:
@@ -112,13 +119,37 @@ def _package_version(dist: str, module: str | None = None) -> str | None:
     return str(version) if version is not None else None
 
 
+def source_checkout() -> Path | None:
+    """The source checkout this package runs from, or None for an installed package.
+
+    A checkout is the folder above the ``megatron_npu`` package whose ``pyproject.toml`` names
+    the ``megatron-npu`` project; an installed wheel in site-packages has no such file, so
+    provenance never runs git in whatever folder happens to enclose the installation.
+    """
+    import megatron_npu
+
+    folder = Path(megatron_npu.__file__).resolve().parent.parent
+    pyproject = folder / "pyproject.toml"
+    try:
+        with pyproject.open("rb") as stream:
+            name = tomllib.load(stream).get("project", {}).get("name")
+    except (OSError, ValueError):
+        return None
+    return folder if name == "megatron-npu" else None
+
+
 def git_info(repo_dir: str | os.PathLike[str] | None = None) -> GitInfo | None:
     """HEAD's short sha and a dirty flag for the tree at ``repo_dir``; None if git can't tell.
 
-    Never raises. Uses ``--no-optional-locks`` so it never takes the index lock from someone
-    committing in the same tree.
+    ``repo_dir`` defaults to this package's own :func:`source_checkout`; an installed package
+    has none and gets None without running git. Never raises. Uses ``--no-optional-locks`` so
+    it never takes the index lock from someone committing in the same tree.
     """
-    cwd = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
+    if repo_dir is None:
+        repo_dir = source_checkout()
+        if repo_dir is None:
+            return None
+    cwd = Path(repo_dir)
 
     def run(*args: str) -> subprocess.CompletedProcess[str] | None:
         try:
@@ -213,6 +244,7 @@ def collect_provenance(
         torch=str(torch.__version__),
         torch_npu=torch_npu,
         megatron_core=_package_version("megatron-core", "megatron.core"),
+        megatron_npu=_package_version("megatron-npu", "megatron_npu"),
         git=git_info(repo_dir),
         seed=seed,
         hostname=socket.gethostname(),
@@ -238,7 +270,7 @@ class TensorResult:
 
 @dataclass(frozen=True)
 class BenchmarkSection:
-    """msprobe's stage-2 benchmark of a 16-bit cell (see :mod:`parity.benchmark`)."""
+    """msprobe's stage-2 benchmark of a 16-bit cell (see :mod:`megatron_npu.parity.benchmark`)."""
 
     path: str  # what ran as the benchmark, in words
     level: str  # msprobe level L0 / L1 / L2
@@ -398,6 +430,7 @@ class ParityRecord:
                 "torch": prov.torch,
                 "torch_npu": prov.torch_npu,
                 "megatron_core": prov.megatron_core,
+                "megatron_npu": prov.megatron_npu,
                 "git": None
                 if prov.git is None
                 else {"commit": prov.git.commit, "dirty": prov.git.dirty},
@@ -537,6 +570,11 @@ def _parse_record(data: Any) -> ParityRecord:
         torch=_get(prov, "torch", "provenance", str),
         torch_npu=_get(prov, "torch_npu", "provenance", (str, _NONE)),
         megatron_core=_get(prov, "megatron_core", "provenance", (str, _NONE)),
+        megatron_npu=(
+            _get(prov, "megatron_npu", "provenance", (str, _NONE))
+            if "megatron_npu" in prov
+            else None
+        ),
         git=git,
         seed=_get(prov, "seed", "provenance", (int, _NONE)),
         hostname=_get(prov, "hostname", "provenance", str),

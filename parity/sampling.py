@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
-
-from parity.case import ParityCase
+from megatron_npu.parity.case import ParityCase
 
 #: Hypothesis-drawn examples per (case, dtype, parallel size, device) in each mode; full mode
 #: adds up to ``EXAMPLES["full"]`` examples of new shapes on top of quick's.

@@ -1,4 +1,4 @@
-"""pass / warning / error for a :class:`~parity.metrics.TensorComparison` (msprobe 26.2.0's
+"""pass / warning / error for a :class:`~megatron_npu.parity.metrics.TensorComparison` (msprobe 26.2.0's
 accuracy-checker rules, see docs/parity-results.md).
 
 Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that decides wins):
@@ -10,14 +10,14 @@ Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that deci
 4. cosine must be > 0.99, else error; not judged for a single element or when NaN (a non-finite
    value present), as in msprobe.
 5. relative L2 error above the dtype's bound -> error (added: the relative rule the max-abs
-   shortcut cannot bypass; bounds in :mod:`parity.metrics`).
+   shortcut cannot bypass; bounds in :mod:`megatron_npu.parity.metrics`).
 6. max abs error < 1e-3 -> pass.
 7. fp16/bf16: dual hundredth fails -> error; dual thousandth fails -> warning.
    fp32: dual thousandth fails -> error; dual ten-thousandth fails -> warning.
    "dual-N fails" means the share of elements with relative error below N is not > 1 - N.
 8. otherwise pass.
 
-Stage 2 (fp16/bf16 cells with a benchmark, :mod:`parity.benchmark`): when rules 1-5 gave no
+Stage 2 (fp16/bf16 cells with a benchmark, :mod:`megatron_npu.parity.benchmark`): when rules 1-5 gave no
 error, msprobe's "benchmark" standard decides pass or error in place of rules 6-8 (the max-abs
 shortcut and the dual-N shares), as msprobe's newer standard replaces its dual-N rules for float
 outputs; :func:`final_verdict` combines the two. Rules 6-8 are still computed and quoted in the
@@ -35,8 +35,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from parity.benchmark import against_benchmark
-from parity.metrics import DUAL_LEVELS, TensorComparison, compare, decode_float
+from megatron_npu.parity.benchmark import against_benchmark
+from megatron_npu.parity.metrics import DUAL_LEVELS, TensorComparison, compare, decode_float
 
 __all__ = [
     "COSINE_MIN",
@@ -268,7 +268,7 @@ def final_verdict(
 ) -> Verdict:
     """Stage 1; for a 16-bit tensor with a benchmark, rules 1-5 then stage 2 (module docstring).
 
-    ``benchmark`` is a :class:`parity.benchmark.BenchmarkResult` or None.
+    ``benchmark`` is a :class:`megatron_npu.parity.benchmark.BenchmarkResult` or None.
     """
     if benchmark is None:
         return verdict(comparison, tolerance)
@@ -302,7 +302,7 @@ def judge(
     ``reference``: the upcast computation (fp32/fp64 for 16-bit, fp64 for fp32);
     ``benchmark``: optionally the stock computation in ``dtype`` (the harness's benchmark),
     which raises the relative L2 bound of an ill-conditioned output and, for 16-bit, makes
-    msprobe's stage 2 decide at ``level`` (:mod:`parity.benchmark`); without one, stage 1.
+    msprobe's stage 2 decide at ``level`` (:mod:`megatron_npu.parity.benchmark`); without one, stage 1.
     The op tests use this, so they and the parity matrix apply one set of rules.
     """
     comparison, result = compare(actual, reference, dtype), None

@@ -1,6 +1,6 @@
 """Run one benchmark cell under pytest-benchmark and label it per the benchmarks interface.
 
-``extra_info`` keys (INTERFACES.md): ``patch_id``, ``op``, ``path``, ``device``, ``emulated``,
+``extra_info`` keys (documented in ``perf/README.md``, section JSON): ``patch_id``, ``op``, ``path``, ``device``, ``emulated``,
 ``dtype``, ``shape``, ``direction``, ``peak_memory_bytes``; ``group`` is the op name so the paths
 of one op line up in pytest-benchmark's tables.
 """

@@ -2,10 +2,10 @@
 ``compare`` results, pytest-benchmark JSON and ``info --json`` output (issue 11).
 
 ``build_report(inputs, output, *, diff_base=None) -> Path`` is the API; ``megatron-npu report``
-the command (:mod:`reports.cli`).
+the command (:mod:`megatron_npu.reports.cli`).
 """
 
-from reports.build import build_report
-from reports.errors import ReportInputError, Skipped
+from megatron_npu.reports.build import build_report
+from megatron_npu.reports.errors import ReportInputError, Skipped
 
 __all__ = ["ReportInputError", "Skipped", "build_report"]

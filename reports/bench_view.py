@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from reports import charts
-from reports.benchmarks import BASELINE_PATH, Bench
-from reports.formatting import device_label, number
+from megatron_npu.reports import charts
+from megatron_npu.reports.benchmarks import BASELINE_PATH, Bench
+from megatron_npu.reports.formatting import device_label, number
 
 NOT_COMPARED_EMULATED = "not compared: emulated timing"
 NO_BASELINE = f"no {BASELINE_PATH} baseline"

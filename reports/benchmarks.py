@@ -1,6 +1,6 @@
 """pytest-benchmark JSON files (``--benchmark-json``) read for a report.
 
-Each benchmark's ``extra_info`` carries the keys of INTERFACES.md (``patch_id``, ``op``, ``path``,
+Each benchmark's ``extra_info`` carries the keys documented in ``perf/README.md`` (``patch_id``, ``op``, ``path``,
 ``device``, ``emulated``, ``dtype``, ``shape``, ``direction``, ``peak_memory_bytes``); any of them
 may be missing in older files, and the report then shows what it has (the group stands in for
 the op, ``unknown`` for a missing device).
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from reports import devices
+from megatron_npu.reports import devices
 
 #: The stock Megatron path: what the other paths of the same op are measured against.
 BASELINE_PATH = "megatron"

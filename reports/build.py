@@ -11,11 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-
-from reports import bench_view, charts, compare_view, diff, locate_view, parity_view, summary_view
-from reports.errors import ReportInputError
-from reports.formatting import number, status_class
-from reports.inputs import ResultSet, load
+from megatron_npu.reports import (
+    bench_view,
+    charts,
+    compare_view,
+    diff,
+    locate_view,
+    parity_view,
+    summary_view,
+)
+from megatron_npu.reports.errors import ReportInputError
+from megatron_npu.reports.formatting import number, status_class
+from megatron_npu.reports.inputs import ResultSet, load
 
 #: The report's file mode, as for the parity records it is made from (owner rw, group r).
 REPORT_MODE = 0o640

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reports.errors import ReportInputError
+from megatron_npu.reports.errors import ReportInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from reports.build import build_report
+    from megatron_npu.reports.build import build_report
 
     try:
         path = build_report(args.inputs, args.output, diff_base=args.diff_base)

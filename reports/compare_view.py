@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_npu.reports import charts
+from megatron_npu.reports.compare_results import Comparison
+from megatron_npu.reports.formatting import command_line, device_label, number
+
 from megatron_npu.compare import table2 as compare_table
-from reports import charts
-from reports.compare_results import Comparison
-from reports.formatting import command_line, device_label, number
 
 #: Rules whose verdicts compare two training curves (a grad-norm plot is drawn for each pair).
 CURVE_RULES = ("deterministic", "layout", "approximate")

@@ -4,7 +4,7 @@
   whose verdict improved (fixed), other verdict changes, cells that appeared or disappeared, and
   metric shifts beyond tolerance: a judged metric (cosine, max abs error, the dual-N shares)
   that moved by more than half of its tolerance band, the gap between its ideal value and the
-  threshold the verdict applies (the override's, else the default of :mod:`parity.verdict`);
+  threshold the verdict applies (the override's, else the default of :mod:`megatron_npu.parity.verdict`);
 * end-to-end: rule verdicts whose status changed, and s/step changes where both 95 % intervals
   exist and do not overlap (emulated runs are never compared for speed);
 * benchmarks: median changes whose interquartile ranges do not overlap (not for emulated ones).
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from parity.metrics import DUAL_LEVELS
-from reports.bench_view import speed_flag
-from reports.formatting import device_label, number
-from reports.inputs import ResultSet
-from reports.parity_records import ParityCell
-from reports.parity_view import SEVERITY, default_tolerance
+from megatron_npu.parity.metrics import DUAL_LEVELS
+from megatron_npu.reports.bench_view import speed_flag
+from megatron_npu.reports.formatting import device_label, number
+from megatron_npu.reports.inputs import ResultSet
+from megatron_npu.reports.parity_records import ParityCell
+from megatron_npu.reports.parity_view import SEVERITY, default_tolerance
 
 #: A judged metric has shifted when it moved by more than this share of its tolerance band.
 SHIFT_SHARE = 0.5

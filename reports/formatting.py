@@ -7,7 +7,7 @@ import re
 import shlex
 from typing import Any
 
-from reports import devices
+from megatron_npu.reports import devices
 
 #: The colour class of each status word any input uses (parity verdicts, compare rule verdicts
 #: and run states, info patch states, benchmark flags); anything else is shown neutral.

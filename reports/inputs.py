@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reports import benchmarks, compare_results, locate_view, parity_records
-from reports.errors import ReportInputError, Skipped
+from megatron_npu.reports import benchmarks, compare_results, locate_view, parity_records
+from megatron_npu.reports.errors import ReportInputError, Skipped
 
 KINDS = ("parity", "compare", "benchmark", "info")
 

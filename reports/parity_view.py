@@ -1,6 +1,6 @@
 """The parity sections: the matrix of cells and the coverage table, both from records and the
 registry (every patch, its case and matrix cells come from :mod:`megatron_npu.registry` and
-:mod:`parity.matrix`)."""
+:mod:`megatron_npu.parity.matrix`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import importlib
 from collections import Counter, defaultdict
 from typing import Any
 
-from parity.verdict import ABS_PASS, COSINE_MIN, STATUSES
-from reports.formatting import device_label, number
-from reports.parity_records import ParityCell
+from megatron_npu.parity.verdict import ABS_PASS, COSINE_MIN, STATUSES
+from megatron_npu.reports.formatting import device_label, number
+from megatron_npu.reports.parity_records import ParityCell
 
 SEVERITY = {s: i for i, s in enumerate(STATUSES)}
 
@@ -20,8 +20,8 @@ def worst_status(statuses: list[str]) -> str | None:
 
 
 def default_tolerance(dtype: str) -> dict[str, Any]:
-    """The thresholds :func:`parity.verdict.verdict` uses when a case has no override."""
-    rules = importlib.import_module("parity.verdict")  # parity.verdict is also a function name
+    """The thresholds :func:`megatron_npu.parity.verdict.verdict` uses when a case has no override."""
+    rules = importlib.import_module("megatron_npu.parity.verdict")  # megatron_npu.parity.verdict is also a function name
     error_n, warning_n = rules._DUAL_DEFAULTS.get(dtype, (None, None))
     return {"cosine": COSINE_MIN, "abs_pass": ABS_PASS, "dual_error": error_n,
             "dual_warning": warning_n}  # fmt: skip
@@ -127,8 +127,8 @@ def filter_values(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 def _expected_cells(devices_seen: set[str]) -> dict[str, set[tuple[str, ...]]]:
     """Per patch, the keys of every cell the registry's matrix defines on ``devices_seen``."""
-    from parity.matrix import cells
-    from parity.metrics import dtype_name
+    from megatron_npu.parity.matrix import cells
+    from megatron_npu.parity.metrics import dtype_name
 
     expected: dict[str, set[tuple[str, ...]]] = defaultdict(set)
     for cell in cells(tuple(sorted(devices_seen))):
@@ -142,8 +142,9 @@ def _expected_cells(devices_seen: set[str]) -> dict[str, set[tuple[str, ...]]]:
 def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
     """Every registry patch: its case and how many of its matrix cells this report holds, or
     its written exemption; plus any record whose patch the registry does not know."""
+    from megatron_npu.parity.case import load_case
+
     from megatron_npu.registry import all_patches
-    from parity.case import load_case
 
     by_patch: dict[str, list[ParityCell]] = defaultdict(list)
     for cell in cells:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from reports import compare_view
-from reports.formatting import device_label, number
-from reports.inputs import ResultSet
+from megatron_npu.reports import compare_view
+from megatron_npu.reports.formatting import device_label, number
+from megatron_npu.reports.inputs import ResultSet
 
 
 def _devices(pairs: list[tuple[str, bool | None]]) -> list[dict[str, Any]]:

@@ -16,32 +16,15 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", ".venv", "runs", "build", "dist", "node_modules", "__pycache__"}
+SKIP_DIRS = {".git", ".venv", ".tox", "runs", "build", "dist", "node_modules", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".ini", ".txt", ".cfg"}
 CITATION = re.compile(r"(?<![\w/.-])([\w./-]*\w\.md)\b")
 
 #: (citing file, cited name) outside this branch's area, with the owner to fix them
-KNOWN_MISSING = {
-    # reports/perf/docs cite the schema notes INTERFACES.md / REFERENCE.md that were never
-    # committed (issue 21 item 9, owners of reports/, perf/ and docs/)
-    ("docs/parity-results.md", "REFERENCE.md"),
-    ("docs/reports.md", "INTERFACES.md"),
-    ("perf/README.md", "INTERFACES.md"),
-    ("perf/runner.py", "INTERFACES.md"),
-    ("reports/benchmarks.py", "INTERFACES.md"),
-    ("reports/parity_records.py", "INTERFACES.md"),
-    ("tests/reports/report_fixtures.py", "INTERFACES.md"),
-    ("tests/reports/report_fixtures.py", "REFERENCE.md"),
-}
+KNOWN_MISSING: set[tuple[str, str]] = set()
 
 #: modules outside this branch's area that still spell "npu-emulated" (issue 21 item 9)
-KNOWN_SPELLINGS = {
-    "megatron_npu/compare/command.py",
-    "megatron_npu/compare/runner.py",
-    "megatron_npu/devices/__init__.py",
-    "megatron_npu/devices/npu_emulated.py",
-    "megatron_npu/training/peak.py",
-}
+KNOWN_SPELLINGS: set[str] = set()
 
 
 def _text_files():
@@ -84,7 +67,7 @@ def spellings(name: str = "npu-emulated") -> set[str]:
     """Modules (besides the registry) with a string constant equal to ``name`` outside their
     docstrings."""
     found = set()
-    for package in ("megatron_npu", "parity", "perf", "reports"):
+    for package in ("megatron_npu", "parity", "perf", "reports"):  # checkout folders
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel == "megatron_npu/registry.py":
@@ -108,6 +91,21 @@ def test_device_names_are_spelled_once():
     found = spellings()
     assert sorted(found - KNOWN_SPELLINGS) == []
     assert sorted(KNOWN_SPELLINGS - found) == [], "a known spelling is gone: drop it here"
+
+
+def nvtx_stubs() -> set[str]:
+    """Modules defining a class that stands in for ``torch.cuda.nvtx``."""
+    found = set()
+    for package in ("megatron_npu", "parity", "perf", "reports"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if any(isinstance(n, ast.ClassDef) and "nvtx" in n.name.lower() for n in ast.walk(tree)):
+                found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_the_nvtx_stub_is_defined_once():
+    assert nvtx_stubs() == {"megatron_npu/devices/base.py"}
 
 
 def test_the_scans_see_a_violation():

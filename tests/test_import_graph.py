@@ -1,5 +1,12 @@
 """The import graph of ``megatron_npu``, ``parity``, ``perf`` and ``reports``, read statically.
 
+The repository's ``parity/`` and ``reports/`` folders are the packages ``megatron_npu.parity``
+and ``megatron_npu.reports`` (pyproject's package-dir mapping); ``perf/`` is the top-level
+``perf`` of a checkout. The rules below name them by folder: ``parity`` is
+``megatron_npu.parity``, ``reports`` is ``megatron_npu.reports``, and the adaptor proper is the
+rest of ``megatron_npu``. Nothing imports the folders under their bare names (``import parity``
+would load a second copy in a checkout and fail in an installed wheel).
+
 Every ``import`` / ``from ... import`` statement of every module counts, at module level or
 inside a function (a lazy import is a dependency too: it only hides a circle until run time).
 ``from package import name`` is an edge to ``package.name`` when that is a module, else to
@@ -30,7 +37,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("megatron_npu", "parity", "perf", "reports")
+#: folder of the checkout -> the dotted package it installs as
+PACKAGES = {
+    "megatron_npu": "megatron_npu",
+    "parity": "megatron_npu.parity",
+    "perf": "perf",
+    "reports": "megatron_npu.reports",
+}
+#: the bare folder names nothing may import
+BARE = ("parity", "reports")
 
 #: (importer, imported) pairs that break a rule today, outside this test's owner's modules
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -49,13 +64,43 @@ FORBIDDEN_TOP = {
 def module_names() -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file of :data:`PACKAGES`."""
     out = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, dotted in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            out[".".join(parts)] = path
+            out[".".join([dotted, *parts])] = path
     return out
+
+
+def group(module: str) -> str:
+    """The folder a dotted module lives in: ``megatron_npu``, ``parity``, ``perf`` or ``reports``."""
+    parts = module.split(".")
+    if parts[0] == "megatron_npu" and len(parts) > 1 and parts[1] in BARE:
+        return parts[1]
+    return parts[0]
+
+
+def bare_imports() -> list[str]:
+    """``file:line`` of every statement that imports ``parity`` or ``reports`` by its bare name."""
+    found = []
+    for path in module_names().values():
+        source = path.read_text(encoding="utf-8")
+        found += [f"{path.relative_to(ROOT)}:{line}" for line in bare_import_lines(source)]
+    return found
+
+
+def bare_import_lines(source: str) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        if any(name.split(".")[0] in BARE for name in names):
+            lines.append(node.lineno)
+    return lines
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -148,17 +193,19 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def _layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if parts[0] == "megatron_npu" and len(parts) > 1 else None
+    if group(module) != "megatron_npu":
+        return None
+    return parts[1] if len(parts) > 1 else None
 
 
 def violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
     """Every (importer, imported) edge that breaks rule 2 or 3 of the module docstring."""
     bad = set()
     for src, targets in edges.items():
-        top = src.split(".")[0]
+        top = group(src)
         exempt = _layer(src) in COMMANDS
         for dst in targets:
-            if dst.split(".")[0] in FORBIDDEN_TOP.get(top, ()) and not exempt:
+            if group(dst) in FORBIDDEN_TOP.get(top, ()) and not exempt:
                 bad.add((src, dst))
             if _layer(src) in FOUNDATION and _layer(dst) in SUBSYSTEMS:
                 bad.add((src, dst))
@@ -167,15 +214,19 @@ def violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def test_the_graph_covers_the_four_packages():
     edges = graph()
-    assert {name.split(".")[0] for name in edges} == set(PACKAGES)
+    assert {group(name) for name in edges} == set(PACKAGES)
     # the reader sees real edges, relative and lazy ones included
-    assert "megatron_npu.registry" in edges["parity.matrix"]
-    assert "parity.mutations" in edges["parity.harness"]
+    assert "megatron_npu.registry" in edges["megatron_npu.parity.matrix"]
+    assert "megatron_npu.parity.mutations" in edges["megatron_npu.parity.harness"]
     assert "megatron_npu.data.errors" in edges["megatron_npu.data.index_check"]
 
 
 def test_no_import_cycle():
     assert cycles(graph()) == []
+
+
+def test_nothing_imports_the_bare_folder_names():
+    assert bare_imports() == []
 
 
 def test_no_upward_import():
@@ -190,15 +241,19 @@ def test_the_checks_can_fail():
     assert cycles(edges) == [["a", "b", "c"]]
     planted = {
         "megatron_npu.data.x": {"megatron_npu.training.y"},
-        "megatron_npu.ops.x": {"parity.case"},
-        "parity.x": {"reports.y"},
-        "megatron_npu.cli": {"parity.runner"},
-        "megatron_npu.compare.x": {"reports.y"},
+        "megatron_npu.ops.x": {"megatron_npu.parity.case"},
+        "megatron_npu.parity.x": {"megatron_npu.reports.y"},
+        "megatron_npu.cli": {"megatron_npu.parity.runner"},
+        "megatron_npu.compare.x": {"megatron_npu.reports.y"},
+        "perf.x": {"megatron_npu.reports.y"},
         "megatron_npu.registry": {"megatron_npu.patches"},
         "megatron_npu.training.y": {"megatron_npu.data.x"},
     }
+    planted_source = "import os\nfrom parity.case import Case\nimport reports\nfrom . import parity\n"
+    assert bare_import_lines(planted_source) == [2, 3]
     assert violations(planted) == {
         ("megatron_npu.data.x", "megatron_npu.training.y"),
-        ("megatron_npu.ops.x", "parity.case"),
-        ("parity.x", "reports.y"),
+        ("megatron_npu.ops.x", "megatron_npu.parity.case"),
+        ("megatron_npu.parity.x", "megatron_npu.reports.y"),
+        ("perf.x", "megatron_npu.reports.y"),
     }

@@ -29,6 +29,7 @@ from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import imports, rules, runner, table2
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
+from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
 from megatron_npu.training.peak import plausible
 
 DEFAULT_OUT = "compare-out"
@@ -55,7 +56,7 @@ class RunResult:
 
     @property
     def emulated(self) -> bool:
-        if self.device == "npu-emulated":
+        if self.device == NPU_EMULATED:
             return True
         if self.metrics is not None:
             return bool(self.metrics["config"].get("device_emulated"))
@@ -98,7 +99,7 @@ class RunResult:
 SHAPE_ARGUMENTS = ("seq_length", "micro_batch_size", "global_batch_size")
 #: What each device's ``max_memory_allocated`` measures: the accelerator allocator's peak on
 #: cuda/npu, the process's peak RSS on cpu and npu-emulated (no CPU allocator statistics).
-MEMORY_MEASURE = {"cuda": "allocator", "npu": "allocator", "cpu": "rss", "npu-emulated": "rss"}
+MEMORY_MEASURE = {CUDA: "allocator", NPU: "allocator", CPU: "rss", NPU_EMULATED: "rss"}
 
 
 def _precision(options: dict[str, Any]) -> str:
@@ -403,7 +404,7 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
     )  # fmt: skip
     if imported.device and imported.device != device:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
-    if imported.emulated and device != "npu-emulated":
+    if imported.emulated and device != NPU_EMULATED:
         result.notes.append("the file says its run was emulated")
     echo.write(f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})\n")
     return result
@@ -413,7 +414,7 @@ def build_report(out_dir: Path, echo: TextIO) -> Path | None:
     """``reports.build_report([out_dir], out_dir / "report.html")`` when the reports package is
     importable; otherwise say so (nothing else is lost: results.json is already written)."""
     try:
-        import reports
+        import megatron_npu.reports as reports
     except ImportError:
         echo.write(
             " [compare] no report.html: the `reports` package is not importable here (results.json and table2.md are written)\n"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
+from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
 from megatron_npu.versions import library_versions
 
 LOG_TAIL_LINES = 15
@@ -47,9 +48,9 @@ class Outcome:
 
 def device_available(name: str) -> bool:
     """Whether runs on ``name`` can start here (cpu and npu-emulated always can)."""
-    if name in ("cpu", "npu-emulated"):
+    if name in (CPU, NPU_EMULATED):
         return True
-    if name == "cuda":
+    if name == CUDA:
         import torch
 
         return torch.cuda.is_available()
@@ -59,7 +60,7 @@ def device_available(name: str) -> bool:
     if not npu.torch_npu_installed():
         return False
     try:
-        devices.make("npu")
+        devices.make(NPU)
     except devices.DeviceUnavailableError:
         return False
     return True
@@ -280,7 +281,7 @@ def execute_script(
             error = f"its log cannot be read: {exc}"
         else:
             metrics["config"]["device"] = device
-            metrics["config"]["device_emulated"] = device == "npu-emulated"
+            metrics["config"]["device_emulated"] = device == NPU_EMULATED
             _write_json(metrics_path, metrics)
     _write_json(record_path, {"config_hash": digest, "status": "failed" if error else "ok", "error": error,
                               "wall_s": wall, "command": command, "session": session})  # fmt: skip

@@ -15,9 +15,10 @@ import torch
 
 from megatron_npu.devices.base import Device
 from megatron_npu.devices.errors import DeviceUnavailableError
+from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
 
 ENV_VAR = "MEGATRON_NPU_DEVICE"
-_MODULES = {"cpu": "cpu", "npu": "npu", "npu-emulated": "npu_emulated", "cuda": "cuda"}
+_MODULES = {CPU: "cpu", NPU: "npu", NPU_EMULATED: "npu_emulated", CUDA: "cuda"}
 NAMES = tuple(_MODULES)
 
 _active: Device | None = None
@@ -37,13 +38,13 @@ def detect() -> str:
     from megatron_npu.devices import npu
 
     if not npu.torch_npu_installed():
-        return "cpu"
+        return CPU
     try:
         npu.make_device()
     except DeviceUnavailableError as exc:
         warnings.warn(f"{exc} -- running on cpu instead", RuntimeWarning, stacklevel=2)
-        return "cpu"
-    return "npu"
+        return CPU
+    return NPU
 
 
 def requested_name(name: str | None = None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -34,3 +35,25 @@ class Device:
     def describe(self) -> str:
         note = " (NPU code path emulated on CPU; not an NPU result)" if self.emulated else ""
         return f"{self.name}: tensors on {self.torch_type}, process groups on {self.dist_backend}{note}"
+
+
+class NoNvtx:
+    """``torch.cuda.nvtx`` for a device without an NVTX consumer (cpu, npu): every call is a
+    no-op and ``range`` still nests as a context manager."""
+
+    @staticmethod
+    def range_push(msg: str) -> int:
+        return 0
+
+    @staticmethod
+    def range_pop() -> int:
+        return 0
+
+    @staticmethod
+    def mark(msg: str) -> None:
+        return None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def range(msg: str, *args: Any, **kwargs: Any):
+        yield

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_npu.devices import host_memory
-from megatron_npu.devices.base import Device
+from megatron_npu.devices.base import Device, NoNvtx
 
 
 class CpuStream:
@@ -102,32 +102,11 @@ class CpuGraph:
     capture_begin = capture_end = replay = reset = pool = _refuse
 
 
-class _Nvtx:
-    """NVTX ranges have no CPU consumer; ``range`` still nests as a context manager."""
-
-    @staticmethod
-    def range_push(msg: str) -> int:
-        return 0
-
-    @staticmethod
-    def range_pop() -> int:
-        return 0
-
-    @staticmethod
-    def mark(msg: str) -> None:
-        return None
-
-    @staticmethod
-    @contextlib.contextmanager
-    def range(msg: str, *args: Any, **kwargs: Any):
-        yield
-
-
 class CpuAccelerator:
     """The ``torch.cuda``-shaped API for a CPU device (only what Megatron uses)."""
 
     name = "cpu"
-    nvtx = _Nvtx()
+    nvtx = NoNvtx()
     Stream = CpuStream
     Event = CpuEvent
     CUDAGraph = CpuGraph

@@ -7,7 +7,6 @@ can be loaded at all and turns a failure into one message that says what is miss
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_npu.devices.base import Device
+from megatron_npu.devices.base import Device, NoNvtx
 from megatron_npu.devices.errors import DeviceUnavailableError
 
 #: Shared libraries of the CANN runtime that torch_npu links against.
@@ -91,23 +90,7 @@ class NpuAccelerator:
 
     name = "npu"
 
-    class nvtx:  # noqa: N801  (mirrors torch.cuda.nvtx)
-        @staticmethod
-        def range_push(msg: str) -> int:
-            return 0
-
-        @staticmethod
-        def range_pop() -> int:
-            return 0
-
-        @staticmethod
-        def mark(msg: str) -> None:
-            return None
-
-        @staticmethod
-        @contextlib.contextmanager
-        def range(msg: str, *args: Any, **kwargs: Any):
-            yield
+    nvtx = NoNvtx()
 
     def __init__(self, npu_module: Any) -> None:
         self._npu = npu_module

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from megatron_npu.devices.base import Device
 from megatron_npu.devices.cpu import CpuAccelerator
+from megatron_npu.registry import NPU_EMULATED
 
 
 class EmulatedNpuAccelerator(CpuAccelerator):
-    name = "npu-emulated"
+    name = NPU_EMULATED
 
 
 def make_device() -> Device:
     from megatron_npu.testing import torch_npu_emulation
 
     return Device(
-        name="npu-emulated",
+        name=NPU_EMULATED,
         torch_type="cpu",
         dist_backend="gloo",
         accelerator=EmulatedNpuAccelerator(),

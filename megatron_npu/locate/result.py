@@ -11,7 +11,7 @@ Top-level fields (schema version :data:`SCHEMA_VERSION`)::
 A row of ``modules``: ``name`` (with ``@shard`` under TP/PP), ``module``, ``rank``, ``shard``,
 ``kind``, ``depth``, ``patches {own, total}`` and per phase (``forward``, ``backward``,
 ``update``) ``{output, input, ratio, tolerance, diverges, worst}``; errors are ``rel_l2`` of
-:func:`parity.metrics.compare`, non-finite ones written ``"Infinity"``/``"NaN"``.
+:func:`megatron_npu.parity.metrics.compare`, non-finite ones written ``"Infinity"``/``"NaN"``.
 """
 
 from __future__ import annotations

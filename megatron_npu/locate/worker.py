@@ -16,7 +16,7 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
   runs Megatron's unfused attention instead of being refused as ``train`` refuses it.
 
 ``plant`` (testing aid, like train's ``--force-overflow-step``) puts one of the parity harness's
-planted bugs (:mod:`parity.mutations`) in place in this process for the whole run.
+planted bugs (:mod:`megatron_npu.parity.mutations`) in place in this process for the whole run.
 
 :func:`run` starts the ranks (``world`` processes with torchrun's environment variables) and
 waits for them; a failure raises :class:`WorkerError` with the log's tail.
@@ -43,7 +43,7 @@ class WorkerError(RuntimeError):
 def _plant(name: str | None):
     if not name:
         return contextlib.nullcontext()
-    from parity.mutations import planted
+    from megatron_npu.parity.mutations import planted
 
     return planted(name)
 

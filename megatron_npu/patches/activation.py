@@ -29,7 +29,7 @@ PATCHES = [
         replacement=bias_swiglu_impl,
         reason="route --swiglu's fused bias-SwiGLU to npu_swiglu / the native op",
         versions=">=0.13",
-        parity="parity.cases.activation:BIAS_SWIGLU",
+        parity="megatron_npu.parity.cases.activation:BIAS_SWIGLU",
         benchmark="perf.cases.layers:BIAS_SWIGLU",
         npu_kernels=("npu_swiglu",),
     ),
@@ -40,7 +40,7 @@ PATCHES = [
         reason="jit-scripted CUDA bias-GELU -> the op layer",
         versions=">=0.13",
         check_signature=False,  # the target is an autograd Function's apply (no signature)
-        parity="parity.cases.activation:BIAS_GELU",
+        parity="megatron_npu.parity.cases.activation:BIAS_GELU",
         benchmark="perf.cases.layers:BIAS_GELU",
         npu_kernels=("npu_gelu",),
     ),

@@ -86,7 +86,7 @@ PATCHES = [
         kind="wrap",
         reason="flash/sparse attention (SBH/BSH, pre/next window) through the fused-attention op",
         versions=">=0.13",
-        parity="parity.cases.attention:DOT_PRODUCT_ATTENTION",
+        parity="megatron_npu.parity.cases.attention:DOT_PRODUCT_ATTENTION",
         benchmark="perf.cases.attention:DOT_PRODUCT_ATTENTION",
         npu_kernels=("npu_fusion_attention",),
     ),

@@ -39,7 +39,7 @@ PATCHES = [
         replacement=vocab_parallel_cross_entropy,
         reason="seeds' _VocabParallelCrossEntropy forward/backward -> one fp32 op with TP reduces",
         versions=">=0.13,<0.19",
-        parity="parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
+        parity="megatron_npu.parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
         benchmark="perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
     ),
     Patch(
@@ -48,7 +48,7 @@ PATCHES = [
         replacement=vocab_parallel_cross_entropy_on_group,
         reason="the same op, with 0.19's tp_group parameter",
         versions=">=0.19",
-        parity="parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
+        parity="megatron_npu.parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
         benchmark="perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
     ),
 ]

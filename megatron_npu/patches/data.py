@@ -115,7 +115,7 @@ PATCHES = [
         replacement=index_helpers.build_sample_idx,
         reason="GPT sample index in numpy: no compiled helpers_cpp needed",
         versions=">=0.13",
-        parity="parity.cases.data:BUILD_SAMPLE_IDX",
+        parity="megatron_npu.parity.cases.data:BUILD_SAMPLE_IDX",
         benchmark="perf.cases.data:BUILD_SAMPLE_IDX",
     ),
     Patch(
@@ -125,7 +125,7 @@ PATCHES = [
         reason="blended-dataset index in numpy: no compiled helpers_cpp needed",
         versions=">=0.13",
         check_signature=False,  # the target is a pybind11 builtin
-        parity="parity.cases.data:BUILD_BLENDING_INDICES",
+        parity="megatron_npu.parity.cases.data:BUILD_BLENDING_INDICES",
         benchmark="perf.cases.data:BUILD_BLENDING_INDICES",
     ),
     Patch(
@@ -135,7 +135,7 @@ PATCHES = [
         reason="exhaustive blended-dataset index in numpy: no compiled helpers_cpp needed",
         versions=">=0.13",
         check_signature=False,
-        parity="parity.cases.data:BUILD_EXHAUSTIVE_BLENDING_INDICES",
+        parity="megatron_npu.parity.cases.data:BUILD_EXHAUSTIVE_BLENDING_INDICES",
         benchmark="perf.cases.data:BUILD_EXHAUSTIVE_BLENDING_INDICES",
     ),
 ]

@@ -67,8 +67,8 @@ MODULES = tuple(classify(cuda_using_modules("megatron.core"), ROUTED, NOT_ROUTED
 
 #: modules whose routing a parity case exercises on real process groups (the rest are exempt)
 _PARITY = {
-    "megatron.core.pipeline_parallel.p2p_communication": "parity.cases.communication:P2P",
-    "megatron.core.tensor_parallel.mappings": "parity.cases.communication:TP_MAPPINGS",
+    "megatron.core.pipeline_parallel.p2p_communication": "megatron_npu.parity.cases.communication:P2P",
+    "megatron.core.tensor_parallel.mappings": "megatron_npu.parity.cases.communication:TP_MAPPINGS",
 }
 _EXEMPT = "device routing, no numerics of its own"
 _EXEMPT_TEST = "tests/patches/test_device_namespace.py::test_module_torch_routes_cuda_to_the_active_device"

@@ -24,7 +24,7 @@ PATCHES = [
         creates=True,
         reason="apex's CUDA wgrad GEMM-accumulate -> the op layer (fp32 accumulation into "
         "main_grad)",
-        parity="parity.cases.wgrad_accum:GRADIENT_ACCUMULATION_FUSION",
+        parity="megatron_npu.parity.cases.wgrad_accum:GRADIENT_ACCUMULATION_FUSION",
         benchmark="perf.cases.wgrad_accum:GRADIENT_ACCUMULATION_FUSION",
     ),
     Patch(

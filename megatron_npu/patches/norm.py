@@ -31,7 +31,7 @@ PATCHES = [
         replacement=__new__,
         reason="stock norm refuses sequence parallelism; route LayerNorm/RMSNorm to the op layer",
         versions=">=0.13",
-        parity="parity.cases.norm:WRAPPED_TORCH_NORM",
+        parity="megatron_npu.parity.cases.norm:WRAPPED_TORCH_NORM",
         benchmark="perf.cases.layers:RMS_NORM",
         npu_kernels=("npu_rms_norm",),
     ),

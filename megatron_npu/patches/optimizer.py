@@ -88,7 +88,7 @@ PATCHES = [
         "(the factory's choice up to 0.14; 0.15+ see optimizer.factory-torch-adamw)",
         versions=">=0.13",
         rebind_copies=False,  # the fallback *is* torch.optim.AdamW: never rebind torch's own name
-        parity="parity.cases.optimizer:ADAMW",
+        parity="megatron_npu.parity.cases.optimizer:ADAMW",
         benchmark="perf.cases.optimizer:ADAMW",
         npu_kernels=("npu_apply_adam_w",),
     ),
@@ -113,7 +113,7 @@ PATCHES = [
         replacement=_unscale_main_grads_and_check_for_nan,
         reason="fp16 loss-scale unscale and inf/nan check through the op layer on the device",
         versions=">=0.13",
-        parity="parity.cases.optimizer:UNSCALE_AND_CHECK",
+        parity="megatron_npu.parity.cases.optimizer:UNSCALE_AND_CHECK",
         benchmark="perf.cases.optimizer:UNSCALE_AND_CHECK",
     ),
     Patch(
@@ -123,7 +123,7 @@ PATCHES = [
         reason="gradient-norm kernel (amp_C or a device='cuda' fallback) -> foreach norm",
         versions=">=0.13",
         check_signature=False,  # amp_C's kernel has no Python signature
-        parity="parity.cases.optimizer:GRAD_NORM",
+        parity="megatron_npu.parity.cases.optimizer:GRAD_NORM",
         benchmark="perf.cases.optimizer:L2_NORM",
     ),
     Patch(
@@ -133,7 +133,7 @@ PATCHES = [
         reason="gradient-clipping scale kernel -> foreach scale with non-finite flag",
         versions=">=0.13",
         check_signature=False,
-        parity="parity.cases.optimizer:GRAD_CLIP_SCALE",
+        parity="megatron_npu.parity.cases.optimizer:GRAD_CLIP_SCALE",
         benchmark="perf.cases.optimizer:MULTI_TENSOR_SCALE",
     ),
 ]

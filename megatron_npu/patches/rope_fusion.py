@@ -33,7 +33,7 @@ PATCHES = [
         replacement=fused_apply_rotary_pos_emb,
         reason="TE's fused RoPE (apply_rope_fusion) -> npu_rotary_mul / the native op",
         versions=">=0.13",
-        parity="parity.cases.rotary_fused:ROTARY_FUSED",
+        parity="megatron_npu.parity.cases.rotary_fused:ROTARY_FUSED",
         benchmark="perf.cases.rope_fusion:ROTARY_FUSED",
         npu_kernels=("npu_rotary_mul",),
     ),

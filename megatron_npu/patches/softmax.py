@@ -55,7 +55,7 @@ PATCHES = [
         replacement=forward_fused_softmax,
         reason="CUDA-only scaled_(upper_triang_)masked_softmax kernels -> the op layer",
         versions=">=0.13",
-        parity="parity.cases.softmax:FUSED_SOFTMAX",
+        parity="megatron_npu.parity.cases.softmax:FUSED_SOFTMAX",
         benchmark="perf.cases.layers:FUSED_SOFTMAX",
         npu_kernels=("npu_scaled_masked_softmax",),
     ),

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_npu.registry import CPU, NPU_EMULATED
+
 ENV_VAR = "MEGATRON_NPU_PEAK_TFLOPS"
 #: Square GEMM sizes tried per device type; the probe keeps the best rate over all of them.
 PROBE_SIZES = {"cpu": (256, 512, 1024), "npu": (2048, 4096, 8192), "cuda": (2048, 4096, 8192)}
@@ -33,7 +35,7 @@ PROBE_REPEATS = 3
 #: A size whose warm-up GEMM takes longer than this is the last one tried (slow dtypes on CPU).
 PROBE_SIZE_BUDGET_S = 0.2
 #: Devices whose ranks share one host's compute (the peak does not scale with the world size).
-HOST_SHARED = frozenset({"cpu", "npu-emulated"})
+HOST_SHARED = frozenset({CPU, NPU_EMULATED})
 
 
 @dataclass(frozen=True)

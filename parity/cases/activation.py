@@ -11,9 +11,8 @@ maths, no compile time).
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import eager, generator, grads
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import eager, generator, grads
 
 
 def _params(bias_optional: bool):

@@ -27,9 +27,8 @@ on the run side, the exact 1 - p in the reference) catches a wrong drop probabil
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import (
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import (
     fused_attention_settings,
     generator,
     grads,

@@ -24,9 +24,8 @@ the adaptor moved the right data.
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, Parallel, ParityCase
-from parity.cases._common import bits, gather, generator
+from megatron_npu.parity.case import Context, Parallel, ParityCase
+from megatron_npu.parity.cases._common import bits, gather, generator
 
 # ============================================================================ P2P
 

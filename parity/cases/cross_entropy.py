@@ -18,9 +18,8 @@ Megatron's original is not the reference: with TP > 1 it smooths over the local 
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, Parallel, ParityCase
-from parity.cases._common import gather, generator, megatron_parallel
+from megatron_npu.parity.case import Context, Parallel, ParityCase
+from megatron_npu.parity.cases._common import gather, generator, megatron_parallel
 
 _MAX_TP = 4  # the vocab is a multiple of this, so every parallel size divides it
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy
 import torch
 from hypothesis import strategies as st
+from megatron_npu.parity.case import Context, ParityCase
 
 from megatron_npu.registry import DEVICE_ORDER
-from parity.case import Context, ParityCase
 
 _ONE_RUN = {d: (torch.float32,) for d in DEVICE_ORDER}
 

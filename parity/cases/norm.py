@@ -13,9 +13,8 @@ the run reports the marks, the reference expects all of them set.
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import generator, megatron_config
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import generator, megatron_config
 
 
 def _params():

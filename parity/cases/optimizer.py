@@ -31,10 +31,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hypothesis import strategies as st
+from megatron_npu.parity.case import Context, Parallel, ParityCase
+from megatron_npu.parity.cases._common import gather, generator, megatron_parallel
 
 from megatron_npu.registry import DEVICE_ORDER
-from parity.case import Context, Parallel, ParityCase
-from parity.cases._common import gather, generator, megatron_parallel
 
 _DEVICES = DEVICE_ORDER
 

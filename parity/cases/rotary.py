@@ -24,9 +24,8 @@ bf16 the cancellation between ``t*cos`` and ``rotate(t)*sin`` then leaves ~3% of
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import generator, grads
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import generator, grads
 
 
 @st.composite

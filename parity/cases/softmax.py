@@ -12,9 +12,8 @@ the given padding mask filled with -10000, torch softmax) in the upcast dtype: t
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import generator, grads
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import generator, grads
 
 
 @st.composite

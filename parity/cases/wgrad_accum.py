@@ -14,9 +14,8 @@ called).
 from __future__ import annotations
 
 from hypothesis import strategies as st
-
-from parity.case import Context, ParityCase
-from parity.cases._common import generator, megatron_parallel
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import generator, megatron_parallel
 
 
 def _params():

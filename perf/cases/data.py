@@ -14,21 +14,21 @@ def _params(cell: Cell) -> dict:
 
 
 def _sample_idx(cell: Cell) -> Built:
-    from parity.cases.data import _sample_idx as run
+    from megatron_npu.parity.cases.data import _sample_idx as run
 
     fn, p = implementation(cell), _params(cell)
     return Built(lambda: run(fn, p))
 
 
 def _blending(cell: Cell) -> Built:
-    from parity.cases.data import _blending as run
+    from megatron_npu.parity.cases.data import _blending as run
 
     fn, p = implementation(cell), _params(cell)
     return Built(lambda: run(fn, p))
 
 
 def _exhaustive(cell: Cell) -> Built:
-    from parity.cases.data import _exhaustive as run
+    from megatron_npu.parity.cases.data import _exhaustive as run
 
     fn, p = implementation(cell), _params(cell)
     return Built(lambda: run(fn, p))

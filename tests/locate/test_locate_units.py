@@ -154,7 +154,7 @@ def test_the_tolerance_grows_with_depth_and_gain_bounds_inherited_error():
 
 
 def test_base_tolerance_follows_the_parity_bound_of_the_dtype():
-    from parity.metrics import dtype_config
+    from megatron_npu.parity.metrics import dtype_config
 
     for name in ("float32", "bfloat16", "float16"):
         expected = modules.BASE_MULTIPLE * dtype_config(name).rel_l2_bound
@@ -303,7 +303,7 @@ def test_locate_json_round_trip_and_named_errors(tmp_path):
 
 
 def test_the_report_renders_the_module_tree_step_module_patch_and_command(tmp_path):
-    from reports.build import build_report
+    from megatron_npu.reports.build import build_report
 
     comp = modules.compare_dumps(
         _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from megatron_npu.parity.metrics import dtype_config
+from megatron_npu.parity.verdict import require_accurate
 
 from megatron_npu.ops import attention as att
 from megatron_npu.ops import cpu_band_kernel
 from megatron_npu.testing import torch_npu_emulation as emulation
-from parity.metrics import dtype_config
-from parity.verdict import require_accurate
 
 from ._paths import (
     PATHS,
@@ -181,7 +181,7 @@ def require_gradient(got, want, dtype, what):
     """The verdict, except for a gradient that is exactly zero in exact arithmetic (every row
     sees at most one key, e.g. one key in all: the softmax is constant, so dq = dk = 0). Such
     a reference has no direction and msprobe's cosine calls any rounding noise an error; there
-    the noise must stay within the dtype's small-value threshold (parity.metrics), i.e. count
+    the noise must stay within the dtype's small-value threshold (megatron_npu.parity.metrics), i.e. count
     as zero."""
     if float(want.abs().max()) == 0.0:
         small = dtype_config(dtype).small_value

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from megatron_npu.parity.verdict import require_accurate
 
 from megatron_npu.ops.cross_entropy import vocab_parallel_cross_entropy
-from parity.verdict import require_accurate
 
 from ._paths import native_kernels_around_each_test  # noqa: F401
 

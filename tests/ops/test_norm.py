@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from megatron_npu.parity.benchmark import level_of
+from megatron_npu.parity.verdict import require_accurate
 
 from megatron_npu.ops import norm
 from megatron_npu.testing import torch_npu_emulation as emulation
-from parity.benchmark import level_of
-from parity.verdict import require_accurate
 
 from ._paths import (
     PATHS,

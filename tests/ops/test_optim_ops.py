@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from megatron_npu.parity.metrics import dtype_config, dtype_name
+from megatron_npu.parity.verdict import Tolerance, judge, require_accurate
 
 from megatron_npu.ops import adamw, multi_tensor
 from megatron_npu.testing import torch_npu_emulation as emulation
-from parity.metrics import dtype_config, dtype_name
-from parity.verdict import Tolerance, judge, require_accurate
 
 from ._paths import (
     PATHS,
@@ -55,7 +55,7 @@ def reference_step(p, m, v, vmax, g, t, wd, amsgrad, maximize, lr, beta1, beta2,
 
 
 def spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The distance between ``dtype`` values around each |x| (one ULP, as parity.metrics
+    """The distance between ``dtype`` values around each |x| (one ULP, as megatron_npu.parity.metrics
     counts it: 2**(e - mantissa bits), e = max(floor(log2 |x|), the dtype's least exponent))."""
     cfg = dtype_config(dtype)
     a = x.double().abs()

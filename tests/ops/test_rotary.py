@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from megatron_npu.parity.verdict import require_accurate
 
 from megatron_npu.ops import rotary
 from megatron_npu.testing import torch_npu_emulation as emulation
-from parity.verdict import require_accurate
 
 from ._paths import (
     PATHS,

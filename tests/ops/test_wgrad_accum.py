@@ -61,8 +61,7 @@ def test_linear_layer_accumulates_into_main_grad():
     default) adds the weight gradient to main_grad; without the adaptor it refuses to build
     (no apex extension)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-
-    from parity.cases._common import megatron_config
+    from megatron_npu.parity.cases._common import megatron_config
 
     megatron_npu.apply("cpu")
     config = megatron_config(gradient_accumulation_fusion=True)

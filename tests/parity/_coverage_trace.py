@@ -33,12 +33,13 @@ def main(out: Path) -> None:
     )
     cov.start()
     # imported under coverage, so that module-level lines and branches count as well
+    from megatron_npu.parity.harness import Job, evaluate
+    from megatron_npu.parity.matrix import case_examples, cells
+    from megatron_npu.parity.metrics import dtype_name
+
     from megatron_npu.ops import cpu_band_kernel
     from megatron_npu.registry import CPU, NPU_EMULATED
     from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
-    from parity.harness import Job, evaluate
-    from parity.matrix import case_examples, cells
-    from parity.metrics import dtype_name
 
     kernels: dict[str, set[str]] = defaultdict(set)
     errors = []

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from megatron_npu.parity.case import ParityCase, load_case
+from megatron_npu.parity.matrix import cells
 
 from megatron_npu.patcher import megatron_core_version
 from megatron_npu.registry import all_patches
-from parity.case import ParityCase, load_case
-from parity.matrix import cells
 
 REPO = Path(__file__).resolve().parents[2]
 

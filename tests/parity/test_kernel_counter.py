@@ -48,7 +48,7 @@ def test_harness_counts_a_real_torch_npu_module_too():
     kernel names on whatever module the op layer uses, and puts them back."""
     import types
 
-    from parity.harness import kernel_calls
+    from megatron_npu.parity.harness import kernel_calls
 
     real = types.ModuleType("torch_npu")
     raw = emulation.npu_swiglu.__wrapped__

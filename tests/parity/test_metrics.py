@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-
-from parity.metrics import TensorComparison, compare
-from parity.verdict import Tolerance, Verdict, verdict, worst
+from megatron_npu.parity.metrics import TensorComparison, compare
+from megatron_npu.parity.verdict import Tolerance, Verdict, verdict, worst
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 

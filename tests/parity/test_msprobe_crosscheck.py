@@ -1,7 +1,7 @@
 """Our stage-1 metrics and verdicts against Ascend msprobe's own functions (mindstudio-probe).
 
 A battery of tensors (fp16 / bf16 / fp32; ordinary, tiny, all-zero, single-element, with
-inf/nan, with errors at every dual-N level) goes through :func:`parity.metrics.compare` and
+inf/nan, with errors at every dual-N level) goes through :func:`megatron_npu.parity.metrics.compare` and
 through msprobe 26.2.0's ``compare/algorithm.py`` functions and its stage-1 decision
 (``Comparator._compare_torch_tensor``). Equal numbers and verdicts are asserted, and every
 departure named in docs/parity-results.md is asserted explicitly, so a change on either side
@@ -16,6 +16,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from megatron_npu.parity.benchmark import LEVEL_LIMITS, SMALL_VALUE_LIMIT, benchmark_result  # noqa: E402
+from megatron_npu.parity.metrics import compare, dtype_config  # noqa: E402
+from megatron_npu.parity.verdict import verdict  # noqa: E402
 from msprobe.pytorch.api_accuracy_checker.compare import algorithm as ms
 from msprobe.pytorch.api_accuracy_checker.compare.compare import Comparator
 from msprobe.pytorch.api_accuracy_checker.compare.compare_column import (
@@ -24,10 +27,6 @@ from msprobe.pytorch.api_accuracy_checker.compare.compare_column import (
 from msprobe.pytorch.api_accuracy_checker.precision_standard.standard_config import (
     StandardConfig,
 )
-
-from parity.benchmark import LEVEL_LIMITS, SMALL_VALUE_LIMIT, benchmark_result  # noqa: E402
-from parity.metrics import compare, dtype_config  # noqa: E402
-from parity.verdict import verdict  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 INF, NAN = math.inf, math.nan

@@ -7,10 +7,10 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from megatron_npu.parity.harness import evaluate_mutation
+from megatron_npu.parity.mutations import MUTATIONS, planted
 
 from megatron_npu.registry import NPU_EMULATED, all_patches
-from parity.harness import evaluate_mutation
-from parity.mutations import MUTATIONS, planted
 
 
 def _evaluate(mutation, with_bug, rank_pools):
@@ -74,8 +74,7 @@ def test_a_bug_only_in_16_bit_accumulation_needs_the_16_bit_cells():
     import dataclasses
 
     import torch
-
-    from parity.cases.optimizer import GRAD_NORM
+    from megatron_npu.parity.cases.optimizer import GRAD_NORM
 
     for name in ("grad-norm-16bit-accumulation", "grad-norm-bf16-accumulation"):
         as_fp32 = dataclasses.replace(MUTATIONS[name], dtype="float32")

@@ -1,3 +1,3 @@
 """The parity matrix in CI (``--parity-mode quick`` by default); see parity/cells_test.py."""
 
-from parity.cells_test import pytest_generate_tests, test_parity  # noqa: F401
+from megatron_npu.parity.cells_test import pytest_generate_tests, test_parity  # noqa: F401

@@ -4,10 +4,9 @@ both cases every worker process is gone before the call returns."""
 from __future__ import annotations
 
 import pytest
-
-from parity.case import Parallel
-from parity.harness import Job
-from parity.ranks import RankError, RankPool, RankTimeout
+from megatron_npu.parity.case import Parallel
+from megatron_npu.parity.harness import Job
+from megatron_npu.parity.ranks import RankError, RankPool, RankTimeout
 
 JOB = Job("any", "cpu", "float32", Parallel(tp=2), ())
 
@@ -17,7 +16,7 @@ def _workers(pool):
 
 
 def test_failing_rank_surfaces_with_its_traceback_and_no_process_survives():
-    pool = RankPool(2, timeout_s=60, runner="parity._selftest:fail_on_rank_1")
+    pool = RankPool(2, timeout_s=60, runner="megatron_npu.parity._selftest:fail_on_rank_1")
     procs = _workers(pool)
     with pytest.raises(RankError) as err:
         pool.submit(JOB)
@@ -29,7 +28,7 @@ def test_failing_rank_surfaces_with_its_traceback_and_no_process_survives():
 
 
 def test_hanging_rank_is_named_and_killed():
-    pool = RankPool(2, timeout_s=8, runner="parity._selftest:hang_on_rank_1")
+    pool = RankPool(2, timeout_s=8, runner="megatron_npu.parity._selftest:hang_on_rank_1")
     procs = _workers(pool)
     with pytest.raises(RankTimeout, match=r"ranks \[1\] gave no answer within 8s"):
         pool.submit(JOB)
@@ -37,12 +36,13 @@ def test_hanging_rank_is_named_and_killed():
 
 
 def test_a_crashing_rank_pool_cell_is_an_error_record():
+    from megatron_npu.parity.harness import evaluate
+
     from megatron_npu.registry import get_patch
-    from parity.harness import evaluate
 
     patch = get_patch("cross-entropy.vocab-parallel")
     job = Job(patch.id, "cpu", "float32", Parallel(tp=2), ())
-    pool = RankPool(2, timeout_s=60, runner="parity._selftest:fail_on_rank_1")
+    pool = RankPool(2, timeout_s=60, runner="megatron_npu.parity._selftest:fail_on_rank_1")
     record = evaluate(job, pool=pool)
     assert (record.verdict.status, record.verdict.rule) == ("error", "crash")
     assert "deliberate failure on rank 1" in record.verdict.reason
@@ -71,8 +71,7 @@ def test_a_rank_joins_the_process_group_on_its_devices_backend(monkeypatch):
     """The worker takes the backend (and its per-rank device) from the device object: hccl for
     npu, where a hard-coded gloo would leave the NPU's collectives unused."""
     import torch.distributed
-
-    from parity import ranks
+    from megatron_npu.parity import ranks
 
     calls = []
     _npu_like(monkeypatch, calls)
@@ -93,7 +92,7 @@ def test_a_rank_joins_the_process_group_on_its_devices_backend(monkeypatch):
 
 
 def test_pools_are_kept_per_backend_and_a_job_for_another_backend_is_refused(monkeypatch):
-    from parity import ranks
+    from megatron_npu.parity import ranks
 
     _npu_like(monkeypatch, [])
     started = []
@@ -120,10 +119,10 @@ def test_pools_are_kept_per_backend_and_a_job_for_another_backend_is_refused(mon
 
 def test_a_single_process_case_opens_its_world_on_the_active_devices_backend(monkeypatch):
     import torch.distributed as dist
+    from megatron_npu.parity.cases._common import megatron_parallel
 
     from megatron_npu import devices
     from megatron_npu.devices.base import Device
-    from parity.cases._common import megatron_parallel
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process: the case reuses it")

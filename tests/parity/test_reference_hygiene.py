@@ -22,15 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_npu.parity.case import Context, upcast
+from megatron_npu.parity.harness import Job, evaluate, reference_environment
+from megatron_npu.parity.matrix import case_examples, patches_with_cases
 
 import megatron_npu
 from megatron_npu import patcher
 from megatron_npu.devices.base import Device
 from megatron_npu.devices.cpu import CpuAccelerator
 from megatron_npu.registry import get_patch
-from parity.case import Context, upcast
-from parity.harness import Job, evaluate, reference_environment
-from parity.matrix import case_examples, patches_with_cases
 
 ADAPTOR = Path(megatron_npu.__file__).resolve().parent
 COMPUTE = tuple(str(ADAPTOR / part) + "/" for part in ("ops", "modules", "optim"))

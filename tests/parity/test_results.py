@@ -11,12 +11,11 @@ import subprocess
 import sys
 import types
 
+import megatron_npu.parity.results as results
 import pytest
 import torch
-
-import parity.results as results
-from parity.metrics import compare
-from parity.results import (
+from megatron_npu.parity.metrics import compare
+from megatron_npu.parity.results import (
     GitInfo,
     ParityRecord,
     Provenance,
@@ -30,7 +29,7 @@ from parity.results import (
     summary_table,
     write_record,
 )
-from parity.verdict import Tolerance, Verdict
+from megatron_npu.parity.verdict import Tolerance, Verdict
 
 PAR = {"tp": 2, "pp": 1, "dp": 1, "world": 2}
 
@@ -57,6 +56,7 @@ PROVENANCE_KEYS = {
     "torch",
     "torch_npu",
     "megatron_core",
+    "megatron_npu",
     "git",
     "seed",
     "hostname",
@@ -451,7 +451,7 @@ def test_documented_example_is_a_valid_record():
 
 
 def _bench(dtype: str = "bfloat16", scale: float = 1.0):
-    from parity.benchmark import benchmark_result
+    from megatron_npu.parity.benchmark import benchmark_result
 
     tdt = getattr(torch, dtype)
     ref = torch.linspace(-2, 2, 64, dtype=torch.float32)

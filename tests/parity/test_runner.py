@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from parity.case import Parallel
-from parity.results import read_records
+from megatron_npu.parity.case import Parallel
+from megatron_npu.parity.results import read_records
 
 
 def _run(tmp_path, *args):
@@ -54,16 +54,16 @@ def _plant_run(monkeypatch, run):
 
 
 def _job(patch, case):
-    from parity.harness import Job
-    from parity.matrix import case_examples
+    from megatron_npu.parity.harness import Job
+    from megatron_npu.parity.matrix import case_examples
 
     return Job(patch.id, "npu-emulated", "float32", case.parallel[0],
                case_examples(case.name, "quick")[:1])  # fmt: skip
 
 
 def test_a_crashing_cell_is_an_error_record_counted_in_the_summary(monkeypatch, tmp_path):
-    from parity.harness import evaluate
-    from parity.results import summary_lines, write_record
+    from megatron_npu.parity.harness import evaluate
+    from megatron_npu.parity.results import summary_lines, write_record
 
     def run(ctx, inputs):
         raise RuntimeError("kernel exploded")
@@ -81,7 +81,7 @@ def test_a_crashing_cell_is_an_error_record_counted_in_the_summary(monkeypatch, 
 def test_a_hanging_cell_is_a_timeout_record(monkeypatch):
     import time
 
-    from parity.harness import evaluate
+    from megatron_npu.parity.harness import evaluate
 
     def run(ctx, inputs):
         time.sleep(60)
@@ -93,9 +93,10 @@ def test_a_hanging_cell_is_a_timeout_record(monkeypatch):
 
 
 def test_kernels_are_counted_per_cell():
+    from megatron_npu.parity.harness import Job, evaluate
+    from megatron_npu.parity.matrix import case_examples
+
     from megatron_npu.registry import get_patch
-    from parity.harness import Job, evaluate
-    from parity.matrix import case_examples
 
     patch = get_patch("activation.bias-swiglu")
     examples = case_examples("bias-swiglu", "quick")[:1]
@@ -110,11 +111,12 @@ def test_a_bf16_bug_stage1_only_warns_about_errors_on_the_benchmark(monkeypatch)
     warning as for a clean cell (dual hundredth holds, dual thousandth fails either way) and the
     relative L2 error stays under bf16's floor; msprobe's stage-2 benchmark (the stock path in
     bf16 against the same reference) makes it an error, the clean cell a pass."""
+    from megatron_npu.parity.harness import Job, evaluate
+    from megatron_npu.parity.matrix import case_examples
+    from megatron_npu.parity.verdict import verdict
+
     from megatron_npu.ops import swiglu as swiglu_op
     from megatron_npu.registry import get_patch
-    from parity.harness import Job, evaluate
-    from parity.matrix import case_examples
-    from parity.verdict import verdict
 
     patch = get_patch("activation.bias-swiglu")
     job = Job(patch.id, "cpu", "bfloat16", Parallel(), case_examples("bias-swiglu", "quick")[:1])

@@ -23,9 +23,9 @@ def test_every_patch_has_a_benchmark_or_a_written_exemption():
 
 def test_the_gate_catches_a_patch_without_one():
     bare = Patch(id="demo.no-benchmark", target="megatron.core.demo.fn", replacement=len,
-                 reason="demo", parity="parity.cases.demo:DEMO")  # fmt: skip
+                 reason="demo", parity="megatron_npu.parity.cases.demo:DEMO")  # fmt: skip
     exempt = Patch(id="demo.exempt", target="megatron.core.demo.fn", replacement=len,
-                   reason="demo", parity="parity.cases.demo:DEMO", benchmark_exempt="plumbing")  # fmt: skip
+                   reason="demo", parity="megatron_npu.parity.cases.demo:DEMO", benchmark_exempt="plumbing")  # fmt: skip
     assert _gaps([bare, exempt]) == ["demo.no-benchmark"]
 
 

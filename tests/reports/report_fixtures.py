@@ -17,9 +17,9 @@ PLANTED_CELL = ("cpu", "float32")  # (device, dtype) that gets the bug in the "p
 
 def parity_job(device: str, dtype: str, *, planted: bool = False) -> Any:
     """A real parity job of PARITY_PATCH (the planted bug's examples), optionally with the bug."""
-    from parity.case import Parallel
-    from parity.harness import Job
-    from parity.mutations import MUTATIONS
+    from megatron_npu.parity.case import Parallel
+    from megatron_npu.parity.harness import Job
+    from megatron_npu.parity.mutations import MUTATIONS
 
     mutation = MUTATIONS[PLANTED]
     assert mutation.patch_id == PARITY_PATCH
@@ -29,9 +29,10 @@ def parity_job(device: str, dtype: str, *, planted: bool = False) -> Any:
 
 def write_parity_cell(directory: Path, device: str, dtype: str, *, planted: bool = False) -> Path:
     """Evaluate one cell and write its record (replacing a record of the same cell)."""
+    from megatron_npu.parity.harness import evaluate
+    from megatron_npu.parity.results import write_record
+
     import megatron_npu
-    from parity.harness import evaluate
-    from parity.results import write_record
 
     try:
         return write_record(evaluate(parity_job(device, dtype, planted=planted), seed=7), directory)
@@ -138,7 +139,7 @@ BENCHES = (  # op, path, device, emulated, median seconds
 
 
 def benchmark_json(path: Path, *, scale: float = 1.0) -> Path:
-    """pytest-benchmark JSON (REFERENCE.md section 5) with INTERFACES.md's extra_info."""
+    """pytest-benchmark JSON (its ``--benchmark-json`` layout) with the extra_info of perf/README.md."""
     benches = []
     for op, bench_path, device, emulated, median in BENCHES:
         m = median * scale

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import report_fixtures as fx
-
-from reports import build_report
+from megatron_npu.reports import build_report
 
 BROWSER_ENV = "REPORT_CHROMIUM"
 ARTIFACTS_ENV = "REPORT_ARTIFACTS"

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import report_fixtures as fx
-
-from reports import build_report
-from reports.diff import diff
-from reports.inputs import load
+from megatron_npu.reports import build_report
+from megatron_npu.reports.diff import diff
+from megatron_npu.reports.inputs import load
 
 
 def _cells(rows):

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import report_fixtures as fx
-
-from reports import ReportInputError, build_report
-from reports.build import context
-from reports.inputs import load
+from megatron_npu.reports import ReportInputError, build_report
+from megatron_npu.reports.build import context
+from megatron_npu.reports.inputs import load
 
 #: a schema-2 ``benchmark`` object as parity/results.py (i8-verdicts) writes it
 BENCHMARK_SECTION = {

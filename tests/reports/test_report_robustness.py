@@ -10,9 +10,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from reports.build import render
-from reports.inputs import load
+from megatron_npu.reports.build import render
+from megatron_npu.reports.inputs import load
 
 JSON_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=5),

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import report_fixtures as fx
+from megatron_npu.parity.results import read_records
+from megatron_npu.reports.bench_view import NOT_COMPARED_EMULATED
+from megatron_npu.reports.build import context
+from megatron_npu.reports.inputs import load
 
 from megatron_npu.registry import all_patches
-from parity.results import read_records
-from reports.bench_view import NOT_COMPARED_EMULATED
-from reports.build import context
-from reports.inputs import load
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
 def test_headline_says_which_rule_failed_for_which_run(compare_dir, tmp_path):
     import json
 
-    from reports.compare_view import headline
+    from megatron_npu.reports.compare_view import headline
 
     assert headline(load([compare_dir]).comparisons)["text"].startswith("Comparison passed")
     data = json.loads((compare_dir / "results.json").read_text())
@@ -141,7 +141,7 @@ def test_provenance_has_commands_seeds_and_versions(ctx):
 def test_a_failed_run_keeps_its_trace_and_error(compare_dir, tmp_path):
     import json
 
-    from reports.compare_view import comparison_section
+    from megatron_npu.reports.compare_view import comparison_section
 
     folder = fx.copy_results(compare_dir, tmp_path / "cmp")
     data = json.loads((folder / "results.json").read_text())
@@ -159,7 +159,7 @@ def test_a_failed_run_keeps_its_trace_and_error(compare_dir, tmp_path):
 def test_page_is_self_contained(parity_runs, compare_dir, bench_file, tmp_path):
     import re
 
-    from reports import build_report
+    from megatron_npu.reports import build_report
 
     html = build_report([parity_runs["base"], compare_dir, bench_file], tmp_path / "r.html")
     text = html.read_text()
@@ -171,7 +171,7 @@ def test_page_is_self_contained(parity_runs, compare_dir, bench_file, tmp_path):
 def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
     import json
 
-    from reports.compare_view import band, comparison_section
+    from megatron_npu.reports.compare_view import band, comparison_section
 
     folder = fx.copy_results(compare_dir, tmp_path / "cmp")
     data = json.loads((folder / "results.json").read_text())
@@ -192,7 +192,7 @@ def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
 
 
 def test_status_phrases_take_their_most_severe_word():
-    from reports.formatting import status_class
+    from megatron_npu.reports.formatting import status_class
 
     assert status_class("pass approximate vs ref") == "pass"
     assert status_class("pass approximate vs ref; SLOWER") == "error"
