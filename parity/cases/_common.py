@@ -52,10 +52,14 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
     if not dist.is_initialized():
         store = tempfile.mkdtemp(prefix="megatron-npu-parity-")
         active = devices.active()  # the device's own backend: hccl on an NPU, gloo on the CPU
-        dist.init_process_group(
-            active.dist_backend if active is not None else "gloo",
-            init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1,
-        )
+        try:
+            dist.init_process_group(
+                active.dist_backend if active is not None else "gloo",
+                init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1,
+            )
+        except BaseException:
+            shutil.rmtree(store, ignore_errors=True)
+            raise
     made_state = not parallel_state.model_parallel_is_initialized()
     try:
         if made_state:
