@@ -30,7 +30,7 @@ REPORT_MODE = 0o640
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("reports", "templates"),
+        loader=jinja2.PackageLoader(__package__, "templates"),
         autoescape=jinja2.select_autoescape(["html", "j2"]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -42,7 +42,7 @@ def _environment() -> jinja2.Environment:
 
 
 def _asset(name: str) -> str:
-    return files("reports").joinpath("templates", name).read_text(encoding="utf-8")
+    return files(__package__).joinpath("templates", name).read_text(encoding="utf-8")
 
 
 def context(rs: ResultSet, base: ResultSet | None = None) -> dict[str, Any]:

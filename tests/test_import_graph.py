@@ -90,6 +90,15 @@ def bare_imports() -> list[str]:
     return found
 
 
+#: calls that take a package by name
+LOADERS = {"import_module", "find_spec", "files", "PackageLoader", "__import__", "resource_filename"}
+
+
+def _callee(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
 def bare_import_lines(source: str) -> list[int]:
     lines = []
     for node in ast.walk(ast.parse(source)):
@@ -98,7 +107,13 @@ def bare_import_lines(source: str) -> list[int]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             names = [node.module or ""]
-        if any(name.split(".")[0] in BARE for name in names):
+        elif isinstance(node, ast.Call) and node.args and _callee(node) in LOADERS:
+            # a package named by a string: import_module("reports"), files("reports"),
+            # jinja2.PackageLoader("reports", ...), find_spec("parity.x")
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names = [first.value]
+        if any(name.split(".")[0] in BARE and " " not in name for name in names):
             lines.append(node.lineno)
     return lines
 
@@ -249,8 +264,11 @@ def test_the_checks_can_fail():
         "megatron_npu.registry": {"megatron_npu.patches"},
         "megatron_npu.training.y": {"megatron_npu.data.x"},
     }
-    planted_source = "import os\nfrom parity.case import Case\nimport reports\nfrom . import parity\n"
-    assert bare_import_lines(planted_source) == [2, 3]
+    planted_source = (
+        "import os\nfrom parity.case import Case\nimport reports\nfrom . import parity\n"
+        'loader = PackageLoader("reports", "templates")\nprint("parity")\n'
+    )
+    assert bare_import_lines(planted_source) == [2, 3, 5]
     assert violations(planted) == {
         ("megatron_npu.data.x", "megatron_npu.training.y"),
         ("megatron_npu.ops.x", "megatron_npu.parity.case"),

@@ -94,9 +94,9 @@ def fake_runs(monkeypatch):
 
 def _run(tmp_path, monkeypatch, reports_module):
     if reports_module is None:
-        monkeypatch.setitem(sys.modules, "reports", None)  # import reports -> ImportError
+        monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)  # import reports -> ImportError
     else:
-        monkeypatch.setitem(sys.modules, "reports", reports_module)
+        monkeypatch.setitem(sys.modules, "megatron_npu.reports", reports_module)
     path = tmp_path / "m.toml"
     path.write_text(MATRIX)
     echo = io.StringIO()
@@ -169,7 +169,7 @@ def test_a_like_for_like_slowdown_fails_and_unlike_pairs_are_not_timed(tmp_path,
         return runner.Outcome("ok", None, 1.0, ["train"], "h", session=session)
 
     monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setitem(sys.modules, "reports", None)
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     path = tmp_path / "m.toml"
     path.write_text(
         '[[run]]\nname = "ref"\n[[run]]\nname = "bf16"\noptions = { bf16 = true }\n'

@@ -39,7 +39,7 @@ def elsewhere(tmp_path_factory) -> Path:
     (folder / "m.toml").write_text(TINY + '[[run]]\nname = "a"\ndevice = "cpu"\n')
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
-        mp.setitem(sys.modules, "reports", None)
+        mp.setitem(sys.modules, "megatron_npu.reports", None)
         _, status = command.run_compare(m.load(folder / "m.toml"), folder / "out", echo=io.StringIO())
     assert status == 0
     return folder / "out"
@@ -48,7 +48,7 @@ def elsewhere(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_imported_runs_take_part_in_every_rule(elsewhere, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setitem(sys.modules, "reports", None)
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     (tmp_path / "m.toml").write_text(
         TINY.replace("[defaults]", '[compare]\nbaseline = "gpu"\n[defaults]')
         + f'[[run]]\nname = "gpu"\nimport = "{elsewhere / "results.json"}"\nrun = "a"\n'
