@@ -98,8 +98,9 @@ class RunResult:
 
 #: The arguments that set a step's amount of work (with the model shape the fingerprint checks).
 SHAPE_ARGUMENTS = ("seq_length", "micro_batch_size", "global_batch_size")
-#: What each device's ``max_memory_allocated`` measures: the accelerator allocator's peak on
-#: cuda/npu, the process's peak RSS on cpu and npu-emulated (no CPU allocator statistics).
+#: What ``summary.peak_memory_bytes`` measured in a metrics file that does not say
+#: (``peak_memory_measure``, written since the host allocator peak): the accelerator allocator's
+#: peak on cuda/npu, the process's peak RSS on cpu and npu-emulated.
 MEMORY_MEASURE = {CUDA: "allocator", NPU: "allocator", CPU: "rss", NPU_EMULATED: "rss"}
 
 
@@ -124,6 +125,10 @@ def accuracy_rule(cand: RunResult, ref: RunResult) -> str:
     if same_model_path and fp32 and differing and differing <= LAYOUT_OPTIONS:
         return "layout"
     return "approximate"
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return nbytes / 2**20 if nbytes is not None else None
 
 
 def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
@@ -158,7 +163,7 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         "peak_understated": rules.mfu_shown(result.emulated) and raw_mfu is not None and mfu is None,
         "mfu_note": None if rules.mfu_shown(result.emulated) else rules.EMULATED_SPEED,
         "peak_allocated_mib": memory_mib if measure == "allocator" else None,
-        "peak_rss_mib": memory_mib if measure == "rss" else summary.get("peak_rss_mib"),
+        "peak_rss_mib": memory_mib if measure == "rss" else _mib(summary.get("peak_rss_bytes")),
         "speed_comparable": not result.emulated,
     }
 

@@ -32,8 +32,10 @@ COLUMNS = (
 )
 EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance (no MFU, no speed verdict)."
 MEMORY_NOTE = (
-    "peak allocated: the accelerator allocator's peak (torch's max_memory_allocated on cuda/npu, "
-    "largest over ranks); peak RSS: the process's peak resident set on cpu and npu-emulated rows."
+    "peak allocated: the allocator's peak, largest over ranks (torch's max_memory_allocated on "
+    "cuda/npu; on cpu and npu-emulated the profiler's count: live tensor storages plus the first "
+    "step's net allocations); peak RSS: the process's peak resident set (cpu and npu-emulated "
+    "rows, and Megatron-LM logs of a run on those devices)."
 )
 #: How the cloze column is headed: the LAMBADA test set only when the user gave one.
 CLOZE_LABELS = {

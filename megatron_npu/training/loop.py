@@ -23,6 +23,7 @@ It exists only to test that path; never use it in a real run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -53,6 +54,7 @@ from megatron_npu.training import (
     security,
 )
 from megatron_npu.training import data as data_mod
+from megatron_npu.training import host_allocator_peak as host_peak
 from megatron_npu.training import model as model_mod
 from megatron_npu.training import optimizer as optim_mod
 
@@ -355,6 +357,11 @@ def build_trainer(args, env, device) -> Trainer:
                    get_forward_backward_func())  # fmt: skip
 
 
+def _rss_note(summary: dict) -> str:
+    rss = summary.get("peak_rss_bytes")
+    return f" (process peak RSS {rss / 2**20:.0f} MiB)" if rss else ""
+
+
 def _loss_scales(args) -> tuple[float | None, float | None]:
     """fp16's loss scaler: the smallest scale it reaches and the one the first step runs with
     (a static scale is both); ``(None, None)`` without a scaler."""
@@ -418,6 +425,8 @@ def _train(args, env, device) -> int:
     for chunk in model:
         chunk.train()
     device.accelerator.reset_peak_memory_stats()
+    on_host = device.torch_type == "cpu"
+    host_step_peak = 0
     last_saved = resume.iteration
     floor, first_scale = _loss_scales(args)
     guard = divergence.Guard(
@@ -425,9 +434,15 @@ def _train(args, env, device) -> int:
     )
     try:
         for step in range(resume.iteration + 1, args.train_iters + 1):
-            start = _timed_sync(device)
-            loss, grad_norm, lr, skipped = trainer.step(step, iterators)
-            elapsed = _timed_sync(device) - start
+            # the host has no allocator statistics: its peak is measured on the first step
+            # (a warm-up step, outside the s/step statistics) by the profiler
+            probe = host_peak.measure() if on_host and step == resume.iteration + 1 else None
+            with probe or contextlib.nullcontext() as measured:
+                start = _timed_sync(device)
+                loss, grad_norm, lr, skipped = trainer.step(step, iterators)
+                elapsed = _timed_sync(device) - start
+            if measured is not None:
+                host_step_peak = measured.peak_bytes
             consumed += args.global_batch_size
             pnorm = params_norm(model) if args.log_params_norm else None
             record = metrics.StepRecord(
@@ -478,21 +493,29 @@ def _train(args, env, device) -> int:
     finally:
         if progress is not None:
             progress.close()
-    peak = torch.tensor(
-        [device.accelerator.max_memory_allocated()], dtype=torch.int64,
-        device=devices.current_torch_device(),
+    # [allocator peak, process peak RSS]: torch's allocator statistics on an accelerator, the
+    # profiled step on the host (where max_memory_allocated answers the resident set)
+    peaks = torch.tensor(
+        [host_step_peak, device.accelerator.max_memory_allocated()] if on_host
+        else [device.accelerator.max_memory_allocated(), 0],
+        dtype=torch.int64, device=devices.current_torch_device(),
     )  # fmt: skip
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     if rank0:
-        run_metrics.peak_memory_bytes = int(peak.item())
+        run_metrics.peak_memory_bytes = int(peaks[0].item())
+        run_metrics.peak_memory_source = (
+            host_peak.SOURCE if on_host else f"torch.{device.torch_type}.max_memory_allocated"
+        )
+        run_metrics.peak_rss_bytes = int(peaks[1].item()) if on_host else None
         summary = run_metrics.summary()
         if args.metrics_out:
             run_metrics.write(args.metrics_out)
         print(
             f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
             f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
-            f"{summary['skipped_steps']} | {_throughput_note(summary)}peak memory {summary['peak_memory_bytes'] / 2**20:.0f} "
-            f"MiB{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
+            f"{summary['skipped_steps']} | {_throughput_note(summary)}peak allocated "
+            f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB{_rss_note(summary)}"
+            f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
             flush=True,
         )
     return 0

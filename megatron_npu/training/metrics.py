@@ -7,8 +7,11 @@ The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``)
 * ``steps``: one object per step -- ``step, lm_loss, grad_norm, lr, loss_scale, skipped,
   step_time_s, tokens_per_s`` (+ ``params_norm`` with ``--log-params-norm``);
 * ``summary``: median steady-state seconds per step (steps after the first
-  :data:`WARMUP_STEPS`; all steps if there are no others), tokens/s at that median, the peak
-  accelerator memory (``max_memory_allocated``, the largest over all ranks), skipped steps;
+  :data:`WARMUP_STEPS`; all steps if there are no others), tokens/s at that median, the
+  allocator's peak memory, the largest over all ranks (``peak_memory_bytes``, measure
+  ``allocator``: ``max_memory_allocated`` on cuda/npu; on cpu and npu-emulated the first step
+  measured by :mod:`.host_allocator_peak`, with ``peak_memory_source`` saying which) and, on the
+  host, the process's peak resident set (``peak_rss_bytes``), skipped steps;
   and throughput: ``model_flops_per_step`` (Megatron-LM's GPT formula, :mod:`.flops`),
   ``achieved_tflops_per_s`` at the median step time, ``mfu`` against ``peak`` (the per-device
   peak of :mod:`.peak` -- measured GEMM probe, cached, or stated -- times ``peak_devices``; null
@@ -65,7 +68,9 @@ class RunMetrics:
     config: dict[str, Any]
     tokens_per_step: int
     steps: list[StepRecord] = field(default_factory=list)
-    peak_memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None  # the allocator's peak, largest over ranks
+    peak_memory_source: str | None = None  # how it was measured (the device's allocator API)
+    peak_rss_bytes: int | None = None  # the process's peak resident set (host devices only)
     model_flops_per_step: float | None = None
     peak: dict[str, Any] | None = None  # PeakFlops.as_dict()
     peak_devices: int = 1
@@ -98,6 +103,9 @@ class RunMetrics:
             "median_step_time_s": median,
             "tokens_per_s": (self.tokens_per_step / median) if median else None,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_measure": "allocator" if self.peak_memory_bytes is not None else None,
+            "peak_memory_source": self.peak_memory_source,
+            "peak_rss_bytes": self.peak_rss_bytes,
             "skipped_steps": sum(1 for r in self.steps if r.skipped),
             "first_lm_loss": losses[0] if losses else None,
             "last_lm_loss": losses[-1] if losses else None,

@@ -203,6 +203,9 @@ options = {{ nproc-per-node = 2, tensor-model-parallel-size = 2 }}
     # Megatron-LM's 'max allocated' of a run on cpu is what the adaptor's cpu device measures:
     # the process's peak RSS, so it goes in the RSS column
     assert rows["mlm-cpu"]["peak_rss_mib"] > 0 and rows["mlm-cpu"]["peak_allocated_mib"] is None
+    # the adaptor's own run on the host has both: the allocator's peak (profiled) and its RSS
+    local = rows["npu-tp2"]
+    assert 0 < local["peak_allocated_mib"] < local["peak_rss_mib"]
     header = (tmp_path / "out" / "table2.md").read_text().splitlines()[2]
     assert "peak RSS MiB" in header and "cloze" not in header  # no run was evaluated
     runs = {r["name"]: r for r in document["runs"]}
