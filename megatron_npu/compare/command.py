@@ -135,8 +135,10 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
     if not result.metrics:
         return None
     curve = result.curve()
-    stats = rules.step_time_stats(curve.step_times, warmup)
     summary = result.metrics.get("summary", {})
+    if summary.get("peak_memory_profiled_step") is not None:
+        warmup = max(warmup, 1)  # the first step ran under the memory profiler: never timed
+    stats = rules.step_time_stats(curve.step_times, warmup)
     args = result.arguments
     tokens = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
     flops = summary.get("model_flops_per_step")

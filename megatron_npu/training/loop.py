@@ -443,6 +443,7 @@ def _train(args, env, device) -> int:
                 elapsed = _timed_sync(device) - start
             if measured is not None:
                 host_step_peak = measured.peak_bytes
+                run_metrics.profiled_step = step
             consumed += args.global_batch_size
             pnorm = params_norm(model) if args.log_params_norm else None
             record = metrics.StepRecord(

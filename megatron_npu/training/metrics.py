@@ -71,6 +71,7 @@ class RunMetrics:
     peak_memory_bytes: int | None = None  # the allocator's peak, largest over ranks
     peak_memory_source: str | None = None  # how it was measured (the device's allocator API)
     peak_rss_bytes: int | None = None  # the process's peak resident set (host devices only)
+    profiled_step: int | None = None  # the step run under the profiler (its time is inflated)
     model_flops_per_step: float | None = None
     peak: dict[str, Any] | None = None  # PeakFlops.as_dict()
     peak_devices: int = 1
@@ -106,6 +107,7 @@ class RunMetrics:
             "peak_memory_measure": "allocator" if self.peak_memory_bytes is not None else None,
             "peak_memory_source": self.peak_memory_source,
             "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_memory_profiled_step": self.profiled_step,
             "skipped_steps": sum(1 for r in self.steps if r.skipped),
             "first_lm_loss": losses[0] if losses else None,
             "last_lm_loss": losses[-1] if losses else None,

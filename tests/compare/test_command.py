@@ -194,3 +194,17 @@ def test_a_like_for_like_slowdown_fails_and_unlike_pairs_are_not_timed(tmp_path,
     assert perf["other-session"]["status"] == "not-applicable"
     assert "not timed in the same compare invocation" in perf["other-session"]["detail"]
     assert status == 1
+
+
+def test_the_memory_profiled_step_is_never_timed():
+    """A host run's first step ran under the profiler: even with no warm-up asked for, it stays
+    out of the s/step statistics; a run without a profiled step keeps every step."""
+    spec = m.RunSpec(name="cpu", devices=("cpu",), options={})
+    metrics = _metrics(types.SimpleNamespace(tensor_parallel=1), "cpu", [5.0, 4.9, 4.8, 4.7])
+    metrics["steps"][0]["step_time_s"] = 10.0  # the profiled step, far slower
+    outcome = runner.Outcome("ok", 0, 1.0, [], "")
+    profiled = dict(metrics, summary={**metrics["summary"], "peak_memory_profiled_step": 1})
+    record = command.perf_record(command.RunResult(spec, "cpu", outcome, metrics=profiled), 0)
+    assert record["median_s_per_step"] == pytest.approx(0.1)
+    unprofiled = command.perf_record(command.RunResult(spec, "cpu", outcome, metrics=metrics), 0)
+    assert unprofiled["ci95_s_per_step"][1] > 0.1  # the slow first step is in the statistics
