@@ -1,5 +1,5 @@
 """Inputs shared by the report tests, computed once per session: real parity cells, a real
-compare output, a real info file, and a schema-built benchmark file."""
+compare output, a real info file, and a real pytest-benchmark file."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def compare_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def bench_file(tmp_path_factory) -> Path:
-    return fx.benchmark_json(tmp_path_factory.mktemp("bench") / "bench.json")
+    """The ``--benchmark-json`` file of a real run of fx.BENCH_SELECTION."""
+    return fx.run_benchmarks(tmp_path_factory.mktemp("bench") / "bench.json")
 
 
 @pytest.fixture(scope="session")

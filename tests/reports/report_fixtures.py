@@ -1,5 +1,5 @@
 """Inputs for the report tests: a real ``compare`` run of a tiny matrix, real parity cells (a few
-cells of one patch, from the harness), and pytest-benchmark JSON built from its schema."""
+cells of one patch, from the harness), and a real pytest-benchmark run of a few perf/ cells."""
 
 from __future__ import annotations
 
@@ -129,35 +129,71 @@ def copy_results(source: Path, directory: Path, *, slower: float = 1.0) -> Path:
     return directory
 
 
-BENCHES = (  # op, path, device, emulated, median seconds
-    ("rms_norm", "megatron", "cpu", False, 2.0e-3),
-    ("rms_norm", "native", "cpu", False, 1.0e-3),
-    ("swiglu", "megatron", "cpu", False, 1.0e-3),
-    ("swiglu", "native", "cpu", False, 1.5e-3),
-    ("rms_norm", "npu-binding", "npu-emulated", True, 4.0e-3),
-)
+#: The benchmark cells the report tests read: a real pytest-benchmark run of the project's own
+#: suite (perf/, at its quick size), two ops, each on the Megatron path, the native path and the
+#: emulated NPU binding; never a hand-written JSON file.
+BENCH_SELECTION = "(bias-swiglu or bias-gelu) and float32 and fwd and not bwd"
+TIMING_KEYS = ("min", "max", "mean", "stddev", "median", "iqr", "q1", "q3", "ld15iqr",
+               "hd15iqr", "total")  # fmt: skip
 
 
-def benchmark_json(path: Path, *, scale: float = 1.0) -> Path:
-    """pytest-benchmark JSON (its ``--benchmark-json`` layout) with the extra_info of perf/README.md."""
-    benches = []
-    for op, bench_path, device, emulated, median in BENCHES:
-        m = median * scale
-        benches.append({
-            "group": op, "name": f"test_{op}[{bench_path}-{device}]",
-            "fullname": f"perf/test_ops.py::test_{op}[{bench_path}-{device}]",
-            "params": None, "param": None, "options": {},
-            "extra_info": {"patch_id": None, "op": op, "path": bench_path, "device": device,
-                           "emulated": emulated, "dtype": "float32", "shape": "4x128x256",
-                           "direction": "fwd", "peak_memory_bytes": None},
-            "stats": {"min": m * 0.9, "max": m * 1.2, "mean": m, "stddev": m * 0.02,
-                      "rounds": 10, "median": m, "iqr": m * 0.04, "q1": m * 0.98, "q3": m * 1.02,
-                      "iqr_outliers": 0, "stddev_outliers": 0, "outliers": "0;0", "ld15iqr": m,
-                      "hd15iqr": m, "ops": 1 / m, "total": m * 10, "iterations": 1},
-        })  # fmt: skip
-    data = {"machine_info": {"node": "ci", "processor": "x86_64", "python_version": "3.11.7",
-                             "cpu": {"brand_raw": "test cpu"}},
-            "commit_info": {"id": "abc1234", "branch": "main", "dirty": False},
-            "benchmarks": benches, "datetime": "2026-11-22T20:00:00", "version": "5.1.0"}  # fmt: skip
-    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+def run_benchmarks(path: Path) -> Path:
+    """``pytest perf/test_patched_ops_bench.py --perf-quick -k BENCH_SELECTION
+    --benchmark-json=path``, run for real (about 10 s)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(root / "perf" / "test_patched_ops_bench.py"), "--perf-quick", "-k", BENCH_SELECTION,
+         f"--benchmark-json={path}", "--rootdir", str(root)],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return path
+
+
+def benchmarks(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text(encoding="utf-8"))["benchmarks"]
+
+
+def scaled_benchmarks(source: Path, target: Path, scale: float, where=lambda bench: True) -> Path:
+    """A copy of a real benchmark file with the timings of the benchmarks ``where`` selects
+    multiplied by ``scale`` (the speed-change tests)."""
+    data = json.loads(source.read_text(encoding="utf-8"))
+    for bench in data["benchmarks"]:
+        if where(bench):
+            stats = bench["stats"]
+            for key in TIMING_KEYS:
+                stats[key] *= scale
+            stats["ops"] /= scale
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return target
+
+
+def with_paths_relative(source: Path, target: Path, factors: dict[tuple[str, str], float]) -> Path:
+    """A copy of a real benchmark file where each (op, path) of ``factors`` takes the timings of
+    the same line's Megatron path times its factor: a known ratio on real records."""
+    data = json.loads(source.read_text(encoding="utf-8"))
+    by_line = {}
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        if info["path"] == "megatron":
+            by_line[(info["op"], info["dtype"], info["direction"], info["device"])] = bench["stats"]
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        factor = factors.get((info["op"], info["path"]))
+        if factor is None:
+            continue
+        base = by_line[(info["op"], info["dtype"], info["direction"], info["device"])]
+        for key in TIMING_KEYS:
+            bench["stats"][key] = base[key] * factor
+        bench["stats"]["ops"] = base["ops"] / factor
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return target

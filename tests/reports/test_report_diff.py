@@ -34,10 +34,11 @@ def test_identical_sets_show_nothing(parity_runs, compare_dir, bench_file):
 
 def test_speed_changes_skip_emulated(tmp_path, compare_dir, bench_file):
     slower_cmp = fx.copy_results(compare_dir, tmp_path / "default", slower=10.0)
-    slower_bench = fx.benchmark_json(tmp_path / "b.json", scale=1.5)
+    slower_bench = fx.scaled_benchmarks(bench_file, tmp_path / "b.json", 10.0)
     d = diff(load([compare_dir, bench_file]), load([slower_cmp, slower_bench]))
     flagged = {row["what"] for row in d["speed_changes"]}
-    real = [b for b in fx.BENCHES if not b[3]]
+    real = [b for b in fx.benchmarks(bench_file) if not b["extra_info"]["emulated"]]
+    assert len(real) == 4
     assert len(flagged) == 1 + len(real)  # cpu-tp2's s/step and every non-emulated benchmark
     assert all(row["flag"] == "slower" for row in d["speed_changes"])
     assert not any("emu" in w or "npu-emulated" in w for w in flagged)

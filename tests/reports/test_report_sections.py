@@ -61,16 +61,42 @@ def test_emulated_devices_are_labelled_and_never_merged(ctx):
     }
 
 
-def test_benchmark_ratios_and_flags(ctx):
-    rows = {(line["op"], line["device"]["name"], r["path"]): r
-            for line in ctx["bench_lines"] for r in line["rows"]}  # fmt: skip
-    assert rows[("rms_norm", "cpu", "native")]["ratio"] == "0.5"
-    assert rows[("rms_norm", "cpu", "native")]["flag"] == "faster"
-    assert rows[("swiglu", "cpu", "native")]["ratio"] == "1.5"
-    assert rows[("swiglu", "cpu", "native")]["flag"] == "slower"
-    emulated = rows[("rms_norm", "npu-emulated", "npu-binding")]
-    assert emulated["flag"] == NOT_COMPARED_EMULATED and emulated["ratio"] == "-"
+def _bench_rows(context_: dict) -> dict:
+    return {(line["op"], line["device"]["name"], r["path"]): r
+            for line in context_["bench_lines"] for r in line["rows"]}  # fmt: skip
+
+
+def test_benchmark_ratios_are_the_real_medians(ctx, bench_file):
+    rows = _bench_rows(ctx)
+    medians = {(b["extra_info"]["op"], b["extra_info"]["device"], b["extra_info"]["path"]):
+               b["stats"]["median"] for b in fx.benchmarks(bench_file)}  # fmt: skip
+    for op in ("bias-swiglu", "bias-gelu"):
+        native, megatron = medians[(op, "cpu", "native")], medians[(op, "cpu", "megatron")]
+        assert rows[(op, "cpu", "native")]["ratio"] == f"{native / megatron:.3g}"
+        assert rows[(op, "cpu", "megatron")]["flag"] == "baseline"
+        emulated = rows[(op, "npu-emulated", "npu-binding")]
+        assert emulated["flag"] == NOT_COMPARED_EMULATED and emulated["ratio"] == "-"
     assert len(ctx["bench_charts"]) == 1  # cpu only: emulated timings are not charted
+
+
+def test_benchmark_flags_need_separated_spreads(bench_file, tmp_path):
+    """Real records with the native path moved to a known multiple of its line's Megatron
+    timings: far enough that the spreads separate, whatever the machine's noise was."""
+    stats = {b["extra_info"]["op"]: b["stats"] for b in fx.benchmarks(bench_file)
+             if b["extra_info"]["path"] == "megatron"}  # fmt: skip
+    slow = 2 * stats["bias-swiglu"]["q3"] / stats["bias-swiglu"]["q1"]
+    fast = stats["bias-gelu"]["q1"] / stats["bias-gelu"]["q3"] / 2
+    known = fx.with_paths_relative(
+        bench_file, tmp_path / "b.json",
+        {("bias-swiglu", "native"): slow, ("bias-gelu", "native"): fast},
+    )  # fmt: skip
+    rows = _bench_rows(context(load([known])))
+    assert rows[("bias-swiglu", "cpu", "native")]["ratio"] == f"{slow:.3g}"
+    assert rows[("bias-swiglu", "cpu", "native")]["flag"] == "slower"
+    assert rows[("bias-gelu", "cpu", "native")]["ratio"] == f"{fast:.3g}"
+    assert rows[("bias-gelu", "cpu", "native")]["flag"] == "faster"
+    same = fx.with_paths_relative(bench_file, tmp_path / "same.json", {("bias-gelu", "native"): 1.0})
+    assert _bench_rows(context(load([same])))[("bias-gelu", "cpu", "native")]["flag"] == "same"
 
 
 def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
