@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu.compare import mlm_log, tensorboard_events
+from megatron_npu.compare.textfile import read_text
 
 METRICS_KEYS = ("config", "steps", "summary")
 COMPARE_SCHEMA = "megatron-npu/compare"
@@ -113,19 +114,11 @@ def load(path: str | Path, run: str | None = None) -> Imported:
             raise ImportedRunError(str(exc)) from None
         metrics = tensorboard_events.to_metrics(events, str(path))
         return Imported(metrics, None, False, {"kind": "tensorboard", "path": str(path)})
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ImportedRunError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if not raw.strip():
-        raise ImportedRunError(f"{path}: empty file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ImportedRunError(
-            f"{path}: not a text file (byte {exc.start} is not UTF-8): a log, metrics.json or "
-            "results.json was expected (an event file's name contains 'tfevents')"
-        ) from None
+    text = read_text(
+        path, ImportedRunError, "text file",
+        "a log, metrics.json or results.json was expected (an event file's name contains "
+        "'tfevents')",
+    )  # fmt: skip
     digest = _sha256(path)
     if text.lstrip().startswith(("{", "[")):
         data = _read_json(path, text)

@@ -28,6 +28,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from megatron_npu.compare.textfile import read_text
+
 ARGS_START = re.compile(r"-{3,} arguments -{3,}")
 ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
 ARG_LINE = re.compile(r"^(?:\[[^\]]*\]:?)?\s+([A-Za-z_]\w*) (?:\.+ | )(.*)$")
@@ -96,16 +98,7 @@ def _iteration(path: Path, number: int, match: re.Match) -> dict[str, Any]:
 def parse(path: str | Path) -> dict[str, Any]:
     """``{"arguments", "padded_vocab_size", "iterations": [records], "peak_allocated_mb"}``."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise LogFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if not raw.strip():
-        raise LogFormatError(f"{path}: empty file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise LogFormatError(f"{path}: not a text log (byte {exc.start} is not UTF-8)") from None
+    text = read_text(path, LogFormatError, "text log")
     arguments: dict[str, Any] | None = None
     in_args = False
     args_line = 0
