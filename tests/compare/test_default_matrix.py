@@ -39,7 +39,7 @@ def _compare(tmp_path: Path, monkeypatch, plant: str | None, *names: str):
         monkeypatch.setenv(
             "PYTHONPATH", os.pathsep.join(filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")]))
         )
-    monkeypatch.setitem(__import__("sys").modules, "reports", None)
+    monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
     return command.run_compare(_default_rows(*names), tmp_path / "out", echo=io.StringIO())
 
 
