@@ -144,7 +144,7 @@ def test_imported_megatron_lm_runs_against_a_local_emulated_run(tmp_path, monkey
     configuration trained here on the NPU code path: one Table 2 with every row, approximate
     verdicts, and no speed verdict on emulated rows."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setitem(sys.modules, "reports", None)
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     (tmp_path / "m.toml").write_text(f"""
 [compare]
 baseline = "mlm-cpu"

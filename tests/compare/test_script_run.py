@@ -41,7 +41,7 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
     # the steering repo's shared/ is beside every checkout CI runs: a missing one is a failure
     assert script.is_file(), f"no Megatron-LM checkout at {script.parent} (../shared/megatron-lm, or $MEGATRON_LM_ROOT)"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setitem(sys.modules, "reports", None)
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     args = ", ".join(f'"{a}"' for a in ARGS)
     (tmp_path / "m.toml").write_text(
         f'[compare]\nbaseline = "mlm-cpu"\n'
