@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_npu import devices
 from megatron_npu.training import checkpoint_store as store
@@ -230,6 +231,8 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
             store.begin(root, iteration)
         torch.distributed.barrier()
         sync_params(model)
+        if with_optimizer:
+            _materialize_optimizer_state(optimizer, distributed_only=False)
         state = _state_dict(
             args, model, optimizer, scheduler, iteration,
             loading=False, with_optimizer=with_optimizer, with_rng=not args.no_save_rng,
@@ -257,31 +260,64 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
     return path
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer's torch Adam its state before loading into it.
+def _materialize_optimizer_state(optimizer, *, distributed_only: bool = True) -> None:
+    """Give every parameter of the torch Adam(W) inside ``optimizer`` the state it starts from
+    (zero ``step``, ``exp_avg`` and ``exp_avg_sq``: what Adam creates at its first update) where
+    it has none yet.
 
-    ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` first calls its own
-    ``state_dict()``, which (without apex/TransformerEngine) reads every parameter's ``step``
-    from the torch optimizer's state -- empty before the first step, so megatron-core 0.16.1
-    fails an assertion. Zero ``step``/``exp_avg``/``exp_avg_sq`` (what Adam starts from) are put
-    in place; the load then overwrites them with the checkpoint's values. (SGD's momentum
-    buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
+    * Before loading into a fresh optimizer: a distributed one's
+      ``sharded_state_dict(is_loading=True)`` first calls its own ``state_dict()``, which
+      (without apex/TransformerEngine) reads every parameter's ``step`` -- empty before the first
+      step, so megatron-core 0.16.1 fails an assertion; Megatron's own ``init_state_fn`` of the
+      others creates the moments without ``step`` (KeyError 'step' on load). The load
+      overwrites the zeros.
+    * Before every save (``distributed_only=False``): a run whose updates were all skipped (fp16
+      overflows at the first loss scales) has no Adam state yet, and a checkpoint saved without
+      it cannot be loaded (the loading optimizer asks for ``exp_avg``). The zeros are exactly
+      the state the next update would create, so the saved run and its resume stay the same.
+
+    (SGD's momentum buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or inner is None or inner.state:
+        if inner is None or (distributed_only and not isinstance(opt, DistributedOptimizer)):
             continue
         if getattr(opt.config, "optimizer", None) != "adam":  # torch Adam(W)'s state layout
             continue
         for group in inner.param_groups:
             for param in group["params"]:
+                if inner.state.get(param):
+                    continue
                 inner.state[param] = {
                     "step": torch.zeros((), dtype=torch.float32),
                     "exp_avg": torch.zeros_like(param.data),
                     "exp_avg_sq": torch.zeros_like(param.data),
                 }
+
+
+def _restore_zero_steps(optimizer_state) -> None:
+    """Put back the Adam ``step`` megatron-core leaves out of a checkpoint when it is zero.
+
+    megatron-core saves Adam's per-parameter ``step`` once, as ``common_step``, and only when
+    it is truthy: a run whose updates were all skipped (fp16 overflows) saves its zero-step
+    moments without any ``step``, and torch's ``Adam.load_state_dict`` then fails with
+    ``KeyError: 'step'``. A per-parameter state with moments and no ``step`` is such a state:
+    its step is 0.
+    """
+    todo = [optimizer_state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            states = node.get("state")
+            if isinstance(states, dict):
+                for param_state in states.values():
+                    if isinstance(param_state, dict) and "exp_avg" in param_state:
+                        param_state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            todo.extend(node.values())
+        elif isinstance(node, list | tuple):
+            todo.extend(node)
 
 
 def sync_params(model) -> None:
@@ -338,7 +374,7 @@ def load(args: Namespace, model, optimizer, scheduler) -> Resume:
         return _load(args, model, optimizer, scheduler, root, iteration, path)
     except TrainingInputError:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         if is_peer_failure(exc):
             raise
         raise _load_failed(path, root, iteration, exc) from None
@@ -365,8 +401,8 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     saved_distopt = bool(common.get("use_distributed_optimizer", False))
     if has_optim:
         store.check_optimizer_kind(path, saved_distopt, args)
-    if has_optim:
-        _materialize_optimizer_state(optimizer)
+    if has_optim:  # every optimizer: a fresh one has no state for the checkpoint's to land in
+        _materialize_optimizer_state(optimizer, distributed_only=False)
     state = _state_dict(
         args, model, optimizer, scheduler, iteration,
         loading=True, with_optimizer=has_optim, with_rng=has_rng,
@@ -377,6 +413,7 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     for index, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[_model_key(index, len(model))], strict=True)
     if has_optim:
+        _restore_zero_steps(loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
         _load_scheduler(scheduler, loaded["opt_param_scheduler"], path)
     else:

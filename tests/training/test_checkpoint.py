@@ -136,3 +136,21 @@ def test_resume_with_dropout_and_sgd_momentum_is_exact(train_tmp):
     assert [s["step"] for s in resumed.steps] == [4, 5, 6]
     assert "RNG state not restored" not in resumed.stdout
     assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}
+
+
+def test_a_checkpoint_saved_before_any_applied_update_resumes_exactly(train_tmp):
+    """fp16 skips its first updates (the loss scale starts at 2**32): a checkpoint saved while
+    every update so far was skipped has Adam moments the optimizer never made. It is saved
+    complete (zero moments, step 0) and resumes to the uninterrupted run's losses bit for bit
+    (it used to fail on load: exp_avg missing, then torch's KeyError 'step')."""
+    args = [*TINY, "--fp16", "--no-divergence-stop", "--train-iters", "20"]
+    save = train_tmp / "ckpt_fp16_all_skipped"
+    whole = train(train_tmp, *args, "--save", str(save), "--save-interval", "2", name="fp16")
+    assert all(s["skipped"] for s in whole.steps[:2]) and not whole.steps[-1]["skipped"]
+    resumed = train(
+        train_tmp, *args, "--load", str(save), "--ckpt-step", "2", name="fp16-resumed"
+    )
+    assert [s["step"] for s in resumed.steps] == list(range(3, 21))
+    applied = [s for s in range(3, 21) if not whole.steps[s - 1]["skipped"]]
+    assert applied, "the run must apply updates after the checkpoint"
+    assert {s: resumed.losses[s] for s in applied} == {s: whole.losses[s] for s in applied}
