@@ -105,6 +105,10 @@ def _first_divergent_step(out) -> int | None:
         for i, step in enumerate(ref["iterations"]):
             for key in ("losses", "grad_norms"):
                 r, c = ref[key][i], cand[key][i]
+                if r is None or c is None:  # a skipped fp16 step has no loss or norm
+                    if (r is None) != (c is None):
+                        return step
+                    continue
                 if abs(c - r) > rtol * abs(r):
                     return step
     return None
@@ -156,3 +160,35 @@ def test_locate_on_two_agreeing_runs_names_nothing(tmp_path, corpus_dir):
         if p in r and isinstance(r[p]["output"], float)
     )  # fmt: skip
     assert 0 < worst < data["rule"]["base"]  # the two paths do differ, well inside the rule
+
+
+#: the layouts and precisions of issue 19's item 2 beyond the sweep: a pipeline of two stages
+#: (hooks on each stage, rows named by shard) and fp16 (its skipped first updates put the first
+#: divergent step after them, so the replay resumes from a checkpoint saved before any update)
+LAYOUT_CASES = {
+    "pp2": ("rmsnorm-wrong-eps", "--normalization RMSNorm --nproc-per-node 2 "
+            "--pipeline-model-parallel-size 2", "norm", "decoder.layers.0.input_layernorm",
+            "tp0.pp0.dp0", {"norm.wrapped-torch-norm"}),
+    "fp16": ("swiglu-swapped-halves", f"--fp16 --swiglu {WIDE}", "mlp", "decoder.layers.0.mlp",
+             "", {"activation.bias-swiglu"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_CASES))
+def test_locate_across_pipeline_stages_and_in_fp16(layout, tmp_path, corpus_dir):
+    mutation, extra, kind, module, shard, patch = LAYOUT_CASES[layout]
+    common = f"{TINY} --default-corpus-dir {corpus_dir} {extra}"
+    data = command.locate(
+        _args(tmp_path, "--device cpu", "--device cpu", common, mutation), echo=lambda s: None
+    )
+    assert data["step"]["approximate"]["status"] == "fail", data["step"]
+    assert data["step"]["step"] == _first_divergent_step(tmp_path)
+    found = data["divergent"]
+    assert (found["kind"], found["module"], found["phase"]) == (kind, module, "forward"), found
+    assert (found["shard"] or "") == shard
+    assert set(data["culprit"]["culprits"]) == patch, data["culprit"]
+    if layout == "pp2":  # both stages were hooked and compared
+        assert {r["shard"] for r in data["modules"]} == {"tp0.pp0.dp0", "tp0.pp1.dp0"}
+    if layout == "fp16":
+        ref = json.loads((tmp_path / "curves" / "reference.json").read_text())
+        assert data["step"]["step"] > ref["iterations"][0]  # after the skipped updates
