@@ -1,0 +1,85 @@
+"""``locate --compare-dir`` on a real ``compare`` output with a held-out bug: the emulated NPU
+AdamW kernel steps with 1.5x the learning rate (``tests/compare/plants``, not one of the parity
+harness's mutations). compare fails the pair; locate, reading the runs from compare's folder,
+names the first divergent step, a parameter update as the divergent module and the patch that
+routes Megatron's AdamW to that kernel."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_npu.compare import command as compare_command
+from megatron_npu.compare import matrix as m
+from megatron_npu.locate import command
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+PLANTS = Path(__file__).resolve().parents[1] / "compare" / "plants"
+MATRIX = """
+[compare]
+baseline = "ref"
+lambada = false
+
+[defaults]
+num-layers = 2
+hidden-size = 64
+num-attention-heads = 4
+seq-length = 64
+micro-batch-size = 2
+global-batch-size = 4
+train-iters = 6
+lr = 1e-3
+lr-warmup-iters = 1
+attention-dropout = 0.0
+hidden-dropout = 0.0
+
+[[run]]
+name = "ref"
+device = "cpu"
+
+[[run]]
+name = "npu"
+device = "npu-emulated"
+reference = "ref"
+"""
+#: the patches that put the adaptor's AdamW (and its NPU kernel) in Megatron's optimizer
+ADAMW = {"optimizer.adam", "optimizer.factory-torch-adamw"}
+
+
+def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MEGATRON_NPU_TEST_PLANT", "wrong-adamw")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")]))
+    )
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
+    (tmp_path / "m.toml").write_text(MATRIX)
+    document, status = compare_command.run_compare(
+        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
+    )
+    verdict = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}[("npu", "approximate")]
+    assert status == 1 and verdict["status"] == "fail", verdict
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(
+        ["--compare-dir", str(tmp_path / "out"), "--pair", "ref", "npu", "--out", str(tmp_path / "loc")]
+    )
+    data = command.locate(args, echo=lambda s: None)
+    # the first step whose loss or grad norm leaves the approximate rule, from compare's curves
+    runs = {r["name"]: r for r in document["runs"]}
+    assert data["step"]["step"] is not None and data["step"]["step"] > 1  # step 1 is the same
+    assert data["step"]["approximate"]["status"] == "fail"
+    found = data["divergent"]
+    assert (found["kind"], found["phase"]) == ("optimizer", "update"), found
+    culprits = data["culprit"]["culprits"]
+    assert culprits and set(culprits) <= ADAMW, data["culprit"]
+    saved = json.loads((tmp_path / "loc" / "locate.json").read_text())
+    assert saved["divergent"]["module"] == found["module"] and runs["npu"]["emulated"] is True
