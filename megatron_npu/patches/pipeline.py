@@ -28,8 +28,19 @@ _in_flight: list[torch.Tensor] = []
 
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
-    """Megatron's placeholder swap, with the sent data kept referenced (gloo may be reading it)."""
+    """Megatron's placeholder swap, with the sent data kept referenced (gloo may be reading it).
+
+    A stage's output is a tensor, or (megatron-core 0.17+) a list of them or a dict of them
+    (multi-module pipelines): each tensor in it is swapped, as Megatron's own function does."""
     if out is None or not deallocate_pipeline_outputs:
+        return
+    if isinstance(out, dict):
+        for value in out.values():
+            deallocate_output_tensor(value, deallocate_pipeline_outputs)
+        return
+    if isinstance(out, list):
+        for item in out:
+            deallocate_output_tensor(item, deallocate_pipeline_outputs)
         return
     assert isinstance(out, torch.Tensor), f"expected Tensor, found {type(out).__name__}."
     assert out._base is None, "counter-productive to free a view of another tensor."

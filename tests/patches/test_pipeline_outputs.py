@@ -48,3 +48,17 @@ def test_megatron_frees_it_without_the_adaptor():
     schedules.deallocate_output_tensor(out, True)
     assert out.shape == (1,)
     assert pipeline._in_flight == []
+
+
+def test_list_and_dict_outputs_swap_every_tensor_and_keep_each_sent_one():
+    """megatron-core 0.17+ hands the function a stage's outputs as a list (and a dict for
+    multi-module pipelines): every tensor in them is swapped and its data kept (a tox run on
+    0.17.1 failed Megatron-LM's PP2 runs on the tensor-only version)."""
+    outs = [_output(), {"a": _output(), "b": [_output()]}]
+    storages = {t.untyped_storage().data_ptr() for t in (outs[0], outs[1]["a"], outs[1]["b"][0])}
+    try:
+        pipeline.deallocate_output_tensor(outs, True)
+        assert [t.numel() for t in (outs[0], outs[1]["a"], outs[1]["b"][0])] == [1, 1, 1]
+        assert {t.untyped_storage().data_ptr() for t in pipeline._in_flight} == storages
+    finally:
+        pipeline._in_flight.clear()
