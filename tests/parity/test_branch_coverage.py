@@ -5,7 +5,8 @@ The quick examples of every single-process parity cell (fp32 and fp16, on ``cpu`
 off, the fallback where it cannot be built) run under coverage.py with ``branch=True`` over
 ``megatron_npu/ops``, ``patches``, ``modules`` and ``optim``, in a fresh process
 (``_coverage_trace.py``; nothing cached by earlier tests), and the share is read through
-coverage's public API (its JSON report). The share of branches taken must
+coverage's public API (its JSON report), less the patch modules whose every entry is
+parity-exempt. The share of branches taken must
 stay at or above :data:`FLOOR`, measured when the examples were made to reach every branch of
 the patched code (windowed attention blocks, dropout, zero-centred gamma, per-batch rotary
 frequencies ...); a case that stops reaching its code drops below it. Multi-rank cells run in
@@ -39,8 +40,11 @@ REPO = HERE.parents[1]
 #: the count no longer depends on what ran before it in the pytest process (in-process it was
 #: 277/414 after other tests under xdist): 281/414 again in the fresh process, 2026-11-23.
 #: Then 319/478 (0.667): the new entries (jit-eager, gradient-accumulation fusion, Megatron-LM's
-#: training layer, the gloo pipeline outputs) add branches that only training runs reach.
-FLOOR = 0.66
+#: training layer, the gloo pipeline outputs) add branches that only training runs reach; 319/486
+#: (0.656) once the pipeline patch took lists and dicts. Those modules are parity-exempt entry by
+#: entry (their tests are named in the registry) and are now left out of the share
+#: (:func:`parity_exempt_patch_modules`): 315/450 (0.700), 2026-11-23.
+FLOOR = 0.69
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +61,32 @@ def traced(tmp_path_factory):
     return out / "coverage.dat", json.loads((out / "cells.json").read_text())
 
 
+def parity_exempt_patch_modules() -> list[Path]:
+    """The ``megatron_npu/patches`` modules whose every entry is parity-exempt (the training
+    layer's plumbing: checkpointing, pipeline outputs, Megatron-LM's arguments, eager jit
+    fusions, RNG, tensor methods). No parity case is meant to reach them -- each entry names the
+    test that does -- so they are left out of the share the parity examples must reach."""
+    import importlib
+    import pkgutil
+
+    import megatron_npu.patches as patches
+
+    found = []
+    for info in pkgutil.iter_modules(patches.__path__):
+        entries = getattr(importlib.import_module(f"{patches.__name__}.{info.name}"), "PATCHES", [])
+        if entries and all(p.parity_exempt and not p.parity for p in entries):
+            found.append(Path(patches.__path__[0]) / f"{info.name}.py")
+    return found
+
+
 def branch_share(data_file: Path, report: Path) -> tuple[float, int, int]:
-    """Branches taken / branches, over the measured files, through coverage's public API (its
-    JSON report's totals)."""
+    """Branches taken / branches, over the measured files less the parity-exempt patch modules,
+    through coverage's public API (its JSON report's totals)."""
     import coverage  # a test dependency: a missing one must fail, not skip
 
     cov = coverage.Coverage(data_file=str(data_file), branch=True)
     cov.load()
-    cov.json_report(outfile=str(report))
+    cov.json_report(outfile=str(report), omit=[str(p) for p in parity_exempt_patch_modules()])
     totals = json.loads(report.read_text())["totals"]
     taken, total = totals["covered_branches"], totals["num_branches"]
     return taken / max(total, 1), taken, total

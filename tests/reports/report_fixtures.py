@@ -146,14 +146,18 @@ def run_benchmarks(path: Path) -> Path:
 
     root = Path(__file__).resolve().parents[2]
     path.parent.mkdir(parents=True, exist_ok=True)
+    # an xdist worker's variables make pytest-benchmark in the child believe it is a worker too,
+    # and a worker writes no --benchmark-json
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(root / "perf" / "test_patched_ops_bench.py"), "--perf-quick", "-k", BENCH_SELECTION,
          f"--benchmark-json={path}", "--rootdir", str(root)],
-        cwd=root, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=root, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert path.is_file(), f"pytest-benchmark wrote no {path}:\n{done.stdout[-3000:]}"
     return path
 
 
