@@ -165,39 +165,47 @@ def benchmarks(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text(encoding="utf-8"))["benchmarks"]
 
 
-def scaled_benchmarks(source: Path, target: Path, scale: float, where=lambda bench: True) -> Path:
-    """A copy of a real benchmark file with the timings of the benchmarks ``where`` selects
-    multiplied by ``scale`` (the speed-change tests)."""
+def _edited_copy(source: Path, target: Path, edit) -> Path:
+    """``target``: the benchmark file ``source`` with ``edit(data)`` applied to its JSON."""
     data = json.loads(source.read_text(encoding="utf-8"))
-    for bench in data["benchmarks"]:
-        if where(bench):
-            stats = bench["stats"]
-            for key in TIMING_KEYS:
-                stats[key] *= scale
-            stats["ops"] /= scale
+    edit(data)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(data, indent=1), encoding="utf-8")
     return target
+
+
+def _set_timings(stats: dict[str, Any], base: dict[str, Any], factor: float) -> None:
+    """Every timing of ``stats`` becomes ``base``'s times ``factor`` (and ops/s the inverse)."""
+    for key in TIMING_KEYS:
+        stats[key] = base[key] * factor
+    stats["ops"] = base["ops"] / factor
+
+
+def scaled_benchmarks(source: Path, target: Path, scale: float) -> Path:
+    """A copy of a real benchmark file with every timing multiplied by ``scale`` (the
+    speed-change tests)."""
+
+    def edit(data: dict[str, Any]) -> None:
+        for bench in data["benchmarks"]:
+            _set_timings(bench["stats"], dict(bench["stats"]), scale)
+
+    return _edited_copy(source, target, edit)
 
 
 def with_paths_relative(source: Path, target: Path, factors: dict[tuple[str, str], float]) -> Path:
     """A copy of a real benchmark file where each (op, path) of ``factors`` takes the timings of
     the same line's Megatron path times its factor: a known ratio on real records."""
-    data = json.loads(source.read_text(encoding="utf-8"))
-    by_line = {}
-    for bench in data["benchmarks"]:
-        info = bench["extra_info"]
-        if info["path"] == "megatron":
-            by_line[(info["op"], info["dtype"], info["direction"], info["device"])] = bench["stats"]
-    for bench in data["benchmarks"]:
-        info = bench["extra_info"]
-        factor = factors.get((info["op"], info["path"]))
-        if factor is None:
-            continue
-        base = by_line[(info["op"], info["dtype"], info["direction"], info["device"])]
-        for key in TIMING_KEYS:
-            bench["stats"][key] = base[key] * factor
-        bench["stats"]["ops"] = base["ops"] / factor
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    return target
+
+    def line(info: dict[str, Any]) -> tuple:
+        return info["op"], info["dtype"], info["direction"], info["device"]
+
+    def edit(data: dict[str, Any]) -> None:
+        megatron = {line(b["extra_info"]): dict(b["stats"]) for b in data["benchmarks"]
+                    if b["extra_info"]["path"] == "megatron"}  # fmt: skip
+        for bench in data["benchmarks"]:
+            info = bench["extra_info"]
+            factor = factors.get((info["op"], info["path"]))
+            if factor is not None:
+                _set_timings(bench["stats"], megatron[line(info)], factor)
+
+    return _edited_copy(source, target, edit)
