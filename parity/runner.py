@@ -62,7 +62,8 @@ ENTRY_MODULE = "from megatron_npu.parity.cells_test import pytest_generate_tests
 ENTRY_NAME = "test_parity_cells.py"
 
 #: Megatron's import-time notices (no TE/apex: the adaptor serves those paths) stay out of the
-#: summary; every other warning is shown
+#: summary; every other warning is shown (three of pyproject's filterwarnings, repeated here: an
+#: installed package has no pyproject to read them from)
 QUIET_WARNINGS = (
     "ignore:.*Transformer Engine and Apex are not installed.*:UserWarning",
     "ignore:Apex is not installed.*:UserWarning",
