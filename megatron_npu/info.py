@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megatron_npu import patcher
-from megatron_npu.devices import Device, resolve
+from megatron_npu.devices import Device, resolve, torch_npu_schema
 from megatron_npu.ops import cpu_band_kernel, fallbacks
 from megatron_npu.ops.adamw import fused_adamw_available
 from megatron_npu.registry import Patch, all_patches
@@ -47,6 +47,21 @@ def fallback_rows(dev: Device) -> list[dict[str, Any]]:
     return [f.as_dict() for f in fallbacks.recorded()]
 
 
+def kernel_facts(dev: Device) -> dict[str, Any] | None:
+    """On the NPU code path: the torch_npu release the kernel calls are checked against, what
+    the device's kernel module is, and the registry's kernels it lacks (their patches fail)."""
+    if dev.kernels is None:
+        return None
+    header = torch_npu_schema.schema_file().header
+    wanted = sorted({k for p in all_patches() for k in p.npu_kernels})
+    return {
+        "schemas_of": f"torch_npu {header['torch_npu']}",
+        "build_branch": header["build_branch"],
+        "device_kernels": dev.kernels_source,
+        "missing": dev.missing_kernels(wanted),
+    }
+
+
 def collect(device: str | None = None) -> dict[str, Any]:
     """Apply the registry for ``device`` without stopping at failures, and describe the result.
 
@@ -69,6 +84,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "cpu_band_attention": cpu_band_kernel.status().describe() if dev.name == "cpu" else None,
         # kernels missing here, and what runs instead (a named warning when first taken)
         "fallbacks": fallback_rows(dev),
+        "torch_npu_kernels": kernel_facts(dev),
         "patches": [
             {
                 **r.as_dict(),
@@ -92,6 +108,13 @@ def render(data: dict[str, Any], file: Any = None) -> None:
         console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")
     if data["cpu_band_attention"]:
         console.print(f"[bold]windowed attention forward[/bold] {data['cpu_band_attention']}")
+    kernels = data.get("torch_npu_kernels")
+    if kernels:
+        missing = ", ".join(kernels["missing"]) or "none"
+        console.print(
+            f"[bold]torch_npu kernels[/bold] {kernels['device_kernels']}; calls checked against "
+            f"{kernels['schemas_of']} ({kernels['build_branch']}); missing here: {missing}"
+        )
     for row in data.get("fallbacks", ()):
         console.print(f"[bold yellow]fallback[/bold yellow] {row['description']}")
     table = Table(title="patches", show_lines=False)

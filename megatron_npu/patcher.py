@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_npu.devices.torch_npu_schema import missing_kernel_message
 from megatron_npu.registry import Patch, all_patches
 
 APPLIED = "applied"
@@ -70,6 +71,10 @@ class PatchTargetError(PatchError):
 
 class PatchSignatureError(PatchError):
     """The replacement's signature does not match the target's."""
+
+
+class MissingKernelError(PatchError):
+    """The device's torch_npu lacks a kernel the patch's NPU path calls."""
 
 
 class UnknownPatchError(PatchError, ValueError):
@@ -525,6 +530,7 @@ def apply(
         results: list[PatchResult] = []
         sites: list[_Site] = []
         errors: list[PatchError] = []
+        lacking: dict[str, list[str]] = {}  # patch id -> kernels the device lacks
         _state.device, _state.patch_ids, _state.sites, _state.results = (
             dev.name,
             ids,
@@ -550,6 +556,15 @@ def apply(
                 if status:
                     results.append(PatchResult(patch.id, patch.target, status, reason))
                     continue
+                missing = dev.missing_kernels(patch.npu_kernels)
+                if missing:
+                    error = MissingKernelError(
+                        missing_kernel_message({patch.id: missing}, dev.kernels_source)
+                    )
+                    lacking[patch.id] = missing
+                    errors.append(error)
+                    results.append(PatchResult(patch.id, patch.target, FAILED, str(error)))
+                    continue
                 before = len(sites)
                 try:
                     _install(_plan(patch, copies), sites)
@@ -565,6 +580,8 @@ def apply(
                     PatchResult(patch.id, patch.target, APPLIED, patch.reason, len(sites) - before)
                 )
             if errors and strict:
+                if len(lacking) == len(errors):  # one line for every kernel the device lacks
+                    raise MissingKernelError(missing_kernel_message(lacking, dev.kernels_source))
                 if len(errors) == 1:
                     raise errors[0]
                 raise PatchError("; ".join(str(e) for e in errors))

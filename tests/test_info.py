@@ -64,3 +64,21 @@ def test_info_separates_npu_kernels_from_cpu_code():
     out = io.StringIO()
     render(data, file=out)
     assert f"{len(kernels)} patches exercise an NPU kernel" in out.getvalue()
+
+
+def test_info_names_the_torch_npu_the_kernel_calls_are_checked_against():
+    from megatron_npu.devices import torch_npu_schema
+    from megatron_npu.info import collect, render
+
+    assert collect("cpu")["torch_npu_kernels"] is None  # no kernel module on cpu
+    data = collect("npu-emulated")
+    pinned = torch_npu_schema.pinned_version()
+    assert data["torch_npu_kernels"] == {
+        "schemas_of": f"torch_npu {pinned}",
+        "build_branch": torch_npu_schema.schema_file().header["build_branch"],
+        "device_kernels": f"the emulation of torch_npu {pinned}",
+        "missing": [],
+    }
+    out = io.StringIO()
+    render(data, file=out)
+    assert f"calls checked against torch_npu {pinned}" in out.getvalue()

@@ -97,6 +97,7 @@ def test_pip_install_into_a_clean_venv_installs_one_top_level_package(tmp_path):
     assert (package / "reports" / "build.py").is_file()
     assert list((package / "reports" / "templates").iterdir()), "the report templates ship"
     assert (package / "compare" / "default_matrix.toml").is_file()
+    assert (package / "devices" / "torch_npu_schemas.txt").is_file(), "the kernel schemas ship"
     assert not (package / "perf").exists() and not (site / "tests").exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -17,7 +18,8 @@ class Device:
     ``name`` is what reports show (``cpu``, ``npu``, ``npu-emulated``, ``cuda``); ``torch_type`` is
     the torch device type tensors live on; ``accelerator`` answers what Megatron asks of
     ``torch.cuda``; ``kernels`` is the torch_npu-compatible module the op layer calls (None means
-    native torch ops).
+    native torch ops). A registry patch whose ``npu_kernels`` are not all in ``kernels`` is
+    refused on the device (:func:`missing_kernels`).
     """
 
     name: str
@@ -26,6 +28,14 @@ class Device:
     accelerator: Any
     kernels: ModuleType | None = None
     emulated: bool = False
+    #: what the kernel module is, for messages (``torch_npu 2.13.0`` on ``npu``)
+    kernels_source: str | None = None
+
+    def missing_kernels(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` the device's kernel module does not provide (none without one)."""
+        if self.kernels is None:
+            return []
+        return [name for name in names if not callable(getattr(self.kernels, name, None))]
 
     def torch_device(self, index: int | None = None) -> torch.device:
         if self.torch_type == "cpu" or index is None:

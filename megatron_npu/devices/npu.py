@@ -135,4 +135,5 @@ def make_device() -> Device:
         dist_backend="hccl",
         accelerator=NpuAccelerator(torch.npu),
         kernels=torch_npu,
+        kernels_source=f"torch_npu {torch_npu_version() or '(version unknown)'}",
     )

@@ -18,6 +18,7 @@ class EmulatedNpuAccelerator(CpuAccelerator):
 
 
 def make_device() -> Device:
+    from megatron_npu.devices import torch_npu_schema
     from megatron_npu.testing import torch_npu_emulation
 
     return Device(
@@ -27,4 +28,5 @@ def make_device() -> Device:
         accelerator=EmulatedNpuAccelerator(),
         kernels=torch_npu_emulation,
         emulated=True,
+        kernels_source=f"the emulation of torch_npu {torch_npu_schema.pinned_version()}",
     )

@@ -7,6 +7,10 @@ return tuples (e.g. ``npu_fusion_attention`` returns ``(out, softmax_max, softma
 seed, offset, numels)`` with fp32 softmax statistics shaped ``(B, N, Sq, 8)``), and the input
 checks the kernel documentation states. Errors name the broken constraint.
 
+Every call is first bound against the real kernel's schema (torch_npu's own codegen yaml of the
+pinned release, :mod:`megatron_npu.devices.torch_npu_schema`), so a call the real binding would
+reject fails here as well, and each function's signature is that schema's Python form.
+
 The adaptor binds it as its kernel module (``megatron_npu.ops.kernels.use_npu_kernels``) on the
 ``npu-emulated`` device; it is never registered as ``torch_npu``, so nothing can mistake it for an
 installed torch_npu.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_npu.devices import torch_npu_schema
 from megatron_npu.registry import NPU_EMULATED
 
 IS_EMULATION = True
@@ -41,6 +47,7 @@ __all__ = [
     "DEVICE_LABEL",
     "IS_EMULATION",
     "count_kernel_calls",
+    "record_call_sites",
     "npu_apply_adam_w",
     "npu_fast_gelu",
     "npu_fusion_attention",
@@ -234,6 +241,11 @@ def npu_fusion_attention(
     sparse_mode=0,
     gen_mask_parallel=True,
     sync=False,
+    softmax_layout="",
+    sink=None,
+    dropout_mask=None,
+    seed=0,
+    offset=0,
 ):
     """Emulates ``torch_npu.npu_fusion_attention``.
 
@@ -251,6 +263,9 @@ def npu_fusion_attention(
     if prefix is not None or actual_seq_qlen is not None or actual_seq_kvlen is not None:
         raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not "
                                   "emulated")
+    if softmax_layout or sink is not None or dropout_mask is not None or seed or offset:
+        raise NotImplementedError(f"{op}: softmax_layout/sink/dropout_mask/seed/offset are not "
+                                  "emulated (their defaults only)")
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
     if inner_precise not in (0, 1, 2):
@@ -293,10 +308,11 @@ def npu_fusion_attention(
 # ============================================================================ norms
 
 
-def npu_rms_norm(x, gamma, epsilon=1e-6):
+def npu_rms_norm(input, gamma, epsilon=1e-6):  # noqa: A002 - torch_npu's parameter name
     """Emulates ``torch_npu.npu_rms_norm``: ``(x / sqrt(mean(x^2) + eps) * gamma, rstd)`` with
     the mean over gamma's trailing dims; rstd is fp32 with those dims kept as 1."""
     op = "npu_rms_norm"
+    x = input
     _float_dtype(op, "x", x)
     _float_dtype(op, "gamma", gamma)
     if gamma.dtype not in (x.dtype, torch.float32):
@@ -321,9 +337,10 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
 # ============================================================================ activations
 
 
-def npu_swiglu(x, dim=-1):
+def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's parameter name
     """Emulates ``torch_npu.npu_swiglu``: ``silu(A) * B`` with A, B the halves of x along dim."""
     op = "npu_swiglu"
+    x = input
     _float_dtype(op, "x", x)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim {dim} out of range for a {x.dim()}-D x")
@@ -339,7 +356,7 @@ def npu_swiglu(x, dim=-1):
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def npu_gelu(input, approximate="none"):  # noqa: A002 - torch_npu's parameter name
+def npu_gelu(input, *, approximate="none"):  # noqa: A002 - torch_npu's parameter name
     """Emulates ``torch_npu.npu_gelu``: exact erf GELU, or the tanh approximation
     ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` for ``approximate='tanh'``."""
     op = "npu_gelu"
@@ -394,7 +411,7 @@ def _rotary_layout(op, r_shape, x_shape, mode):
     )
 
 
-def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu's name
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002 - torch_npu's name
     """Emulates ``torch_npu.npu_rotary_mul``: ``input * r1 + rotate(input) * r2``; 'half'
     rotates ``(x1, x2) -> (-x2, x1)`` over the two halves of D, 'interleave' over even/odd
     pairs.
@@ -404,6 +421,8 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu
     [-1, 1] (they are cos and sin); half mode B, N < 1000, interleave mode B * N < 1000; and
     B * N <= 1024 when r1/r2 need gradients."""
     op = "npu_rotary_mul"
+    if rotate is not None:
+        raise NotImplementedError(f"{op}: rotate (a custom rotation matrix) is not emulated")
     for arg, t in (("input", input), ("r1", r1), ("r2", r2)):
         _float_dtype(op, arg, t)
         if t.dim() != 4:
@@ -559,15 +578,42 @@ def count_kernel_calls() -> Iterator[Counter]:
             del _counters[next(i for i, c in enumerate(_counters) if c is counter)]
 
 
-def _counted(kernel):
+_site_sets: list[set] = []
+
+
+@contextmanager
+def record_call_sites() -> Iterator[set[tuple[str, int, str]]]:
+    """Record where emulated kernels are called from while the block runs.
+
+    Yields a set that fills with ``(file, line, kernel)`` of each call's immediate caller: the
+    places in the adaptor whose calls went through the schema check."""
+    sites: set[tuple[str, int, str]] = set()
+    with _counters_lock:
+        _site_sets.append(sites)
+    try:
+        yield sites
+    finally:
+        with _counters_lock:
+            del _site_sets[next(i for i, s in enumerate(_site_sets) if s is sites)]
+
+
+def _checked(kernel):
+    """``kernel`` behind two steps: the call is bound against the real kernel's schema
+    (:func:`megatron_npu.devices.torch_npu_schema.bind`: a call torch_npu would reject fails
+    here too, whatever the emulation's own signature accepts), then counted."""
     name = kernel.__name__
 
     @functools.wraps(kernel)
     def call(*args, **kwargs):
-        if _counters:
+        torch_npu_schema.bind(name, args, kwargs)
+        if _counters or _site_sets:
+            caller = sys._getframe(1)
+            site = (caller.f_code.co_filename, caller.f_lineno, name)
             with _counters_lock:
                 for counter in _counters:
                     counter[name] += 1
+                for sites in _site_sets:
+                    sites.add(site)
         return kernel(*args, **kwargs)
 
     return call
@@ -576,5 +622,5 @@ def _counted(kernel):
 #: the emulated kernels, by torch_npu name
 KERNELS: tuple[str, ...] = tuple(name for name in __all__ if name.startswith("npu_"))
 for _name_ in KERNELS:
-    globals()[_name_] = _counted(globals()[_name_])
+    globals()[_name_] = _checked(globals()[_name_])
 del _name_

@@ -15,11 +15,15 @@ norm and the communication patches are theirs).
 
 The same run counts the emulated torch_npu kernel calls of each npu-emulated cell: a patch
 that declares ``npu_kernels`` in the registry must call exactly those, and one that declares
-none must call none (``info`` says "same code as cpu" for it).
+none must call none (``info`` says "same code as cpu" for it). It also records where each call
+came from: every place in the package that calls a torch_npu kernel must be among them, so each
+one has bound against torch_npu's own schema (the emulation checks every call,
+:mod:`megatron_npu.devices.torch_npu_schema`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -111,3 +115,41 @@ def test_npu_cells_call_the_kernels_the_registry_declares(traced):
                 f"{patch.id}: npu-emulated cells called {sorted(kernels[patch.id])}, the "
                 f"registry declares {list(patch.npu_kernels)}"
             )
+
+
+def kernel_call_sites() -> set[tuple[str, int, str]]:
+    """Every ``<module>.npu_<kernel>(...)`` call in the package outside the emulation, as
+    (file, line, kernel), for the kernels the pinned torch_npu has."""
+    import megatron_npu
+    from megatron_npu.devices import torch_npu_schema
+
+    known = torch_npu_schema.kernel_names()
+    package = Path(megatron_npu.__file__).resolve().parent
+    sites = set()
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "testing":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in known):  # fmt: skip
+                sites.add((str(path), node.lineno, node.func.attr))
+    return sites
+
+
+def test_every_kernel_the_package_calls_is_emulated_and_declared():
+    from megatron_npu.registry import all_patches
+    from megatron_npu.testing import torch_npu_emulation
+
+    called = {kernel for _, _, kernel in kernel_call_sites()}
+    assert called, "found no torch_npu kernel call in the package"
+    emulated = set(torch_npu_emulation.KERNELS)
+    assert called <= emulated, f"not emulated: {sorted(called - emulated)}"
+    declared = {k for p in all_patches() for k in p.npu_kernels}
+    assert called <= declared, f"called but in no registry entry: {sorted(called - declared)}"
+
+
+def test_every_kernel_call_site_binds_against_the_real_schema(traced):
+    reached = {tuple(site) for site in traced[1]["call_sites"]}
+    sites = kernel_call_sites()
+    print(f"kernel call sites reached: {len(sites & reached)}/{len(sites)}")
+    assert sites <= reached, f"never called in the parity trace: {sorted(sites - reached)}"
