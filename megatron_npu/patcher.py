@@ -35,6 +35,7 @@ import inspect
 import os
 import sys
 import threading
+import unittest.mock
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -194,7 +195,15 @@ def check_signature(patch: Patch, original: Any, replacement: Any) -> None:
 
 
 def _rebindable(owner: Any, original: Any) -> bool:
-    return inspect.ismodule(owner) and (inspect.isroutine(original) or isinstance(original, type))
+    """Whether ``from owner import name`` copies of ``original`` are rebound too: functions and
+    classes, and the ``MagicMock`` objects megatron-core binds TE's class names to when
+    Transformer Engine is not installed (each one a distinct object, so a copy is found by
+    identity as a class is)."""
+    return inspect.ismodule(owner) and (
+        inspect.isroutine(original)
+        or isinstance(original, type)
+        or isinstance(original, unittest.mock.NonCallableMock)
+    )
 
 
 #: Top-level packages that cannot hold a copy of a Megatron object: Megatron-Core is built on them

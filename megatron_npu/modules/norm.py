@@ -17,6 +17,30 @@ import torch
 from megatron_npu.ops import norm as norm_ops
 
 
+def normalize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    normalization: str,
+    eps: float,
+    zero_centered_gamma: bool,
+) -> torch.Tensor:
+    """LayerNorm or RMSNorm of ``x`` over its last dim through the op layer (the NPU kernel on
+    an NPU), ``weight`` read as ``1 + weight`` when ``zero_centered_gamma``."""
+    if zero_centered_gamma:
+        # 1 + w in fp32: in a 16-bit parameter dtype the sum would be rounded once more
+        # (bf16 step 2**-7 near 1), an error the stored w does not have
+        weight = weight.float() + 1
+    if normalization == "RMSNorm":
+        return norm_ops.rms_norm(x, weight, eps)[0]
+    # fp16/bf16: normalise in fp32 so the weight/bias gradients are summed over tokens in
+    # fp32 (torch's CPU kernel sums them in the half type; NPU kernels accumulate in fp32).
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    bias = bias.to(compute) if bias is not None else None
+    y = norm_ops.layer_norm(x.to(compute), weight.to(compute), bias, eps)[0]
+    return y.to(x.dtype)
+
+
 class Norm(torch.nn.Module):
     def __init__(
         self,
@@ -46,19 +70,9 @@ class Norm(torch.nn.Module):
             param.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if self.zero_centered_gamma:
-            # 1 + w in fp32: in a 16-bit parameter dtype the sum would be rounded once more
-            # (bf16 step 2**-7 near 1), an error the stored w does not have
-            weight = self.weight.float() + 1
-        if self.normalization == "RMSNorm":
-            return norm_ops.rms_norm(x, weight, self.eps)[0]
-        # fp16/bf16: normalise in fp32 so the weight/bias gradients are summed over tokens in
-        # fp32 (torch's CPU kernel sums them in the half type; NPU kernels accumulate in fp32).
-        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        bias = self.bias.to(compute) if self.bias is not None else None
-        y = norm_ops.layer_norm(x.to(compute), weight.to(compute), bias, self.eps)[0]
-        return y.to(x.dtype)
+        return normalize(
+            x, self.weight, self.bias, self.normalization, self.eps, self.zero_centered_gamma
+        )
 
     def extra_repr(self) -> str:
         return f"{self.normalization}({self.hidden_size}, eps={self.eps})"

@@ -53,8 +53,6 @@ class MegatronLMOptionError(SystemExit):
 #: (argument name, the value that asks for it, the command-line option, why) of what the adaptor
 #: cannot serve. Megatron's own defaults never trip these.
 UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
-    ("transformer_impl", "transformer_engine", "--transformer-impl transformer_engine",
-     "NVIDIA Transformer Engine is CUDA-only: pass --transformer-impl local"),
     ("fp8", True, "--fp8-format", "fp8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs"),
     ("tp_comm_overlap", True, "--tp-comm-overlap", "userbuffer GEMM overlap is a TE/CUDA feature"),
     ("external_cuda_graph", True, "--external-cuda-graph", "CUDA graphs do not exist here"),

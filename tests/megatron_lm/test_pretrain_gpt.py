@@ -24,6 +24,8 @@ LLAMA = (
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--group-query-attention", "--num-query-groups", "2",
 )  # fmt: skip
+#: Megatron-LM's default layer spec: Transformer Engine's classes (TINY asks for ``local``)
+TE = ("--transformer-impl", "transformer_engine")
 #: the NPU kernels a Llama-style bf16 step reaches through the adaptor
 LLAMA_KERNELS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
                  "npu_apply_adam_w")  # fmt: skip
@@ -132,6 +134,8 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
         ("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
                           "--use-flash-attn")),
         ("fp16", 1, ("--fp16",)),
+        # Megatron-LM's default spec (Transformer Engine's layers, served by the adaptor)
+        ("te-pp2", 2, (*TE, "--pipeline-model-parallel-size", "2")),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("device", client_devices())
@@ -187,12 +191,7 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
 
 
 @pytest.mark.parametrize(
-    "extra, option",
-    [
-        (("--num-experts", "4"), "--num-experts"),
-        (("--transformer-impl", "transformer_engine"), "--transformer-impl transformer_engine"),
-    ],
-    ids=["moe", "transformer-engine"],
+    "extra, option", [(("--num-experts", "4"), "--num-experts")], ids=["moe"]
 )  # fmt: skip
 def test_unsupported_option_is_one_named_error(tmp_path, extra, option):
     """An option the adaptor cannot serve stops every rank before anything is built, with one
@@ -207,3 +206,50 @@ def test_unsupported_option_is_one_named_error(tmp_path, extra, option):
     assert option in lines[0]
     assert "exitcode  : 2" in run.log
     assert "[rank0]: Traceback" not in run.log and "[rank1]: Traceback" not in run.log
+
+
+def test_te_spec_runs(tmp_path):
+    """Megatron-LM's default spec (``--transformer-impl transformer_engine``, served by the
+    adaptor's TE stand-ins) trains a Llama-style model with TP2 + sequence parallelism, bf16,
+    flash attention and query/key norms on npu-emulated; the step reaches the NPU kernels."""
+    name = "te-llama-tp2-sp"
+    env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
+    run = pretrain_gpt(
+        tmp_path, *TINY, "--mock-data", "--train-iters", "20", *TE, *LLAMA,
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--use-flash-attn",
+        "--qk-layernorm", nproc=2, device="npu-emulated", name=name, tensorboard=False, env=env,
+    )  # fmt: skip
+    check_trained(run, 20)
+    counts = _kernel_counts(tmp_path, name)
+    assert all(counts.get(k, 0) > 0 for k in LLAMA_KERNELS), counts
+    # the query/key norms and both fused input norms of 2 layers, per micro-batch (2) and step
+    assert counts["npu_rms_norm"] >= 4 * 2 * 2 * 20, counts
+
+
+def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
+    """fp32, host-initialised weights, no dropout: the TE spec's curve is the local spec's step
+    for step (the same weights, the norms fused into QKV / FC1); a TE-spec checkpoint written at
+    TP2 after 6 steps resumes at TP1, and steps 7-12 agree with the straight TP1 run by the
+    layout rule (1e-5)."""
+    args = (
+        *TINY, "--mock-data", "--train-iters", "12", "--vocab-size", "1279",
+        "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
+    )  # fmt: skip
+    te = pretrain_gpt(tmp_path, *args, *TE, name="te")
+    local = pretrain_gpt(tmp_path, *args, name="local")
+    ckpt = str(tmp_path / "ckpt")
+    saved = pretrain_gpt(
+        tmp_path, *args, *TE, "--tensor-model-parallel-size", "2", "--save", ckpt,
+        "--save-interval", "6", "--exit-interval", "6", nproc=2, name="tp2-saved",
+    )  # fmt: skip
+    resumed = pretrain_gpt(tmp_path, *args, *TE, "--load", ckpt, name="tp1-resumed")
+    for run in (te, local, saved, resumed):
+        assert run.returncode == 0, run.tail()
+    assert max(saved.skipped) == 6 and min(resumed.skipped) == 7, resumed.tail()
+    same = rules.layout("te", "local", _curve(local, range(1, 13)), _curve(te, range(1, 13)))
+    assert same.status == rules.PASS, same.detail
+    assert [te.losses[i] for i in range(1, 13)] == [local.losses[i] for i in range(1, 13)]
+    verdict = rules.layout(
+        "tp2-to-tp1", "te", _curve(te, range(7, 13)), _curve(resumed, range(7, 13))
+    )
+    assert verdict.status == rules.PASS, verdict.detail

@@ -1,0 +1,349 @@
+"""Transformer Engine's layer classes, as Megatron's TE spec builds them, without TE.
+
+Without NVIDIA Transformer Engine, ``megatron.core.extensions.transformer_engine`` still imports
+but its ``TE*`` names are placeholders (``MagicMock`` objects, or a ``TENorm`` that raises), so
+Megatron's default ``transformer_engine`` layer spec cannot be built. These classes take their
+place (:mod:`megatron_npu.patches.transformer_engine`): the same constructor arguments, the same
+``forward`` contract (``(output, bias or None)`` for the linears), and the parameter names,
+shapes, tensor-parallel attributes and checkpoint keys TE's own modules have, so a checkpoint
+written by a GPU run with TE maps key for key:
+
+- ``TELayerNormColumnParallelLinear``: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm
+  only), ``weight``, ``bias``, ``_extra_state``; the norm runs on the local (sequence-parallel)
+  shard before the column-parallel GEMM gathers it, and its parameters are replicated across TP
+  and marked ``sequence_parallel`` as TE marks them;
+- ``TEColumnParallelLinear`` / ``TERowParallelLinear``: ``weight``, ``bias``, ``_extra_state``
+  (TP axis 0 / 1); ``TELinear`` with ``parallel_mode="duplicated"``: a replicated ``weight``;
+- ``TENorm``: ``weight``, ``bias`` (LayerNorm only), ``_extra_state``;
+- ``TEDotProductAttention``: ``_extra_state`` in its ``state_dict``, none in the sharded one
+  from megatron-core 0.15 (TE's wrapper saves only a learnable softmax offset there).
+
+The compute is Megatron's own local layers (``ColumnParallelLinear``, ``RowParallelLinear``,
+``DotProductAttention``: TP/SP communication, gradient-accumulation fusion into ``main_grad``,
+the adaptor's fused-attention routing) and the adaptor's norm op (``npu_rms_norm`` on the NPU).
+
+``_extra_state`` is TE's fp8 metadata. With fp8 off TE writes an empty ``uint8`` tensor (TE 2.4+;
+its norms from 2.9, before that ``pickle.dumps({})``); these classes write the same and load every
+form TE ever wrote for a run without fp8 state. A checkpoint holding real fp8 state is refused
+with a named error: the adaptor trains without fp8.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from megatron_npu.modules.norm import Norm, normalize
+
+#: TE's ``_extra_state`` payloads that carry no fp8 state: ``pickle.dumps(None)`` (TE 2.0-2.3
+#: modules) and ``pickle.dumps({})`` (TE < 2.9 norms)
+_EMPTY_PICKLES = (pickle.dumps(None, protocol=4), pickle.dumps({}, protocol=4))
+
+
+class FP8StateError(ValueError):
+    """A checkpoint's TE ``_extra_state`` holds fp8 scaling state."""
+
+
+def _megatron_core_below(version: str) -> bool:
+    from packaging.version import Version
+
+    from megatron_npu.patcher import megatron_core_version
+
+    return Version(megatron_core_version()) < Version(version)
+
+
+class TEExtraState:
+    """The ``_extra_state`` entry of a TE module with fp8 off."""
+
+    #: the norms of TE < 2.9 (megatron-core 0.13/0.14's TE) pickle an empty dict instead
+    pickled_empty_dict = False
+
+    def get_extra_state(self) -> torch.Tensor:
+        if self.pickled_empty_dict:
+            return torch.frombuffer(bytearray(_EMPTY_PICKLES[1]), dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None:
+            return
+        if isinstance(state, io.BytesIO):  # TE 1.x: torch.save(None) in a buffer
+            state.seek(0)
+            if torch.load(state, weights_only=True) is None:
+                return
+        elif isinstance(state, torch.Tensor):
+            if state.numel() == 0 or state.cpu().numpy().tobytes() in _EMPTY_PICKLES:
+                return
+        raise FP8StateError(
+            f"{type(self).__name__}: the checkpoint's _extra_state holds Transformer Engine fp8 "
+            "state (a run with --fp8-format); the adaptor trains without fp8, so it cannot "
+            "resume that state: convert the checkpoint without fp8 or start the fp8 run on a GPU"
+        )
+
+
+def _accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Those of ``kwargs`` that ``cls.__init__`` of the installed megatron-core takes (each
+    release adds or drops a few, e.g. ``tp_group``, ``stride``)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+# ---------------------------------------------------------------------------- linears
+
+
+def _column_parallel_linear() -> type:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+def _row_parallel_linear() -> type:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    return RowParallelLinear
+
+
+def _check_te_arguments(name: str, *, gather_output: bool = False, input_is_parallel: bool = True,
+                        skip_weight_param_allocation: bool = False) -> None:  # fmt: skip
+    """The arguments TE's wrappers refuse, refused the same way (ValueError)."""
+    if gather_output:
+        raise ValueError(f"Transformer Engine linear layers do not support gather_output = True "
+                         f"({name})")  # fmt: skip
+    if not input_is_parallel:
+        raise ValueError(f"Transformer Engine linear layers do not support input_is_parallel = "
+                         f"False ({name})")  # fmt: skip
+    if skip_weight_param_allocation:
+        raise ValueError(f"Transformer Engine linear layers do not support "
+                         f"skip_weight_param_allocation ({name})")  # fmt: skip
+
+
+def _build_linears() -> dict[str, type]:
+    column, row = _column_parallel_linear(), _row_parallel_linear()
+
+    class TEColumnParallelLinear(TEExtraState, column):
+        """TE's column-parallel linear: Megatron's ColumnParallelLinear plus ``_extra_state``."""
+
+        def __init__(self, input_size: int, output_size: int, *, config, init_method,
+                     gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool,
+                     skip_weight_param_allocation: bool = False, tp_comm_buffer_name=None,
+                     tp_group=None, stride: int = 1, name=None, **_te_only: Any) -> None:  # fmt: skip
+            _check_te_arguments(type(self).__name__, gather_output=gather_output,
+                                skip_weight_param_allocation=skip_weight_param_allocation)  # fmt: skip
+            super().__init__(input_size, output_size, **_accepted(column, dict(
+                config=config, init_method=init_method, bias=bias, gather_output=False,
+                stride=stride, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
+            )))  # fmt: skip
+
+    class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
+        """TE's LayerNormLinear: the input norm fused into the column-parallel GEMM (QKV, FC1).
+
+        The norm's ``layer_norm_weight`` / ``layer_norm_bias`` come first in the state dict, as
+        TE registers them; ``--apply-layernorm-1p`` stores gamma zero-centred (init 0)."""
+
+        def __init__(self, input_size: int, output_size: int, *, config, init_method,
+                     gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool,
+                     skip_weight_param_allocation: bool = False, tp_comm_buffer_name=None,
+                     tp_group=None, stride: int = 1, name=None, **_te_only: Any) -> None:  # fmt: skip
+            if is_expert:
+                raise ValueError("Transformer Engine linear layers do not yet support MoE")
+            super().__init__(input_size, output_size, config=config, init_method=init_method,
+                             gather_output=gather_output, bias=bias, skip_bias_add=skip_bias_add,
+                             is_expert=False,
+                             skip_weight_param_allocation=skip_weight_param_allocation,
+                             tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
+                             stride=stride)  # fmt: skip
+            self.normalization = config.normalization
+            if self.normalization not in ("LayerNorm", "RMSNorm"):
+                raise ValueError(f"normalization must be LayerNorm or RMSNorm, got "
+                                 f"{self.normalization!r}")  # fmt: skip
+            self.eps = config.layernorm_epsilon
+            self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+            device = self.weight.device
+            init = torch.zeros if self.zero_centered_gamma else torch.ones
+            self.layer_norm_weight = torch.nn.Parameter(
+                init(input_size, dtype=config.params_dtype, device=device)
+            )
+            if self.normalization == "LayerNorm":
+                self.layer_norm_bias = torch.nn.Parameter(
+                    torch.zeros(input_size, dtype=config.params_dtype, device=device)
+                )
+            else:
+                self.layer_norm_bias = None
+            for param in (self.layer_norm_weight, self.layer_norm_bias):
+                if param is not None:
+                    param.sequence_parallel = config.sequence_parallel
+            for key in ("weight", "bias"):  # TE's order: the norm's parameters first
+                if key in self._parameters:
+                    self._parameters[key] = self._parameters.pop(key)
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
+            normed = normalize(x, self.layer_norm_weight, self.layer_norm_bias,
+                               self.normalization, self.eps, self.zero_centered_gamma)  # fmt: skip
+            return super().forward(normed, *args, **kwargs)
+
+    class TERowParallelLinear(TEExtraState, row):
+        """TE's row-parallel linear: Megatron's RowParallelLinear plus ``_extra_state``."""
+
+        def __init__(self, input_size: int, output_size: int, *, config, init_method,
+                     bias: bool, input_is_parallel: bool, skip_bias_add: bool, is_expert: bool,
+                     tp_comm_buffer_name=None, tp_group=None, name=None,
+                     **_te_only: Any) -> None:  # fmt: skip
+            _check_te_arguments(type(self).__name__, input_is_parallel=input_is_parallel)
+            super().__init__(input_size, output_size, **_accepted(row, dict(
+                config=config, init_method=init_method, bias=bias, input_is_parallel=True,
+                skip_bias_add=skip_bias_add, is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
+            )))  # fmt: skip
+
+    built = (TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear)
+    for cls in built:
+        cls.__qualname__ = cls.__name__
+    return {cls.__name__: cls for cls in built}
+
+
+_built: dict[str, type] = {}
+
+
+def stand_in(name: str) -> type:
+    """The stand-in class named ``name`` (``TEColumnParallelLinear``, ...). The ones built on
+    megatron-core's local layers are defined on first use, on the installed release's classes."""
+    if name not in _built:
+        if name == "TEDotProductAttention":
+            _built[name] = _build_attention()
+        elif name in ("TELinear", "TENorm"):
+            _built[name] = globals()[name]
+        else:
+            _built.update(_build_linears())
+    return _built[name]
+
+
+class TELinear(TEExtraState, torch.nn.Module):
+    """TE's plain linear. ``parallel_mode="duplicated"`` (or None, how megatron-core builds the
+    MLA down-projections) is a weight replicated on every TP rank; ``"column"`` / ``"row"``
+    build the column- / row-parallel stand-in."""
+
+    def __new__(cls, input_size: int = 0, output_size: int = 0, *args: Any,
+                parallel_mode: str | None = None, **kwargs: Any):  # fmt: skip
+        if cls is TELinear and parallel_mode in ("column", "row"):
+            name = "TEColumnParallelLinear" if parallel_mode == "column" else "TERowParallelLinear"
+            target = stand_in(name)
+            if parallel_mode == "column":
+                kwargs.setdefault("gather_output", False)
+            else:
+                kwargs.setdefault("input_is_parallel", True)
+            kwargs.setdefault("is_expert", kwargs.pop("is_expert", False))
+            kwargs.pop("symmetric_ar_type", None)
+            kwargs.pop("skip_weight_param_allocation", None)
+            return target(input_size, output_size, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None, config,
+                 init_method, bias: bool, skip_bias_add: bool,
+                 skip_weight_param_allocation: bool, tp_comm_buffer_name=None,
+                 is_expert: bool = False, symmetric_ar_type=None, tp_group=None, name=None,
+                 **_te_only: Any) -> None:  # fmt: skip
+        if parallel_mode not in (None, "duplicated"):
+            raise ValueError(f"TELinear: unknown parallel_mode {parallel_mode!r}")
+        _check_te_arguments("TELinear", skip_weight_param_allocation=skip_weight_param_allocation)
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.config = config
+        self.skip_bias_add = skip_bias_add
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
+        )
+        if config.perform_initialization:
+            with torch.no_grad():
+                init_method(self.weight)
+        set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
+        if bias:
+            self.bias = torch.nn.Parameter(
+                torch.zeros(output_size, dtype=config.params_dtype, device=device)
+            )
+        else:
+            self.bias = None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.allreduce = not is_expert
+                param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor):
+        bias = None if self.skip_bias_add else self.bias
+        out = torch.nn.functional.linear(x, self.weight, bias)
+        return out, (self.bias if self.skip_bias_add else None)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, None, sharded_offsets)
+
+
+# -------------------------------------------------------------------------------- norm
+
+
+class TENorm(TEExtraState, Norm):
+    """TE's LayerNorm / RMSNorm as ``TENorm(config, hidden_size, eps)`` builds it."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False,
+                 **_te_only: Any) -> None:  # fmt: skip
+        if has_residual:
+            raise ValueError("TENorm: the fused residual RMSNorm (--fused-residual-rmsnorm) is "
+                             "not supported by the adaptor")  # fmt: skip
+        super().__init__(
+            hidden_size, eps=eps, normalization=config.normalization,
+            zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+        )  # fmt: skip
+        self.pickled_empty_dict = _megatron_core_below("0.15")
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _build_attention() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class TEDotProductAttention(TEExtraState, DotProductAttention):
+        """TE's core attention on Megatron's DotProductAttention (the adaptor routes it to the
+        fused-attention op when the run asks for flash attention): [s, b, np, hn] q and
+        [s, b, ng, hn] k/v (grouped-query heads expanded inside) -> [s, b, np * hn]."""
+
+        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                     attention_dropout=None, softmax_scale=None, k_channels=None,
+                     v_channels=None, num_splits=None, cp_comm_type: str = "p2p",
+                     model_comm_pgs=None, pg_collection=None, **_te_only: Any) -> None:  # fmt: skip
+            for name, value in (("k_channels", k_channels), ("v_channels", v_channels)):
+                if value is not None and value != config.kv_channels:
+                    raise ValueError(f"TEDotProductAttention: {name}={value} other than "
+                                     f"kv_channels ({config.kv_channels}, multi-latent "
+                                     "attention) is not supported by the adaptor")  # fmt: skip
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             **_accepted(DotProductAttention, dict(
+                                 attention_dropout=attention_dropout,
+                                 softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                                 model_comm_pgs=model_comm_pgs, pg_collection=pg_collection,
+                             )))  # fmt: skip
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)  # fmt: skip
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+            # TE's wrapper keeps _extra_state out of distributed checkpoints from 0.15 on
+            if _megatron_core_below("0.15"):
+                from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+                state = self.state_dict(prefix="", keep_vars=True)
+                return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    TEDotProductAttention.__qualname__ = TEDotProductAttention.__name__
+    return TEDotProductAttention
