@@ -154,6 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--rotary-percent", type=_finite, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument(
+        "--transformer-impl", choices=("local", "transformer_engine"), default="local",
+        help="the layer spec: Megatron's local modules, or its Transformer Engine spec (TE's "
+        "layer names and checkpoint keys; the adaptor serves its classes without TE). "
+        "Megatron-LM's own default is transformer_engine",
+    )  # fmt: skip
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=_finite, default=1e-5)
     g.add_argument("--swiglu", action="store_true")

@@ -57,6 +57,7 @@ FINGERPRINT_FLAGS = {
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "the tokenizer (--vocab-size / --tokenizer-type / --vocab-file)",
     "padded_vocab_size": "--make-vocab-size-divisible-by x TP size",
+    "transformer_impl": "--transformer-impl (the two specs name their layers differently)",
 }
 
 
@@ -85,6 +86,7 @@ def fingerprint(args: Namespace, vocab_size: int) -> dict:
         "padded_vocab_size": padded_vocab_size(
             int(vocab_size), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         ),
+        "transformer_impl": getattr(args, "transformer_impl", "local"),
     }
 
 

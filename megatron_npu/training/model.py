@@ -1,4 +1,5 @@
-"""The GPT model: Megatron-Core's ``GPTModel`` on the local layer spec, one chunk per virtual stage.
+"""The GPT model: Megatron-Core's ``GPTModel`` on the local or the Transformer Engine layer spec,
+one chunk per virtual stage.
 
 Layout-independent initial weights
 ----------------------------------
@@ -45,7 +46,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -185,8 +189,12 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
 
 
 def layer_spec(args: Namespace) -> ModuleSpec:
-    """``get_gpt_layer_local_spec`` with its ``TransformerLayer`` seeded per global layer."""
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    """Megatron's local or Transformer Engine layer spec (``--transformer-impl``), its
+    ``TransformerLayer`` seeded per global layer."""
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
     return dataclasses.replace(spec, module=SeededTransformerLayer)
 
 

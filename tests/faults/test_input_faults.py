@@ -280,6 +280,11 @@ CKPT_FAULTS = {
         lambda t, g: [*_ckpt(t, g), "--vocab-size", "300"],
         r"another model: vocab_size is 256 there, 300 in this run",
     ),
+    "other-layer-spec": (
+        lambda t, g: [*_ckpt(t, g), "--transformer-impl", "transformer_engine"],
+        r"another model: transformer_impl is local there, transformer_engine in this run \(set "
+        r"by --transformer-impl",
+    ),
     "optimizer-kind-changed": (
         lambda t, g: [*_ckpt(t, g), "--use-distributed-optimizer"],
         r"iter_0000004 was saved without --use-distributed-optimizer.*--no-load-optim",

@@ -25,6 +25,13 @@ LAYOUTS = {
         2,
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     ),
+    # Megatron's Transformer Engine spec (the adaptor's TE classes): the same model, its norms
+    # fused into QKV / FC1, so the local baseline's losses
+    "te-tp2-sp": (
+        2,
+        ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel"],
+    ),  # fmt: skip
     "tp2-pp2-sp": (
         4,
         [
