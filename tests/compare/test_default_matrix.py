@@ -57,6 +57,17 @@ def test_healthy_tree_has_no_fail(tmp_path, monkeypatch):
     assert verdicts[("npu-fp32", "performance")]["status"] == "not-applicable"
 
 
+def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
+    """The Transformer Engine spec on the reference path and the NPU path agree by the
+    approximate rule, and its TP2 run agrees with its TP1 run by the layout rule."""
+    document, status = _compare(tmp_path, monkeypatch, None, "ref-fp32", "ref-fp32-te",
+                                "npu-fp32-te", "npu-fp32-te-tp2")  # fmt: skip
+    verdicts = _verdicts(document)
+    assert status == 0, [v for v in verdicts.values() if v["status"] != "pass"]
+    assert verdicts[("npu-fp32-te", "approximate")]["status"] == "pass"
+    assert verdicts[("npu-fp32-te-tp2", "layout")]["status"] == "pass"
+
+
 def test_planted_slowdown_fails_the_default_matrix(tmp_path, monkeypatch):
     document, status = _compare(tmp_path, monkeypatch, "slow-attention", "ref-fp32", "cpu-fp32-flash")
     verdicts = _verdicts(document)

@@ -101,6 +101,11 @@ def test_the_default_matrix_has_the_rows_the_issue_asks_for():
     sparse = [r for r in npu_rows if r.option("pre-tokens", 65536) < 65536]
     assert sparse and all(r.option("pre-tokens") < r.option("seq-length") for r in sparse)
     assert any(r.rerun_of == "ref-fp32" for r in matrix.runs)
+    te = {r.name: r for r in matrix.runs if r.option("transformer-impl") == "transformer_engine"}
+    assert te["ref-fp32-te"].devices == ("cpu",)
+    assert te["npu-fp32-te"].reference == "ref-fp32-te"
+    assert te["npu-fp32-te-tp2"].tensor_parallel == 2
+    assert te["npu-fp32-te-tp2"].reference == "npu-fp32-te"
     cuda = [r for r in matrix.runs if "cuda" in r.devices]
     assert cuda and all(r.optional for r in cuda)
 
