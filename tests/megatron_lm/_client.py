@@ -38,6 +38,14 @@ def client_devices() -> tuple[str, ...]:
     return tuple(d.strip() for d in raw.split(",") if d.strip())
 
 
+def client_specs() -> tuple[str, ...]:
+    """Layer specs (``--transformer-impl``) the run list covers: ``local`` in the default suite
+    (the Transformer Engine spec has its own tests there), both in tox
+    (``MEGATRON_NPU_CLIENT_SPECS=local,transformer_engine``)."""
+    raw = os.environ.get("MEGATRON_NPU_CLIENT_SPECS", "local")
+    return tuple(s.strip() for s in raw.split(",") if s.strip())
+
+
 def megatron_lm_folder() -> Path:
     """The Megatron-LM tag of the installed megatron-core's release line: ``core_v<version>``,
     else the newest ``core_v<major.minor>.*`` (0.19.2's wheel pairs with the core_v0.19.0 tag)."""

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_npu.compare import mlm_log, rules
 
-from ._client import TINY, Run, check_trained, client_devices, pretrain_gpt
+from ._client import TINY, Run, check_trained, client_devices, client_specs, pretrain_gpt
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -139,14 +139,17 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("device", client_devices())
-def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device):
-    """The Megatron-LM issue's run list (npu-emulated here; tox adds cpu): 20 iterations,
-    falling loss, exit 0; fp16 with Megatron's dynamic loss scaler (30 iterations)."""
+@pytest.mark.parametrize("spec", client_specs())
+def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device, spec):
+    """The Megatron-LM issue's run list (npu-emulated and the local spec here; tox adds cpu and
+    the Transformer Engine spec): 20 iterations, falling loss, exit 0; fp16 with Megatron's
+    dynamic loss scaler (30 iterations)."""
     iterations = 30 if name == "fp16" else 20
     env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
-        tmp_path, *TINY, "--mock-data", "--train-iters", str(iterations), *extra, nproc=nproc,
-        device=device, name=name, tensorboard=False, env=env,
+        tmp_path, *TINY, "--mock-data", "--train-iters", str(iterations),
+        "--transformer-impl", spec, *extra, nproc=nproc, device=device, name=name,
+        tensorboard=False, env=env,
     )  # fmt: skip
     check_trained(run, iterations)
     if name.startswith("llama") and device == "npu-emulated":
@@ -217,7 +220,7 @@ def test_te_spec_runs(tmp_path):
     run = pretrain_gpt(
         tmp_path, *TINY, "--mock-data", "--train-iters", "20", *TE, *LLAMA,
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--use-flash-attn",
-        "--qk-layernorm", nproc=2, device="npu-emulated", name=name, tensorboard=False, env=env,
+        "--qk-layernorm", "--attention-softmax-in-fp32", nproc=2, device="npu-emulated", name=name, tensorboard=False, env=env,
     )  # fmt: skip
     check_trained(run, 20)
     counts = _kernel_counts(tmp_path, name)
