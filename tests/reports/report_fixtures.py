@@ -109,6 +109,14 @@ def compare_results(directory: Path) -> Path:
     return directory
 
 
+def s_per_step_interval(source: Path, name: str) -> tuple[float, float]:
+    """The 95 % confidence interval of run ``name``'s s/step in a compare output."""
+    data = json.loads((source / "results.json").read_text(encoding="utf-8"))
+    run = next(r for r in data["runs"] if r["name"] == name)
+    lo, hi = run["perf"]["ci95_s_per_step"]
+    return float(lo), float(hi)
+
+
 def copy_results(source: Path, directory: Path, *, slower: float = 1.0) -> Path:
     """A copy of a real compare output's results.json, every step time and s/step of the run
     ``cpu-tp2`` (and of its Table 2 row) multiplied by ``slower`` (the diff tests' speed change)."""

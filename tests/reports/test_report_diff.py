@@ -33,7 +33,10 @@ def test_identical_sets_show_nothing(parity_runs, compare_dir, bench_file):
 
 
 def test_speed_changes_skip_emulated(tmp_path, compare_dir, bench_file):
-    slower_cmp = fx.copy_results(compare_dir, tmp_path / "default", slower=10.0)
+    # a slowdown the run's own 95 % interval cannot hide: at least 10x, and twice the interval's
+    # spread (a loaded machine has given cpu-tp2 an interval over 10x wide)
+    lo, hi = fx.s_per_step_interval(compare_dir, "cpu-tp2")
+    slower_cmp = fx.copy_results(compare_dir, tmp_path / "default", slower=max(10.0, 2 * hi / lo))
     slower_bench = fx.scaled_benchmarks(bench_file, tmp_path / "b.json", 10.0)
     d = diff(load([compare_dir, bench_file]), load([slower_cmp, slower_bench]))
     flagged = {row["what"] for row in d["speed_changes"]}
