@@ -293,7 +293,9 @@ class TENorm(TEExtraState, Norm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False,
                  **_te_only: Any) -> None:  # fmt: skip
-        if has_residual:
+        if has_residual and getattr(config, "fused_residual_rmsnorm", False):
+            # TE's TENorm builds its fused residual-add RMSNorm only with this option; a norm
+            # asked for "with residual" is otherwise the plain one
             raise ValueError("TENorm: the fused residual RMSNorm (--fused-residual-rmsnorm) is "
                              "not supported by the adaptor")  # fmt: skip
         super().__init__(

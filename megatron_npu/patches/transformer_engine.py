@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 from megatron_npu.modules import te_layers
@@ -53,13 +54,22 @@ class TESpecProvider:
         return provider(*args, **kwargs)
 
 
-def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-    """``TENorm`` for every norm, the query/key norms included: megatron-core picks apex's
-    FusedLayerNorm for them when it believes TE is older than 1.9, and it asks by calling
-    ``is_te_min_version``, which fails without TE before megatron-core 0.17."""
-    import megatron.core.extensions.transformer_engine as te
+def _qk_norm_is_te_norm(original: Any) -> Any:
+    """``TENorm`` for the query/key norms too: megatron-core picks apex's FusedLayerNorm for
+    them when it believes TE is older than 1.9, and it asks by calling ``is_te_min_version``,
+    which fails without TE before megatron-core 0.17. Every other call (e.g. 0.17's
+    ``has_residual`` variant) is megatron-core's own."""
+    signature = inspect.signature(original)
 
-    return te.TENorm
+    @functools.wraps(original)
+    def layer_norm(*args: Any, **kwargs: Any) -> Any:
+        if signature.bind(*args, **kwargs).arguments.get("for_qk"):
+            import megatron.core.extensions.transformer_engine as te
+
+            return te.TENorm
+        return original(*args, **kwargs)
+
+    return layer_norm
 
 
 def _te_final_norm(original: Any) -> Any:
@@ -157,7 +167,8 @@ PATCHES = [
     Patch(
         id="transformer-engine.spec-provider-layer-norm",
         target=f"{_PROVIDER}.TESpecProvider.layer_norm",
-        replacement=layer_norm,
+        replacement=_qk_norm_is_te_norm,
+        kind="wrap",
         reason="the q/k norms of the TE spec are TENorm, not apex's FusedLayerNorm",
         parity_exempt="chooses a class, no numerics: the norm it returns has its parity case",
         exempt_test=QK_NORM_TEST,
