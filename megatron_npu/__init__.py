@@ -9,7 +9,11 @@
 on the command line) leaves those registry patches out; ``megatron-npu info`` reports them.
 """
 
-from megatron_npu.patcher import (
+from megatron_npu import import_warnings
+
+import_warnings.quiet()
+
+from megatron_npu.patcher import (  # noqa: E402  (the filter first: anything may import megatron)
     PatchError,
     PatchSignatureError,
     PatchTargetError,
