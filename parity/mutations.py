@@ -410,6 +410,30 @@ def _sample_offsets_late(original):
     return build
 
 
+def _te_norm_zero_centered_ignored(original):
+    def normalize(x, weight, bias, normalization, eps, zero_centered_gamma):
+        return original(x, weight, bias, normalization, eps, False)  # gamma = w, not 1 + w
+
+    return normalize
+
+
+def _te_norm_eps_fixed(original):
+    def normalize(x, weight, bias, normalization, eps, zero_centered_gamma):
+        return original(x, weight, bias, normalization, 1e-2, zero_centered_gamma)
+
+    return normalize
+
+
+def _te_attention_kwarg_dropped(name):
+    def make(original):
+        def accepted(cls, kwargs):
+            return {k: v for k, v in original(cls, kwargs).items() if k != name}
+
+        return accepted
+
+    return make
+
+
 def _reference_calls_implementation(case):
     """The rotary case with a reference that calls the patched function itself: the
     comparison then agrees with any bug, so only a harness check can catch it."""
@@ -435,6 +459,7 @@ def _reference_calls_implementation(case):
 
 # ---------------------------------------------------------------------------- examples
 
+from megatron_npu.parity.cases import transformer_engine as _te_cases  # noqa: E402
 from megatron_npu.parity.cases.attention import _edge as _attention  # noqa: E402
 from megatron_npu.parity.cases.norm import _edge as _norm  # noqa: E402
 from megatron_npu.parity.cases.rotary import _edge as _rotary  # noqa: E402
@@ -456,6 +481,13 @@ _NORM_SP = _norm(normalization="LayerNorm", hidden=24, sp=True, seed=7)
 _CROSS_ENTROPY = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
                   "activation": True, "seed": 1}  # fmt: skip
 _ROTARY = _rotary()
+_TE_LN_LINEAR_ZERO_CENTERED = _te_cases._linear_edge(
+    "layernorm-column", normalization="RMSNorm", zero_centered=True, skip_bias_add=True, seed=3
+)
+_TE_NORM_TINY = _te_cases._norm_edge(normalization="RMSNorm", scale=1e-3, eps=1e-6, seed=3)
+_TE_ATTENTION_SCALED = _te_cases._attention_edge(
+    mask="padding", softmax_scale=0.3, flash=True, seed=4
+)
 _ROTARY_PER_BATCH = _rotary(per_batch=True, rot_dim=16, seed=7)
 _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 0, "seed": 1}
 _ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
@@ -670,6 +702,26 @@ _ALL = (
         "sample-index-offsets-late", "the GPT sample index puts every boundary one token late",
         "megatron_npu.data.index_helpers._build_sample_idx_impl", _sample_offsets_late,
         "data.build-sample-idx", (_SAMPLE_IDX,),
+    ),
+    # ---- the Transformer Engine stand-ins
+    Mutation(
+        "te-layernorm-linear-zero-centered-ignored", "TELayerNormColumnParallelLinear normalises "
+        "with gamma = w where --apply-layernorm-1p stores w = gamma - 1",
+        "megatron_npu.modules.te_layers.normalize", _te_norm_zero_centered_ignored,
+        "transformer-engine.layernorm-column-parallel-linear", (_TE_LN_LINEAR_ZERO_CENTERED,),
+    ),
+    Mutation(
+        "te-norm-eps-fixed", "TENorm's norm uses eps 1e-2 whatever TENorm(config, hidden, eps) "
+        "was given (bf16: only the 16-bit stage-2 rules judge it)",
+        "megatron_npu.modules.norm.normalize", _te_norm_eps_fixed,
+        "transformer-engine.norm", (_TE_NORM_TINY,), dtype="bfloat16",
+    ),
+    Mutation(
+        "te-attention-softmax-scale-dropped", "TEDotProductAttention does not hand softmax_scale "
+        "on to DotProductAttention, which then scales by 1/sqrt(hn)",
+        "megatron_npu.modules.te_layers._accepted", _te_attention_kwarg_dropped("softmax_scale"),
+        "transformer-engine.dot-product-attention", (_TE_ATTENTION_SCALED,),
+        device=NPU_EMULATED,
     ),
     # ---- a reference that calls the implementation
     Mutation(
