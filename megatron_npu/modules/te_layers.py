@@ -230,15 +230,17 @@ class TELinear(TEExtraState, torch.nn.Module):
                 parallel_mode: str | None = None, **kwargs: Any):  # fmt: skip
         if cls is TELinear and parallel_mode in ("column", "row"):
             name = "TEColumnParallelLinear" if parallel_mode == "column" else "TERowParallelLinear"
-            target = stand_in(name)
+            kwargs.pop("symmetric_ar_type", None)
             if parallel_mode == "column":
                 kwargs.setdefault("gather_output", False)
             else:
+                _check_te_arguments(
+                    "TELinear",
+                    skip_weight_param_allocation=kwargs.pop("skip_weight_param_allocation", False),
+                )
                 kwargs.setdefault("input_is_parallel", True)
-            kwargs.setdefault("is_expert", kwargs.pop("is_expert", False))
-            kwargs.pop("symmetric_ar_type", None)
-            kwargs.pop("skip_weight_param_allocation", None)
-            return target(input_size, output_size, *args, **kwargs)
+            kwargs.setdefault("is_expert", False)
+            return stand_in(name)(input_size, output_size, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None, config,
