@@ -33,6 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -567,15 +568,8 @@ def count_kernel_calls() -> Iterator[Counter]:
     the public ``npu_*`` functions of this module, so it sees calls through ``torch_npu.<name>``
     and ``megatron_npu.ops.kernels`` alike, never the native torch paths.
     """
-    counter: Counter = Counter()
-    with _counters_lock:
-        _counters.append(counter)
-    try:
+    with _registered(_counters, Counter()) as counter:
         yield counter
-    finally:
-        with _counters_lock:
-            # by identity: two counters with equal counts compare equal (nested blocks)
-            del _counters[next(i for i, c in enumerate(_counters) if c is counter)]
 
 
 _site_sets: list[set] = []
@@ -587,14 +581,21 @@ def record_call_sites() -> Iterator[set[tuple[str, int, str]]]:
 
     Yields a set that fills with ``(file, line, kernel)`` of each call's immediate caller: the
     places in the adaptor whose calls went through the schema check."""
-    sites: set[tuple[str, int, str]] = set()
-    with _counters_lock:
-        _site_sets.append(sites)
-    try:
+    with _registered(_site_sets, set()) as sites:
         yield sites
+
+
+@contextmanager
+def _registered(collectors: list, collector: Any) -> Iterator[Any]:
+    """``collector`` in ``collectors`` while the block runs (found again by identity: two
+    counters with equal counts compare equal, e.g. nested blocks)."""
+    with _counters_lock:
+        collectors.append(collector)
+    try:
+        yield collector
     finally:
         with _counters_lock:
-            del _site_sets[next(i for i, s in enumerate(_site_sets) if s is sites)]
+            del collectors[next(i for i, c in enumerate(collectors) if c is collector)]
 
 
 def _checked(kernel):

@@ -22,28 +22,36 @@ from megatron_npu.ops import settings
 from perf.case import BenchCase, Built, Cell, implementation
 
 
-def build(cell: Cell) -> Built:
+def _setup(cell: Cell):
+    """(config, q, k, v) of one cell: Megatron's config for the shape and dtype (its attention
+    forks the RNG tracker, seeded here) and [s, b, n, d] inputs."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s, b, n, d = (cell.shape[k] for k in ("seq", "batch", "heads", "head_dim"))
-    model_parallel_cuda_manual_seed(0)  # Megatron's attention forks its RNG tracker
+    model_parallel_cuda_manual_seed(0)
     dtype = cell.torch_dtype
     config = TransformerConfig(
         num_layers=1, hidden_size=n * d, num_attention_heads=n, use_cpu_initialization=True,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
         attention_dropout=0.0,
     )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    return config, q, k, v
+
+
+def build(cell: Cell) -> Built:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config, q, k, v = _setup(cell)
     module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                  attention_type="self")  # fmt: skip
     if cell.path != "megatron":
         settings.set_fused_attention(use_flash_attn=True)
     forward = implementation(cell)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
-               for _ in range(3))  # fmt: skip
     return Built(lambda: forward(module, q, k, v, None, AttnMaskType.causal), (q, k, v))
 
 
@@ -59,27 +67,15 @@ DOT_PRODUCT_ATTENTION = BenchCase(
 
 
 def build_te(cell: Cell) -> Built:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_npu import patcher
     from megatron_npu.registry import get_patch
     from perf.case import installed_of
 
-    s, b, n, d = (cell.shape[k] for k in ("seq", "batch", "heads", "head_dim"))
-    model_parallel_cuda_manual_seed(0)  # Megatron's attention forks its RNG tracker
-    dtype = cell.torch_dtype
-    config = TransformerConfig(
-        num_layers=1, hidden_size=n * d, num_attention_heads=n, use_cpu_initialization=True,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
-        attention_dropout=0.0,
-    )  # fmt: skip
+    config, q, k, v = _setup(cell)
     causal = AttnMaskType.causal
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
-               for _ in range(3))  # fmt: skip
     if cell.path == "megatron":  # the local spec's core attention, Megatron's own forward
         module = DotProductAttention(config, layer_number=1, attn_mask_type=causal,
                                      attention_type="self")  # fmt: skip
