@@ -245,10 +245,15 @@ def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
         tmp_path, *args, *TE, "--tensor-model-parallel-size", "2", "--save", ckpt,
         "--save-interval", "6", "--exit-interval", "6", nproc=2, name="tp2-saved",
     )  # fmt: skip
-    resumed = pretrain_gpt(tmp_path, *args, *TE, "--load", ckpt, name="tp1-resumed")
+    # the RNG states are saved per TP rank; up to megatron-core 0.15 Megatron-LM cannot map them
+    # onto another layout and stops (exit 0) unless told not to load them (no dropout here)
+    resumed = pretrain_gpt(
+        tmp_path, *args, *TE, "--load", ckpt, "--no-load-rng", name="tp1-resumed"
+    )  # fmt: skip
     for run in (te, local, saved, resumed):
         assert run.returncode == 0, run.tail()
-    assert max(saved.skipped) == 6 and min(resumed.skipped) == 7, resumed.tail()
+    assert saved.skipped and max(saved.skipped) == 6, saved.tail()
+    assert resumed.skipped and min(resumed.skipped) == 7, resumed.tail()
     same = rules.layout("te", "local", _curve(local, range(1, 13)), _curve(te, range(1, 13)))
     assert same.status == rules.PASS, same.detail
     assert [te.losses[i] for i in range(1, 13)] == [local.losses[i] for i in range(1, 13)]
