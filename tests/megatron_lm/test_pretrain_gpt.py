@@ -231,9 +231,9 @@ def test_te_spec_runs(tmp_path):
 
 def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
     """fp32, host-initialised weights, no dropout: the TE spec's curve is the local spec's step
-    for step (the same weights, the norms fused into QKV / FC1); a TE-spec checkpoint written at
-    TP2 after 6 steps resumes at TP1, and steps 7-12 agree with the straight TP1 run by the
-    layout rule (1e-5)."""
+    for step (Megatron-LM draws the same weights; the norms are fused into QKV / FC1); a TE-spec
+    checkpoint written at TP2 after 6 steps resumes at TP1, and steps 7-12 agree with the
+    straight TP1 run by the layout rule (1e-5)."""
     args = (
         *TINY, "--mock-data", "--train-iters", "12", "--vocab-size", "1279",
         "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
