@@ -47,18 +47,31 @@ def fallback_rows(dev: Device) -> list[dict[str, Any]]:
     return [f.as_dict() for f in fallbacks.recorded()]
 
 
-def kernel_facts(dev: Device) -> dict[str, Any] | None:
-    """On the NPU code path: the torch_npu release the kernel calls are checked against, what
-    the device's kernel module is, and the registry's kernels it lacks (their patches fail)."""
-    if dev.kernels is None:
-        return None
+def kernel_facts(dev: Device) -> dict[str, Any]:
+    """Per torch_npu kernel the adaptor uses (the registry's ``npu_kernels``): whether the pinned
+    torch_npu release has it (its schema file), whether the device's kernel module has it (None
+    on a device without one: the native path runs there), and which patches call it; plus the
+    release the calls are checked against and what the device's kernel module is."""
     header = torch_npu_schema.schema_file().header
-    wanted = sorted({k for p in all_patches() for k in p.npu_kernels})
+    callers: dict[str, list[str]] = {}
+    for patch in all_patches():
+        for kernel in patch.npu_kernels:
+            callers.setdefault(kernel, []).append(patch.id)
+    missing = set(dev.missing_kernels(callers))
     return {
         "schemas_of": f"torch_npu {header['torch_npu']}",
         "build_branch": header["build_branch"],
         "device_kernels": dev.kernels_source,
-        "missing": dev.missing_kernels(wanted),
+        "kernels": [
+            {
+                "name": name,
+                "in_pinned_torch_npu": torch_npu_schema.has_kernel(name),
+                "on_device": None if dev.kernels is None else name not in missing,
+                "patches": callers[name],
+            }
+            for name in sorted(callers)
+        ],
+        "missing": sorted(missing),
     }
 
 
@@ -110,11 +123,17 @@ def render(data: dict[str, Any], file: Any = None) -> None:
         console.print(f"[bold]windowed attention forward[/bold] {data['cpu_band_attention']}")
     kernels = data.get("torch_npu_kernels")
     if kernels:
-        missing = ", ".join(kernels["missing"]) or "none"
+        here = kernels["device_kernels"] or "none on this device (native torch paths)"
         console.print(
-            f"[bold]torch_npu kernels[/bold] {kernels['device_kernels']}; calls checked against "
-            f"{kernels['schemas_of']} ({kernels['build_branch']}); missing here: {missing}"
+            f"[bold]torch_npu kernels[/bold] calls checked against {kernels['schemas_of']} "
+            f"({kernels['build_branch']}); this device's kernels: {here}"
         )
+        for row in kernels["kernels"]:
+            pinned = "in" if row["in_pinned_torch_npu"] else "[bold red]NOT in[/]"
+            device = {None: "", True: "; on this device", False: "; [bold red]missing here[/]"}[
+                row["on_device"]
+            ]
+            console.print(f"  {row['name']}: {pinned} {kernels['schemas_of']}{device}")
     for row in data.get("fallbacks", ()):
         console.print(f"[bold yellow]fallback[/bold yellow] {row['description']}")
     table = Table(title="patches", show_lines=False)

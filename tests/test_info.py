@@ -66,19 +66,27 @@ def test_info_separates_npu_kernels_from_cpu_code():
     assert f"{len(kernels)} patches exercise an NPU kernel" in out.getvalue()
 
 
-def test_info_names_the_torch_npu_the_kernel_calls_are_checked_against():
+def test_info_says_per_kernel_whether_the_pinned_torch_npu_has_it():
     from megatron_npu.devices import torch_npu_schema
     from megatron_npu.info import collect, render
 
-    assert collect("cpu")["torch_npu_kernels"] is None  # no kernel module on cpu
-    data = collect("npu-emulated")
     pinned = torch_npu_schema.pinned_version()
-    assert data["torch_npu_kernels"] == {
-        "schemas_of": f"torch_npu {pinned}",
-        "build_branch": torch_npu_schema.schema_file().header["build_branch"],
-        "device_kernels": f"the emulation of torch_npu {pinned}",
-        "missing": [],
-    }
-    out = io.StringIO()
-    render(data, file=out)
-    assert f"calls checked against torch_npu {pinned}" in out.getvalue()
+    used = sorted({k for p in all_patches() for k in p.npu_kernels})
+    for device, on_device, source in (
+        ("cpu", None, None),
+        ("npu-emulated", True, f"the emulation of torch_npu {pinned}"),
+    ):
+        data = collect(device)
+        facts = data["torch_npu_kernels"]
+        assert facts["schemas_of"] == f"torch_npu {pinned}"
+        assert facts["build_branch"] == torch_npu_schema.schema_file().header["build_branch"]
+        assert facts["device_kernels"] == source and facts["missing"] == []
+        assert [row["name"] for row in facts["kernels"]] == used
+        for row in facts["kernels"]:
+            assert row["in_pinned_torch_npu"] is True and row["on_device"] is on_device
+            assert row["patches"] == [p.id for p in all_patches() if row["name"] in p.npu_kernels]
+        out = io.StringIO()
+        render(data, file=out)
+        text = out.getvalue()
+        assert f"calls checked against torch_npu {pinned}" in text
+        assert all(f"{k}: in torch_npu {pinned}" in text for k in used)

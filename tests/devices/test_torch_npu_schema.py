@@ -94,12 +94,12 @@ def _params(signature: inspect.Signature) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
 
-@pytest.mark.parametrize("name", emulation.KERNELS)
-def test_each_emulated_kernel_has_the_real_signature(name):
-    """Same parameters, order, keyword-only split and defaults as one overload of the kernel;
-    an emulation that serves only the ``out=`` form may make ``out`` required."""
-    ours = inspect.signature(getattr(emulation, name))
-    mismatches = []
+def signature_mismatch(fn, name: str) -> str | None:
+    """None when ``fn``'s signature is one overload's Python form of kernel ``name`` (same
+    parameters, order, keyword-only split and defaults; an emulation that serves only the
+    ``out=`` form may make ``out`` required), else what the overloads look like."""
+    ours = inspect.signature(fn)
+    forms = []
     for overload in torch_npu_schema.overloads(name):
         theirs = overload.signature
         if overload.has_out and overload.out_name in ours.parameters:
@@ -108,9 +108,49 @@ def test_each_emulated_kernel_has_the_real_signature(name):
                 for p in theirs.parameters.values()
             ])  # fmt: skip
         if _params(ours) == _params(theirs):
-            return
-        mismatches.append(f"{theirs}")
-    pytest.fail(f"emulated {name}{ours} matches no overload: {mismatches}")
+            return None
+        forms.append(str(theirs))
+    return f"{name}{ours} matches no overload: {forms}"
+
+
+@pytest.mark.parametrize("name", emulation.KERNELS)
+def test_each_emulated_kernel_has_the_real_signature(name):
+    assert signature_mismatch(getattr(emulation, name), name) is None
+
+
+def _planted(fn, how: str):
+    """A stand-in with ``fn``'s signature changed the way ``how`` says (None: not applicable)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if how == "renamed":
+        params[0] = params[0].replace(name=params[0].name + "_")
+    elif how == "reordered":
+        if len(params) < 2 or params[1].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            return None
+        params[0], params[1] = params[1], params[0]
+    elif how == "made-positional":
+        if not any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params):
+            return None
+        params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
+    elif how == "dropped":
+        params = params[1:]
+
+    def stub(*args, **kwargs):  # noqa: ARG001 - only its signature is read
+        return None
+
+    stub.__signature__ = inspect.Signature(params, __validate_parameters__=False)
+    return stub
+
+
+@pytest.mark.parametrize("how", ["renamed", "reordered", "made-positional", "dropped"])
+def test_the_signature_check_fails_on_a_planted_change(how):
+    planted = 0
+    for name in emulation.KERNELS:
+        stub = _planted(getattr(emulation, name), how)
+        if stub is None:
+            continue
+        assert signature_mismatch(stub, name) is not None, (name, how)
+        planted += 1
+    assert planted >= 2, f"{how}: planted in {planted} kernels only"
 
 
 def _examples() -> dict[str, tuple[tuple, dict, bool]]:
@@ -159,6 +199,9 @@ REJECTED = {
     "float for int": ("npu_fusion_attention", lambda x: ((x, x, x, 2.0, "BSH"), {})),
     "str for bool": ("npu_scaled_masked_softmax", lambda x: ((x, x, 1.0, "no"), {})),
     "required argument missing": ("npu_fast_gelu", lambda x: ((), {})),
+    "arguments reordered": ("npu_fusion_attention", lambda x: ((x, x, x, "BSH", 2), {})),
+    "keyword dropped from a call": ("npu_apply_adam_w", lambda x: (
+        (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False), {"out": (x, x, x)})),
     "out= of the wrong arity": ("npu_apply_adam_w", lambda x: (
         (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False, False), {"out": (x, x)})),
     "optional without default is still required": ("npu_apply_adam_w", lambda x: (
@@ -239,6 +282,10 @@ def test_info_says_which_patches_lack_their_kernel():
         assert rows[patch_id]["status"] == patcher.FAILED
         assert "torch_npu.npu_rotary_mul" in rows[patch_id]["reason"]
     assert {i for i, row in rows.items() if row["status"] == patcher.FAILED} == planned
+    facts = info.collect(device)["torch_npu_kernels"]
+    row = next(r for r in facts["kernels"] if r["name"] == "npu_rotary_mul")
+    assert row["in_pinned_torch_npu"] is True and row["on_device"] is False
+    assert facts["missing"] == ["npu_rotary_mul"]
 
 
 def test_switching_the_patch_off_lets_the_rest_apply():
