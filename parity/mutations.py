@@ -459,6 +459,7 @@ def _reference_calls_implementation(case):
 
 # ---------------------------------------------------------------------------- examples
 
+from megatron_npu.parity.cases import moe as _moe_cases  # noqa: E402
 from megatron_npu.parity.cases import transformer_engine as _te_cases  # noqa: E402
 from megatron_npu.parity.cases.attention import _edge as _attention  # noqa: E402
 from megatron_npu.parity.cases.norm import _edge as _norm  # noqa: E402
@@ -731,6 +732,73 @@ _ALL = (
         "rotary.apply-bshd", (_ROTARY,), scope="job",
     ),
 )  # fmt: skip
+
+
+
+def _gemm_operand_never_transposed(original):
+    def _operand(t, letter):
+        return t  # the layout's "T" ignored: right only for a symmetric operand
+
+    return _operand
+
+
+def _grouped_wgrad_next_group(original):
+    def npu_grouped_matmul(x, weight, **kwargs):
+        out = original(x, weight, **kwargs)
+        if kwargs.get("group_type") == 2:  # each expert's weight gradient from its neighbour
+            out = [o.roll(1, dims=0) for o in out]
+        return out
+
+    return npu_grouped_matmul
+
+
+def _grouped_last_group_dropped(original):
+    def grouped_mm(x, weight, group_sizes, trans_b=False):
+        import torch
+
+        out = original(x, weight, group_sizes, trans_b)
+        sizes = [int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes)
+                                  else group_sizes)]  # fmt: skip
+        keep = out.shape[0] - sizes[-1]  # the last expert's rows left at zero
+        return torch.cat([out[:keep], torch.zeros_like(out[keep:])], dim=0)
+
+    return grouped_mm
+
+
+def _grouped_bias_reversed(original):
+    def repeat_interleave(values, repeats, dim=None):
+        return original(values.flip(0), repeats, dim=dim)  # expert g gets the bias of n-1-g
+
+    return repeat_interleave
+
+
+_ALL = (
+    *_ALL,
+    # ---- mixture of experts
+    Mutation(
+        "router-gemm-layout-ignored", "the router's GEMM ignores the layout's transposes "
+        "(x @ W instead of x @ W^T): shapes agree only for a square W",
+        "megatron_npu.ops.gemm._operand", _gemm_operand_never_transposed,
+        "moe.router-gating-gemm", (_moe_cases._router_edge(batch=None, hidden=8, experts=8, seed=5),),
+    ),
+    Mutation(
+        "grouped-gemm-wgrad-next-expert", "npu_grouped_matmul's split-K weight gradient of each "
+        "expert lands on the next expert",
+        "megatron_npu.testing.torch_npu_emulation.npu_grouped_matmul", _grouped_wgrad_next_group,
+        "moe.grouped-gemm-ops", (_moe_cases._gemm_edge(),), device=NPU_EMULATED,
+    ),
+    Mutation(
+        "grouped-gemm-last-expert-dropped", "the grouped GEMM leaves the last expert's rows at 0",
+        "megatron_npu.patches.moe.grouped_mm", _grouped_last_group_dropped,
+        "moe.grouped-gemm-ops", (_moe_cases._gemm_edge(),),
+    ),
+    Mutation(
+        "te-grouped-linear-bias-reversed", "TE's grouped linear adds expert g's bias to the rows "
+        "of expert n-1-g",
+        "torch.repeat_interleave", _grouped_bias_reversed,
+        "transformer-engine.column-parallel-grouped-linear", (_moe_cases._linear_edge(),),
+    ),
+)
 
 MUTATIONS: dict[str, Mutation] = {m.name: m for m in _ALL}
 

@@ -16,11 +16,16 @@ written by a GPU run with TE maps key for key:
   (TP axis 0 / 1); ``TELinear`` with ``parallel_mode="duplicated"``: a replicated ``weight``;
 - ``TENorm``: ``weight``, ``bias`` (LayerNorm only), ``_extra_state``;
 - ``TEDotProductAttention``: ``_extra_state`` in its ``state_dict``, none in the sharded one
-  from megatron-core 0.15 (TE's wrapper saves only a learnable softmax offset there).
+  from megatron-core 0.15 (TE's wrapper saves only a learnable softmax offset there);
+- ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (MoE experts with
+  ``--moe-grouped-gemm``): ``weight0`` ... ``weight{n-1}`` (``bias0`` ...) and one
+  ``_extra_state``; in distributed checkpoints one entry per global expert, sharded along the
+  expert axis exactly as Megatron's ``TEGroupedLinear._sharded_state_dict_grouped`` writes them.
 
 The compute is Megatron's own local layers (``ColumnParallelLinear``, ``RowParallelLinear``,
 ``DotProductAttention``: TP/SP communication, gradient-accumulation fusion into ``main_grad``,
-the adaptor's fused-attention routing) and the adaptor's norm op (``npu_rms_norm`` on the NPU).
+the adaptor's fused-attention routing), the adaptor's norm op (``npu_rms_norm`` on the NPU) and
+its grouped GEMM (``npu_grouped_matmul``: one call per direction for all local experts).
 
 ``_extra_state`` is TE's fp8 metadata. With fp8 off TE writes an empty ``uint8`` tensor (TE 2.4+;
 its norms from 2.9, before that ``pickle.dumps({})``); these classes write the same and load every
@@ -214,7 +219,8 @@ def stand_in(name: str) -> type:
     if name not in _built:
         if name == "TEDotProductAttention":
             _built[name] = _build_attention()
-        elif name in ("TELinear", "TENorm"):
+        elif name in ("TELinear", "TENorm", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
+                      "TERowParallelGroupedLinear"):
             _built[name] = globals()[name]
         else:
             _built.update(_build_linears())
@@ -351,3 +357,178 @@ def _build_attention() -> type:
 
     TEDotProductAttention.__qualname__ = TEDotProductAttention.__name__
     return TEDotProductAttention
+
+
+# ------------------------------------------------------------------------ grouped linears
+
+
+def _expert_groups(pg_collection: Any, tp_group: Any) -> tuple[Any, int, int, int]:
+    """(expert-TP group, expert-TP size, EP size, EP rank) from ``pg_collection`` (megatron-core
+    0.16+), else from ``tp_group`` / parallel_state (earlier releases)."""
+    from megatron.core import parallel_state as ps
+
+    if pg_collection is not None:
+        group, ep = pg_collection.expt_tp, pg_collection.ep
+        return group, group.size(), ep.size(), ep.rank()
+    group = tp_group if tp_group is not None else ps.get_expert_tensor_parallel_group()
+    return (group, ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank())  # fmt: skip
+
+
+class TEGroupedLinear(TEExtraState, torch.nn.Module):
+    """TE's GroupedLinear as Megatron's wrapper builds it for MoE experts: ``num_gemms`` local
+    experts, each a ``weight{i}`` [out, in] (and ``bias{i}``), run as one grouped GEMM over the
+    tokens permuted by expert (``forward(x, m_splits)``). Expert-tensor-parallel sizes are
+    divided here and the layer itself communicates nothing: the token dispatcher does (as in
+    Megatron's wrapper with explicit expert communication)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *,
+                 parallel_mode: str | None, config, init_method, bias: bool,
+                 skip_bias_add: bool, is_expert: bool = False, tp_comm_buffer_name=None,
+                 tp_group=None, pg_collection=None, name=None, **_te_only: Any) -> None:  # fmt: skip
+        if not is_expert:
+            raise ValueError("TEGroupedLinear only supports expert parallelism (is_expert=True)")
+        if parallel_mode not in ("column", "row", None):
+            raise ValueError(f"TEGroupedLinear: unknown parallel_mode {parallel_mode!r}")
+        super().__init__()
+        from megatron.core.tensor_parallel.random import (
+            get_cuda_rng_tracker,
+            get_expert_parallel_rng_tracker_name,
+        )
+
+        self.config = config
+        self.num_gemms = num_gemms
+        self.te_return_bias = skip_bias_add and bias
+        self.use_bias = bias
+        self._tp_group, tp_size, ep_size, self._ep_rank = _expert_groups(pg_collection, tp_group)
+        self._ep_size = ep_size
+        self._pg_collection = pg_collection
+        if parallel_mode == "column":
+            output_size = output_size // tp_size
+        elif parallel_mode == "row":
+            input_size = input_size // tp_size
+        self.in_features, self.out_features = input_size, output_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        tracker = get_cuda_rng_tracker()
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(
+                torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
+            )
+            if config.perform_initialization:
+                with tracker.fork(get_expert_parallel_rng_tracker_name()), torch.no_grad():
+                    init_method(weight)
+            self.register_parameter(f"weight{i}", weight)
+        for i in range(num_gemms):
+            self.register_parameter(f"bias{i}", torch.nn.Parameter(
+                torch.zeros(output_size, dtype=config.params_dtype, device=device)
+            ) if bias else None)  # fmt: skip
+        for param in self.parameters():
+            param.allreduce = not (is_expert and ep_size > 1)
+        self._register_load_state_dict_pre_hook(_merge_extra_states, with_module=True)
+
+
+    def forward(self, x: torch.Tensor, m_splits):
+        from megatron_npu.ops.grouped_matmul import grouped_mm
+
+        splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
+        shape = x.shape
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        out = grouped_mm(x.reshape(-1, shape[-1]), weights, splits, trans_b=True)
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        if self.use_bias and not self.te_return_bias:
+            out = out + torch.repeat_interleave(
+                torch.stack(biases), torch.tensor(splits, device=out.device), dim=0
+            ).to(out.dtype)
+        out = out.view(*shape[:-1], self.out_features)
+        return (out, biases) if self.te_return_bias else (out, None)
+
+    def _sharded_state_dict_grouped(self, tp_axis_map, prefix="", sharded_offsets=(),
+                                    metadata=None):  # fmt: skip
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        metadata = metadata or {}
+        singleton = metadata.get("singleton_local_shards", False)
+        full = self.state_dict(prefix="", keep_vars=True)
+        num_global = self._ep_size * self.num_gemms
+        offset = self._ep_rank * self.num_gemms
+        ep_axis = len(sharded_offsets)
+        group_kwargs = _accepted_function(make_sharded_tensors_for_checkpoint, dict(
+            tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"),
+        ))  # fmt: skip
+        sharded: dict[str, Any] = {}
+        for i in range(self.num_gemms):
+            global_idx = offset + i
+            state = {f"{i}.weight": full[f"weight{i}"], f"{i}._extra_state": full["_extra_state"]}
+            if self.use_bias:
+                state[f"{i}.bias"] = full[f"bias{i}"]
+            if singleton:
+                expert_prefix, offsets = f"{global_idx}.{prefix}", sharded_offsets
+            else:
+                expert_prefix = prefix
+                offsets = (*sharded_offsets, (ep_axis, global_idx, num_global))
+            sub = make_sharded_tensors_for_checkpoint(state, "", tp_axis_map, offsets,
+                                                      **group_kwargs)  # fmt: skip
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            sharded[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            sharded[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            if self.use_bias:
+                sharded[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        if self._pg_collection is not None:
+            edp_rank = self._pg_collection.expt_dp.rank()
+        else:
+            edp_rank = ps.get_expert_data_parallel_rank()
+        for tensor in sharded.values():  # replicated along the expert-data-parallel ranks
+            tensor.replica_id = (*tensor.replica_id[:2], edp_rank)
+        return sharded
+
+
+def _merge_extra_states(module, state_dict, prefix, *_args: Any) -> None:
+    """A distributed checkpoint brings back ``_extra_state1`` ... (one per expert, all equal
+    without fp8): the module keeps one ``_extra_state``, as TE's wrapper merges them."""
+    for i in range(1, module.num_gemms):
+        state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+
+def _accepted_function(function: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(function).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class TEColumnParallelGroupedLinear(TEGroupedLinear):
+    """Grouped FC1 of the experts: output features split over expert-TP (axis 0 of each weight,
+    and of each bias)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
+                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name=None, tp_group=None, pg_collection=None, name=None,
+                 **_te_only: Any) -> None:  # fmt: skip
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column",
+                         config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_group=tp_group, pg_collection=pg_collection)  # fmt: skip
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        axes = {}
+        for i in range(self.num_gemms):
+            axes.update({f"{i}.weight": 0, f"{i}.bias": 0})
+        return self._sharded_state_dict_grouped(axes, prefix, sharded_offsets, metadata)
+
+
+class TERowParallelGroupedLinear(TEGroupedLinear):
+    """Grouped FC2 of the experts: input features split over expert-TP (axis 1 of each weight;
+    the bias is whole)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
+                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name=None, tp_group=None, pg_collection=None, name=None,
+                 **_te_only: Any) -> None:  # fmt: skip
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row",
+                         config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_group=tp_group, pg_collection=pg_collection)  # fmt: skip
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        axes = {f"{i}.weight": 1 for i in range(self.num_gemms)}
+        return self._sharded_state_dict_grouped(axes, prefix, sharded_offsets, metadata)

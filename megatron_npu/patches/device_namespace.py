@@ -52,7 +52,6 @@ NOT_ROUTED = {
     "triton, CUDA-only)",
     "megatron.core.ssm": "Mamba / gated-delta-net layers: outside the GPT scope",
     "megatron.core.models.bert": "BERT: outside the GPT scope",
-    "megatron.core.transformer.moe": "mixture of experts: outside the dense-GPT scope",
     "megatron.core.distributed.fsdp": "Megatron-FSDP: not supported (DDP and the distributed "
     "optimizer are)",
     "megatron.core.distributed.torch_fully_sharded_data_parallel": "torch FSDP2: not supported",

@@ -20,8 +20,8 @@ from megatron_npu.registry import Patch
 
 _FUSIONS = "megatron.core.fusions"
 
-#: (dotted target, megatron-core versions) of every ``@jit_fuser`` function on the dense GPT path
-#: (MoE and SSM layers are not supported by the adaptor).
+#: (dotted target, megatron-core versions) of every module- or class-level ``@jit_fuser`` function
+#: on the GPT path, dense and MoE (SSM layers are not supported by the adaptor).
 TARGETS: tuple[tuple[str, str], ...] = (
     (f"{_FUSIONS}.fused_bias_dropout.bias_dropout_add_fused_train", ""),
     (f"{_FUSIONS}.fused_bias_dropout.bias_dropout_add_fused_inference", ""),
@@ -58,12 +58,20 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.utils.erf_gelu", ""),
     ("megatron.core.transformer.torch_norm.L2Norm._norm", ""),
     ("megatron.core.transformer.attention.Attention._apply_output_gate", ">=0.16"),
+    ("megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias", ">=0.16"),
+    ("megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher.dispatch_preprocess",
+     ">=0.16"),
 )
 
 
 def eager(compiled: Any) -> Any:
     """The function ``torch.compile`` wrapped (``compiled`` itself when it is not compiled)."""
     return getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def eager_decorator(function: Any) -> Any:
+    """``jit_fuser`` for functions Megatron decorates while it runs: the function itself."""
+    return function
 
 
 def patch_id(target: str) -> str:
@@ -88,4 +96,17 @@ PATCHES = [
         benchmark_exempt="removes a compiler, adds no code of its own",
     )
     for target, versions in TARGETS
+] + [
+    Patch(
+        id="jit-eager.moe.experts.jit_fuser",
+        target="megatron.core.transformer.moe.experts.jit_fuser",
+        replacement=eager_decorator,
+        versions="<0.17",
+        check_signature=False,
+        reason="GroupedMLP decorates its GLU and prob-weighted activation with jit_fuser inside "
+        "__init__, out of reach of a function patch: the decorator itself runs them eagerly",
+        parity_exempt="Megatron's own elementwise code, unchanged, run without torch.compile",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[local-grouped-gemm]",
+        benchmark_exempt="removes a compiler, adds no code of its own",
+    )
 ]

@@ -60,7 +60,16 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
     ("cuda_graph_impl", "not-none", "--cuda-graph-impl", "CUDA graphs do not exist here"),
     ("context_parallel_size", "above-1", "--context-parallel-size",
      "context parallelism needs TE's ring attention"),
-    ("num_experts", "set", "--num-experts", "MoE layers are not supported by the adaptor yet"),
+    ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
+     "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather"),
+    ("moe_enable_deepep", True, "--moe-enable-deepep",
+     "DeepEP dispatch is CUDA-only: use alltoall or allgather"),
+    ("moe_permute_fusion", True, "--moe-permute-fusion",
+     "the fused token permutation is not served by the adaptor yet: without the option the "
+     "dispatcher permutes the same tokens unfused"),
+    ("moe_router_fusion", True, "--moe-router-fusion",
+     "TE's fused top-k routing kernels are CUDA-only: without the option the router computes "
+     "the same scores unfused"),
     ("use_torch_fsdp2", True, "--use-torch-fsdp2", "not supported by the adaptor yet"),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
     ("use_legacy_models", True, "--use-legacy-models",
@@ -123,6 +132,27 @@ def _set_global_variables(original: Any) -> Any:
     return set_global_variables
 
 
+def _validate_args(original: Any) -> Any:
+    """Megatron-LM asserts a CUDA compute capability of 8 or more for ``--moe-grouped-gemm``
+    (``torch.cuda.get_device_capability()``), a check of the GPU's grouped-GEMM kernels. Off
+    CUDA the grouped GEMM is the adaptor's (``npu_grouped_matmul`` on the NPU), so that one check
+    is skipped: the option is hidden from the validation and put back after it; every other
+    check runs as written."""
+
+    @functools.wraps(original)
+    def validate_args(args: Any, defaults: Any = None) -> Any:
+        grouped = bool(getattr(args, "moe_grouped_gemm", False))
+        if grouped:
+            args.moe_grouped_gemm = False
+        try:
+            return original(args, {} if defaults is None else defaults)
+        finally:
+            if grouped:
+                args.moe_grouped_gemm = True
+
+    return validate_args
+
+
 PATCHES = [
     Patch(
         id="megatron-lm.fused-kernels-load",
@@ -159,6 +189,18 @@ PATCHES = [
         "serve end in one named error (exit 2)",
         parity_exempt="argument plumbing: the attention it routes to has its own parity case",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_flash_attn_routes_to_the_npu_kernel",
+        benchmark_exempt="runs once at start-up",
+    ),
+    Patch(
+        id="megatron-lm.grouped-gemm-capability",
+        target="megatron.training.arguments.validate_args",
+        replacement=_validate_args,
+        kind="wrap",
+        requires="megatron.training.arguments",
+        reason="--moe-grouped-gemm passes Megatron-LM's CUDA compute-capability check: the "
+        "adaptor serves the grouped GEMM",
+        parity_exempt="argument validation: the grouped GEMM has its own parity case",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
         benchmark_exempt="runs once at start-up",
     ),
 ]

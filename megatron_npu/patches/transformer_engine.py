@@ -208,4 +208,27 @@ PATCHES = [
         exempt_test=_TESTS + "test_te_block_spec_builds_with_te_norm",
         benchmark_exempt="runs once while the spec is built",
     ),
+    *[
+        Patch(
+            id=f"transformer-engine.{key}" + ("" if module == _EXT else "-in-spec-provider"),
+            target=f"{module}.{name}",
+            replacement=getattr(te_layers, name),
+            creates=True,
+            check_signature=False,
+            rebind_copies=False,
+            reason=f"{what}: bound to None without TE, so the TE spec's MoE experts fall back "
+            "to one GEMM per expert; the stand-in runs all local experts as one grouped GEMM "
+            "(npu_grouped_matmul) with TE's per-expert parameter and checkpoint keys",
+            parity="megatron_npu.parity.cases.moe:TE_GROUPED_LINEAR",
+            benchmark="perf.cases.moe:TE_GROUPED_MLP",
+            npu_kernels=("npu_grouped_matmul",),
+        )
+        for module in (_EXT, _PROVIDER)
+        for key, name, what in (
+            ("column-parallel-grouped-linear", "TEColumnParallelGroupedLinear",
+             "the experts' grouped FC1 (--moe-grouped-gemm)"),
+            ("row-parallel-grouped-linear", "TERowParallelGroupedLinear",
+             "the experts' grouped FC2 (--moe-grouped-gemm)"),
+        )
+    ],
 ]

@@ -27,6 +27,7 @@ the native op path with this one is a real check.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import threading
@@ -53,6 +54,7 @@ __all__ = [
     "npu_fast_gelu",
     "npu_fusion_attention",
     "npu_gelu",
+    "npu_grouped_matmul",
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_scaled_masked_softmax",
@@ -551,6 +553,116 @@ def npu_apply_adam_w(
     m.copy_(m_new)
     v.copy_(v_new)
     return var, m, v
+
+
+# ============================================================================ mixture of experts
+
+
+def _group_ends(op, group_list, group_list_type, groups):
+    """Row ranges [start, end) of each group from ``group_list`` (cumulative ends for
+    ``group_list_type=0``, counts for 1)."""
+    if group_list is None:
+        raise ValueError(f"{op}: group_type 0 / 2 needs group_list")
+    values = group_list.tolist() if torch.is_tensor(group_list) else list(group_list)
+    if len(values) != groups:
+        raise ValueError(f"{op}: group_list has {len(values)} entries for {groups} weights")
+    if group_list_type == 0:
+        ends = [int(v) for v in values]
+        if any(b < a for a, b in zip([0, *ends], ends)):
+            raise ValueError(f"{op}: group_list_type 0 needs a non-decreasing group_list")
+    elif group_list_type == 1:
+        if any(int(v) < 0 for v in values):
+            raise ValueError(f"{op}: group_list_type 1 needs counts >= 0")
+        ends = list(itertools.accumulate(int(v) for v in values))
+    else:
+        raise ValueError(f"{op}: group_list_type must be 0 (cumsum) or 1 (counts), "
+                         f"got {group_list_type}")
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def npu_grouped_matmul(
+    x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+    antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+    activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+    group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
+    weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None,
+):  # fmt: skip
+    """Emulates ``torch_npu.npu_grouped_matmul`` for floating-point inputs.
+
+    ``group_type`` -1/None: ``x[i] @ weight[i]`` per pair. 0 (split M): one ``x`` [M, K] whose
+    rows fall into groups by ``group_list``, times ``weight[g]`` [K, N] (a list, or one [G, K, N]
+    tensor); rows past the last group's end are 0. 2 (split K): one ``x`` [K, M] and one
+    ``weight`` [M, N], giving ``x[:, g] @ weight[g, :]`` per group, [G, K, N]. ``split_item`` 0/1
+    return one tensor per group, 2/3 one tensor (rows concatenated, or stacked for group_type 2).
+    fp16/bf16 inputs accumulate in fp32 and round once. The quantised variants (scale, offset,
+    antiquant, per-token scale, fused activation) are not emulated and are refused by name.
+    """
+    op = "npu_grouped_matmul"
+    quantised = {"scale": scale, "offset": offset, "antiquant_scale": antiquant_scale,
+                 "antiquant_offset": antiquant_offset, "per_token_scale": per_token_scale,
+                 "activation_input": activation_input,
+                 "activation_quant_scale": activation_quant_scale,
+                 "activation_quant_offset": activation_quant_offset}  # fmt: skip
+    used = [k for k, v in quantised.items() if v is not None]
+    if used or act_type not in (0, None) or output_dtype not in (None, 0, 1, 27):
+        raise NotImplementedError(f"{op}: the quantised / fused-activation forms are not "
+                                  f"emulated (got {', '.join(used) or 'act_type/output_dtype'})")
+    if split_item not in (0, 1, 2, 3):
+        raise ValueError(f"{op}: split_item must be 0, 1, 2 or 3, got {split_item}")
+    if not x or not weight:
+        raise ValueError(f"{op}: x and weight must be non-empty tensor lists")
+    dtype = x[0].dtype
+    for name, ts in (("x", x), ("weight", weight), ("bias", bias or ())):
+        for t in ts:
+            _float_dtype(op, name, t)
+            if t.dtype != dtype:
+                raise TypeError(f"{op}: x, weight and bias must share one dtype")
+    single_out = split_item in (2, 3)
+    if group_type in (None, -1):
+        if len(x) != len(weight):
+            raise ValueError(f"{op}: group_type -1 pairs x and weight: {len(x)} vs {len(weight)}")
+        outs = []
+        for i, (xi, wi) in enumerate(zip(x, weight)):
+            yi = xi.float() @ wi.float()
+            if bias is not None:
+                yi = yi + bias[i].float()
+            outs.append(yi.to(dtype))
+        return [torch.cat(outs, dim=0)] if single_out else outs
+    if group_type == 0:
+        if len(x) != 1:
+            raise ValueError(f"{op}: group_type 0 takes one x [M, K], got {len(x)}")
+        xs = x[0]
+        ws = list(weight[0].unbind(0)) if len(weight) == 1 and weight[0].dim() == 3 else weight
+        ranges = _group_ends(op, group_list, group_list_type, len(ws))
+        if ranges and ranges[-1][1] > xs.shape[0]:
+            raise ValueError(f"{op}: group_list covers {ranges[-1][1]} rows, x has {xs.shape[0]}")
+        n = ws[0].shape[1]
+        out = torch.zeros(xs.shape[0], n, dtype=torch.float32, device=xs.device)
+        parts = []
+        for g, (start, end) in enumerate(ranges):
+            if ws[g].shape != (xs.shape[1], n):
+                raise ValueError(f"{op}: weight {g} is {tuple(ws[g].shape)}, expected "
+                                 f"{(xs.shape[1], n)}")
+            yg = xs[start:end].float() @ ws[g].float()
+            if bias is not None:
+                yg = yg + bias[g].float()
+            out[start:end] = yg
+            parts.append(yg.to(dtype))
+        return [out.to(dtype)] if single_out else parts
+    if group_type == 2:
+        if len(x) != 1 or len(weight) != 1:
+            raise ValueError(f"{op}: group_type 2 takes one x [K, M] and one weight [M, N]")
+        if bias is not None:
+            raise ValueError(f"{op}: group_type 2 takes no bias")
+        xt, dy = x[0], weight[0]
+        if xt.shape[1] != dy.shape[0]:
+            raise ValueError(f"{op}: x [K, M] and weight [M, N] disagree on M: "
+                             f"{tuple(xt.shape)}, {tuple(dy.shape)}")
+        groups = len(group_list) if group_list is not None else 0
+        ranges = _group_ends(op, group_list, group_list_type, groups)
+        outs = [(xt[:, a:b].float() @ dy[a:b].float()).to(dtype) for a, b in ranges]
+        return [torch.stack(outs)] if single_out else outs
+    raise ValueError(f"{op}: group_type must be -1, 0 or 2, got {group_type}")
 
 
 # ============================================================================ call counting

@@ -121,3 +121,16 @@ def fused_attention_settings(**changes: Any) -> Iterator[None]:
         yield
     finally:
         settings.set_fused_attention(**before)
+
+
+def key_flags(actual: list, expected: list) -> torch.Tensor:
+    """One exact flag per expected item (1 where ``actual`` has it at that place), then the
+    number of actual items: all ones and ``len(expected)`` when they agree (checkpoint keys,
+    compared exactly by the parity rules)."""
+    flags = [int(i < len(actual) and actual[i] == e) for i, e in enumerate(expected)]
+    return torch.tensor([*flags, len(actual)], dtype=torch.int64)
+
+
+def expected_key_flags(expected: list) -> torch.Tensor:
+    """What :func:`key_flags` gives when the keys are exactly ``expected``."""
+    return torch.tensor([1] * len(expected) + [len(expected)], dtype=torch.int64)

@@ -58,10 +58,12 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from megatron_npu.parity.case import Context, Parallel, ParityCase
 from megatron_npu.parity.cases._common import (
+    expected_key_flags,
     fused_attention_settings,
     gather,
     generator,
     grads,
+    key_flags,
     megatron_config,
     megatron_parallel,
 )
@@ -75,15 +77,6 @@ def _te():
     import importlib
 
     return importlib.import_module(_EXT)
-
-
-def _flags(actual: list, expected: list):
-    """One exact flag per expected item (1 where ``actual`` has it at that place), then the
-    number of actual items: all ones and ``len(expected)`` when they agree."""
-    import torch
-
-    flags = [int(i < len(actual) and actual[i] == e) for i, e in enumerate(expected)]
-    return torch.tensor([*flags, len(actual)], dtype=torch.int64)
 
 
 def _state_keys(module) -> list[str]:
@@ -104,12 +97,6 @@ def _sharded_keys(module) -> list[str]:
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return list(module.sharded_state_dict(metadata={"dp_cp_group": group}))
-
-
-def _expected_flags(expected: list):
-    import torch
-
-    return torch.tensor([1] * len(expected) + [len(expected)], dtype=torch.int64)
 
 
 def _norm_reference(x, weight, bias, p, dtype):
@@ -193,7 +180,7 @@ def _norm_run(ctx: Context, inputs):
     result = {"out": out, "grad_x": x.grad, "grad_weight": module.weight.grad}
     if p["normalization"] == "LayerNorm":
         result["grad_bias"] = module.bias.grad
-    result["structure"] = _flags(_state_keys(module), _norm_keys(p))
+    result["structure"] = key_flags(_state_keys(module), _norm_keys(p))
     if p["sp"]:
         result["sequence_parallel_marks"] = torch.tensor(
             [int(getattr(q, "sequence_parallel", False)) for q in module.parameters()]
@@ -211,7 +198,7 @@ def _norm_reference_case(ctx: Context, inputs):
     b = ctx.tensor(inputs["bias"], grad=True) if layer_norm else None
     out = _norm_reference(x, w, b, p, ctx.dtype)
     result = {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w, bias=b)}
-    result["structure"] = _expected_flags(_norm_keys(p))
+    result["structure"] = expected_key_flags(_norm_keys(p))
     if p["sp"]:
         result["sequence_parallel_marks"] = torch.ones(1 + int(layer_norm), dtype=torch.int64)
     return result
@@ -456,7 +443,7 @@ def _linear_structure(module, p, kind: str):
 
     keys = _linear_keys(p, kind)
     # the distributed checkpoint holds the same entries (TP-sharded where the weight is)
-    parts = [_flags(_state_keys(module), keys), _flags(_sharded_keys(module), keys)]
+    parts = [key_flags(_state_keys(module), keys), key_flags(_sharded_keys(module), keys)]
     if kind == "linear":  # the stand-in a TELinear of this parallel_mode builds
         te = _te()
         want = {"column": te.TEColumnParallelLinear, "row": te.TERowParallelLinear}.get(
@@ -518,7 +505,7 @@ def _linear_reference(kind: str):
         result.update(grads(loss, ctx.tensor(inputs["grad_out"]), **leaves))
         result = {k: v.detach() for k, v in result.items()}
         keys = _linear_keys(p, kind)
-        structure = [_expected_flags(keys), _expected_flags(keys)]
+        structure = [expected_key_flags(keys), expected_key_flags(keys)]
         if kind == "linear":
             structure.append(torch.ones(1, dtype=torch.int64))
         if p["sp"]:
@@ -703,7 +690,7 @@ def _attention_run(ctx: Context, inputs):
                                       value=v)}  # fmt: skip
         # _extra_state in the state_dict; none of it in the sharded one (megatron-core 0.15+)
         result["structure"] = torch.cat([
-            _flags(_state_keys(module), ["_extra_state"]),
+            key_flags(_state_keys(module), ["_extra_state"]),
             torch.tensor([len(_sharded_keys(module))]),
         ])  # fmt: skip
     return result
@@ -734,7 +721,7 @@ def _attention_reference(ctx: Context, inputs):
     from megatron_npu.patcher import megatron_core_version
 
     sharded = int(Version(megatron_core_version()) < Version("0.15"))
-    result["structure"] = torch.cat([_expected_flags(["_extra_state"]), torch.tensor([sharded])])
+    result["structure"] = torch.cat([expected_key_flags(["_extra_state"]), torch.tensor([sharded])])
     return result
 
 

@@ -174,6 +174,9 @@ def _examples() -> dict[str, tuple[tuple, dict, bool]]:
         ),
         "npu_fast_gelu": ((rand(5),), {}, False),
         "npu_gelu": ((rand(5),), {"approximate": "tanh"}, False),
+        "npu_grouped_matmul": (([rand(5, 4)], [rand(2, 4, 3)]), {
+            "group_list": torch.tensor([2, 3]), "split_item": 3, "group_type": 0,
+            "group_list_type": 1}, False),
         "npu_apply_adam_w": ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, rand(6), None, False,
                               False), {"out": (var, m, v)}, True),
     }  # fmt: skip

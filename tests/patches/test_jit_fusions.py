@@ -10,7 +10,9 @@ from megatron_npu import patcher
 from megatron_npu.patches import jit_fusions
 
 _INSTALLED = patcher.megatron_core_version()
-_HERE = [p for p in jit_fusions.PATCHES if p.applies_to_version(_INSTALLED)]
+_HERE = [p for p in jit_fusions.PATCHES if p.applies_to_version(_INSTALLED) and p.kind == "wrap"]
+_DECORATORS = [p for p in jit_fusions.PATCHES
+               if p.applies_to_version(_INSTALLED) and p.kind == "replace"]  # fmt: skip
 
 
 @pytest.mark.parametrize("patch", _HERE, ids=lambda p: p.id)
@@ -29,6 +31,26 @@ def test_jit_fused_function_runs_eagerly(patch):
     finally:
         megatron_npu.restore()
     assert getattr(*patcher.resolve(patch.target)) is compiled
+
+
+@pytest.mark.parametrize("patch", _DECORATORS, ids=lambda p: p.id)
+def test_jit_fuser_decorator_is_eager_while_applied(patch):
+    """Where Megatron decorates functions while it runs (GroupedMLP's GLU inside ``__init__``),
+    the module's ``jit_fuser`` hands the function back undecorated while the adaptor is applied,
+    and is ``torch.compile`` again after restore."""
+
+    def glu(x):
+        return x
+
+    owner, name = patcher.resolve(patch.target)
+    compiled = getattr(owner, name)
+    assert compiled is torch.compile
+    megatron_npu.apply("cpu", transfer=True)
+    try:
+        assert getattr(*patcher.resolve(patch.target))(glu) is glu
+    finally:
+        megatron_npu.restore()
+    assert getattr(*patcher.resolve(patch.target)) is torch.compile
 
 
 def test_eager_bias_dropout_add_compiles_nothing():

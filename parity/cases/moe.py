@@ -1,0 +1,350 @@
+"""Parity of the mixture-of-experts entries: the router's gating GEMM, the grouped GEMM behind
+``--moe-grouped-gemm`` (Megatron's legacy ``GroupedMLP`` through ``grouped_gemm.ops.gmm``) and the
+Transformer Engine grouped linears of the TE spec's experts.
+
+Every reference is independent plain torch in the upcast dtype on the CPU: the gating logits
+``x W^T (+ b)`` in the router dtype, and one ``x_g W_g`` per expert over the rows that expert
+received (the loop Megatron's ``SequentialMLP`` runs), concatenated. Without the patches the
+targets do not exist (``te_general_gemm``: a NameError up to megatron-core 0.16), are ``None``
+(``grouped_gemm_util.ops``, the TE grouped linears) or lead elsewhere, so a disabled entry fails
+its case.
+
+The expert loads are drawn so that every branch of the grouped GEMM is reached: uneven loads,
+empty experts (first, middle and last), a single expert holding every token, one expert only,
+``trans_b`` both ways. The grouped linears add bias on and off and ``skip_bias_add`` (the bias
+handed back per expert, as TE returns it for FC2), column- and row-parallel, and check their
+``state_dict`` keys (``weight0`` ... ``bias0`` ... and one ``_extra_state``, loaded back as a
+resume does) and their distributed-checkpoint keys (one ``_extra_state{i}`` per expert) exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from hypothesis import strategies as st
+from megatron_npu.parity.case import Context, ParityCase
+from megatron_npu.parity.cases._common import (
+    expected_key_flags,
+    generator,
+    grads,
+    key_flags,
+    megatron_config,
+    megatron_parallel,
+)
+
+_EXT = "megatron.core.extensions.transformer_engine"
+_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _loads(max_groups: int, max_rows: int):
+    """Expert loads (tokens per expert): at least one token overall, empty experts drawn often."""
+    return st.lists(
+        st.one_of(st.just(0), st.integers(1, max_rows)), min_size=1, max_size=max_groups
+    ).filter(lambda loads: sum(loads) > 0)
+
+
+# ------------------------------------------------------------------------ router gating
+
+
+def _router_takes_bias() -> bool:
+    return "bias" in inspect.signature(_module(_UTILS).router_gating_linear).parameters
+
+
+def _router_params():
+    return st.fixed_dictionaries({
+        "tokens": st.integers(1, 24),
+        "batch": st.sampled_from([None, 1, 2]),
+        "hidden": st.integers(1, 48),
+        "experts": st.integers(1, 16),
+        "bias": st.booleans(),
+        # fp32 is Megatron's --moe-router-dtype fp32; "input" routes in the input's dtype
+        "router_dtype": st.sampled_from(["fp32", "input"]),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _router_inputs(p):
+    import torch
+
+    g = generator(p)
+    lead = (p["tokens"],) if p["batch"] is None else (p["tokens"], p["batch"])
+    return {
+        "x": torch.randn(*lead, p["hidden"], generator=g, dtype=torch.float64),
+        "weight": torch.randn(p["experts"], p["hidden"], generator=g, dtype=torch.float64) * 0.2,
+        "bias": torch.randn(p["experts"], generator=g, dtype=torch.float64),
+        "grad_out": torch.randn(*lead, p["experts"], generator=g, dtype=torch.float64),
+    }
+
+
+def _router_dtype(ctx: Context):
+    import torch
+
+    return torch.float32 if ctx.params["router_dtype"] == "fp32" else ctx.dtype
+
+
+def _router_run(ctx: Context, inputs):
+    x = ctx.tensor(inputs["x"], grad=True)
+    w = ctx.tensor(inputs["weight"], grad=True)
+    use_bias = ctx.params["bias"] and _router_takes_bias()
+    b = ctx.tensor(inputs["bias"], grad=True) if use_bias else None
+    linear = _module(_UTILS).router_gating_linear
+    dtype = _router_dtype(ctx)
+    out = linear(x, w, b, dtype) if _router_takes_bias() else linear(x, w, dtype)
+    return {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w, bias=b)}
+
+
+def _router_reference(ctx: Context, inputs):
+    x = ctx.tensor(inputs["x"], grad=True)
+    w = ctx.tensor(inputs["weight"], grad=True)
+    b = (
+        ctx.tensor(inputs["bias"], grad=True)
+        if ctx.params["bias"] and _router_takes_bias()
+        else None
+    )
+    out = x @ w.t()
+    if b is not None:
+        out = out + b
+    return {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w, bias=b)}
+
+
+def _router_edge(**kw):
+    base = {"tokens": 8, "batch": 2, "hidden": 32, "experts": 8, "bias": False,
+            "router_dtype": "fp32", "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+ROUTER_GATING = ParityCase(
+    name="moe-router-gating",
+    params=_router_params(),
+    make_inputs=_router_inputs,
+    run=_router_run,
+    reference=_router_reference,
+    compares="gating logits x W^T (+ b) in the router dtype; grads of x, W and b (Megatron's "
+    "RouterGatingLinearFunction backward through te_general_gemm's NN / NT layouts)",
+    reference_kind="independent torch matmul on CPU, inputs upcast",
+    edge_cases=(
+        _router_edge(),
+        _router_edge(bias=True, router_dtype="input", seed=2),
+        _router_edge(tokens=1, batch=None, hidden=1, experts=1, seed=3),
+        _router_edge(tokens=24, batch=2, hidden=48, experts=16, bias=True, seed=4),
+    ),
+)
+
+
+# -------------------------------------------------------------------------- grouped GEMM
+
+
+def _gemm_params():
+    return st.fixed_dictionaries({
+        "loads": _loads(6, 12),
+        "k": st.integers(1, 32),
+        "n": st.integers(1, 32),
+        "trans_b": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _gemm_inputs(p):
+    import torch
+
+    g = generator(p)
+    rows, groups = sum(p["loads"]), len(p["loads"])
+    shape = (groups, p["n"], p["k"]) if p["trans_b"] else (groups, p["k"], p["n"])
+    return {
+        "x": torch.randn(rows, p["k"], generator=g, dtype=torch.float64),
+        "weight": torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3,
+        "grad_out": torch.randn(rows, p["n"], generator=g, dtype=torch.float64),
+    }
+
+
+def _gemm_run(ctx: Context, inputs):
+    import torch
+
+    gg = _module("megatron.core.transformer.moe.grouped_gemm_util")
+    x = ctx.tensor(inputs["x"], grad=True)
+    w = ctx.tensor(inputs["weight"], grad=True)
+    sizes = torch.tensor(ctx.params["loads"], dtype=torch.int64)  # on the host, as Megatron's
+    out = gg.ops.gmm(x, w, sizes, trans_b=ctx.params["trans_b"])
+    return {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w)}
+
+
+def _per_expert(x, weights, loads, trans_b: bool):
+    """One GEMM per expert over its rows (``SequentialMLP``'s loop), rows concatenated."""
+    import torch
+
+    parts, start = [], 0
+    for g, load in enumerate(loads):
+        w = weights[g].t() if trans_b else weights[g]
+        parts.append(x[start : start + load] @ w)
+        start += load
+    return torch.cat(parts, dim=0)
+
+
+def _gemm_reference(ctx: Context, inputs):
+    x = ctx.tensor(inputs["x"], grad=True)
+    w = ctx.tensor(inputs["weight"], grad=True)
+    out = _per_expert(x, w, ctx.params["loads"], ctx.params["trans_b"])
+    return {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w)}
+
+
+def _gemm_edge(**kw):
+    base = {"loads": [3, 5, 2, 6], "k": 16, "n": 24, "trans_b": False, "seed": 1}
+    base.update(kw)
+    return base
+
+
+GROUPED_GEMM = ParityCase(
+    name="moe-grouped-gemm",
+    params=_gemm_params(),
+    make_inputs=_gemm_inputs,
+    run=_gemm_run,
+    reference=_gemm_reference,
+    compares="x_g W_g per expert over its rows; grads of x and of every expert's W (zero for an "
+    "expert with no token)",
+    reference_kind="independent per-expert torch matmul loop on CPU, inputs upcast",
+    edge_cases=(
+        _gemm_edge(),
+        _gemm_edge(loads=[0, 7, 0, 4, 0], trans_b=True, seed=2),  # empty first, middle, last
+        _gemm_edge(loads=[9], k=1, n=1, seed=3),  # one expert
+        _gemm_edge(loads=[0, 0, 12, 0], k=32, n=8, seed=4),  # every token to one expert
+    ),
+)
+
+
+# ------------------------------------------------------------------ TE grouped linears
+
+
+def _linear_params():
+    return st.fixed_dictionaries({
+        "loads": _loads(4, 10),
+        "in": st.integers(1, 24),
+        "out": st.integers(1, 24),
+        "bias": st.booleans(),
+        "skip_bias_add": st.booleans(),
+        "parallel": st.sampled_from(["column", "row"]),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _linear_inputs(p):
+    import torch
+
+    g = generator(p)
+    rows, groups = sum(p["loads"]), len(p["loads"])
+    return {
+        "x": torch.randn(rows, p["in"], generator=g, dtype=torch.float64),
+        "weight": torch.randn(groups, p["out"], p["in"], generator=g, dtype=torch.float64) * 0.3,
+        "bias": torch.randn(groups, p["out"], generator=g, dtype=torch.float64),
+        "grad_out": torch.randn(rows, p["out"], generator=g, dtype=torch.float64),
+    }
+
+
+def _linear_keys(p) -> list[str]:
+    groups = len(p["loads"])
+    keys = [f"weight{i}" for i in range(groups)]
+    if p["bias"]:
+        keys += [f"bias{i}" for i in range(groups)]
+    return [*keys, "_extra_state"]
+
+
+def _sharded_linear_keys(p) -> list[str]:
+    groups = len(p["loads"])
+    keys = []
+    for i in range(groups):
+        keys += [f"weight{i}", f"_extra_state{'' if i == 0 else i}"]
+        if p["bias"]:
+            keys.append(f"bias{i}")
+    return keys
+
+
+def _linear_run(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    groups = len(p["loads"])
+    name = (
+        "TEColumnParallelGroupedLinear"
+        if p["parallel"] == "column"
+        else "TERowParallelGroupedLinear"
+    )
+    with megatron_parallel():
+        config = megatron_config(params_dtype=ctx.dtype)
+        module = getattr(_module(_EXT), name)(
+            groups, p["in"], p["out"], config=config, init_method=torch.nn.init.zeros_,
+            bias=p["bias"], skip_bias_add=p["skip_bias_add"], is_expert=True,
+        )  # fmt: skip
+        with torch.no_grad():
+            for i in range(groups):
+                getattr(module, f"weight{i}").copy_(ctx.value(inputs["weight"][i]))
+                if p["bias"]:
+                    getattr(module, f"bias{i}").copy_(ctx.value(inputs["bias"][i]))
+        module.to(device=ctx.device, dtype=ctx.dtype)
+        x = ctx.tensor(inputs["x"], grad=True)
+        out, bias_out = module(x, list(p["loads"]))
+        out.backward(ctx.tensor(inputs["grad_out"]).to(out.dtype))
+        result = {"out": out, "grad_x": x.grad,
+                  "grad_weight": torch.stack([getattr(module, f"weight{i}").grad
+                                              for i in range(groups)])}  # fmt: skip
+        if p["bias"] and not p["skip_bias_add"]:
+            result["grad_bias"] = torch.stack(
+                [getattr(module, f"bias{i}").grad for i in range(groups)]
+            )
+        if bias_out is not None:
+            result["bias_out"] = torch.stack([b.detach() for b in bias_out])
+        state = module.state_dict()
+        module.load_state_dict(state)
+        result["structure"] = key_flags(list(state), _linear_keys(p))
+        sharded = list(module.sharded_state_dict(metadata={"dp_cp_group": None}))
+        result["sharded_structure"] = key_flags(sharded, _sharded_linear_keys(p))
+    return result
+
+
+def _linear_reference(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    x = ctx.tensor(inputs["x"], grad=True)
+    w = ctx.tensor(inputs["weight"], grad=True)
+    adds_bias = p["bias"] and not p["skip_bias_add"]
+    b = ctx.tensor(inputs["bias"], grad=True) if adds_bias else None
+    out = _per_expert(x, w, p["loads"], trans_b=True)
+    if b is not None:
+        out = out + torch.repeat_interleave(b, torch.tensor(p["loads"]), dim=0)
+    result = {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, weight=w, bias=b)}
+    if p["bias"] and p["skip_bias_add"]:
+        result["bias_out"] = ctx.tensor(inputs["bias"])
+    result["structure"] = expected_key_flags(_linear_keys(p))
+    result["sharded_structure"] = expected_key_flags(_sharded_linear_keys(p))
+    return result
+
+
+def _linear_edge(**kw):
+    base = {"loads": [3, 0, 5, 2], "in": 16, "out": 8, "bias": True, "skip_bias_add": False,
+            "parallel": "column", "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+TE_GROUPED_LINEAR = ParityCase(
+    name="te-grouped-linear",
+    params=_linear_params(),
+    make_inputs=_linear_inputs,
+    run=_linear_run,
+    reference=_linear_reference,
+    compares="x_g W_g^T (+ b_g) per expert; grads of x, every W_g and b_g; the bias handed back "
+    "with skip_bias_add; state_dict and sharded_state_dict keys (exact)",
+    reference_kind="independent per-expert torch matmul loop on CPU, inputs upcast",
+    edge_cases=(
+        _linear_edge(),
+        _linear_edge(parallel="row", skip_bias_add=True, seed=2),  # FC2: bias handed back
+        _linear_edge(loads=[0, 0, 7], bias=False, parallel="row", seed=3),
+        _linear_edge(loads=[4], **{"in": 1, "out": 1}, seed=4),
+    ),
+)
