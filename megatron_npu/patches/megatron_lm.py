@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
 from megatron_npu.registry import Patch
 
@@ -40,14 +41,29 @@ _OTHER_RANKS_EXIT_AFTER_S = 5.0
 class MegatronLMOptionError(SystemExit):
     """A Megatron-LM option the adaptor cannot serve on this device: one line, exit status 2."""
 
+    header = "cannot run these Megatron-LM options on a non-CUDA device"
+
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__(2)
 
     def __str__(self) -> str:
-        return "megatron-npu: cannot run these Megatron-LM options on a non-CUDA device: " + (
-            "; ".join(self.problems)
-        )
+        return f"megatron-npu: {self.header}: " + "; ".join(self.problems)
+
+
+class MegatronLMOptionConflict(MegatronLMOptionError):
+    """Megatron-LM options that cannot work together on any device: one line, exit status 2."""
+
+    header = "these Megatron-LM options do not work together"
+
+
+def _refuse(error: MegatronLMOptionError) -> None:
+    """Rank 0 prints the error's one line; the other ranks wait for it; every rank exits 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(str(error), file=sys.stderr, flush=True)
+    else:  # let rank 0 say it before torchrun stops the others at the first exit
+        time.sleep(_OTHER_RANKS_EXIT_AFTER_S)
+    raise error
 
 
 #: (argument name, the value that asks for it, the command-line option, why) of what the adaptor
@@ -120,27 +136,40 @@ def _set_global_variables(original: Any) -> Any:
         namespace = args[0] if args else kwargs["args"]
         problems = unsupported_options(namespace)
         if problems:
-            error = MegatronLMOptionError(problems)
-            if os.environ.get("RANK", "0") == "0":
-                print(str(error), file=sys.stderr, flush=True)
-            else:  # let rank 0 say it before torchrun stops the others at the first exit
-                time.sleep(_OTHER_RANKS_EXIT_AFTER_S)
-            raise error
+            _refuse(MegatronLMOptionError(problems))
         settings.set_fused_attention(use_flash_attn=bool(getattr(namespace, "use_flash_attn", 0)))
         return original(*args, **kwargs)
 
     return set_global_variables
 
 
+def _moe_problems(args: Any) -> list[str]:
+    world_size = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    return moe_option_problems(
+        num_experts=getattr(args, "num_experts", None),
+        topk=getattr(args, "moe_router_topk", 2),
+        ep=getattr(args, "expert_model_parallel_size", 1),
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        tp=getattr(args, "tensor_model_parallel_size", 1),
+        pp=getattr(args, "pipeline_model_parallel_size", 1),
+        world_size=world_size,
+    )
+
+
 def _validate_args(original: Any) -> Any:
-    """Megatron-LM asserts a CUDA compute capability of 8 or more for ``--moe-grouped-gemm``
-    (``torch.cuda.get_device_capability()``), a check of the GPU's grouped-GEMM kernels. Off
-    CUDA the grouped GEMM is the adaptor's (``npu_grouped_matmul`` on the NPU), so that one check
-    is skipped: the option is hidden from the validation and put back after it; every other
-    check runs as written."""
+    """Megatron-LM's argument validation, with two changes. First the mixture-of-experts
+    options are checked together (:mod:`megatron_npu.moe_options`): a combination that cannot
+    work stops with one named line, not Megatron's asserts on every rank. Then Megatron's own
+    checks run, less one: it asserts a CUDA compute capability of 8 or more for
+    ``--moe-grouped-gemm`` (``torch.cuda.get_device_capability()``), a check of the GPU's
+    grouped-GEMM kernels; off CUDA the grouped GEMM is the adaptor's (``npu_grouped_matmul`` on
+    the NPU), so the option is hidden from the validation and put back after it."""
 
     @functools.wraps(original)
     def validate_args(args: Any, defaults: Any = None) -> Any:
+        problems = _moe_problems(args)
+        if problems:
+            _refuse(MegatronLMOptionConflict(problems))
         grouped = bool(getattr(args, "moe_grouped_gemm", False))
         if grouped:
             args.moe_grouped_gemm = False
@@ -192,13 +221,14 @@ PATCHES = [
         benchmark_exempt="runs once at start-up",
     ),
     Patch(
-        id="megatron-lm.grouped-gemm-capability",
+        id="megatron-lm.validate-args",
         target="megatron.training.arguments.validate_args",
         replacement=_validate_args,
         kind="wrap",
         requires="megatron.training.arguments",
-        reason="--moe-grouped-gemm passes Megatron-LM's CUDA compute-capability check: the "
-        "adaptor serves the grouped GEMM",
+        reason="MoE options that cannot work together end in one named error (exit 2); "
+        "--moe-grouped-gemm passes Megatron-LM's CUDA compute-capability check: the adaptor "
+        "serves the grouped GEMM",
         parity_exempt="argument validation: the grouped GEMM has its own parity case",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
         benchmark_exempt="runs once at start-up",

@@ -194,22 +194,29 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
 
 
 @pytest.mark.parametrize(
-    "extra, option",
-    [(("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
-      "--moe-token-dispatcher-type flex")],
-    ids=["moe-flex-dispatcher"],
+    "extra, options, header",
+    [
+        (("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
+         ("--moe-token-dispatcher-type flex",), "cannot run these Megatron-LM options"),
+        # three MoE mistakes at once: one line names them all (Megatron asserts on every rank)
+        (("--num-experts", "4", "--moe-router-topk", "6", "--expert-model-parallel-size", "3"),
+         ("--moe-router-topk 6", "--num-experts 4", "does not divide the 2 ranks"),
+         "these Megatron-LM options do not work together"),
+    ],
+    ids=["moe-flex-dispatcher", "moe-topk-and-ep-sizes"],
 )  # fmt: skip
-def test_unsupported_option_is_one_named_error(tmp_path, extra, option):
-    """An option the adaptor cannot serve stops every rank before anything is built, with one
-    line naming the option, exit status 2, and no per-rank traceback."""
+def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header):
+    """An option the adaptor cannot serve, or options that cannot work together, stop every rank
+    before anything is built, with one line naming the options, exit status 2, and no per-rank
+    traceback."""
     run = pretrain_gpt(
         tmp_path, *TINY, "--mock-data", "--train-iters", "2", *extra, nproc=2,
         device="npu-emulated", name="refused", tensorboard=False,
     )  # fmt: skip
     assert run.returncode != 0
-    lines = [line for line in run.log.splitlines() if "cannot run these Megatron-LM options" in line]
+    lines = [line for line in run.log.splitlines() if line.startswith("megatron-npu: ")]
     assert len(lines) == 1, run.tail()
-    assert option in lines[0]
+    assert header in lines[0] and all(option in lines[0] for option in options), lines[0]
     assert "exitcode  : 2" in run.log
     assert "[rank0]: Traceback" not in run.log and "[rank1]: Traceback" not in run.log
 
