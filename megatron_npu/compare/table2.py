@@ -1,4 +1,4 @@
-"""Table 2 of the seeds ("competitor vs NPU: loss, s/step"), one row per run, as markdown.
+"""Table 2 of Ascend's Megatron-LM adaptation guide ("competitor vs NPU: loss, s/step"), one row per run, as markdown.
 
 Columns (:data:`COLUMNS`, labels with units): run, device (emulated marked ``*``, with its
 hardware label), layout, precision, first/last loss, s/step (median after warm-up, with its 95 %

@@ -1,6 +1,6 @@
 """Run-wide choices for the fused-op patches that Megatron's config has no field for.
 
-The seeds' large-kernel variants pick the attention input layout (``--shape-order SBH|BSH``) and the
+The large-kernel variants of Ascend's Megatron-LM adaptation guide pick the attention input layout (``--shape-order SBH|BSH``) and the
 pre/next-token window (``--pre-tokens``/``--next-tokens``); ``megatron-npu train`` sets them here
 before building the model, and the fused ``DotProductAttention`` patch reads them at call time.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-#: ``pre_tokens``/``next_tokens`` at or above this mean "no window" (the seeds use 65536).
+#: ``pre_tokens``/``next_tokens`` at or above this mean "no window" (the guide's scripts use 65536).
 FULL_WINDOW = 65536
 
 

@@ -1,4 +1,4 @@
-"""GPT dataset index building (the seeds' ``_build_index_mappings``) without compiled helpers.
+"""GPT dataset index building (``_build_index_mappings``) without compiled helpers.
 
 megatron-core builds its sample and blending indices in ``helpers_cpp``, a C++ extension that
 ``compile_helpers`` must build where no wheel ships it (any machine without a compiler fails).

@@ -2,7 +2,7 @@
 
 Only what a GPT pretraining run on Megatron-Core needs is accepted; every option keeps the name
 (and, where it has one, the default) it has in Megatron-LM's ``arguments.py``, so a
-``pretrain_gpt_distributed*.sh`` command line carries over. The seeds' fused-attention options
+``pretrain_gpt_distributed*.sh`` command line carries over. The fused-attention options of Ascend's Megatron-LM adaptation guide
 (``--use-flash-attn``, ``--shape-order``, ``--pre-tokens``, ``--next-tokens``) are validated here
 against the patch registry: a value that needs the fused kernel fails unless a patch whose id
 starts with ``attention.`` is registered.
@@ -199,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(npu_scaled_masked_softmax on the NPU) where the kernel's shape rule allows it",
     )  # fmt: skip
 
-    g = parser.add_argument_group("fused attention (seeds' large-kernel options)")
+    g = parser.add_argument_group("fused attention (the Ascend guide's large-kernel options)")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument("--shape-order", choices=("SBH", "BSH"), default="SBH")
     g.add_argument("--pre-tokens", type=_non_negative, default=FULL_WINDOW)

@@ -13,7 +13,7 @@ Without either (no ``--nproc-per-node``, no ``RANK`` in the environment) the run
 The process-group backend is the active device's (``gloo`` on cpu and npu-emulated, ``hccl`` on
 npu, ``nccl`` on cuda).
 
-What the launcher guarantees (issue 9's process faults):
+What the launcher guarantees when processes fail:
 
 * every rank runs in its own process group with a parent-death signal (``PR_SET_PDEATHSIG``,
   SIGKILL, Linux): a killed launcher takes its ranks with it; each rank arms the same signal in

@@ -36,7 +36,7 @@ from megatron_npu.parity.cases._common import (
     megatron_parallel,
 )
 
-FULL = 65536  # the seeds' "no window"
+FULL = 65536  # "no window" in the Ascend guide's scripts
 
 
 @st.composite

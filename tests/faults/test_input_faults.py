@@ -1,4 +1,4 @@
-"""Every input fault of issue 9 gives one named error before any rank starts.
+"""Every input fault gives one named error before any rank starts.
 
 Each case runs ``megatron_npu.train.main`` in-process with ``--nproc-per-node 2`` and the launcher
 replaced by a tripwire: the fault must be reported (exit status 2, the flag/file/field named,
@@ -165,7 +165,7 @@ ARG_FAULTS = {
         lambda t, g: [*TINY, "--ckpt-step", "2"],
         r"--ckpt-step needs --load",
     ),
-    # issue 22: Megatron's scheduler asserts lr_warmup_steps < lr_decay_steps
+    # Megatron's scheduler asserts lr_warmup_steps < lr_decay_steps
     "lr-warmup-beyond-train-iters": (
         lambda t, g: [*TINY, "--lr-warmup-iters", "10"],
         r"--lr-warmup-iters 10 must be smaller than --train-iters 4",
@@ -298,7 +298,7 @@ CKPT_FAULTS = {
         r"metadata .*\.metadata refers to posix\.system, which safe load refuses.*--no-safe-load",
     ),
     "save-is-a-file": (lambda t, g: [*TINY, "--save", str(Path(__file__))], r"--save .* is a file"),
-    # issue 22: no manifest = no checksums; refused unless --allow-unverified-load
+    # no manifest = no checksums; refused unless --allow-unverified-load
     "manifest-deleted": (
         lambda t, g: _ckpt(t, g, _no_manifest),
         r"iter_0000004 has no megatron_npu_checkpoint\.json: .*cannot be verified; pass "

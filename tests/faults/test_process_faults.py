@@ -1,4 +1,4 @@
-"""Process faults on real 2-rank runs of the smallest model (issue 9, items 6 and 7).
+"""Process faults on real 2-rank runs of the smallest model (a rank that dies, hangs or is killed).
 
 * a rank killed (SIGKILL) late in a checkpoint save, and a save that runs out of disk space:
   the run stops at once with a message naming the rank / ``--save``, the tracker still names

@@ -1,4 +1,4 @@
-"""Issue 22, the fast half: each fault of "Why" checked in-process against its own rule.
+"""Reliability faults checked in-process, each against its own rule (the fast half; test_run_faults.py runs them for real).
 
 * token ids outside the tokenizer's vocabulary: the index-file scan and the per-batch check;
 * an empty dataset: ``megatron-npu preprocess`` warns (and train refuses it, test_input_faults);

@@ -162,7 +162,7 @@ def test_locate_on_two_agreeing_runs_names_nothing(tmp_path, corpus_dir):
     assert 0 < worst < data["rule"]["base"]  # the two paths do differ, well inside the rule
 
 
-#: the layouts and precisions of issue 19's item 2 beyond the sweep: a pipeline of two stages
+#: layouts and precisions beyond the sweep: a pipeline of two stages
 #: (hooks on each stage, rows named by shard) and fp16 (its skipped first updates put the first
 #: divergent step after them, so the replay resumes from a checkpoint saved before any update)
 LAYOUT_CASES = {

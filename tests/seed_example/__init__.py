@@ -1,1 +1,1 @@
-"""The seeds' Megatron-Core user-guide loop, run as a user would (see test_seed_example.py)."""
+"""The Megatron Core user guide's training loop, run as a user would (see test_seed_example.py)."""

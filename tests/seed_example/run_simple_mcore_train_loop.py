@@ -1,6 +1,6 @@
 import megatron_npu.auto  # noqa: F401  megatron-npu: the one added line (device: $MEGATRON_NPU_DEVICE)
 
-# The Megatron-Core user guide's training loop (shared/seeds file 001, steps 1-6), as published.
+# The Megatron-Core user guide's training loop (steps 1-6), as published.
 import os
 import torch
 from megatron.core import parallel_state

@@ -1,4 +1,4 @@
-"""The seeds' Megatron-Core user-guide loop (shared/seeds file 001), run as a user would.
+"""The Megatron Core user guide's training loop, run as a user would.
 
 ``run_simple_mcore_train_loop.py`` is the guide's script as published plus ONE line,
 ``import megatron_npu.auto``. It runs under ``torchrun --nproc-per-node 2`` (``--standalone`` so

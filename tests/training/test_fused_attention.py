@@ -1,5 +1,5 @@
 """Training through the fused-attention patch: same losses as Megatron's unfused attention in
-fp32 (SBH and BSH), and the seeds' eight fp16/bf16 x flash/sparse x SBH/BSH variants train."""
+fp32 (SBH and BSH), and the Ascend guide's eight fp16/bf16 x flash/sparse x SBH/BSH variants train."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from ._runner import TINY, max_abs_diff, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-#: The seeds' pretrain_gpt_distributed_{fp16,bf16}.sh variants: --pre/--next/--shape_order.
+#: The Ascend guide's pretrain_gpt_distributed_{fp16,bf16}.sh variants: --pre/--next/--shape_order.
 FLASH = ("--pre-tokens", "65536", "--next-tokens", "65536")
-#: The seeds' sparse window (--pre=2048 --next=0) is narrower than their sequence; on the
+#: The Ascend guide's sparse window (--pre=2048 --next=0) is narrower than their sequence; on the
 #: 32-token test sequence 2048 would be full causal attention (the flash variant again), so
 #: the window is scaled down to half the sequence: it really bites.
 SPARSE = ("--pre-tokens", "16", "--next-tokens", "0")

@@ -18,7 +18,7 @@ def _falls(run) -> None:
 
 def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tmp):
     """bf16 + distributed optimizer, on the NPU code path (torch_npu kernels emulated on CPU),
-    with the seeds' model options: RMSNorm, SwiGLU (through the fused bias-SwiGLU patch:
+    with the model options of Ascend's Megatron-LM adaptation guide: RMSNorm, SwiGLU (through the fused bias-SwiGLU patch:
     Megatron's default --bias-swiglu-fusion; test_fusion_flags.py counts the kernel calls),
     RoPE, fused attention in BSH with a window."""
     run = train(
