@@ -1,8 +1,9 @@
 """Run-wide choices for the fused-op patches that Megatron's config has no field for.
 
-The large-kernel variants of Ascend's Megatron-LM adaptation guide pick the attention input layout (``--shape-order SBH|BSH``) and the
-pre/next-token window (``--pre-tokens``/``--next-tokens``); ``megatron-npu train`` sets them here
-before building the model, and the fused ``DotProductAttention`` patch reads them at call time.
+The large-kernel variants of Ascend's Megatron-LM adaptation guide pick the attention input
+layout (``--shape-order SBH|BSH``) and the pre/next-token window (``--pre-tokens`` /
+``--next-tokens``); ``megatron-npu train`` sets them here before building the model, and the
+fused ``DotProductAttention`` patch reads them at call time.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ applies the causal mask and pre/next window through the op, and a supplied atten
 (document masks from ``--reset-attention-mask`` are honoured; Megatron's plain causal mask is
 recognised and costs nothing), the softmax scale Megatron computed,
 attention dropout inside the model-parallel RNG fork, and grouped-query attention natively.
+
+A layer with Megatron's sliding window (``--window-size left,right``; the layers
+``--window-attn-skip-freq`` picks) keeps it on the fused path: Megatron's own softmax then
+replaces the mask by the band ``-left <= j - i <= right`` (``get_sliding_window_causal_mask``),
+so the fused op gets ``pre_tokens=left``, ``next_tokens=right`` (narrowed further by a pre/next
+window the run asked for), no causal flag and no other mask, exactly that band.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import functools
 from typing import Any
 
 from megatron_npu.ops import settings
-from megatron_npu.ops.attention import fused_attention
+from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
 from megatron_npu.registry import Patch
 
 _TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
@@ -34,6 +40,12 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
         q, k, v = (t.reshape(t.shape[0], b, -1) for t in (query, key, value))
     else:  # BSH
         q, k, v = (t.transpose(0, 1).reshape(b, t.shape[0], -1) for t in (query, key, value))
+    pre_tokens, next_tokens = chosen.pre_tokens, chosen.next_tokens
+    window = getattr(module.scale_mask_softmax, "window_size", None)
+    if window is not None:  # the band replaces the mask, as in Megatron's softmax
+        left, right = (MAX_TOKENS if w < 0 else int(w) for w in window)
+        pre_tokens, next_tokens = min(pre_tokens, left), min(next_tokens, right)
+        causal, attention_mask = False, None
     dropout_p = module.config.attention_dropout if module.training else 0.0
     # With apply_query_key_layer_scaling Megatron divides softmax_scale by the layer number and
     # its softmax multiplies the scores back: the effective scale is the product.
@@ -43,7 +55,7 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
         return fused_attention(
             q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=causal,
             attention_mask=attention_mask,
-            pre_tokens=chosen.pre_tokens, next_tokens=chosen.next_tokens,
+            pre_tokens=pre_tokens, next_tokens=next_tokens,
             scale=scale, dropout_p=dropout_p,
         )  # fmt: skip
 
