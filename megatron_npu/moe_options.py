@@ -18,6 +18,7 @@ def moe_option_problems(
     tp: int,
     pp: int,
     world_size: int,
+    sequence_parallel: bool,
 ) -> list[str]:
     """Each broken combination as ``"--option ...: why"`` (empty when the options agree).
     ``etp`` None means Megatron's default: the expert tensor-parallel size is the TP size."""
@@ -38,6 +39,11 @@ def moe_option_problems(
         problems.append(
             f"--expert-model-parallel-size {ep}: does not divide --num-experts {num_experts} "
             "(every rank holds the same number of experts)"
+        )
+    if tp > 1 and not sequence_parallel:
+        problems.append(
+            f"--num-experts with --tensor-model-parallel-size {tp}: needs --sequence-parallel "
+            "(megatron-core's rule for MoE under tensor parallelism)"
         )
     expert_ranks = ep * (tp if etp is None else etp) * pp
     if world_size % expert_ranks:

@@ -33,7 +33,16 @@ class Cell:
 
 
 def patches_with_cases() -> list[tuple[Patch, ParityCase]]:
-    return [(p, load_case(p.parity)) for p in all_patches() if p.parity]
+    """The patches with a parity case that apply to the installed megatron-core (a patch for
+    another release may target what does not exist here: tox runs each release's own)."""
+    from megatron_npu.patcher import megatron_core_version
+
+    version = megatron_core_version()
+    return [
+        (p, load_case(p.parity))
+        for p in all_patches()
+        if p.parity and p.applies_to_version(version)
+    ]
 
 
 def cells(devices: tuple[str, ...] = DEFAULT_DEVICES) -> list[Cell]:

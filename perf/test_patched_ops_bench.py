@@ -1,7 +1,8 @@
 """One benchmark per registry patch that declares one, every path x dtype x direction.
 
 Generated from :func:`megatron_npu.registry.all_patches`: a patch's ``benchmark`` names its
-:class:`perf.case.BenchCase`. ``pytest perf --benchmark-only`` runs the sizes that matter;
+:class:`perf.case.BenchCase`; patches for other megatron-core releases than the installed one
+have no cells (their target may not exist here). ``pytest perf --benchmark-only`` runs the sizes that matter;
 ``--perf-quick`` the smoke sizes.
 """
 
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_npu.patcher import megatron_core_version
 from megatron_npu.registry import all_patches
 from perf.case import SIZES, load_benchmark
 from perf.runner import run_cell
 
-_BENCHMARKED = [p for p in all_patches() if p.benchmark]
+_BENCHMARKED = [
+    p for p in all_patches() if p.benchmark and p.applies_to_version(megatron_core_version())
+]
 
 
 def _cells():

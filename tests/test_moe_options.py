@@ -6,7 +6,9 @@ import pytest
 
 from megatron_npu.moe_options import moe_option_problems
 
-VALID = dict(num_experts=8, topk=2, ep=2, etp=None, tp=2, pp=1, world_size=8)
+VALID = dict(
+    num_experts=8, topk=2, ep=2, etp=None, tp=2, pp=1, world_size=8, sequence_parallel=True
+)
 
 
 def test_a_valid_layout_has_no_problem():
@@ -25,6 +27,7 @@ def test_a_valid_layout_has_no_problem():
         ({"ep": 2, "etp": 2, "pp": 2, "world_size": 4}, "= 8 ranks per expert replica"),
         ({"num_experts": None}, "--expert-model-parallel-size 2: needs --num-experts"),
         ({"num_experts": 0, "ep": 1}, "--num-experts 0"),
+        ({"sequence_parallel": False}, "needs --sequence-parallel"),
     ],
 )  # fmt: skip
 def test_each_broken_combination_is_named(change, named):

@@ -7,7 +7,9 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
   num_query_groups, kv_channels, seq_length, max_position_embeddings, position_embedding_type,
   normalization, swiglu, bias_linear, tied_embeddings, init_method_std, attention_window``
   (the fused attention's pre/next-token window: a sparse window computes another function than
-  full causal attention; the flash kernel with the full window does not);
+  full causal attention; the flash kernel with the full window does not), ``experts`` (dense, or
+  the MoE layers' expert count, top-k, expert and shared-expert FFN sizes, capacity factor and
+  aux-loss coefficient: each changes what is computed; the expert-parallel layout does not);
 * ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
   :mod:`.matrix`);
 * ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
@@ -41,6 +43,7 @@ MODEL_FIELDS = (
     "tied_embeddings",
     "init_method_std",
     "attention_window",
+    "experts",
 )
 FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "tokenizer")
 
@@ -70,6 +73,19 @@ def _window(args: dict[str, Any]) -> str:
     return f"causal, pre {pre}, next {nxt}"
 
 
+def _experts(args: dict[str, Any]) -> str:
+    experts = args.get("num_experts")
+    if not experts:
+        return "dense"
+    ffn = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+    return (
+        f"{experts} experts, top-{args.get('moe_router_topk', 2)}, ffn {ffn}, shared "
+        f"{args.get('moe_shared_expert_intermediate_size') or 0}, capacity "
+        f"{args.get('moe_expert_capacity_factor') or 'none'}, aux coeff "
+        f"{args.get('moe_aux_loss_coeff') or 0}"
+    )
+
+
 def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
     """The fingerprint of one run from its ``metrics.json`` ``config`` block."""
     args = config.get("arguments", {})
@@ -96,6 +112,7 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         "init_method_std": args.get("init_method_std"),
         "padded_vocab_size": config.get("padded_vocab_size"),
         "attention_window": _window(args),
+        "experts": _experts(args),
     }
     data = config.get("data", {}) or {}
     source = data.get("source")

@@ -78,6 +78,8 @@ LAYOUT_OPTIONS = frozenset(
         "tensor-model-parallel-size",
         "pipeline-model-parallel-size",
         "num-layers-per-virtual-pipeline-stage",
+        "expert-model-parallel-size",
+        "expert-tensor-parallel-size",
         "sequence-parallel",
         "use-distributed-optimizer",
         "overlap-grad-reduce",

@@ -85,6 +85,9 @@ def layout_of(arguments: dict[str, Any], world_size: int | None) -> str:
     if arguments.get("virtual_pipeline_model_parallel_size"):
         parts.append(f"VPP{arguments['virtual_pipeline_model_parallel_size']}")
     parts.append(f"DP{dp}")
+    ep, etp = arguments.get("expert_model_parallel_size") or 1, arguments.get("expert_tensor_parallel_size")
+    if arguments.get("num_experts") and (ep > 1 or (etp is not None and etp != tp)):
+        parts.append(f"EP{ep}" + (f" ETP{etp}" if etp is not None and etp != tp else ""))
     if arguments.get("sequence_parallel"):
         parts.append("SP")
     if arguments.get("use_distributed_optimizer"):

@@ -153,6 +153,7 @@ def _moe_problems(args: Any) -> list[str]:
         tp=getattr(args, "tensor_model_parallel_size", 1),
         pp=getattr(args, "pipeline_model_parallel_size", 1),
         world_size=world_size,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
     )
 
 

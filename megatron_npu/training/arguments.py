@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 
 from megatron_npu.devices import NAMES as DEVICE_NAMES
+from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW
 from megatron_npu.training.errors import TrainingInputError
 
@@ -179,6 +180,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--vocab-size", type=_positive, default=None,
         help="vocabulary of the NullTokenizer used with --mock-data (default 512)",
     )
+
+    g = parser.add_argument_group("mixture of experts (Megatron-LM's names and defaults)")
+    g.add_argument(
+        "--num-experts", type=_positive, default=None,
+        help="experts per MoE layer (every layer is an MoE layer); default: a dense model",
+    )  # fmt: skip
+    g.add_argument("--moe-router-topk", type=_positive, default=2)
+    g.add_argument(
+        "--moe-ffn-hidden-size", type=_positive, default=None,
+        help="each expert's FFN size; default --ffn-hidden-size",
+    )  # fmt: skip
+    g.add_argument("--expert-model-parallel-size", type=_positive, default=1)
+    g.add_argument(
+        "--expert-tensor-parallel-size", type=_positive, default=None,
+        help="tensor parallelism inside each expert; default: the TP size (Megatron's default)",
+    )  # fmt: skip
+    g.add_argument(
+        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather",
+        help="how tokens reach their experts' ranks (Megatron's flex dispatcher needs DeepEP, "
+        "which is CUDA-only)",
+    )  # fmt: skip
+    g.add_argument(
+        "--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"),
+        default="aux_loss",
+    )  # fmt: skip
+    g.add_argument("--moe-aux-loss-coeff", type=_finite, default=0.0)
+    g.add_argument("--moe-expert-capacity-factor", type=_finite, default=None)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=_positive, default=None)
+    g.add_argument(
+        "--moe-grouped-gemm", action="store_true",
+        help="all local experts as one grouped GEMM per direction (npu_grouped_matmul)",
+    )  # fmt: skip
 
     g = parser.add_argument_group(
         "fusions (Megatron-LM's flags and defaults; on npu / npu-emulated they route to the "
@@ -420,6 +453,8 @@ def check(args: argparse.Namespace) -> None:
         raise ArgumentError("--num-query-groups must be divisible by the TP size")
     if args.ffn_hidden_size % tp:
         raise ArgumentError("--ffn-hidden-size must be divisible by the TP size")
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
     pp = args.pipeline_model_parallel_size
     if args.num_layers % pp:
         raise ArgumentError("--num-layers must be divisible by --pipeline-model-parallel-size")
@@ -498,6 +533,14 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         raise ArgumentError(
             f"world size {world_size} is not divisible by TP x PP = {model_parallel}"
         )
+    problems = moe_option_problems(
+        num_experts=args.num_experts, topk=args.moe_router_topk,
+        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        world_size=world_size, sequence_parallel=args.sequence_parallel,
+    )  # fmt: skip
+    if problems:
+        raise ArgumentError("; ".join(problems))
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     if args.global_batch_size is None:

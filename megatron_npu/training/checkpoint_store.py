@@ -58,6 +58,10 @@ FINGERPRINT_FLAGS = {
     "vocab_size": "the tokenizer (--vocab-size / --tokenizer-type / --vocab-file)",
     "padded_vocab_size": "--make-vocab-size-divisible-by x TP size",
     "transformer_impl": "--transformer-impl (the two specs name their layers differently)",
+    "num_experts": "--num-experts (none: a dense model)",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_grouped_gemm": "--moe-grouped-gemm (the grouped experts hold their weights otherwise)",
 }
 
 
@@ -87,6 +91,12 @@ def fingerprint(args: Namespace, vocab_size: int) -> dict:
             int(vocab_size), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         ),
         "transformer_impl": getattr(args, "transformer_impl", "local"),
+        "num_experts": getattr(args, "num_experts", None),
+        "moe_ffn_hidden_size": getattr(args, "moe_ffn_hidden_size", None),
+        "moe_shared_expert_intermediate_size": getattr(
+            args, "moe_shared_expert_intermediate_size", None
+        ),
+        "moe_grouped_gemm": bool(getattr(args, "moe_grouped_gemm", False)),
     }
 
 

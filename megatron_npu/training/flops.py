@@ -21,7 +21,10 @@ and the bracket, with ``r = kv_channels * heads / h`` (1 when ``kv_channels = h 
   because only the lower triangle of the score matrix is non-zero (Megatron-LM counts the half since
   late 2024; ``causal=False`` gives the older full-matrix count);
 * **MLP** ``ffn / h * g``: the two MLP GEMMs, ``g = 3/2`` with SwiGLU (its gate is a third GEMM of
-  the same size);
+  the same size). In a mixture-of-experts layer only the experts a token is routed to work on
+  it, so ``ffn`` is the *active* size (:func:`active_ffn_hidden_size`: top-k times the expert
+  FFN size, plus the shared expert's), as Megatron-LM counts it; the router's ``h x E`` gating
+  GEMM is left out, being small next to the experts';
 * **logits** ``V / (2 L h)``: the output layer's ``h x V`` GEMM, once per model rather than per layer.
 
 Not counted (as in Megatron-LM): embeddings lookups, norms, softmax, activations, the loss, the
@@ -30,6 +33,22 @@ optimizer step, and recomputation. The result is the work of the *whole model* f
 """
 
 from __future__ import annotations
+
+
+def active_ffn_hidden_size(
+    ffn_hidden_size: int,
+    *,
+    num_experts: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
+    moe_router_topk: int = 2,
+    moe_shared_expert_intermediate_size: int | None = None,
+) -> int:
+    """The FFN width one token passes through: the dense FFN, or with ``num_experts`` the
+    top-k routed experts' plus the shared expert's."""
+    if num_experts is None:
+        return ffn_hidden_size
+    expert = moe_ffn_hidden_size if moe_ffn_hidden_size is not None else ffn_hidden_size
+    return moe_router_topk * expert + (moe_shared_expert_intermediate_size or 0)
 
 
 def gpt_model_flops_per_iteration(

@@ -49,6 +49,7 @@ from megatron_npu.training import (
     flops,
     launch,
     metrics,
+    moe_metrics,
     peak,
     quiet_expected_warnings,
     security,
@@ -271,11 +272,18 @@ def _describe_layout(args, device) -> str:
 
 def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) -> None:
     """Model FLOPs per step (Megatron-LM's formula; causal attention, a pre/next window is not
-    credited, as in Megatron) and, on rank 0, the peak MFU is measured against."""
+    credited, as in Megatron; MoE layers count their active experts only) and, on rank 0, the
+    peak MFU is measured against."""
     run_metrics.model_flops_per_step = flops.gpt_model_flops_per_iteration(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
+        ffn_hidden_size=flops.active_ffn_hidden_size(
+            args.ffn_hidden_size,
+            num_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        ),
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         seq_length=args.seq_length,
@@ -446,6 +454,11 @@ def _train(args, env, device) -> int:
                 run_metrics.profiled_step = step
             consumed += args.global_batch_size
             pnorm = params_norm(model) if args.log_params_norm else None
+            aux = (
+                moe_metrics.step_aux_losses(args.num_microbatches, args.num_layers)
+                if args.num_experts is not None
+                else None
+            )
             record = metrics.StepRecord(
                 step=step,
                 lm_loss=loss,
@@ -456,6 +469,7 @@ def _train(args, env, device) -> int:
                 step_time_s=elapsed,
                 tokens_per_s=tokens_per_step / elapsed if elapsed > 0 else 0.0,
                 params_norm=pnorm,
+                moe_aux_losses=aux,
             )
             log_now = step % args.log_interval == 0 or step == args.train_iters
             if rank0:

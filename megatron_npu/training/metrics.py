@@ -5,7 +5,9 @@ The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``)
 * ``config``: every argument, the world size, the device *as the active Device names it*
   (``npu-emulated`` stays ``npu-emulated``), whether it is emulated, and library versions;
 * ``steps``: one object per step -- ``step, lm_loss, grad_norm, lr, loss_scale, skipped,
-  step_time_s, tokens_per_s`` (+ ``params_norm`` with ``--log-params-norm``);
+  step_time_s, tokens_per_s`` (+ ``params_norm`` with ``--log-params-norm``; + ``moe_aux_losses``,
+  ``{name: value}``, with ``--num-experts``: Megatron-LM's per-step figures, averaged over the
+  MoE layers);
 * ``summary``: median steady-state seconds per step (steps after the first
   :data:`WARMUP_STEPS`; all steps if there are no others), tokens/s at that median, the
   allocator's peak memory, the largest over all ranks (``peak_memory_bytes``, measure
@@ -55,11 +57,14 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     params_norm: float | None = None
+    #: MoE runs: each auxiliary loss of the step (``load_balancing_loss``, ``z_loss``, ...)
+    moe_aux_losses: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if self.params_norm is None:
-            out.pop("params_norm")
+        for optional in ("params_norm", "moe_aux_losses"):
+            if out[optional] is None:
+                out.pop(optional)
         return out
 
 

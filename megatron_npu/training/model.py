@@ -24,6 +24,16 @@ the piece's *global* identity:
   state the last layer left, the same in every layout; tied output weights are copied from the
   embedding by Megatron itself.
 
+Mixture-of-experts layers (``--num-experts``) are seeded the same way one level down: each
+expert's weights from ``(seed, "layer", global_layer_number, "expert", global_expert_index)``,
+so an EP2 rank holding experts 2 and 3 draws what the EP1 run draws for them; the shared expert
+from ``(..., "shared-expert")``; and what follows an MoE layer from ``(..., "after")``, so the
+output layer does not depend on how many experts the rank built. Experts split by expert tensor
+parallelism are cut by their expert-TP rank (:func:`~megatron_npu.training.weight_init.expert`).
+This covers the experts that build one module per expert (``SequentialMLP``: the local spec,
+and the TE spec without ``--moe-grouped-gemm``); the grouped experts draw their local experts
+in one loop.
+
 The CPU generator state from before the build is put back afterwards, so dropout streams do not
 depend on how much the build consumed. ``tests/training`` checks the outcome: the first ten
 losses of TP2, TP2+SP, PP2, PP2 interleaved, DP2 and TP2 PP2 equal those of TP1 PP1.
@@ -36,9 +46,11 @@ same values from one CPU stream, so the choice changes memory, not the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 from argparse import Namespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +117,7 @@ class SeededTransformerLayer(TransformerLayer):
         seed = getattr(config, "init_seed", None)
         if seed is not None:
             weight_init.reseed(derived_seed(seed, "layer", global_number))
+        _building.update(layer=global_number, experts=0)
         super().__init__(
             config=config,
             submodules=submodules,
@@ -112,6 +125,97 @@ class SeededTransformerLayer(TransformerLayer):
             hidden_dropout=hidden_dropout,
             **groups_and_stage,
         )
+        if seed is not None and getattr(config, "num_moe_experts", None):
+            weight_init.reseed(derived_seed(seed, "layer", global_number, "after"))
+
+
+#: the layer being built (global number) and how many of its local experts exist so far
+_building: dict[str, int] = {"layer": 0, "experts": 0}
+
+
+def _expert_seed(config: TransformerConfig, part: str) -> int | None:
+    seed = getattr(config, "init_seed", None)
+    if seed is None:
+        return None
+    if part == "shared-expert":
+        return derived_seed(seed, "layer", _building["layer"], part)
+    local = config.num_moe_experts // config.expert_model_parallel_size
+    index = parallel_state.get_expert_model_parallel_rank() * local + _building["experts"]
+    _building["experts"] += 1
+    return derived_seed(seed, "layer", _building["layer"], "expert", index)
+
+
+def _seeded_expert_linear(cls: type, first: bool) -> type:
+    """``cls`` (an expert's FC1 or FC2) drawing its weights as an expert; FC1 starts the expert's
+    stream at its global index, FC2 continues it."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("config")
+        seed = _expert_seed(config, "expert") if first and config is not None else None
+        with weight_init.expert(seed):
+            cls.__init__(self, *args, **kwargs)
+
+    return type(f"SeededExpert{cls.__name__}", (cls,), {"__init__": __init__})
+
+
+def _reseed_shared_expert(config: Any) -> None:
+    seed = _expert_seed(config, "shared-expert") if config is not None else None
+    if seed is not None:
+        weight_init.reseed(seed)
+
+
+def _seeded_class(cls: type) -> type:
+    """The shared expert's class (megatron-core up to 0.18) drawing from its own stream."""
+
+    def __init__(self, *args, **kwargs):
+        _reseed_shared_expert(kwargs.get("config", args[0] if args else None))
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Seeded{cls.__name__}", (cls,), {"__init__": __init__})
+
+
+def _seeded_builder(build: Any) -> Any:
+    """The shared expert's builder function (megatron-core 0.19) drawing from its own stream."""
+
+    @functools.wraps(build)
+    def seeded(*args, **kwargs):
+        _reseed_shared_expert(kwargs.get("config", args[0] if args else None))
+        return build(*args, **kwargs)
+
+    return seeded
+
+
+def _with_submodules(spec: Any, change: Any) -> Any:
+    """``spec`` (a ModuleSpec, or megatron-core 0.19's ``functools.partial`` builder) with its
+    submodules passed through ``change``."""
+    if isinstance(spec, functools.partial):
+        keywords = dict(spec.keywords)
+        keywords["submodules"] = change(keywords["submodules"])
+        return functools.partial(spec.func, *spec.args, **keywords)
+    return dataclasses.replace(spec, submodules=change(spec.submodules))
+
+
+def _seed_experts(mlp: Any) -> Any:
+    """The MoE layer spec with seeded expert linears and a seeded shared expert."""
+
+    def moe(submodules):
+        experts = submodules.experts
+        inner = experts.keywords["submodules"] if isinstance(experts, functools.partial) \
+            else experts.submodules  # fmt: skip
+        if dataclasses.is_dataclass(inner) and hasattr(inner, "linear_fc1"):
+            experts = _with_submodules(experts, lambda mlp_sub: dataclasses.replace(
+                mlp_sub,
+                linear_fc1=_seeded_expert_linear(mlp_sub.linear_fc1, first=True),
+                linear_fc2=_seeded_expert_linear(mlp_sub.linear_fc2, first=False),
+            ))  # fmt: skip
+        shared = submodules.shared_experts
+        if isinstance(shared, functools.partial):
+            shared = functools.partial(_seeded_builder(shared.func), *shared.args, **shared.keywords)
+        elif shared is not None:
+            shared = dataclasses.replace(shared, module=_seeded_class(shared.module))
+        return dataclasses.replace(submodules, experts=experts, shared_experts=shared)
+
+    return _with_submodules(mlp, moe)
 
 
 def padded_vocab_size(vocab_size: int, args: Namespace) -> int:
@@ -181,6 +285,7 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         masked_softmax_fusion=args.masked_softmax_fusion,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **(moe_config(args) if args.num_experts is not None else {}),
     )
     # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
     config.init_seed = args.seed
@@ -188,13 +293,34 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
     return config
 
 
+def moe_config(args: Namespace) -> dict[str, Any]:
+    """The TransformerConfig fields of ``--num-experts`` and its options (Megatron-LM's names)."""
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+    )
+
+
 def layer_spec(args: Namespace) -> ModuleSpec:
     """Megatron's local or Transformer Engine layer spec (``--transformer-impl``), its
-    ``TransformerLayer`` seeded per global layer."""
+    ``TransformerLayer`` seeded per global layer (and MoE experts per global expert)."""
+    moe = {"num_experts": args.num_experts, "moe_grouped_gemm": args.moe_grouped_gemm}
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, **moe)
+    if args.num_experts is not None:
+        submodules = dataclasses.replace(spec.submodules, mlp=_seed_experts(spec.submodules.mlp))
+        spec = dataclasses.replace(spec, submodules=submodules)
     return dataclasses.replace(spec, module=SeededTransformerLayer)
 
 

@@ -21,7 +21,8 @@ allocated on the device from the start.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -34,6 +35,34 @@ def reseed(seed: int) -> None:
     """Start the init stream (and, for code that draws on its own, the CPU generator) at ``seed``."""
     INIT_STREAM.manual_seed(seed)
     torch.default_generator.manual_seed(seed)
+
+
+#: while an MoE expert is built: its tensor-parallel weights are split over the expert
+#: tensor-parallel group (``--expert-tensor-parallel-size``), not the dense TP group
+_in_expert = False
+
+
+@contextlib.contextmanager
+def expert(seed: int | None) -> Iterator[None]:
+    """Draws inside the block are an expert's: the stream starts at ``seed`` (when given) and
+    tensor-parallel shards are cut by the expert tensor-parallel rank."""
+    global _in_expert
+    if seed is not None:
+        reseed(seed)
+    before, _in_expert = _in_expert, True
+    try:
+        yield
+    finally:
+        _in_expert = before
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    """(world size, rank) of the group the weight being drawn is split over."""
+    if _in_expert:
+        return (parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_rank())  # fmt: skip
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())  # fmt: skip
 
 
 class LayoutIndependentInit:
@@ -60,8 +89,7 @@ class LayoutIndependentInit:
                 weight.copy_(self._draw(weight.shape))
             return weight
         dim, stride = weight.partition_dim, weight.partition_stride
-        world = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
+        world, rank = _tensor_parallel()
         shape = list(weight.shape)
         shape[dim] *= world
         master = self._draw(torch.Size(shape))

@@ -17,7 +17,7 @@ per-expert loop baseline, what Megatron runs without a grouped GEMM (``Sequentia
 matmul per expert): ``torch.mm`` over ``torch.split(x, sizes)``, then ``torch.cat``.
 ``native`` / ``npu-binding`` call the ``gmm`` installed in ``grouped_gemm_util``
 (``npu_grouped_matmul`` on the NPU). The patch applies to megatron-core < 0.17 only (the legacy
-``GroupedMLP`` is gone from 0.17); on a later release every cell is skipped, naming the version.
+``GroupedMLP`` is gone from 0.17), so later releases have no such cells.
 
 ``TE_GROUPED_MLP``: the Transformer Engine grouped linears (``TEColumnParallelGroupedLinear``
 FC1, ``TERowParallelGroupedLinear`` FC2, :mod:`megatron_npu.modules.te_layers`), which replace
@@ -64,18 +64,6 @@ def _expert_sizes(tokens: int, experts: int) -> list[int]:
     return sizes
 
 
-def _skip_outside_versions(cell: Cell) -> None:
-    """Skip the cell when its patch does not apply to the installed megatron-core."""
-    import pytest
-
-    from megatron_npu import patcher
-    from megatron_npu.registry import get_patch
-
-    patch, version = get_patch(cell.patch_id), patcher.megatron_core_version()
-    if not patch.applies_to_version(version):
-        pytest.skip(f"{cell.patch_id} applies to megatron-core {patch.versions}, not {version}")
-
-
 # ------------------------------------------------------------------------------- router gating
 
 
@@ -119,7 +107,6 @@ def _per_expert_loop(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) ->
 
 
 def _grouped_gemm(cell: Cell) -> Built:
-    _skip_outside_versions(cell)
     e, m, k, n = (cell.shape[key] for key in ("experts", "tokens", "fan_in", "fan_out"))
     sizes = _expert_sizes(m, e)
     x, weight = _randn(cell, m, k), _randn(cell, e, k, n, seed=1, scale=0.02)

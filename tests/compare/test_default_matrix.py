@@ -57,24 +57,40 @@ def test_healthy_tree_has_no_fail(tmp_path, monkeypatch):
     assert verdicts[("npu-fp32", "performance")]["status"] == "not-applicable"
 
 
-def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
-    """The Transformer Engine spec on the reference path and the NPU path agree by the
-    approximate rule, and its TP2 run agrees with its TP1 run by the layout rule (the TE rows
-    alone: their cpu row stands in as the baseline, so the local-spec baseline is not rerun)."""
-    rows = _default_rows("ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2")
+def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dict]:
+    """Run the default matrix's rows ``names`` by themselves, the first as the baseline (so the
+    local-spec dense baseline is not rerun); their verdicts, every one a pass."""
+    rows = _default_rows(*names)
     rows = dataclasses.replace(
         rows,
-        settings=dataclasses.replace(rows.settings, baseline="ref-fp32-te"),
+        settings=dataclasses.replace(rows.settings, baseline=names[0]),
         runs=tuple(dataclasses.replace(r, reference=None, judged=False)
-                   if r.name == "ref-fp32-te" else r for r in rows.runs),
+                   if r.name == names[0] else r for r in rows.runs),
     )  # fmt: skip
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
     document, status = command.run_compare(rows, tmp_path / "out", echo=io.StringIO())
     verdicts = _verdicts(document)
     assert status == 0, [v for v in verdicts.values() if v["status"] != "pass"]
+    return verdicts
+
+
+def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
+    """The Transformer Engine spec on the reference path and the NPU path agree by the
+    approximate rule, and its TP2 run agrees with its TP1 run by the layout rule."""
+    verdicts = _rows_alone(tmp_path, monkeypatch, "ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2")
     assert verdicts[("npu-fp32-te", "approximate")]["status"] == "pass"
     assert verdicts[("npu-fp32-te-tp2", "layout")]["status"] == "pass"
+
+
+def test_moe_rows_pass_their_rules(tmp_path, monkeypatch):
+    """The mixture-of-experts rows: the reference path and the NPU path agree by the approximate
+    rule, and the EP2 run agrees with the EP1 run by the layout rule."""
+    verdicts = _rows_alone(
+        tmp_path, monkeypatch, "ref-fp32-moe", "npu-fp32-moe", "npu-fp32-moe-ep2"
+    )
+    assert verdicts[("npu-fp32-moe", "approximate")]["status"] == "pass"
+    assert verdicts[("npu-fp32-moe-ep2", "layout")]["status"] == "pass"
 
 
 def test_planted_slowdown_fails_the_default_matrix(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from megatron_npu.training import peak
+from megatron_npu.training import flops, peak
 from megatron_npu.training.flops import gpt_model_flops_per_iteration
 
 
@@ -124,3 +124,26 @@ def test_an_understated_peak_gives_no_mfu():
     assert summary["achieved_tflops_per_s"] == pytest.approx(1e-3)
     assert summary["mfu"] is None and summary["peak_understated"] is True
     assert peak.plausible(1.5) is None and peak.plausible(0.5) == 0.5
+
+
+def test_moe_flops_count_only_the_active_experts():
+    """A token passes through top-k experts (and the shared one): an MoE model with 8 experts
+    of width 128, top-2 and a 64-wide shared expert costs what a dense model of FFN width
+    2 * 128 + 64 costs; the number of experts does not enter (idle experts do no work)."""
+    dense = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                 seq_length=32, padded_vocab_size=256, global_batch_size=8, swiglu=True,
+                 causal=True)  # fmt: skip
+    active = flops.active_ffn_hidden_size(
+        999, num_experts=8, moe_ffn_hidden_size=128, moe_router_topk=2,
+        moe_shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    assert active == 320
+    assert flops.active_ffn_hidden_size(999, num_experts=64, moe_ffn_hidden_size=128,
+                                        moe_router_topk=2, moe_shared_expert_intermediate_size=64) \
+        == active  # fmt: skip
+    assert flops.active_ffn_hidden_size(256) == 256  # a dense model
+    moe = flops.gpt_model_flops_per_iteration(ffn_hidden_size=active, **dense)
+    # the MLP GEMMs of one token: 3 of h x f per active expert width (SwiGLU), 2 FLOPs each,
+    # forward + 2 backward -> 18 h f per token per layer
+    mlp_delta = 18 * 64 * (active - 256) * 32 * 8 * 2
+    assert moe - flops.gpt_model_flops_per_iteration(ffn_hidden_size=256, **dense) == mlp_delta
