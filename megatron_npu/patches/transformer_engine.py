@@ -54,6 +54,21 @@ class TESpecProvider:
         return provider(*args, **kwargs)
 
 
+#: the Transformer Engine release whose behaviour the stand-ins reproduce, for megatron-core's
+#: "is TE at least X?" questions in the spec provider (its fp8-free ``_extra_state`` format)
+STAND_IN_TE_VERSION = "2.4.0"
+
+
+def stand_in_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """megatron-core's ``is_te_min_version`` as the spec provider asks it without TE: whether the
+    stand-ins reproduce TE ``version`` (no TE installed answers None > version, a TypeError up
+    to megatron-core 0.16, "no" from 0.17)."""
+    from packaging.version import Version
+
+    have, want = Version(STAND_IN_TE_VERSION), Version(version)
+    return have >= want if check_equality else have > want
+
+
 def _qk_norm_is_te_norm(original: Any) -> Any:
     """``TENorm`` for the query/key norms too: megatron-core picks apex's FusedLayerNorm for
     them when it believes TE is older than 1.9, and it asks by calling ``is_te_min_version``,
@@ -231,4 +246,17 @@ PATCHES = [
              "the experts' grouped FC2 (--moe-grouped-gemm)"),
         )
     ],
+    Patch(
+        id="transformer-engine.spec-provider-te-version",
+        target=f"{_PROVIDER}.is_te_min_version",
+        replacement=stand_in_te_min_version,
+        rebind_copies=False,
+        reason="the TE spec's MoE experts (without --moe-grouped-gemm) are TE's column/row "
+        "linears, as with TE >= 1.7: megatron-core asks the TE version, which fails without TE "
+        "up to 0.16 and picks the local linears (other checkpoint keys) from 0.17",
+        parity_exempt="answers a version question, no numerics: the linears it selects have "
+        "parity cases",
+        exempt_test=_TESTS + "test_te_spec_moe_experts_are_te_linears",
+        benchmark_exempt="runs once while the spec is built",
+    ),
 ]

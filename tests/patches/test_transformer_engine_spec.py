@@ -159,6 +159,30 @@ def test_te_block_spec_builds_with_te_norm(gloo_world_of_one, cpu_adaptor):
     assert qkv is te_layers.stand_in("TELayerNormColumnParallelLinear")
 
 
+def test_te_spec_moe_experts_are_te_linears(cpu_adaptor):
+    """The TE spec's MoE experts without a grouped GEMM are one TE column/row linear pair per
+    expert (TE's checkpoint keys, ``_extra_state`` included), as megatron-core builds them with
+    TE >= 1.7; with ``--moe-grouped-gemm`` TE's grouped linears."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    def experts(grouped: bool):
+        mlp = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=4, moe_grouped_gemm=grouped
+        ).submodules.mlp
+        spec = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+        found = spec.experts
+        return found.keywords["submodules"] if hasattr(found, "keywords") else found.submodules
+
+    sequential = experts(False)
+    assert sequential.linear_fc1 is te_layers.stand_in("TEColumnParallelLinear")
+    assert sequential.linear_fc2 is te_layers.stand_in("TERowParallelLinear")
+    grouped = experts(True)
+    assert grouped.linear_fc1 is te_layers.TEColumnParallelGroupedLinear
+    assert grouped.linear_fc2 is te_layers.TERowParallelGroupedLinear
+
+
 def test_placeholders_come_back_and_no_transformer_engine_module_appears():
     import megatron.core.extensions.transformer_engine as te
     import megatron.core.extensions.transformer_engine_spec_provider as provider
