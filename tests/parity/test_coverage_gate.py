@@ -36,9 +36,13 @@ def test_no_patch_is_both_covered_and_exempt():
 
 
 def test_matrix_covers_every_case_on_both_ci_devices():
+    """Every parity case of a patch for the installed megatron-core has cells on both CI
+    devices (a patch for another release has none here: its target may not exist; tox runs it
+    on its own release)."""
     covered = {(c.patch.id, c.device) for c in cells()}
+    installed = megatron_core_version()
     for patch in all_patches():
-        if patch.parity:
+        if patch.parity and patch.applies_to_version(installed):
             for device in ("cpu", "npu-emulated"):
                 assert (patch.id, device) in covered, (patch.id, device)
 
