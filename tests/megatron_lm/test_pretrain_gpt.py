@@ -233,9 +233,14 @@ MOE = (
     [
         # the local spec, alltoall dispatch over gloo, EP2
         ("ep2-alltoall", "cpu", ("--moe-token-dispatcher-type", "alltoall")),
-        # allgather dispatch with token dropping at capacity factor 1
+        # allgather dispatch with token dropping at capacity factor 1, and DeepSeek-V3-style
+        # routing: sigmoid scores, expert bias, group-limited top-k, scaling, fp32 router, z-loss
         ("allgather-capacity", "npu-emulated", (
-            "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0")),
+            "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0",
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+            "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
+            "--moe-z-loss-coeff", "1e-3")),
         # megatron-core's legacy GroupedMLP (grouped_gemm.ops.gmm; up to 0.16), bf16 as it asks
         ("local-grouped-gemm", "npu-emulated", (
             "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--bf16")),
