@@ -192,3 +192,29 @@ def test_locate_across_pipeline_stages_and_in_fp16(layout, tmp_path, corpus_dir)
     if layout == "fp16":
         ref = json.loads((tmp_path / "curves" / "reference.json").read_text())
         assert data["step"]["step"] > ref["iterations"][0]  # after the skipped updates
+
+
+def test_locate_names_the_moe_experts(tmp_path, corpus_dir):
+    """A mixture-of-experts model (4 experts, top-2, the grouped GEMM of megatron-core's
+    GroupedMLP, bf16 as it asks) with a planted grouped-GEMM bug (the last expert's rows left
+    at 0): replaying step 1, locate names the experts (kind ``moe``) in the forward and the
+    grouped-GEMM patch, which Megatron cannot run without (a suspect, as for the fused softmax).
+    Up to megatron-core 0.16, where GroupedMLP exists."""
+    from packaging.version import Version
+
+    from megatron_npu.patcher import megatron_core_version
+
+    if Version(megatron_core_version()) >= Version("0.17"):
+        pytest.skip("megatron-core 0.17+ has no GroupedMLP (the TE spec's grouped linears serve)")
+    moe = ("--bf16 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear "
+           "--moe-token-dispatcher-type alltoall")  # fmt: skip
+    args = _args(tmp_path, "--device cpu", "--device cpu",
+                 f"{TINY} --default-corpus-dir {corpus_dir} {moe}",
+                 "grouped-gemm-last-expert-dropped")  # fmt: skip
+    args.step, args.max_trials = 1, 4
+    data = command.locate(args, echo=lambda s: None)
+    found = data["divergent"]
+    assert (found["kind"], found["module"], found["phase"]) == (
+        "moe", "decoder.layers.0.mlp.experts", "forward"
+    ), found
+    assert data["culprit"]["culprits"] + data["culprit"]["suspects"] == ["moe.grouped-gemm-ops"]
