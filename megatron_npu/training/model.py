@@ -45,6 +45,7 @@ same values from one CPU stream, so the choice changes memory, not the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -152,10 +153,31 @@ def _seeded_expert_linear(cls: type, first: bool) -> type:
     def __init__(self, *args, **kwargs):
         config = kwargs.get("config")
         seed = _expert_seed(config, "expert") if first and config is not None else None
-        with weight_init.expert(seed):
+        gated = first and config is not None and config.gated_linear_unit
+        with weight_init.expert(seed), weight_init.gated_fc1() if gated else _nothing():
             cls.__init__(self, *args, **kwargs)
 
     return type(f"SeededExpert{cls.__name__}", (cls,), {"__init__": __init__})
+
+
+def _nothing():
+    return contextlib.nullcontext()
+
+
+def _gated_fc1_linear(cls: type) -> type:
+    """``cls`` (an MLP's FC1 with ``--swiglu``) cutting its master weight as a gated FC1."""
+
+    def __init__(self, *args, **kwargs):
+        with weight_init.gated_fc1():
+            cls.__init__(self, *args, **kwargs)
+
+    return type(f"Gated{cls.__name__}", (cls,), {"__init__": __init__})
+
+
+def _gated_mlp(spec: Any) -> Any:
+    """A dense or shared-expert MLP spec whose FC1 is cut as a gated FC1."""
+    return _with_submodules(spec, lambda sub: dataclasses.replace(
+        sub, linear_fc1=_gated_fc1_linear(sub.linear_fc1)))  # fmt: skip
 
 
 def _reseed_shared_expert(config: Any) -> None:
@@ -195,8 +217,9 @@ def _with_submodules(spec: Any, change: Any) -> Any:
     return dataclasses.replace(spec, submodules=change(spec.submodules))
 
 
-def _seed_experts(mlp: Any) -> Any:
-    """The MoE layer spec with seeded expert linears and a seeded shared expert."""
+def _seed_experts(mlp: Any, config_gated: bool) -> Any:
+    """The MoE layer spec with seeded expert linears and a seeded shared expert (its FC1 cut as
+    a gated one with ``config_gated``)."""
 
     def moe(submodules):
         experts = submodules.experts
@@ -209,6 +232,8 @@ def _seed_experts(mlp: Any) -> Any:
                 linear_fc2=_seeded_expert_linear(mlp_sub.linear_fc2, first=False),
             ))  # fmt: skip
         shared = submodules.shared_experts
+        if shared is not None and config_gated:
+            shared = _gated_mlp(shared)
         if isinstance(shared, functools.partial):
             shared = functools.partial(_seeded_builder(shared.func), *shared.args, **shared.keywords)
         elif shared is not None:
@@ -319,8 +344,11 @@ def layer_spec(args: Namespace) -> ModuleSpec:
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, **moe)
     if args.num_experts is not None:
-        submodules = dataclasses.replace(spec.submodules, mlp=_seed_experts(spec.submodules.mlp))
-        spec = dataclasses.replace(spec, submodules=submodules)
+        mlp = _seed_experts(spec.submodules.mlp, config_gated=args.swiglu)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+    elif args.swiglu:
+        mlp = _gated_mlp(spec.submodules.mlp)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     return dataclasses.replace(spec, module=SeededTransformerLayer)
 
 

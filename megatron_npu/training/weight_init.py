@@ -40,6 +40,11 @@ def reseed(seed: int) -> None:
 #: while an MoE expert is built: its tensor-parallel weights are split over the expert
 #: tensor-parallel group (``--expert-tensor-parallel-size``), not the dense TP group
 _in_expert = False
+#: while a gated (SwiGLU) FC1 is built: each TP rank holds its slice of the gate rows followed by
+#: its slice of the up rows, i.e. the master cut with stride 2 (Megatron's forward halves the
+#: local output, its checkpoint maps the halves back); megatron-core up to 0.15 does not mark
+#: the weight's ``partition_stride`` so, from 0.16 it does
+_gated_fc1 = False
 
 
 @contextlib.contextmanager
@@ -54,6 +59,17 @@ def expert(seed: int | None) -> Iterator[None]:
         yield
     finally:
         _in_expert = before
+
+
+@contextlib.contextmanager
+def gated_fc1() -> Iterator[None]:
+    """Draws inside the block are a gated FC1's (see :data:`_gated_fc1`)."""
+    global _gated_fc1
+    before, _gated_fc1 = _gated_fc1, True
+    try:
+        yield
+    finally:
+        _gated_fc1 = before
 
 
 def _tensor_parallel() -> tuple[int, int]:
@@ -89,6 +105,8 @@ class LayoutIndependentInit:
                 weight.copy_(self._draw(weight.shape))
             return weight
         dim, stride = weight.partition_dim, weight.partition_stride
+        if _gated_fc1 and dim == 0 and stride == 1:
+            stride = 2
         world, rank = _tensor_parallel()
         shape = list(weight.shape)
         shape[dim] *= world

@@ -114,3 +114,26 @@ def test_wrap_init_methods_wraps_each_method_once():
         method = getattr(config, name)
         assert isinstance(method, LayoutIndependentInit)
         assert not isinstance(method.inner, LayoutIndependentInit)
+
+
+def test_a_gated_fc1_unmarked_by_megatron_is_cut_with_stride_2(tp_rank):
+    """megatron-core up to 0.15 leaves a SwiGLU FC1's ``partition_stride`` at 1 although each
+    TP rank holds [its gate rows; its up rows]: drawn as a gated FC1, the unmarked shard equals
+    the stride-2 slice of the master (what 0.16+ marks), and the TP2 shards put the gate and the
+    up halves back in the master's order."""
+    shards = {}
+    for rank in range(WORLD):
+        tp_rank(rank, WORLD)
+        marked = _device(0, 2, rank, seed=5)
+        with weight_init.gated_fc1():
+            unmarked = _device(0, 1, rank, seed=5)
+        assert torch.equal(unmarked, marked), rank
+        shards[rank] = unmarked
+    half = OUT // WORLD // 2  # each rank: half of its rows gate, half up
+    gate = torch.cat([shards[r][:half] for r in range(WORLD)])
+    up = torch.cat([shards[r][half:] for r in range(WORLD)])
+    tp_rank(0, 1)
+    weight_init.reseed(5)
+    full = torch.empty(OUT, IN)
+    LayoutIndependentInit(NORMAL)(full)
+    assert torch.equal(torch.cat([gate, up]), full)
