@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any
 
 from megatron_npu.modules import te_layers
@@ -28,8 +27,6 @@ _EXT = "megatron.core.extensions.transformer_engine"
 _SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 _PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 _TESTS = "tests/patches/test_transformer_engine_spec.py::"
-#: builds the TE spec with query/key norms and checks it against the local spec
-QK_NORM_TEST = _TESTS + "test_te_spec_computes_what_the_local_spec_computes[LayerNorm-False]"
 #: builds a TE-spec GPT and checks its parameter names and checkpoint keys
 KEYS_TEST = _TESTS + "test_te_spec_model_has_te_parameter_names[LayerNorm]"
 
@@ -67,24 +64,6 @@ def stand_in_te_min_version(version: str, check_equality: bool = True) -> bool:
 
     have, want = Version(STAND_IN_TE_VERSION), Version(version)
     return have >= want if check_equality else have > want
-
-
-def _qk_norm_is_te_norm(original: Any) -> Any:
-    """``TENorm`` for the query/key norms too: megatron-core picks apex's FusedLayerNorm for
-    them when it believes TE is older than 1.9, and it asks by calling ``is_te_min_version``,
-    which fails without TE before megatron-core 0.17. Every other call (e.g. 0.17's
-    ``has_residual`` variant) is megatron-core's own."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def layer_norm(*args: Any, **kwargs: Any) -> Any:
-        if signature.bind(*args, **kwargs).arguments.get("for_qk"):
-            import megatron.core.extensions.transformer_engine as te
-
-            return te.TENorm
-        return original(*args, **kwargs)
-
-    return layer_norm
 
 
 def _te_final_norm(original: Any) -> Any:
@@ -180,16 +159,6 @@ PATCHES = [
         npu_kernels=("npu_fusion_attention",),
     ),
     Patch(
-        id="transformer-engine.spec-provider-layer-norm",
-        target=f"{_PROVIDER}.TESpecProvider.layer_norm",
-        replacement=_qk_norm_is_te_norm,
-        kind="wrap",
-        reason="the q/k norms of the TE spec are TENorm, not apex's FusedLayerNorm",
-        parity_exempt="chooses a class, no numerics: the norm it returns has its parity case",
-        exempt_test=QK_NORM_TEST,
-        benchmark_exempt="runs once while the spec is built",
-    ),
-    Patch(
         id="transformer-engine.block-final-norm",
         target="megatron.core.transformer.transformer_block._get_block_submodules",
         replacement=_te_final_norm,
@@ -251,9 +220,10 @@ PATCHES = [
         target=f"{_PROVIDER}.is_te_min_version",
         replacement=stand_in_te_min_version,
         rebind_copies=False,
-        reason="the TE spec's MoE experts (without --moe-grouped-gemm) are TE's column/row "
-        "linears, as with TE >= 1.7: megatron-core asks the TE version, which fails without TE "
-        "up to 0.16 and picks the local linears (other checkpoint keys) from 0.17",
+        reason="the TE spec's q/k norms are TENorm (not apex's FusedLayerNorm, picked for TE "
+        "< 1.9) and its MoE experts without --moe-grouped-gemm TE's column/row linears (not the "
+        "local ones, picked for TE < 1.7): megatron-core asks the TE version, which fails "
+        "without TE up to 0.16 and answers 'older' from 0.17",
         parity_exempt="answers a version question, no numerics: the linears it selects have "
         "parity cases",
         exempt_test=_TESTS + "test_te_spec_moe_experts_are_te_linears",
