@@ -82,7 +82,10 @@ def _experts(args: dict[str, Any]) -> str:
         f"{experts} experts, top-{args.get('moe_router_topk', 2)}, ffn {ffn}, shared "
         f"{args.get('moe_shared_expert_intermediate_size') or 0}, capacity "
         f"{args.get('moe_expert_capacity_factor') or 'none'}, aux coeff "
-        f"{args.get('moe_aux_loss_coeff') or 0}"
+        f"{args.get('moe_aux_loss_coeff') or 0}, router "
+        f"{args.get('moe_router_score_function') or 'softmax'}"
+        f"{' with expert bias' if args.get('moe_router_enable_expert_bias') else ''}"
+        f"{' grouped ' + str(args.get('moe_router_num_groups')) if args.get('moe_router_num_groups') else ''}"
     )
 
 

@@ -206,6 +206,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="aux_loss",
     )  # fmt: skip
     g.add_argument("--moe-aux-loss-coeff", type=_finite, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=_finite, default=None)
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
+                   default="softmax")  # fmt: skip
+    g.add_argument("--moe-router-topk-scaling-factor", type=_finite, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument(
+        "--moe-router-num-groups", type=_positive, default=None,
+        help="group-limited routing: experts in this many groups ...",
+    )  # fmt: skip
+    g.add_argument("--moe-router-group-topk", type=_positive, default=None,
+                   help="... of which each token may use this many")  # fmt: skip
+    g.add_argument(
+        "--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+        help="the router's logits and probabilities in this dtype (default: the model's)",
+    )  # fmt: skip
     g.add_argument("--moe-expert-capacity-factor", type=_finite, default=None)
     g.add_argument("--moe-shared-expert-intermediate-size", type=_positive, default=None)
     g.add_argument(

@@ -332,6 +332,13 @@ def moe_config(args: Namespace) -> dict[str, Any]:
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_dtype=args.moe_router_dtype,
     )
 
 

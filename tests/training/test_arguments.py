@@ -150,3 +150,43 @@ def test_launcher_checks_world_size_rules_before_starting_ranks(capsys):
     rc = train.main([*BASE, "--global-batch-size", "6", "--nproc-per-node", "2", "--device", "cpu"])
     assert rc == 2
     assert "not divisible by micro batch size x data-parallel size = 4" in capsys.readouterr().err
+
+
+def test_moe_options_reach_megatrons_config():
+    """Megatron-LM's MoE option names land in the TransformerConfig fields Megatron-LM's
+    ``core_transformer_config_from_args`` fills; the expert FFN defaults to --ffn-hidden-size."""
+    from megatron_npu.training import model
+
+    args = parse(
+        "--num-experts", "8", "--moe-router-topk", "2", "--swiglu", "--moe-aux-loss-coeff",
+        "0.01", "--moe-token-dispatcher-type", "alltoall", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
+        "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff",
+        "1e-3", "--moe-shared-expert-intermediate-size", "64", "--expert-model-parallel-size", "2",
+    )  # fmt: skip
+    arguments.finalize(args, world_size=2)
+    config = model.transformer_config(args)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
+        8, 2, args.ffn_hidden_size)  # fmt: skip
+    assert config.moe_token_dispatcher_type == "alltoall"
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (4, 2)
+    assert config.moe_router_dtype == "fp32" and config.moe_z_loss_coeff == 1e-3
+    assert config.moe_shared_expert_intermediate_size == 64
+    assert config.expert_model_parallel_size == 2
+    assert model.transformer_config(parse()).num_moe_experts is None  # a dense model
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--num-experts", "4", "--moe-router-topk", "5"), "--moe-router-topk 5"),
+        (("--num-experts", "6", "--expert-model-parallel-size", "4"), "does not divide"),
+    ],
+)  # fmt: skip
+def test_broken_moe_options_are_one_named_error(extra, message, capsys):
+    args = parse(*extra)
+    with pytest.raises(arguments.ArgumentError, match=message.replace("-", r"\-")):
+        arguments.finalize(args, world_size=4)
+    # Megatron's flex dispatcher (DeepEP, CUDA-only) is not among the choices: argparse names it
+    assert "invalid choice: 'flex'" in error_of(capsys, "--moe-token-dispatcher-type", "flex")
