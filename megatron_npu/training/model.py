@@ -146,32 +146,34 @@ def _expert_seed(config: TransformerConfig, part: str) -> int | None:
     return derived_seed(seed, "layer", _building["layer"], "expert", index)
 
 
-def _seeded_expert_linear(cls: type, first: bool) -> type:
-    """``cls`` (an expert's FC1 or FC2) drawing its weights as an expert; FC1 starts the expert's
-    stream at its global index, FC2 continues it."""
+def _building_in(cls: type, prefix: str, context: Any) -> type:
+    """``cls`` whose construction runs inside ``context(config)`` (the ``config`` it is built
+    with, or None): one way for every seeded or gated module below."""
 
     def __init__(self, *args, **kwargs):
-        config = kwargs.get("config")
-        seed = _expert_seed(config, "expert") if first and config is not None else None
-        gated = first and config is not None and config.gated_linear_unit
-        with weight_init.expert(seed), weight_init.gated_fc1() if gated else _nothing():
+        with context(kwargs.get("config", args[0] if args else None)):
             cls.__init__(self, *args, **kwargs)
 
-    return type(f"SeededExpert{cls.__name__}", (cls,), {"__init__": __init__})
+    return type(f"{prefix}{cls.__name__}", (cls,), {"__init__": __init__})
 
 
-def _nothing():
-    return contextlib.nullcontext()
+def _seeded_expert_linear(cls: type, first: bool) -> type:
+    """``cls`` (an expert's FC1 or FC2) drawing its weights as an expert; FC1 starts the expert's
+    stream at its global index (and is cut as a gated FC1 with ``--swiglu``), FC2 continues."""
+
+    @contextlib.contextmanager
+    def as_expert(config: Any):
+        seed = _expert_seed(config, "expert") if first and config is not None else None
+        gated = first and config is not None and config.gated_linear_unit
+        with weight_init.expert(seed), weight_init.gated_fc1() if gated else contextlib.nullcontext():
+            yield
+
+    return _building_in(cls, "SeededExpert", as_expert)
 
 
 def _gated_fc1_linear(cls: type) -> type:
     """``cls`` (an MLP's FC1 with ``--swiglu``) cutting its master weight as a gated FC1."""
-
-    def __init__(self, *args, **kwargs):
-        with weight_init.gated_fc1():
-            cls.__init__(self, *args, **kwargs)
-
-    return type(f"Gated{cls.__name__}", (cls,), {"__init__": __init__})
+    return _building_in(cls, "Gated", lambda config: weight_init.gated_fc1())
 
 
 def _gated_mlp(spec: Any) -> Any:
@@ -180,20 +182,13 @@ def _gated_mlp(spec: Any) -> Any:
         sub, linear_fc1=_gated_fc1_linear(sub.linear_fc1)))  # fmt: skip
 
 
-def _reseed_shared_expert(config: Any) -> None:
+@contextlib.contextmanager
+def _as_shared_expert(config: Any):
+    """The shared expert draws from its own stream."""
     seed = _expert_seed(config, "shared-expert") if config is not None else None
     if seed is not None:
         weight_init.reseed(seed)
-
-
-def _seeded_class(cls: type) -> type:
-    """The shared expert's class (megatron-core up to 0.18) drawing from its own stream."""
-
-    def __init__(self, *args, **kwargs):
-        _reseed_shared_expert(kwargs.get("config", args[0] if args else None))
-        cls.__init__(self, *args, **kwargs)
-
-    return type(f"Seeded{cls.__name__}", (cls,), {"__init__": __init__})
+    yield
 
 
 def _seeded_builder(build: Any) -> Any:
@@ -201,8 +196,8 @@ def _seeded_builder(build: Any) -> Any:
 
     @functools.wraps(build)
     def seeded(*args, **kwargs):
-        _reseed_shared_expert(kwargs.get("config", args[0] if args else None))
-        return build(*args, **kwargs)
+        with _as_shared_expert(kwargs.get("config", args[0] if args else None)):
+            return build(*args, **kwargs)
 
     return seeded
 
@@ -237,7 +232,9 @@ def _seed_experts(mlp: Any, config_gated: bool) -> Any:
         if isinstance(shared, functools.partial):
             shared = functools.partial(_seeded_builder(shared.func), *shared.args, **shared.keywords)
         elif shared is not None:
-            shared = dataclasses.replace(shared, module=_seeded_class(shared.module))
+            shared = dataclasses.replace(
+                shared, module=_building_in(shared.module, "Seeded", _as_shared_expert)
+            )
         return dataclasses.replace(submodules, experts=experts, shared_experts=shared)
 
     return _with_submodules(mlp, moe)
