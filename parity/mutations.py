@@ -772,6 +772,25 @@ def _grouped_bias_reversed(original):
     return repeat_interleave
 
 
+def _permute_slots_shifted(original):
+    def npu_moe_token_permute_with_routing_map(tokens, routing_map, **kwargs):
+        permuted, probs, index_map = original(tokens, routing_map, **kwargs)
+        if not kwargs.get("drop_and_pad"):
+            index_map = index_map.roll(1)
+        return permuted, probs, index_map
+
+    return npu_moe_token_permute_with_routing_map
+
+
+def _unpermute_probs_dropped(original):
+    def unpermute_with_kernel(kernels, permuted, index_map, restore_shape, probs, routing_map,
+                              drop_and_pad):  # fmt: skip
+        return original(kernels, permuted, index_map, restore_shape, None, routing_map,
+                        drop_and_pad)  # fmt: skip
+
+    return unpermute_with_kernel
+
+
 _ALL = (
     *_ALL,
     # ---- mixture of experts
@@ -797,6 +816,20 @@ _ALL = (
         "of expert n-1-g",
         "torch.repeat_interleave", _grouped_bias_reversed,
         "transformer-engine.column-parallel-grouped-linear", (_moe_cases._linear_edge(),),
+    ),
+    Mutation(
+        "permute-kernel-slots-shifted", "the permute kernel's slot map is one slot off, so each "
+        "token is summed back from its neighbour's expert outputs",
+        "megatron_npu.testing.torch_npu_emulation.npu_moe_token_permute_with_routing_map",
+        _permute_slots_shifted, "moe.fused-permute", (_moe_cases._permute_edge(),),
+        device=NPU_EMULATED,
+    ),
+    Mutation(
+        "unpermute-kernel-probs-dropped", "the fused unpermute leaves out the routing probs it "
+        "was handed (every expert output weighted 1)",
+        "megatron_npu.patches.moe.unpermute_with_kernel", _unpermute_probs_dropped,
+        "moe.fused-unpermute", (_moe_cases._permute_edge(probs_at="unpermute", seed=7),),
+        device=NPU_EMULATED,
     ),
 )
 

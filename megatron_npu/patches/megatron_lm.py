@@ -80,9 +80,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
      "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather"),
     ("moe_enable_deepep", True, "--moe-enable-deepep",
      "DeepEP dispatch is CUDA-only: use alltoall or allgather"),
-    ("moe_permute_fusion", True, "--moe-permute-fusion",
-     "the fused token permutation is not served by the adaptor yet: without the option the "
-     "dispatcher permutes the same tokens unfused"),
     ("moe_router_fusion", True, "--moe-router-fusion",
      "TE's fused top-k routing kernels are CUDA-only: without the option the router computes "
      "the same scores unfused"),

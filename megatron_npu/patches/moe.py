@@ -16,10 +16,21 @@ The alltoall dispatcher reads its split sizes on the host: ``maybe_move_tensor_t
 tensor there only when ``tensor.is_cuda``, which is False for an NPU tensor and for a CPU one, so
 the sizes would stay tensors and ``all_to_all_single`` rejects them. The replacement moves any
 device tensor and converts to numpy whenever asked.
+
+With ``--moe-permute-fusion`` the dispatchers call ``permute`` / ``unpermute`` /
+``sort_chunks_by_idxs`` with ``fused=True``, which Megatron serves only through TE. The wrapped
+functions serve it on the NPU with torch_npu's routing-map kernels
+(:mod:`megatron_npu.ops.moe_permute`: one call per permutation, never one per expert) and
+elsewhere with Megatron's own unfused code, which computes the same rows. The chunk sort has no
+torch_npu kernel and runs Megatron's unfused code everywhere. TransformerConfig accepts the
+option only when ``moe_utils`` holds TE's five fused names, so the adaptor binds those too, each
+to the served function in TE's calling convention.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -28,6 +39,13 @@ import torch
 from megatron_npu.devices.torch_namespace import TORCH_NAMESPACE
 from megatron_npu.ops.gemm import general_gemm
 from megatron_npu.ops.grouped_matmul import grouped_mm
+from megatron_npu.ops.kernels import npu_kernels
+from megatron_npu.ops.moe_permute import (
+    KERNEL_INDEX_DTYPE,
+    kernel_num_out_tokens,
+    permute_with_kernel,
+    unpermute_with_kernel,
+)
 from megatron_npu.registry import Patch
 
 _UTILS = "megatron.core.transformer.moe.moe_utils"
@@ -60,6 +78,108 @@ def maybe_move_tensor_to_cpu(
     if record_stream and on_device:
         tensor.record_stream(TORCH_NAMESPACE.cuda.current_stream())
     return host
+
+
+def fused_permute_wrap(original: Callable) -> Callable:
+    """``moe_utils.permute`` whose ``fused=True`` runs the NPU permute kernel where one is in use
+    and its contract holds, and Megatron's unfused code otherwise. From megatron-core 0.17 the
+    function also takes ``tokens_per_expert`` / ``align_size`` and returns five values (the last
+    two: pad offsets, None when nothing was padded, and ``tokens_per_expert``)."""
+    five = "align_size" in inspect.signature(original).parameters
+
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                drop_and_pad=False, **more):  # fmt: skip
+        kernels = npu_kernels() if fused else None
+        out_tokens = (
+            None if kernels is None
+            else kernel_num_out_tokens(routing_map, num_out_tokens, drop_and_pad)
+        )  # fmt: skip
+        if out_tokens is None:
+            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                            fused=False, drop_and_pad=drop_and_pad, **more)  # fmt: skip
+        done = permute_with_kernel(kernels, tokens, routing_map, probs, out_tokens, drop_and_pad)
+        return (*done, None, more.get("tokens_per_expert")) if five else done
+
+    permute.__wrapped__ = original
+    return permute
+
+
+def fused_unpermute_wrap(original: Callable) -> Callable:
+    """``moe_utils.unpermute`` that sums back through the NPU unpermute kernel the rows the
+    permute kernel made (an int32 index map), and through Megatron's unfused code otherwise."""
+
+    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
+                  fused=False, drop_and_pad=False, **more):  # fmt: skip
+        kernels = npu_kernels() if fused else None
+        if kernels is not None and sorted_indices.dtype == KERNEL_INDEX_DTYPE:
+            return unpermute_with_kernel(kernels, permuted_tokens, sorted_indices,
+                                         restore_shape, probs, routing_map, drop_and_pad)  # fmt: skip
+        return original(permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                        routing_map=routing_map, fused=False, drop_and_pad=drop_and_pad, **more)  # fmt: skip
+
+    unpermute.__wrapped__ = original
+    return unpermute
+
+
+def unfused_sort_chunks_wrap(original: Callable) -> Callable:
+    """``moe_utils.sort_chunks_by_idxs`` with ``fused=True`` served by Megatron's unfused chunk
+    sort (torch_npu has no chunk-sort kernel; the split sizes may stay on the device)."""
+
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):  # noqa: A002
+        return original(input, split_sizes, sorted_idxs, probs=probs, fused=False)
+
+    sort_chunks_by_idxs.__wrapped__ = original
+    return sort_chunks_by_idxs
+
+
+def _utils() -> ModuleType:
+    import importlib
+
+    return importlib.import_module(_UTILS)
+
+
+def te_fused_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1):
+    """TE's ``moe_permute`` (mask map): (permuted tokens, index map)."""
+    out = _utils().permute(inp, routing_map, num_out_tokens=_count(num_out_tokens), fused=True)
+    return out[0], out[2]
+
+
+def te_fused_permute_with_probs(inp, probs, routing_map, num_out_tokens=-1):
+    """TE's ``moe_permute_with_probs``: (permuted tokens, permuted probs, index map)."""
+    out = _utils().permute(inp, routing_map, probs=probs, num_out_tokens=_count(num_out_tokens),
+                           fused=True)  # fmt: skip
+    return out[0], out[1], out[2]
+
+
+def te_fused_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, **_):
+    """TE's ``moe_unpermute`` without merging probs (the dispatchers apply the probs before);
+    merging probs need the routing map, which TE's signature does not carry."""
+    if merging_probs is not None:
+        raise ValueError("megatron-npu: fused_unpermute with merging_probs needs the routing "
+                         "map: call moe_utils.unpermute(..., probs=, routing_map=, fused=True)")  # fmt: skip
+    return _utils().unpermute(inp, row_id_map, restore_shape, fused=True)
+
+
+def te_fused_sort_chunks_by_index(inp, split_sizes, sorted_index):
+    return _utils().sort_chunks_by_idxs(inp, split_sizes, sorted_index, fused=True)[0]
+
+
+def te_fused_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
+    return _utils().sort_chunks_by_idxs(inp, split_sizes, sorted_index, probs=probs, fused=True)
+
+
+def _count(num_out_tokens: Any) -> Any:
+    return None if num_out_tokens is None or int(num_out_tokens) < 0 else num_out_tokens
+
+
+#: TE's fused permutation names, as ``moe_utils`` imports them when TE is present
+TE_FUSED_PERMUTATION = {
+    "fused_permute": te_fused_permute,
+    "fused_permute_with_probs": te_fused_permute_with_probs,
+    "fused_unpermute": te_fused_unpermute,
+    "fused_sort_chunks_by_index": te_fused_sort_chunks_by_index,
+    "fused_sort_chunks_by_index_with_probs": te_fused_sort_chunks_by_index_with_probs,
+}
 
 
 PATCHES = [
@@ -109,5 +229,60 @@ PATCHES = [
         parity="megatron_npu.parity.cases.moe:GROUPED_GEMM",
         benchmark="perf.cases.moe:GROUPED_GEMM",
         npu_kernels=("npu_grouped_matmul",),
+    ),
+    Patch(
+        id="moe.fused-permute",
+        target=f"{_UTILS}.permute",
+        kind="wrap",
+        replacement=fused_permute_wrap,
+        check_signature=False,
+        versions=">=0.13",
+        reason="--moe-permute-fusion: the dispatchers' fused permutation (TE-only in Megatron) -> "
+        "one npu_moe_token_permute_with_routing_map call",
+        parity="megatron_npu.parity.cases.moe:TOKEN_PERMUTATION",
+        benchmark="perf.cases.moe:TOKEN_PERMUTATION",
+        npu_kernels=("npu_moe_token_permute_with_routing_map",),
+    ),
+    Patch(
+        id="moe.fused-unpermute",
+        target=f"{_UTILS}.unpermute",
+        kind="wrap",
+        replacement=fused_unpermute_wrap,
+        check_signature=False,
+        versions=">=0.13",
+        reason="--moe-permute-fusion: the fused sum back per token -> one "
+        "npu_moe_token_unpermute_with_routing_map call",
+        parity="megatron_npu.parity.cases.moe:TOKEN_PERMUTATION",
+        benchmark="perf.cases.moe:TOKEN_PERMUTATION",
+        npu_kernels=("npu_moe_token_unpermute_with_routing_map",),
+    ),
+    Patch(
+        id="moe.fused-sort-chunks",
+        target=f"{_UTILS}.sort_chunks_by_idxs",
+        kind="wrap",
+        replacement=unfused_sort_chunks_wrap,
+        check_signature=False,
+        versions=">=0.13",
+        reason="--moe-permute-fusion: the alltoall dispatcher's fused chunk sort (TE-only) runs "
+        "Megatron's unfused sort",
+        parity_exempt="calls Megatron's own unfused chunk sort: no numerics of its own",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
+        benchmark_exempt="Megatron's own chunk sort, unchanged",
+    ),
+    *(
+        Patch(
+            id=f"moe.te-{name.replace('_', '-')}",
+            target=f"{_UTILS}.{name}",
+            replacement=function,
+            creates=True,
+            check_signature=False,
+            versions=">=0.13",
+            reason=f"TransformerConfig accepts --moe-permute-fusion only when moe_utils.{name} "
+            "is bound (TE only)",
+            parity_exempt="TE's calling convention over moe.fused-permute / moe.fused-unpermute",
+            exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
+            benchmark_exempt="forwards to the benchmarked permutation",
+        )
+        for name, function in TE_FUSED_PERMUTATION.items()
     ),
 ]

@@ -55,6 +55,8 @@ __all__ = [
     "npu_fusion_attention",
     "npu_gelu",
     "npu_grouped_matmul",
+    "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map",
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_scaled_masked_softmax",
@@ -663,6 +665,154 @@ def npu_grouped_matmul(
         outs = [(xt[:, a:b].float() @ dy[a:b].float()).to(dtype) for a, b in ranges]
         return [torch.stack(outs)] if single_out else outs
     raise ValueError(f"{op}: group_type must be -1, 0 or 2, got {group_type}")
+
+
+# ============================================================================ MoE token permutation
+
+_INDEX_DTYPES = (torch.bool, torch.int8)
+
+
+def _routing_map(op: str, routing_map: torch.Tensor, tokens_num: int | None = None) -> torch.Tensor:
+    if routing_map.dim() != 2 or routing_map.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{op}: routing_map must be a 2-D bool or int8 tensor, got "
+                        f"{routing_map.dim()}-D {_name(routing_map.dtype)}")  # fmt: skip
+    if tokens_num is not None and routing_map.shape[0] != tokens_num:
+        raise ValueError(f"{op}: routing_map has {routing_map.shape[0]} rows for "
+                         f"{tokens_num} tokens")  # fmt: skip
+    return routing_map.bool()
+
+
+def npu_moe_token_permute_with_routing_map(
+    tokens, routing_map, *, probs=None, num_out_tokens=None, drop_and_pad=False
+):
+    """Emulates ``torch_npu.npu_moe_token_permute_with_routing_map``: copies of the tokens
+    grouped by expert (expert 0's tokens first, each expert's in token order).
+
+    Without ``drop_and_pad`` every row of ``routing_map`` must select the same number topK of
+    experts, ``num_out_tokens // tokens_num``; ``sorted_indices`` [tokens_num * topK] gives, for
+    the k-th selected expert of token t (slot ``t * topK + k``), the row of the output holding
+    that copy. With ``drop_and_pad`` each expert keeps ``capacity = num_out_tokens //
+    experts_num`` rows, its selected tokens first (in token order) and then unselected tokens
+    as padding, and ``sorted_indices`` is the token of each output row. ``permuted_probs``
+    holds ``probs[token, expert]`` of each output row (None without ``probs``). Differentiable
+    in ``tokens`` and ``probs``.
+    """
+    op = "npu_moe_token_permute_with_routing_map"
+    _float_dtype(op, "tokens", tokens)
+    if tokens.dim() != 2:
+        raise ValueError(f"{op}: tokens must be [tokens_num, hidden], got {tuple(tokens.shape)}")
+    chosen = _routing_map(op, routing_map, tokens.shape[0])
+    tokens_num, experts_num = chosen.shape
+    if probs is not None:
+        _float_dtype(op, "probs", probs)
+        if probs.shape != chosen.shape:
+            raise ValueError(f"{op}: probs {tuple(probs.shape)} must match routing_map "
+                             f"{tuple(chosen.shape)}")  # fmt: skip
+        if probs.dtype != tokens.dtype and not (
+            probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16
+        ):
+            raise TypeError(f"{op}: probs {_name(probs.dtype)} with tokens "
+                            f"{_name(tokens.dtype)}: only float32 probs may differ "
+                            f"(with bfloat16 tokens)")  # fmt: skip
+    out_tokens = tokens_num if num_out_tokens is None else int(num_out_tokens)
+    if not 0 <= out_tokens <= tokens_num * experts_num:
+        raise ValueError(f"{op}: num_out_tokens {out_tokens} is outside [0, "
+                         f"{tokens_num * experts_num}]")  # fmt: skip
+    if drop_and_pad:
+        capacity = out_tokens // experts_num
+        rows = []  # per expert: its selected tokens in order, then the rest as padding
+        for e in range(experts_num):
+            column = chosen[:, e]
+            order = torch.cat([column.nonzero().flatten(), (~column).nonzero().flatten()])
+            rows.append(order[:capacity])
+        token_of_row = torch.cat(rows) if rows else chosen.new_zeros(0, dtype=torch.long)
+        expert_of_row = torch.arange(experts_num, device=tokens.device).repeat_interleave(capacity)
+        sorted_indices = token_of_row
+    else:
+        topk = out_tokens // tokens_num if tokens_num else 0
+        per_row = chosen.sum(dim=1)
+        if tokens_num and not bool((per_row == topk).all()):
+            raise ValueError(f"{op}: without drop_and_pad every routing_map row must select "
+                             f"topK = num_out_tokens // tokens_num = {topk} experts; rows select "
+                             f"{sorted(set(per_row.tolist()))}")  # fmt: skip
+        pairs = chosen.t().nonzero()  # (expert, token), expert-major: the output rows
+        expert_of_row, token_of_row = pairs[:, 0], pairs[:, 1]
+        # slot t * topK + k is the k-th row (in output order) that copies token t
+        sorted_indices = torch.sort(token_of_row, stable=True).indices
+    permuted = tokens.index_select(0, token_of_row)
+    permuted_probs = None if probs is None else probs[token_of_row, expert_of_row]
+    return permuted, permuted_probs, sorted_indices.to(torch.int32)
+
+
+def npu_moe_token_unpermute_with_routing_map(
+    permuted_tokens, sorted_indices, restore_shape, *, probs=None, routing_map=None,
+    drop_and_pad=False,
+):  # fmt: skip
+    """Emulates ``torch_npu.npu_moe_token_unpermute_with_routing_map``: the inverse of the
+    permute, summing each token's copies (weighted by ``probs[token, expert]`` when given) into
+    a ``restore_shape`` [tokens_num, hidden] tensor.
+
+    Without ``drop_and_pad``, ``sorted_indices`` is the permute's slot map: slot ``i`` belongs to
+    token ``i // topK`` (``topK = permuted rows // tokens_num``) and names its row; ``-1`` marks
+    an unused slot. With ``drop_and_pad`` it is the token of each row, rows in blocks of
+    ``capacity`` per expert. ``probs`` needs ``routing_map`` (which selects, without
+    drop_and_pad, each row's expert in the permute's order). The sum is taken in float32 and
+    rounded once. Differentiable in ``permuted_tokens`` and ``probs``.
+    """
+    op = "npu_moe_token_unpermute_with_routing_map"
+    _float_dtype(op, "permuted_tokens", permuted_tokens)
+    if permuted_tokens.dim() != 2:
+        raise ValueError(f"{op}: permuted_tokens must be 2-D, got {tuple(permuted_tokens.shape)}")
+    if sorted_indices.dtype != torch.int32 or sorted_indices.dim() != 1:
+        raise TypeError(f"{op}: sorted_indices must be a 1-D int32 tensor, got "
+                        f"{sorted_indices.dim()}-D {_name(sorted_indices.dtype)}")  # fmt: skip
+    tokens_num, hidden = (int(v) for v in restore_shape)
+    rows = permuted_tokens.shape[0]
+    if permuted_tokens.shape[1] != hidden:
+        raise ValueError(f"{op}: permuted_tokens are {permuted_tokens.shape[1]} wide, "
+                         f"restore_shape {hidden}")  # fmt: skip
+    if probs is not None and routing_map is None:
+        raise ValueError(f"{op}: probs need routing_map")
+    index = sorted_indices.long()
+    if drop_and_pad:
+        if index.numel() != rows:
+            raise ValueError(f"{op}: drop_and_pad needs one sorted index per permuted row "
+                             f"({index.numel()} for {rows})")  # fmt: skip
+        token_of_row = index
+        weight = None
+        if probs is not None:
+            experts_num = probs.shape[1]
+            capacity = rows // experts_num if experts_num else 0
+            expert_of_row = torch.arange(experts_num, device=index.device).repeat_interleave(
+                capacity)
+            weight = probs[token_of_row, expert_of_row]
+        source = permuted_tokens
+    else:
+        topk = rows // tokens_num if tokens_num else 0
+        if index.numel() != tokens_num * topk:
+            raise ValueError(f"{op}: sorted_indices has {index.numel()} slots for "
+                             f"{tokens_num} tokens x topK {topk}")  # fmt: skip
+        used = index >= 0
+        slot_token = torch.arange(index.numel(), device=index.device) // max(topk, 1)
+        token_of_row = torch.full((rows,), -1, dtype=torch.long, device=index.device)
+        token_of_row[index[used]] = slot_token[used]
+        weight = None
+        if probs is not None:
+            chosen = _routing_map(op, routing_map, tokens_num)
+            pairs = chosen.t().nonzero()  # the permute's rows: (expert, token), expert-major
+            if pairs.shape[0] != rows:
+                raise ValueError(f"{op}: routing_map selects {pairs.shape[0]} (token, expert) "
+                                 f"pairs for {rows} permuted rows")  # fmt: skip
+            weight = probs[pairs[:, 1], pairs[:, 0]]
+        keep = token_of_row >= 0
+        source, token_of_row = permuted_tokens[keep], token_of_row[keep]
+        weight = None if weight is None else weight[keep]
+    contribution = source.float()
+    if weight is not None:
+        contribution = contribution * weight.float().unsqueeze(-1)
+    out = torch.zeros(tokens_num, hidden, dtype=torch.float32, device=permuted_tokens.device)
+    out = out.index_add(0, token_of_row, contribution)
+    return out.to(permuted_tokens.dtype)
 
 
 # ============================================================================ call counting

@@ -1,6 +1,7 @@
 """Parity of the mixture-of-experts entries: the router's gating GEMM, the grouped GEMM behind
 ``--moe-grouped-gemm`` (Megatron's legacy ``GroupedMLP`` through ``grouped_gemm.ops.gmm``) and the
-Transformer Engine grouped linears of the TE spec's experts.
+Transformer Engine grouped linears of the TE spec's experts, and the token permutation of
+``--moe-permute-fusion``.
 
 Every reference is independent plain torch in the upcast dtype on the CPU: the gating logits
 ``x W^T (+ b)`` in the router dtype, and one ``x_g W_g`` per expert over the rows that expert
@@ -15,6 +16,13 @@ empty experts (first, middle and last), a single expert holding every token, one
 handed back per expert, as TE returns it for FC2), column- and row-parallel, and check their
 ``state_dict`` keys (``weight0`` ... ``bias0`` ... and one ``_extra_state``, loaded back as a
 resume does) and their distributed-checkpoint keys (one ``_extra_state{i}`` per expert) exactly.
+
+The permutation's routing maps are drawn in the four shapes the dispatchers hand over: every
+token choosing top-k experts (the kernel path), tokens dropped without padding and a rank's
+local experts only (rows select different numbers of experts: Megatron's unfused code), and
+experts padded to a drawn capacity (the kernel's drop-and-pad mode); the probs go in with the
+permute (alltoall), with the unpermute, or not at all. The reference is a loop over experts and
+tokens in fp64.
 """
 
 from __future__ import annotations
@@ -346,5 +354,154 @@ TE_GROUPED_LINEAR = ParityCase(
         _linear_edge(parallel="row", skip_bias_add=True, seed=2),  # FC2: bias handed back
         _linear_edge(loads=[0, 0, 7], bias=False, parallel="row", seed=3),
         _linear_edge(loads=[4], **{"in": 1, "out": 1}, seed=4),
+    ),
+)
+
+
+# -------------------------------------------------------------------- token permutation
+
+_ROUTINGS = ("topk", "dropped", "local", "pad")
+
+
+def _permute_params():
+    return st.fixed_dictionaries({
+        "tokens": st.integers(1, 16),
+        "experts": st.integers(1, 8),
+        "topk": st.integers(1, 8),
+        "routing": st.sampled_from(_ROUTINGS),
+        "capacity": st.integers(1, 16),
+        "probs_at": st.sampled_from(["permute", "unpermute", "none"]),
+        "hidden": st.integers(1, 16),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _routing_map(p, g):
+    """[tokens, experts] bool: top-k of random scores, then the drawn routing's changes."""
+    import torch
+
+    tokens, experts = p["tokens"], p["experts"]
+    topk = min(p["topk"], experts)
+    scores = torch.rand(tokens, experts, generator=g, dtype=torch.float64)
+    chosen = torch.zeros(tokens, experts, dtype=torch.bool)
+    chosen.scatter_(1, scores.topk(topk, dim=1).indices, True)
+    if p["routing"] == "dropped":  # about a third of the choices dropped, token 0 keeps one
+        keep = torch.rand(tokens, experts, generator=g) > 0.35
+        keep[0] = True
+        chosen &= keep
+    if p["routing"] == "local":  # the columns of one rank's experts (the first half)
+        chosen = chosen[:, : max(1, experts // 2)].contiguous()
+    return chosen
+
+
+def _permute_inputs(p):
+    import torch
+
+    g = generator(p)
+    chosen = _routing_map(p, g)
+    tokens, experts = chosen.shape
+    rows = experts * min(p["capacity"], tokens) if p["routing"] == "pad" else int(chosen.sum())
+    probs = torch.rand(tokens, experts, generator=g, dtype=torch.float64) * chosen
+    return {
+        "routing_map": chosen,
+        "x": torch.randn(tokens, p["hidden"], generator=g, dtype=torch.float64),
+        "probs": probs,
+        # what the experts do to each permuted row (rows are in the same order on every path)
+        "row_scale": torch.rand(rows, 1, generator=g, dtype=torch.float64) + 0.5,
+        "grad_out": torch.randn(tokens, p["hidden"], generator=g, dtype=torch.float64),
+    }
+
+
+def _permute_run(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    utils = _module(_UTILS)
+    chosen = inputs["routing_map"].to(ctx.device)
+    tokens, experts = chosen.shape
+    pad = p["routing"] == "pad"
+    x = ctx.tensor(inputs["x"], grad=True)
+    probs = ctx.tensor(inputs["probs"], grad=True) if p["probs_at"] != "none" else None
+    rows = inputs["row_scale"].shape[0]
+    num_out = rows if pad else int(chosen.sum())
+    permuted, permuted_probs, index_map = utils.permute(
+        x, chosen, probs=probs if p["probs_at"] == "permute" else None, num_out_tokens=num_out,
+        fused=True, drop_and_pad=pad,
+    )[:3]  # fmt: skip
+    y = permuted * ctx.tensor(inputs["row_scale"]).to(permuted.dtype)
+    if permuted_probs is not None:
+        y = y * permuted_probs.unsqueeze(-1).to(y.dtype)
+    out = utils.unpermute(
+        y, index_map, x.shape, probs=probs if p["probs_at"] == "unpermute" else None,
+        routing_map=chosen, fused=True, drop_and_pad=pad,
+    )  # fmt: skip
+    result = {"permuted": permuted.detach(), "out": out}
+    if permuted_probs is not None:
+        result["permuted_probs"] = permuted_probs.detach()
+    result.update(grads(out, ctx.tensor(inputs["grad_out"]), x=x, probs=probs))
+    if probs is not None and result["grad_probs"] is None:  # the probs never reached the output
+        result["grad_probs"] = torch.zeros_like(probs)
+    return result
+
+
+def _rows_of(chosen, capacity: int | None):
+    """(token, expert) of each permuted row: experts in order, each expert's chosen tokens in
+    order; with a capacity, each expert's first ``capacity`` of its chosen tokens followed by
+    the others."""
+    tokens, experts = chosen.shape
+    rows = []
+    for e in range(experts):
+        mine = [t for t in range(tokens) if chosen[t, e]]
+        if capacity is not None:
+            mine = (mine + [t for t in range(tokens) if not chosen[t, e]])[:capacity]
+        rows += [(t, e) for t in mine]
+    return rows
+
+
+def _permute_reference(ctx: Context, inputs):
+    import torch
+
+    p = ctx.params
+    chosen = inputs["routing_map"]
+    tokens, _ = chosen.shape
+    capacity = min(p["capacity"], tokens) if p["routing"] == "pad" else None
+    rows = _rows_of(chosen, capacity)
+    x = ctx.tensor(inputs["x"], grad=True)
+    probs = ctx.tensor(inputs["probs"], grad=True) if p["probs_at"] != "none" else None
+    scale = ctx.tensor(inputs["row_scale"])
+    permuted = torch.stack([x[t] for t, _ in rows]) if rows else x[:0]
+    out = torch.zeros_like(x)
+    result = {"permuted": permuted.detach()}
+    if p["probs_at"] == "permute":
+        result["permuted_probs"] = torch.stack([probs[t, e] for t, e in rows]).detach()
+    for i, (t, e) in enumerate(rows):
+        weight = probs[t, e] if probs is not None else 1.0
+        out = out.index_add(0, torch.tensor([t]), (x[t] * scale[i] * weight).unsqueeze(0))
+    return {**result, "out": out, **grads(out, ctx.tensor(inputs["grad_out"]), x=x, probs=probs)}
+
+
+def _permute_edge(**kw):
+    base = {"tokens": 8, "experts": 4, "topk": 2, "routing": "topk", "capacity": 4,
+            "probs_at": "permute", "hidden": 8, "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+TOKEN_PERMUTATION = ParityCase(
+    name="moe-token-permutation",
+    params=_permute_params(),
+    make_inputs=_permute_inputs,
+    run=_permute_run,
+    reference=_permute_reference,
+    compares="the permuted rows and probs, the tokens summed back (weighted by the probs where "
+    "the unpermute takes them); grads of the tokens and the probs",
+    reference_kind="independent loop over experts and tokens on CPU, fp64",
+    edge_cases=(
+        _permute_edge(),
+        _permute_edge(routing="pad", capacity=3, probs_at="unpermute", seed=2),
+        _permute_edge(routing="dropped", probs_at="none", seed=3),
+        _permute_edge(routing="local", topk=3, experts=6, seed=4),
+        _permute_edge(tokens=1, experts=1, topk=1, hidden=1, seed=5),
+        _permute_edge(routing="pad", capacity=8, probs_at="permute", seed=6),  # every token
     ),
 )

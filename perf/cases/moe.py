@@ -32,6 +32,13 @@ not what the layers replace), no bias (as MoE models are usually trained). 8 loc
 tokens split as above, hidden 4096, FFN 1408. The patches of FC1, FC2 and their spec-provider
 twins all time this one two-layer block.
 
+``TOKEN_PERMUTATION``: one MoE layer's token permutation as the alltoall dispatcher runs it:
+``moe_utils.permute`` of the tokens and routing probs by a top-k routing map, then
+``moe_utils.unpermute`` back to the tokens, forward and backward. ``megatron`` calls Megatron's
+own functions with ``fused=False`` (its code without TE); ``native`` / ``npu-binding`` call the
+installed ones with ``fused=True`` (Megatron's unfused code again on the CPU; the torch_npu
+routing-map kernels on the NPU, one call each). 4096 tokens, hidden 4096, 64 experts, top-8.
+
 The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``) run fp32 only: this CPU has no bf16 matrix
 units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so a bf16 figure
 would time the emulation of bf16 arithmetic, not the op.
@@ -201,4 +208,45 @@ TE_GROUPED_MLP = BenchCase(
     dtypes=("float32",),
     note="FC1 -> FC2, no activation, no bias; megatron: SequentialMLP's per-expert "
     f"ColumnParallelLinear / RowParallelLinear loop; {_GEMM_NOTE}",
+)
+
+
+# ------------------------------------------------------------------------- token permutation
+
+
+def _token_permutation(cell: Cell) -> Built:
+    import importlib
+
+    moe_utils = importlib.import_module(_MOE_UTILS)
+    t, h, e, k = (cell.shape[key] for key in ("tokens", "hidden", "experts", "topk"))
+    fused = cell.path != "megatron"
+    permute, unpermute = moe_utils.permute, moe_utils.unpermute
+    if not fused:  # Megatron's own functions, not the adaptor's wrappers around them
+        permute = getattr(permute, "__wrapped__", permute)
+        unpermute = getattr(unpermute, "__wrapped__", unpermute)
+    x = _randn(cell, t, h)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(1))
+    top = logits.topk(k, dim=1)
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter(1, top.indices, True)
+    probs = torch.zeros(t, e).scatter(1, top.indices, top.values.softmax(-1))
+    probs = probs.to(cell.torch_dtype).requires_grad_()
+
+    def step() -> torch.Tensor:
+        rows, row_probs, index_map = permute(x, routing_map, probs=probs, num_out_tokens=t * k,
+                                             fused=fused)[:3]  # fmt: skip
+        return unpermute(rows * row_probs.unsqueeze(-1), index_map, x.shape,
+                         routing_map=routing_map, fused=fused)  # fmt: skip
+
+    return Built(step, (x, probs))
+
+
+TOKEN_PERMUTATION = BenchCase(
+    op="moe-token-permutation",
+    shapes={
+        "full": {"tokens": 4096, "hidden": 4096, "experts": 64, "topk": 8},
+        "quick": {"tokens": 256, "hidden": 256, "experts": 8, "topk": 2},
+    },
+    build=_token_permutation,
+    note="permute (tokens and probs) then unpermute, forward and backward; megatron: Megatron's "
+    "functions with fused=False",
 )

@@ -179,6 +179,11 @@ def _examples() -> dict[str, tuple[tuple, dict, bool]]:
             "group_list_type": 1}, False),
         "npu_apply_adam_w": ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, rand(6), None, False,
                               False), {"out": (var, m, v)}, True),
+        "npu_moe_token_permute_with_routing_map": ((rand(3, 4), torch.ones(3, 2, dtype=torch.int8)),
+                                                   {"num_out_tokens": 6}, False),
+        "npu_moe_token_unpermute_with_routing_map": (
+            (rand(6, 4), torch.tensor([0, 3, 1, 4, 2, 5], dtype=torch.int32), [3, 4]),
+            {"probs": rand(3, 2), "routing_map": torch.ones(3, 2, dtype=torch.bool)}, False),
     }  # fmt: skip
 
 

@@ -241,14 +241,19 @@ MOE = (
             "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
             "--moe-z-loss-coeff", "1e-3")),
-        # megatron-core's legacy GroupedMLP (grouped_gemm.ops.gmm; up to 0.16), bf16 as it asks
+        # megatron-core's legacy GroupedMLP (grouped_gemm.ops.gmm; up to 0.16), bf16 as it asks;
+        # the fused permutation with experts padded to their capacity
         ("local-grouped-gemm", "npu-emulated", (
-            "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--bf16")),
-        # the default TE spec: TP2 + SP with EP2 / ETP1, TE's grouped linears, a shared expert
+            "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--bf16",
+            "--moe-permute-fusion", "--moe-expert-capacity-factor", "1.0",
+            "--moe-pad-expert-input-to-capacity")),
+        # the default TE spec: TP2 + SP with EP2 / ETP1, TE's grouped linears, the fused
+        # permutation, a shared expert
         ("te-grouped-gemm", "npu-emulated", (
             *TE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall",
-            "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "128", "--bf16")),
+            "--moe-grouped-gemm", "--moe-permute-fusion",
+            "--moe-shared-expert-intermediate-size", "128", "--bf16")),
     ],
     ids=["ep2-alltoall", "allgather-capacity", "local-grouped-gemm", "te-grouped-gemm"],
 )  # fmt: skip
@@ -280,6 +285,14 @@ def test_moe_trains(tmp_path, name, device, extra):
         micro_batches = 4 // (2 * (2 // tp))  # TINY's global batch / (micro batch x DP)
         expected = iterations * micro_batches * layers * 2 * 3  # FC1 and FC2, three calls each
         assert counts.get("npu_grouped_matmul") == expected, counts
+    if "--moe-permute-fusion" in extra:
+        # one permute and one unpermute kernel call per MoE layer and micro-batch, whatever the
+        # number of experts (gradients go through the same calls)
+        counts = _kernel_counts(tmp_path, name)
+        tp = 2 if "--tensor-model-parallel-size" in extra else 1
+        calls = iterations * (4 // (2 * (2 // tp))) * 2
+        assert counts.get("npu_moe_token_permute_with_routing_map") == calls, counts
+        assert counts.get("npu_moe_token_unpermute_with_routing_map") == calls, counts
 
 
 def test_te_spec_runs(tmp_path):
