@@ -53,3 +53,54 @@ def moe_option_problems(
             f"ranks per expert replica: does not divide the {world_size} ranks"
         )
     return problems
+
+
+def moe_layer_pattern(freq: int | str | list[int], num_layers: int) -> list[int]:
+    """Which layers are MoE layers (1) and which dense (0), from Megatron-LM's
+    ``--moe-layer-freq``: an integer N makes every N-th layer an MoE layer, starting with the
+    first (Megatron's ``i % N == 0``); a list expression such as ``"([1]*3+[0]*1)*2"`` (lists of
+    0 and 1, ``+``, ``*``, parentheses) gives the pattern itself, one entry per layer. Raises
+    ValueError naming what is wrong."""
+    option = f"--moe-layer-freq {freq}"
+    if isinstance(freq, str):
+        freq = _pattern_expression(freq.strip(), option)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"{option}: must be at least 1")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    pattern = list(freq)
+    if any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"{option}: a pattern holds 0 (dense) and 1 (MoE) only")
+    if len(pattern) != num_layers:
+        raise ValueError(
+            f"{option}: the pattern has {len(pattern)} entries for --num-layers {num_layers}"
+        )
+    return pattern
+
+
+def _pattern_expression(text: str, option: str) -> int | list[int]:
+    """Evaluate an integer or a list expression of integer lists joined by + and *."""
+    import ast
+
+    def value(node: ast.AST) -> int | list[int]:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if not all(isinstance(i, int) for i in items):
+                raise ValueError(f"{option}: a list holds integers only")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                return left * right
+        raise ValueError(f"{option}: not an integer or a list expression such as "
+                         f"'([1]*3+[0]*1)*2'")  # fmt: skip
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"{option}: not an integer or a list expression") from None
+    return value(tree.body)

@@ -86,6 +86,7 @@ def _experts(args: dict[str, Any]) -> str:
         f"{args.get('moe_router_score_function') or 'softmax'}"
         f"{' with expert bias' if args.get('moe_router_enable_expert_bias') else ''}"
         f"{' grouped ' + str(args.get('moe_router_num_groups')) if args.get('moe_router_num_groups') else ''}"
+        f"{', layer freq ' + str(args.get('moe_layer_freq')) if args.get('moe_layer_freq', 1) != 1 else ''}"
     )
 
 

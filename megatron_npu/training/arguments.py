@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 
 from megatron_npu.devices import NAMES as DEVICE_NAMES
-from megatron_npu.moe_options import moe_option_problems
+from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW
 from megatron_npu.training.errors import TrainingInputError
 
@@ -221,11 +221,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--moe-router-dtype", choices=("fp32", "fp64"), default=None,
         help="the router's logits and probabilities in this dtype (default: the model's)",
     )  # fmt: skip
+    g.add_argument(
+        "--moe-layer-freq", default=1,
+        help="which layers are MoE layers: N for every N-th layer (from the first), or a list "
+        "expression of 0 (dense) and 1 (MoE) per layer such as '([1]*3+[0]*1)*2'",
+    )  # fmt: skip
     g.add_argument("--moe-expert-capacity-factor", type=_finite, default=None)
+    g.add_argument(
+        "--moe-pad-expert-input-to-capacity", action="store_true",
+        help="with a capacity factor: every expert gets exactly its capacity (padded)",
+    )  # fmt: skip
+    g.add_argument(
+        "--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+        help="with a capacity factor: drop the lowest-probability tokens or the latest ones",
+    )  # fmt: skip
     g.add_argument("--moe-shared-expert-intermediate-size", type=_positive, default=None)
     g.add_argument(
         "--moe-grouped-gemm", action="store_true",
         help="all local experts as one grouped GEMM per direction (npu_grouped_matmul)",
+    )  # fmt: skip
+    g.add_argument(
+        "--moe-permute-fusion", action="store_true",
+        help="the dispatcher's token permutation fused (npu_moe_token_permute / unpermute)",
     )  # fmt: skip
 
     g = parser.add_argument_group(
@@ -470,6 +487,24 @@ def check(args: argparse.Namespace) -> None:
         raise ArgumentError("--ffn-hidden-size must be divisible by the TP size")
     if args.num_experts is not None and args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    try:  # Megatron's form: an int, or the list of 0 / 1 per layer
+        pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    freq = str(args.moe_layer_freq).strip()
+    args.moe_layer_freq = int(freq) if freq.isdigit() else pattern
+    fused = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+    if args.num_experts is not None and fused and not (args.swiglu and args.disable_bias_linear):
+        flag = "--bias-swiglu-fusion" if args.swiglu else "--bias-gelu-fusion"
+        raise ArgumentError(
+            f"--num-experts with {flag}: megatron-core's experts weight their activation by the "
+            "routing probabilities inside a fused SwiGLU without bias only; pass "
+            f"--swiglu --disable-bias-linear, or --no-{flag[2:]}"
+        )
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        raise ArgumentError(
+            "--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor"
+        )
     pp = args.pipeline_model_parallel_size
     if args.num_layers % pp:
         raise ArgumentError("--num-layers must be divisible by --pipeline-model-parallel-size")

@@ -30,6 +30,7 @@ import shutil
 from argparse import Namespace
 from pathlib import Path
 
+from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.training import security
 from megatron_npu.training.errors import TrainingInputError
 from megatron_npu.training.schedule import FIELD_FLAGS, scheduler_settings
@@ -62,6 +63,7 @@ FINGERPRINT_FLAGS = {
     "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_grouped_gemm": "--moe-grouped-gemm (the grouped experts hold their weights otherwise)",
+    "moe_layer_freq": "--moe-layer-freq (which layers hold experts)",
 }
 
 
@@ -97,6 +99,11 @@ def fingerprint(args: Namespace, vocab_size: int) -> dict:
             args, "moe_shared_expert_intermediate_size", None
         ),
         "moe_grouped_gemm": bool(getattr(args, "moe_grouped_gemm", False)),
+        "moe_layer_freq": (
+            moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+            if getattr(args, "num_experts", None)
+            else None
+        ),
     }
 
 

@@ -42,13 +42,18 @@ def active_ffn_hidden_size(
     moe_ffn_hidden_size: int | None = None,
     moe_router_topk: int = 2,
     moe_shared_expert_intermediate_size: int | None = None,
-) -> int:
-    """The FFN width one token passes through: the dense FFN, or with ``num_experts`` the
-    top-k routed experts' plus the shared expert's."""
+    moe_layer_share: float = 1.0,
+) -> float:
+    """The FFN width one token passes through, per layer: the dense FFN, or with ``num_experts``
+    the top-k routed experts' plus the shared expert's in the MoE layers (``moe_layer_share`` of
+    the layers, ``--moe-layer-freq``) and the dense FFN in the others."""
     if num_experts is None:
         return ffn_hidden_size
     expert = moe_ffn_hidden_size if moe_ffn_hidden_size is not None else ffn_hidden_size
-    return moe_router_topk * expert + (moe_shared_expert_intermediate_size or 0)
+    active = moe_router_topk * expert + (moe_shared_expert_intermediate_size or 0)
+    if moe_layer_share == 1.0:
+        return active
+    return moe_layer_share * active + (1.0 - moe_layer_share) * ffn_hidden_size
 
 
 def gpt_model_flops_per_iteration(

@@ -38,6 +38,7 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices, patcher
+from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.ops.attention import causal_mask
 from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
@@ -270,6 +271,14 @@ def _describe_layout(args, device) -> str:
     )
 
 
+def moe_layer_share(args) -> float:
+    """The share of the layers that are MoE layers (``--moe-layer-freq``)."""
+    if args.num_experts is None:
+        return 0.0
+    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+    return sum(pattern) / len(pattern)
+
+
 def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) -> None:
     """Model FLOPs per step (Megatron-LM's formula; causal attention, a pre/next window is not
     credited, as in Megatron; MoE layers count their active experts only) and, on rank 0, the
@@ -283,6 +292,7 @@ def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) ->
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_router_topk=args.moe_router_topk,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_layer_share=moe_layer_share(args),
         ),
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,

@@ -63,8 +63,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -73,6 +78,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank
 
 from megatron_npu.devices.base import Device
+from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.training import weight_init
 
 #: Megatron-LM's ``_set_random_seed`` gives each pipeline stage its own seed.
@@ -336,18 +342,24 @@ def moe_config(args: Namespace) -> dict[str, Any]:
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_router_dtype=args.moe_router_dtype,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_permute_fusion=args.moe_permute_fusion,
     )
 
 
-def layer_spec(args: Namespace) -> ModuleSpec:
+def layer_spec(args: Namespace, moe_layer: bool = True) -> ModuleSpec:
     """Megatron's local or Transformer Engine layer spec (``--transformer-impl``), its
-    ``TransformerLayer`` seeded per global layer (and MoE experts per global expert)."""
-    moe = {"num_experts": args.num_experts, "moe_grouped_gemm": args.moe_grouped_gemm}
+    ``TransformerLayer`` seeded per global layer (and MoE experts per global expert); a dense
+    layer's when ``moe_layer`` is False or the model has no experts."""
+    experts = args.num_experts if moe_layer else None
+    moe = {"num_experts": experts, "moe_grouped_gemm": args.moe_grouped_gemm}
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, **moe)
-    if args.num_experts is not None:
+    if experts is not None:
         mlp = _seed_experts(spec.submodules.mlp, config_gated=args.swiglu)
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     elif args.swiglu:
@@ -356,9 +368,27 @@ def layer_spec(args: Namespace) -> ModuleSpec:
     return dataclasses.replace(spec, module=SeededTransformerLayer)
 
 
+def block_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None) -> Any:
+    """The layer spec of every layer (one spec), or, where ``--moe-layer-freq`` mixes dense and
+    MoE layers, the block of this pipeline stage's layers, each from its place in the pattern
+    (what Megatron-LM's ``get_gpt_decoder_block_spec`` builds)."""
+    spec = layer_spec(args)
+    if args.num_experts is None:
+        return spec
+    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+    if all(pattern):
+        return spec
+    dense = layer_spec(args, moe_layer=False)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec if pattern[offset + i] else dense for i in range(count)],
+        layer_norm=transformer_block.LayerNormImpl,  # the final norm a single spec gets
+    )
+
+
 def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (one without interleaving)."""
-    spec = layer_spec(args)
     vpp = args.virtual_pipeline_model_parallel_size
     saved = torch.default_generator.get_state()
     chunks = []
@@ -368,7 +398,7 @@ def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) ->
             weight_init.reseed(derived_seed(args.seed, "model"))
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=spec,
+                transformer_layer_spec=block_spec(args, config, vp_stage),
                 vocab_size=vocab_size,
                 max_sequence_length=args.max_position_embeddings,
                 pre_process=parallel_state.is_pipeline_first_stage(

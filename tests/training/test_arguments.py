@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+import megatron_npu
 from megatron_npu.ops import settings
 from megatron_npu.training import arguments, launch
 
@@ -163,9 +166,16 @@ def test_moe_options_reach_megatrons_config():
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
         "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff",
         "1e-3", "--moe-shared-expert-intermediate-size", "64", "--expert-model-parallel-size", "2",
+        "--disable-bias-linear", "--moe-expert-capacity-factor", "1.5",
+        "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position",
+        "--moe-permute-fusion", "--num-layers", "4", "--moe-layer-freq", "([1]+[0])*2",
     )  # fmt: skip
     arguments.finalize(args, world_size=2)
-    config = model.transformer_config(args)
+    megatron_npu.apply("cpu")  # TransformerConfig accepts --moe-permute-fusion with it only
+    try:
+        config = model.transformer_config(args)
+    finally:
+        megatron_npu.restore()
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
         8, 2, args.ffn_hidden_size)  # fmt: skip
     assert config.moe_token_dispatcher_type == "alltoall"
@@ -174,7 +184,56 @@ def test_moe_options_reach_megatrons_config():
     assert config.moe_router_dtype == "fp32" and config.moe_z_loss_coeff == 1e-3
     assert config.moe_shared_expert_intermediate_size == 64
     assert config.expert_model_parallel_size == 2
+    assert config.moe_expert_capacity_factor == 1.5 and config.moe_pad_expert_input_to_capacity
+    assert config.moe_token_drop_policy == "position" and config.moe_permute_fusion
+    assert config.moe_layer_freq == [1, 0, 1, 0]
     assert model.transformer_config(parse()).num_moe_experts is None  # a dense model
+
+
+@pytest.mark.parametrize(
+    "freq, pattern", [("1", [1, 1, 1, 1]), ("2", [1, 0, 1, 0]), ("[0]+[1]*3", [0, 1, 1, 1])]
+)
+def test_moe_layer_freq_builds_dense_and_moe_layers_where_megatron_does(freq, pattern):
+    """--moe-layer-freq N makes layers 0, N, 2N ... MoE layers (Megatron-LM's rule), a list
+    expression names each layer; the model's layer specs follow it, the others are dense."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_npu.parity.cases._common import megatron_parallel
+
+    from megatron_npu.training import model
+
+    args = parse("--num-experts", "4", "--swiglu", "--disable-bias-linear", "--num-layers", "4",
+                 "--moe-layer-freq", freq)  # fmt: skip
+    arguments.finalize(args, world_size=1)
+    megatron_npu.apply("cpu")
+    try:
+        with megatron_parallel():
+            spec = model.block_spec(args, model.transformer_config(args), vp_stage=None)
+    finally:
+        megatron_npu.restore()
+    layers = getattr(spec, "layer_specs", [spec] * 4)
+    built = [int(s.submodules.mlp.module is MoELayer) for s in layers]
+    assert built == pattern
+
+
+_SWIGLU = ("--swiglu", "--disable-bias-linear")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--moe-layer-freq", "[1]*3", *_SWIGLU), "the pattern has 3 entries for --num-layers 2"),
+        (("--moe-layer-freq", "[1,2]", *_SWIGLU), r"holds 0 \(dense\) and 1 \(MoE\) only"),
+        (("--moe-layer-freq", "open('x')", *_SWIGLU), "not an integer or a list expression"),
+        (("--moe-pad-expert-input-to-capacity", *_SWIGLU), "needs --moe-expert-capacity-factor"),
+        ((), "--bias-gelu-fusion: megatron-core's experts"),
+        (("--swiglu",), "--bias-swiglu-fusion: megatron-core's experts"),
+    ],
+    ids=["pattern-length", "pattern-values", "not-a-pattern", "pad-without-capacity",
+         "gelu-fusion", "biased-swiglu-fusion"],
+)  # fmt: skip
+def test_moe_layer_and_capacity_options_are_checked_by_name(capsys, extra, message):
+    """One line naming the option, exit 2 (a traceback per rank in Megatron otherwise)."""
+    assert re.search(message, error_of(capsys, "--num-experts", "4", "--num-layers", "2", *extra))
 
 
 @pytest.mark.parametrize(
@@ -185,7 +244,7 @@ def test_moe_options_reach_megatrons_config():
     ],
 )  # fmt: skip
 def test_broken_moe_options_are_one_named_error(extra, message, capsys):
-    args = parse(*extra)
+    args = parse(*extra, "--swiglu", "--disable-bias-linear")
     with pytest.raises(arguments.ArgumentError, match=message.replace("-", r"\-")):
         arguments.finalize(args, world_size=4)
     # Megatron's flex dispatcher (DeepEP, CUDA-only) is not among the choices: argparse names it

@@ -4,7 +4,8 @@ fp32, dropout 0, no token dropping; each layout is a real multi-rank gloo run of
 ``python -m megatron_npu.train``. Equal figures need equal initial experts in every layout:
 megatron_npu.training.model seeds each expert by its global index and cuts expert-TP shards by
 the expert-TP rank. Plain EP2 is a row of the default compare matrix, judged by the same
-layout rule there (tests/compare/test_default_matrix.py).
+layout rule there (tests/compare/test_default_matrix.py). The fused permutation on
+npu-emulated is held to the same rule against the CPU's EP1 run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ LAYOUTS = {
                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
     # every expert split over the TP ranks (Megatron's default ETP = TP), EP1
     "tp2-sp-etp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    # EP2 on npu-emulated with the fused permutation: the torch_npu permute / unpermute kernels
+    # must give the rows and sums of Megatron's unfused code on the CPU
+    "ep2-permute-fusion-npu": ["--expert-model-parallel-size", "2", "--moe-permute-fusion",
+                               "--device", "npu-emulated"],
 }  # fmt: skip
 
 
