@@ -231,8 +231,9 @@ MOE = (
 @pytest.mark.parametrize(
     "name, device, extra",
     [
-        # the local spec, alltoall dispatch over gloo, EP2
-        ("ep2-alltoall", "cpu", ("--moe-token-dispatcher-type", "alltoall")),
+        # the local spec, alltoall dispatch over gloo, EP2; the first layer dense, the second MoE
+        ("ep2-alltoall", "cpu", ("--moe-token-dispatcher-type", "alltoall",
+                                 "--moe-layer-freq", "[0]+[1]")),
         # allgather dispatch with token dropping at capacity factor 1, and DeepSeek-V3-style
         # routing: sigmoid scores, expert bias, group-limited top-k, scaling, fp32 router, z-loss
         ("allgather-capacity", "npu-emulated", (
