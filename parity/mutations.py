@@ -791,6 +791,21 @@ def _unpermute_probs_dropped(original):
     return unpermute_with_kernel
 
 
+def _gating_backward_unscaled(original):
+    def npu_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, **kwargs):
+        return original(x_norm, grad_y, expert_idx, **{**kwargs, "routed_scaling_factor": 1.0})
+
+    return npu_moe_gating_top_k_backward
+
+
+def _gating_groups_by_max(original):
+    def gating_kernel_groups(*args):
+        groups = original(*args)
+        return None if groups is None else (*groups[:2], 0)
+
+    return gating_kernel_groups
+
+
 _ALL = (
     *_ALL,
     # ---- mixture of experts
@@ -822,6 +837,21 @@ _ALL = (
         "token is summed back from its neighbour's expert outputs",
         "megatron_npu.testing.torch_npu_emulation.npu_moe_token_permute_with_routing_map",
         _permute_slots_shifted, "moe.fused-permute", (_moe_cases._permute_edge(),),
+        device=NPU_EMULATED,
+    ),
+    Mutation(
+        "router-top-k-backward-unscaled", "the gating kernel's backward leaves out the routed "
+        "scaling factor (the forward applies it)",
+        "megatron_npu.testing.torch_npu_emulation.npu_moe_gating_top_k_backward",
+        _gating_backward_unscaled, "moe.fused-router-top-k", (_moe_cases._top_k_edge(),),
+        device=NPU_EMULATED,
+    ),
+    Mutation(
+        "router-top-k-groups-by-best-expert", "group-limited routing scores each group by its "
+        "best expert where Megatron sums its best two",
+        "megatron_npu.patches.moe.gating_kernel_groups", _gating_groups_by_max,
+        "moe.fused-router-top-k",
+        (_moe_cases._top_k_edge(groups=4, group_topk=2, topk_per_group=2, seed=9, tokens=12),),
         device=NPU_EMULATED,
     ),
     Mutation(

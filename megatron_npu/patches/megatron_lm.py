@@ -80,9 +80,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
      "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather"),
     ("moe_enable_deepep", True, "--moe-enable-deepep",
      "DeepEP dispatch is CUDA-only: use alltoall or allgather"),
-    ("moe_router_fusion", True, "--moe-router-fusion",
-     "TE's fused top-k routing kernels are CUDA-only: without the option the router computes "
-     "the same scores unfused"),
     ("use_torch_fsdp2", True, "--use-torch-fsdp2", "not supported by the adaptor yet"),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
     ("use_legacy_models", True, "--use-legacy-models",

@@ -25,6 +25,12 @@ elsewhere with Megatron's own unfused code, which computes the same rows. The ch
 torch_npu kernel and runs Megatron's unfused code everywhere. TransformerConfig accepts the
 option only when ``moe_utils`` holds TE's five fused names, so the adaptor binds those too, each
 to the served function in TE's calling convention.
+
+With ``--moe-router-fusion`` the router asks for TE's fused top-k and aux-loss scores
+(``fused=True``). The wrapped ``topk_routing_with_score_function`` serves the top-k on the NPU
+with ``npu_moe_gating_top_k`` where its routing is Megatron's
+(:mod:`megatron_npu.ops.moe_router`), and with Megatron's unfused code otherwise; the aux-loss
+scores and the load-balancing loss have no torch_npu kernel and run Megatron's unfused code.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from megatron_npu.ops.moe_permute import (
     permute_with_kernel,
     unpermute_with_kernel,
 )
+from megatron_npu.ops.moe_router import gating_kernel_groups, npu_sigmoid_top_k
 from megatron_npu.registry import Patch
 
 _UTILS = "megatron.core.transformer.moe.moe_utils"
@@ -121,15 +128,40 @@ def fused_unpermute_wrap(original: Callable) -> Callable:
     return unpermute
 
 
-def unfused_sort_chunks_wrap(original: Callable) -> Callable:
-    """``moe_utils.sort_chunks_by_idxs`` with ``fused=True`` served by Megatron's unfused chunk
-    sort (torch_npu has no chunk-sort kernel; the split sizes may stay on the device)."""
+def fused_top_k_wrap(original: Callable) -> Callable:
+    """``moe_utils.topk_routing_with_score_function`` whose ``fused=True`` runs the NPU gating
+    kernel where its routing is Megatron's, and Megatron's unfused code otherwise."""
 
-    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):  # noqa: A002
-        return original(input, split_sizes, sorted_idxs, probs=probs, fused=False)
+    def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None,
+                                         group_topk=None, scaling_factor=None,
+                                         score_function="softmax", expert_bias=None, fused=False,
+                                         **more):  # fmt: skip
+        kernels = npu_kernels() if fused else None
+        groups = None
+        if kernels is not None and not any(v is not None and v is not False
+                                           for v in more.values()):  # fmt: skip
+            groups = gating_kernel_groups(logits, topk, score_function, num_groups, group_topk)
+        if groups is not None:
+            return npu_sigmoid_top_k(kernels, logits, topk, expert_bias, groups, scaling_factor)
+        return original(logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+                        group_topk=group_topk, scaling_factor=scaling_factor,
+                        score_function=score_function, expert_bias=expert_bias, fused=False,
+                        **more)  # fmt: skip
 
-    sort_chunks_by_idxs.__wrapped__ = original
-    return sort_chunks_by_idxs
+    topk_routing_with_score_function.__wrapped__ = original
+    return topk_routing_with_score_function
+
+
+def unfused_wrap(original: Callable) -> Callable:
+    """``original`` with ``fused=True`` served by its own unfused code (no torch_npu kernel)."""
+
+    def unfused(*args, fused=False, **kwargs):
+        return original(*args, fused=False, **kwargs)
+
+    unfused.__wrapped__ = original
+    unfused.__name__ = unfused.__qualname__ = original.__name__
+    unfused.__doc__ = original.__doc__
+    return unfused
 
 
 def _utils() -> ModuleType:
@@ -180,6 +212,14 @@ TE_FUSED_PERMUTATION = {
     "fused_sort_chunks_by_index": te_fused_sort_chunks_by_index,
     "fused_sort_chunks_by_index_with_probs": te_fused_sort_chunks_by_index_with_probs,
 }
+
+
+#: the two kernels work as a pair (the permute's index map means something to the unpermute
+#: only), so each patch's parity case runs both and each declares both
+PERMUTATION_KERNELS = (
+    "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map",
+)
 
 
 PATCHES = [
@@ -241,7 +281,7 @@ PATCHES = [
         "one npu_moe_token_permute_with_routing_map call",
         parity="megatron_npu.parity.cases.moe:TOKEN_PERMUTATION",
         benchmark="perf.cases.moe:TOKEN_PERMUTATION",
-        npu_kernels=("npu_moe_token_permute_with_routing_map",),
+        npu_kernels=PERMUTATION_KERNELS,
     ),
     Patch(
         id="moe.fused-unpermute",
@@ -254,20 +294,53 @@ PATCHES = [
         "npu_moe_token_unpermute_with_routing_map call",
         parity="megatron_npu.parity.cases.moe:TOKEN_PERMUTATION",
         benchmark="perf.cases.moe:TOKEN_PERMUTATION",
-        npu_kernels=("npu_moe_token_unpermute_with_routing_map",),
+        npu_kernels=PERMUTATION_KERNELS,
     ),
     Patch(
         id="moe.fused-sort-chunks",
         target=f"{_UTILS}.sort_chunks_by_idxs",
         kind="wrap",
-        replacement=unfused_sort_chunks_wrap,
+        replacement=unfused_wrap,
         check_signature=False,
         versions=">=0.13",
         reason="--moe-permute-fusion: the alltoall dispatcher's fused chunk sort (TE-only) runs "
-        "Megatron's unfused sort",
+        "Megatron's unfused sort (torch_npu has no chunk-sort kernel; the split sizes may stay "
+        "on the device)",
         parity_exempt="calls Megatron's own unfused chunk sort: no numerics of its own",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
         benchmark_exempt="Megatron's own chunk sort, unchanged",
+    ),
+    Patch(
+        id="moe.fused-router-top-k",
+        target=f"{_UTILS}.topk_routing_with_score_function",
+        kind="wrap",
+        replacement=fused_top_k_wrap,
+        check_signature=False,
+        versions=">=0.14",
+        reason="--moe-router-fusion: the router's fused top-k (TE-only in Megatron) -> "
+        "npu_moe_gating_top_k forward and backward where its routing is Megatron's",
+        parity="megatron_npu.parity.cases.moe:ROUTER_TOP_K",
+        benchmark="perf.cases.moe:ROUTER_TOP_K",
+        npu_kernels=("npu_moe_gating_top_k", "npu_moe_gating_top_k_backward"),
+    ),
+    *(
+        Patch(
+            id=f"moe.unfused-{name.replace('_', '-')}",
+            target=f"{_UTILS}.{name}",
+            kind="wrap",
+            replacement=unfused_wrap,
+            check_signature=False,
+            versions=">=0.14",
+            reason=f"--moe-router-fusion: the fused {what} (TE-only) runs Megatron's unfused "
+            "code (torch_npu has no such kernel)",
+            parity_exempt="calls Megatron's own unfused code: no numerics of its own",
+            exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[allgather-capacity]",
+            benchmark_exempt="Megatron's own code, unchanged",
+        )
+        for name, what in (
+            ("compute_routing_scores_for_aux_loss", "aux-loss routing scores"),
+            ("switch_load_balancing_loss_func", "load-balancing loss"),
+        )
     ),
     *(
         Patch(

@@ -55,6 +55,8 @@ __all__ = [
     "npu_fusion_attention",
     "npu_gelu",
     "npu_grouped_matmul",
+    "npu_moe_gating_top_k",
+    "npu_moe_gating_top_k_backward",
     "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute_with_routing_map",
     "npu_rms_norm",
@@ -665,6 +667,98 @@ def npu_grouped_matmul(
         outs = [(xt[:, a:b].float() @ dy[a:b].float()).to(dtype) for a, b in ranges]
         return [torch.stack(outs)] if single_out else outs
     raise ValueError(f"{op}: group_type must be -1, 0 or 2, got {group_type}")
+
+
+# ============================================================================ MoE gating
+
+
+def npu_moe_gating_top_k(
+    x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+    group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+    eps=1e-20,
+):  # fmt: skip
+    """Emulates ``torch_npu.npu_moe_gating_top_k`` (the documented CPU golden's steps).
+
+    Scores are the fp32 softmax (``norm_type`` 0) or sigmoid (1) of ``x`` [tokens, experts].
+    ``bias`` [experts] is added for the selection only: experts fall into ``group_count`` equal
+    groups scored by their best biased score (``group_select_mode`` 0) or the sum of their two
+    best (1); the ``k_group`` best groups stay and the ``k`` best of their experts are chosen, in
+    descending biased order (ties: lower index first). ``y`` [tokens, k] holds the unbiased
+    scores of the chosen experts, with sigmoid divided by their sum plus ``eps``, then times
+    ``routed_scaling_factor``, in ``x``'s dtype; ``expert_idx`` is int32; the third output is the
+    fp32 scores [tokens, experts] when ``out_flag`` (what the backward needs), else empty. Only
+    ``renorm=0`` exists; the hash mode (``input_ids`` / ``tid2eid``) is not emulated.
+    """
+    op = "npu_moe_gating_top_k"
+    _float_dtype(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [tokens, experts], got {x.dim()}-D")
+    if input_ids is not None or tid2eid is not None:
+        raise NotImplementedError(f"{op}: the hash mode (input_ids / tid2eid) is not emulated")
+    tokens, experts = x.shape
+    if not 2 <= experts <= 2048:
+        raise ValueError(f"{op}: the expert count must be in [2, 2048], got {experts}")
+    if norm_type not in (0, 1) or renorm != 0 or group_select_mode not in (0, 1):
+        raise ValueError(f"{op}: norm_type must be 0 or 1, renorm 0, group_select_mode 0 or 1 "
+                         f"(got {norm_type}, {renorm}, {group_select_mode})")  # fmt: skip
+    if group_count < 1 or experts % group_count or not 1 <= k_group <= group_count:
+        raise ValueError(f"{op}: group_count {group_count} must divide the {experts} experts "
+                         f"and 1 <= k_group {k_group} <= group_count")  # fmt: skip
+    per_group = experts // group_count
+    if group_select_mode == 1 and group_count > 1 and per_group < 2:
+        raise ValueError(f"{op}: group_select_mode 1 needs at least 2 experts per group")
+    if not 1 <= k <= per_group * k_group:
+        raise ValueError(f"{op}: k {k} must be in [1, experts per group x k_group = "
+                         f"{per_group * k_group}]")  # fmt: skip
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != experts or
+                             bias.dtype != x.dtype):  # fmt: skip
+        raise ValueError(f"{op}: bias must be 1-D [{experts}] in x's dtype")
+    scores = torch.softmax(x.float(), dim=-1) if norm_type == 0 else torch.sigmoid(x.float())
+    chooser = scores if bias is None else scores + bias.float()
+    if group_count > 1:
+        grouped = chooser.view(tokens, group_count, per_group)
+        if group_select_mode == 0:
+            group_score = grouped.amax(dim=-1)
+        else:
+            group_score = grouped.sort(dim=-1, descending=True).values[..., :2].sum(dim=-1)
+        kept = group_score.sort(dim=-1, descending=True, stable=True).indices[:, :k_group]
+        keep = torch.zeros(tokens, group_count, dtype=torch.bool, device=x.device)
+        keep.scatter_(1, kept, True)
+        chooser = chooser.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    idx = chooser.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    y = scores.gather(1, idx)
+    if norm_type == 1:
+        y = y / (y.sum(dim=-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    out = scores if out_flag else scores.new_empty(0)
+    return y.to(x.dtype), idx.to(torch.int32), out
+
+
+def npu_moe_gating_top_k_backward(  # noqa: N803 - torch_npu's parameter name expertIdx
+    x_norm, grad_y, expertIdx, *, renorm=0, norm_type=0, routed_scaling_factor=1.0, eps=1e-20
+):
+    """Emulates ``torch_npu.npu_moe_gating_top_k_backward``: the gradient of the sigmoid
+    gating's ``x`` from the fp32 scores ``x_norm`` [tokens, experts], ``grad_y`` [tokens, k] and
+    the chosen ``expert_idx``; only ``norm_type`` 1 (sigmoid) exists. With ``w' = x_norm`` at the
+    chosen experts, ``D = sum(w') + eps`` and ``w = w' / D``: ``dw' = (s g - sum(w s g)) / D``
+    (``s`` the scaling factor), scattered to the chosen experts and times the sigmoid's
+    derivative ``x_norm (1 - x_norm)``. In ``grad_y``'s dtype."""
+    op = "npu_moe_gating_top_k_backward"
+    if norm_type != 1:
+        raise ValueError(f"{op}: only norm_type 1 (sigmoid) is supported, got {norm_type}")
+    if x_norm.dtype != torch.float32 or x_norm.dim() != 2:
+        raise TypeError(f"{op}: x_norm must be 2-D float32")
+    _float_dtype(op, "grad_y", grad_y)
+    if expertIdx.dtype != torch.int32 or expertIdx.shape != grad_y.shape:
+        raise TypeError(f"{op}: expertIdx must be int32 and shaped like grad_y")
+    idx = expertIdx.long()
+    chosen = x_norm.gather(1, idx)
+    total = chosen.sum(dim=-1, keepdim=True) + eps
+    weights = chosen / total
+    scaled = grad_y.float() * routed_scaling_factor
+    grad_chosen = (scaled - (weights * scaled).sum(dim=-1, keepdim=True)) / total
+    grad_norm = torch.zeros_like(x_norm).scatter_add(1, idx, grad_chosen)
+    return (x_norm * (1 - x_norm) * grad_norm).to(grad_y.dtype)
 
 
 # ============================================================================ MoE token permutation

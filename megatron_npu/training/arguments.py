@@ -241,6 +241,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="all local experts as one grouped GEMM per direction (npu_grouped_matmul)",
     )  # fmt: skip
     g.add_argument(
+        "--moe-router-fusion", action="store_true",
+        help="the router's top-k fused (npu_moe_gating_top_k where its routing is Megatron's)",
+    )  # fmt: skip
+    g.add_argument(
         "--moe-permute-fusion", action="store_true",
         help="the dispatcher's token permutation fused (npu_moe_token_permute / unpermute)",
     )  # fmt: skip
@@ -501,6 +505,10 @@ def check(args: argparse.Namespace) -> None:
             "routing probabilities inside a fused SwiGLU without bias only; pass "
             f"--swiglu --disable-bias-linear, or --no-{flag[2:]}"
         )
+    if args.moe_router_fusion and not _has_router_fusion():
+        raise ArgumentError(
+            "--moe-router-fusion: this megatron-core has no fused router (from 0.14)"
+        )
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         raise ArgumentError(
             "--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor"
@@ -612,3 +620,12 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.pipeline_model_parallel_size > 1 and args.num_microbatches < 1:
         raise ArgumentError("pipeline parallelism needs at least one micro-batch per step")
     return args
+
+
+def _has_router_fusion() -> bool:
+    """Whether the installed megatron-core's TransformerConfig has ``moe_router_fusion``."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return any(f.name == "moe_router_fusion" for f in dataclasses.fields(TransformerConfig))

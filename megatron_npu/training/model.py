@@ -346,6 +346,7 @@ def moe_config(args: Namespace) -> dict[str, Any]:
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_permute_fusion=args.moe_permute_fusion,
+        **({"moe_router_fusion": True} if args.moe_router_fusion else {}),
     )
 
 

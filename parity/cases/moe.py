@@ -505,3 +505,143 @@ TOKEN_PERMUTATION = ParityCase(
         _permute_edge(routing="pad", capacity=8, probs_at="permute", seed=6),  # every token
     ),
 )
+
+
+# ------------------------------------------------------------------------- router top-k
+
+
+def _top_k_params():
+    return st.fixed_dictionaries({
+        "tokens": st.integers(1, 12),
+        "groups": st.sampled_from([0, 2, 4]),  # 0: no group-limited routing
+        "per_group": st.integers(2, 4),  # experts per group (the expert count without groups)
+        "group_topk": st.integers(1, 4),
+        "topk_per_group": st.integers(1, 3),  # Megatron's topk // group_topk
+        "score_function": st.sampled_from(["sigmoid", "softmax"]),
+        "use_pre_softmax": st.booleans(),
+        "expert_bias": st.booleans(),
+        "scaling_factor": st.sampled_from([None, 2.5]),
+        "router_dtype": st.sampled_from(["fp32", "input"]),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _top_k_setup(p) -> dict:
+    """The routing the drawn parameters describe: (experts, topk, num_groups, group_topk)."""
+    if p["groups"]:
+        experts = p["groups"] * p["per_group"]
+        group_topk = min(p["group_topk"], p["groups"])
+        topk = group_topk * min(p["topk_per_group"], p["per_group"])
+        return {"experts": experts, "topk": topk, "num_groups": p["groups"],
+                "group_topk": group_topk}  # fmt: skip
+    experts = 2 * p["per_group"]
+    return {"experts": experts, "topk": min(p["topk_per_group"], experts), "num_groups": None,
+            "group_topk": None}  # fmt: skip
+
+
+def _top_k_inputs(p):
+    import torch
+
+    g = generator(p)
+    s = _top_k_setup(p)
+    tokens, experts = p["tokens"], s["experts"]
+    # each row a shuffle of well-separated logits: every score stays distinct after rounding
+    # to 16 bits, so the choice of experts is never a tie
+    grid = torch.linspace(-3.0, 3.0, experts, dtype=torch.float64)
+    rows = [grid[torch.randperm(experts, generator=g)] for _ in range(tokens)]
+    logits = torch.stack(rows) + (torch.rand(tokens, experts, generator=g) - 0.5) * 0.05
+    return {
+        "logits": logits,
+        "expert_bias": (torch.rand(experts, generator=g, dtype=torch.float64) - 0.5) * 0.3,
+        "grad_out": torch.randn(tokens, experts, generator=g, dtype=torch.float64),
+    }
+
+
+def _top_k_run(ctx: Context, inputs):
+    import torch
+
+    p, s = ctx.params, _top_k_setup(ctx.params)
+    logits = ctx.tensor(inputs["logits"], grad=True)
+    routed = logits.float() if p["router_dtype"] == "fp32" else logits
+    bias = inputs["expert_bias"].to(torch.float32).to(ctx.device) if p["expert_bias"] else None
+    probs, routing_map = _module(_UTILS).topk_routing_with_score_function(
+        routed, s["topk"], use_pre_softmax=p["use_pre_softmax"], num_groups=s["num_groups"],
+        group_topk=s["group_topk"], scaling_factor=p["scaling_factor"],
+        score_function=p["score_function"], expert_bias=bias, fused=True,
+    )  # fmt: skip
+    out = {"probs": probs, "routing_map": routing_map.to(torch.int64)}
+    return {**out, **grads(probs, ctx.tensor(inputs["grad_out"]).to(probs.dtype), logits=logits)}
+
+
+def _top_k_reference(ctx: Context, inputs):
+    """Megatron's routing from its definition, in fp64: scores (sigmoid, or softmax before or
+    after the choice), the choice by score plus bias among the best groups (a group scored by
+    the sum of its best topk // group_topk), the chosen scores (sigmoid: over their sum when
+    k > 1), times the scaling factor. The choice compares the scores as Megatron rounds them
+    (to the logits' dtype), the weights are exact."""
+    import torch
+
+    p, s = ctx.params, _top_k_setup(ctx.params)
+    logits = ctx.tensor(inputs["logits"], grad=True)
+    rounded = torch.float32 if p["router_dtype"] == "fp32" else ctx.tested_dtype
+    topk, experts = s["topk"], s["experts"]
+    if p["score_function"] == "sigmoid":
+        scores = torch.sigmoid(logits)
+        choice = scores.to(rounded).to(logits.dtype)
+        if p["expert_bias"]:
+            choice = choice + ctx.value(inputs["expert_bias"]).to(torch.float32).double()
+    elif p["use_pre_softmax"]:
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores.to(rounded).to(logits.dtype)
+    else:
+        scores, choice = logits, logits.detach().to(rounded).to(logits.dtype)
+    choice = choice.detach()
+    if s["num_groups"]:
+        per_group = choice.view(choice.shape[0], s["num_groups"], -1)
+        best = per_group.sort(dim=-1, descending=True).values[..., : topk // s["group_topk"]]
+        kept = best.sum(dim=-1).topk(s["group_topk"], dim=-1).indices
+        allowed = torch.zeros_like(best[..., 0], dtype=torch.bool).scatter(1, kept, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(experts // s["num_groups"], 1),
+                                    float("-inf"))  # fmt: skip
+    chosen = choice.topk(topk, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if p["score_function"] == "sigmoid" and topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif p["score_function"] == "softmax" and not p["use_pre_softmax"]:
+        weights = torch.softmax(weights, dim=-1)
+    if p["scaling_factor"]:
+        weights = weights * p["scaling_factor"]
+    probs = torch.zeros_like(logits).scatter(1, chosen, weights)
+    routing_map = torch.zeros_like(logits, dtype=torch.int64).scatter(1, chosen, 1)
+    out = {"probs": probs, "routing_map": routing_map}
+    return {**out, **grads(probs, ctx.tensor(inputs["grad_out"]), logits=logits)}
+
+
+def _top_k_edge(**kw):
+    base = {"tokens": 8, "groups": 0, "per_group": 4, "group_topk": 1, "topk_per_group": 2,
+            "score_function": "sigmoid", "use_pre_softmax": False, "expert_bias": True,
+            "scaling_factor": 2.5, "router_dtype": "fp32", "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+ROUTER_TOP_K = ParityCase(
+    name="moe-router-top-k",
+    params=_top_k_params(),
+    make_inputs=_top_k_inputs,
+    run=_top_k_run,
+    reference=_top_k_reference,
+    compares="routing probs and map [tokens, experts]; grad of the logits",
+    reference_kind="independent fp64 routing from Megatron's definition on CPU",
+    edge_cases=(
+        _top_k_edge(),  # the kernel: sigmoid, bias, scaling, fp32 logits
+        # DeepSeek-V3-like groups: 4 groups of 4, the best 2 groups, each scored by its best 2
+        _top_k_edge(groups=4, group_topk=2, topk_per_group=2, seed=2),
+        _top_k_edge(groups=2, group_topk=1, topk_per_group=1, expert_bias=False, seed=3),
+        _top_k_edge(groups=2, group_topk=1, topk_per_group=3, seed=4),  # Megatron's code
+        _top_k_edge(topk_per_group=1, seed=5),  # top-1: Megatron's code
+        _top_k_edge(score_function="softmax", use_pre_softmax=True, seed=6),
+        _top_k_edge(score_function="softmax", router_dtype="input", scaling_factor=None, seed=7),
+        _top_k_edge(router_dtype="input", seed=8),  # 16-bit logits: Megatron's code
+    ),
+)

@@ -39,6 +39,14 @@ own functions with ``fused=False`` (its code without TE); ``native`` / ``npu-bin
 installed ones with ``fused=True`` (Megatron's unfused code again on the CPU; the torch_npu
 routing-map kernels on the NPU, one call each). 4096 tokens, hidden 4096, 64 experts, top-8.
 
+``ROUTER_TOP_K``: the router's top-k (``moe_utils.topk_routing_with_score_function``) of
+DeepSeek-V3-style routing, forward and backward: sigmoid scores of fp32 logits, expert bias,
+256 experts in 8 groups of which 4 are kept (each scored by its best 2), top-8, scaling factor
+2.5, 4096 tokens. ``megatron`` calls Megatron's function with ``fused=False``; ``native`` /
+``npu-binding`` the installed one with ``fused=True`` (Megatron's unfused code again on the CPU,
+``npu_moe_gating_top_k`` and its backward kernel on the NPU). fp32 only: the router's logits are
+fp32 (``--moe-router-dtype fp32``) whatever the model's dtype.
+
 The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``) run fp32 only: this CPU has no bf16 matrix
 units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so a bf16 figure
 would time the emulation of bf16 arithmetic, not the op.
@@ -249,4 +257,40 @@ TOKEN_PERMUTATION = BenchCase(
     build=_token_permutation,
     note="permute (tokens and probs) then unpermute, forward and backward; megatron: Megatron's "
     "functions with fused=False",
+)
+
+
+# ------------------------------------------------------------------------------- router top-k
+
+
+def _router_top_k(cell: Cell) -> Built:
+    import importlib
+
+    moe_utils = importlib.import_module(_MOE_UTILS)
+    t, e, k = (cell.shape[key] for key in ("tokens", "experts", "topk"))
+    groups, group_topk = cell.shape["groups"], cell.shape["group_topk"]
+    fused = cell.path != "megatron"
+    route = moe_utils.topk_routing_with_score_function
+    if not fused:  # Megatron's own function, not the adaptor's wrapper around it
+        route = getattr(route, "__wrapped__", route)
+    logits = _randn(cell, t, e)
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(2)) * 0.01
+
+    def step() -> torch.Tensor:
+        return route(logits, k, num_groups=groups, group_topk=group_topk, scaling_factor=2.5,
+                     score_function="sigmoid", expert_bias=bias, fused=fused)[0]  # fmt: skip
+
+    return Built(step, (logits,))
+
+
+ROUTER_TOP_K = BenchCase(
+    op="moe-router-top-k",
+    shapes={
+        "full": {"tokens": 4096, "experts": 256, "topk": 8, "groups": 8, "group_topk": 4},
+        "quick": {"tokens": 256, "experts": 16, "topk": 4, "groups": 4, "group_topk": 2},
+    },
+    build=_router_top_k,
+    dtypes=("float32",),
+    note="sigmoid, expert bias, group-limited top-k, scaling; megatron: Megatron's function "
+    "with fused=False; fp32 logits only (--moe-router-dtype fp32)",
 )

@@ -179,6 +179,12 @@ def _examples() -> dict[str, tuple[tuple, dict, bool]]:
             "group_list_type": 1}, False),
         "npu_apply_adam_w": ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, rand(6), None, False,
                               False), {"out": (var, m, v)}, True),
+        "npu_moe_gating_top_k": ((rand(3, 8), 2), {"bias": rand(8), "k_group": 2,
+                                                    "group_count": 4, "group_select_mode": 1,
+                                                    "norm_type": 1, "out_flag": True}, False),
+        "npu_moe_gating_top_k_backward": (
+            (rand(3, 8), rand(3, 2), torch.tensor([[0, 1]] * 3, dtype=torch.int32)),
+            {"norm_type": 1, "routed_scaling_factor": 2.5}, False),
         "npu_moe_token_permute_with_routing_map": ((rand(3, 4), torch.ones(3, 2, dtype=torch.int8)),
                                                    {"num_out_tokens": 6}, False),
         "npu_moe_token_unpermute_with_routing_map": (

@@ -235,13 +235,15 @@ MOE = (
         ("ep2-alltoall", "cpu", ("--moe-token-dispatcher-type", "alltoall",
                                  "--moe-layer-freq", "[0]+[1]")),
         # allgather dispatch with token dropping at capacity factor 1, and DeepSeek-V3-style
-        # routing: sigmoid scores, expert bias, group-limited top-k, scaling, fp32 router, z-loss
+        # routing: sigmoid scores, expert bias, group-limited top-k, scaling, fp32 router, z-loss,
+        # the fused router (npu_moe_gating_top_k) and the fused permutation (Megatron's unfused
+        # code here: the allgather dispatcher permutes only the local experts' tokens)
         ("allgather-capacity", "npu-emulated", (
             "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0",
             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
             "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
-            "--moe-z-loss-coeff", "1e-3")),
+            "--moe-z-loss-coeff", "1e-3", "--moe-router-fusion", "--moe-permute-fusion")),
         # megatron-core's legacy GroupedMLP (grouped_gemm.ops.gmm; up to 0.16), bf16 as it asks;
         # the fused permutation with experts padded to their capacity
         ("local-grouped-gemm", "npu-emulated", (
@@ -267,6 +269,8 @@ def test_moe_trains(tmp_path, name, device, extra):
 
     from megatron_npu.patcher import megatron_core_version
 
+    if Version(megatron_core_version()) < Version("0.14"):  # 0.13 has no fused router
+        extra = tuple(e for e in extra if e != "--moe-router-fusion")
     iterations = 12
     env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
@@ -286,7 +290,14 @@ def test_moe_trains(tmp_path, name, device, extra):
         micro_batches = 4 // (2 * (2 // tp))  # TINY's global batch / (micro batch x DP)
         expected = iterations * micro_batches * layers * 2 * 3  # FC1 and FC2, three calls each
         assert counts.get("npu_grouped_matmul") == expected, counts
-    if "--moe-permute-fusion" in extra:
+    if "--moe-router-fusion" in extra:
+        # the router's top-k through the gating kernel once per MoE layer and micro-batch, and
+        # its backward kernel as often
+        counts = _kernel_counts(tmp_path, name)
+        calls = iterations * 1 * 2  # one micro-batch per step, 2 MoE layers
+        assert counts.get("npu_moe_gating_top_k") == calls, counts
+        assert counts.get("npu_moe_gating_top_k_backward") == calls, counts
+    if "--moe-permute-fusion" in extra and "allgather" not in extra:
         # one permute and one unpermute kernel call per MoE layer and micro-batch, whatever the
         # number of experts (gradients go through the same calls)
         counts = _kernel_counts(tmp_path, name)
