@@ -111,6 +111,9 @@ class ParityCase:
     tolerance: Tolerance | None = None
     tolerance_by_dtype: Mapping[torch.dtype, Tolerance] = field(default_factory=dict)
     reference_kind: str = "original Megatron function on CPU, inputs upcast"
+    #: True for a case that runs a whole Megatron module (e.g. the MoE layer): on its way it
+    #: reaches the kernels other patches declare, besides its own patch's
+    whole_module: bool = False
 
     def __post_init__(self) -> None:
         if not self.compares.strip():

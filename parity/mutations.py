@@ -791,6 +791,15 @@ def _unpermute_probs_dropped(original):
     return unpermute_with_kernel
 
 
+def _padding_taken_first(original):
+    def npu_moe_token_permute_with_routing_map(tokens, routing_map, **kwargs):
+        if kwargs.get("drop_and_pad"):  # an ascending sort: unselected tokens fill capacity
+            routing_map = ~routing_map.bool()
+        return original(tokens, routing_map, **kwargs)
+
+    return npu_moe_token_permute_with_routing_map
+
+
 def _gating_backward_unscaled(original):
     def npu_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, **kwargs):
         return original(x_norm, grad_y, expert_idx, **{**kwargs, "routed_scaling_factor": 1.0})
@@ -852,6 +861,14 @@ _ALL = (
         "megatron_npu.patches.moe.gating_kernel_groups", _gating_groups_by_max,
         "moe.fused-router-top-k",
         (_moe_cases._top_k_edge(groups=4, group_topk=2, topk_per_group=2, seed=9, tokens=12),),
+        device=NPU_EMULATED,
+    ),
+    Mutation(
+        "moe-padding-taken-first", "the padded permutation fills each expert's capacity with "
+        "the tokens it did not choose before those it did",
+        "megatron_npu.testing.torch_npu_emulation.npu_moe_token_permute_with_routing_map",
+        _padding_taken_first, "moe.fused-sort-chunks",
+        (_moe_cases._layer_edge(capacity_factor=0.5, pad=True, grouped=True, seed=4),),
         device=NPU_EMULATED,
     ),
     Mutation(

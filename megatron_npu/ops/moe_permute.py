@@ -12,7 +12,7 @@ rows. Their index map differs from Megatron's: without ``drop_and_pad`` it maps 
 (token, k-th expert) slot to its row, which needs every token to select the same number of
 experts. That holds for the alltoall dispatcher and for the allgather dispatcher with one
 expert-parallel rank, but not where tokens were dropped without padding or where the map holds
-only a rank's local experts; those calls go through Megatron's own unfused code (the check costs
+only a rank's local experts, nor for fp32 probs with fp16 tokens; those calls go through Megatron's own unfused code (the check costs
 one host read of a flag per permutation). A kernel-made map is int32 (torch_npu's contract) and
 Megatron's own int64, which is how the unpermute tells which one it was handed.
 """
@@ -26,6 +26,14 @@ import torch
 
 #: the dtype of the index map the permute kernel returns (Megatron's own is int64)
 KERNEL_INDEX_DTYPE = torch.int32
+
+
+def kernel_takes_probs(tokens: torch.Tensor, probs: torch.Tensor | None) -> bool:
+    """The kernels take probs of the tokens' dtype, or fp32 probs with bf16 tokens (so fp16
+    tokens with ``--moe-router-dtype fp32`` probs are not theirs)."""
+    return probs is None or probs.dtype == tokens.dtype or (
+        probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16
+    )
 
 
 def kernel_num_out_tokens(routing_map: torch.Tensor, num_out_tokens: Any,
@@ -63,7 +71,11 @@ def unpermute_with_kernel(
     restore_shape: Any, probs: torch.Tensor | None, routing_map: torch.Tensor | None,
     drop_and_pad: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """The tokens summed back to ``restore_shape`` from a kernel-made ``index_map``."""
+    """The tokens summed back to ``restore_shape`` from a kernel-made ``index_map``; probs of a
+    dtype the kernel does not take are rounded to the tokens' (no dispatcher of megatron-core
+    passes probs here: they are applied before the experts' second GEMM)."""
+    if not kernel_takes_probs(permuted_tokens, probs):
+        probs = probs.to(permuted_tokens.dtype)
     return kernels.npu_moe_token_unpermute_with_routing_map(
         permuted_tokens, index_map, [int(v) for v in restore_shape], probs=probs,
         routing_map=routing_map if probs is not None else None, drop_and_pad=drop_and_pad,

@@ -49,6 +49,7 @@ from megatron_npu.ops.kernels import npu_kernels
 from megatron_npu.ops.moe_permute import (
     KERNEL_INDEX_DTYPE,
     kernel_num_out_tokens,
+    kernel_takes_probs,
     permute_with_kernel,
     unpermute_with_kernel,
 )
@@ -98,7 +99,7 @@ def fused_permute_wrap(original: Callable) -> Callable:
                 drop_and_pad=False, **more):  # fmt: skip
         kernels = npu_kernels() if fused else None
         out_tokens = (
-            None if kernels is None
+            None if kernels is None or not kernel_takes_probs(tokens, probs)
             else kernel_num_out_tokens(routing_map, num_out_tokens, drop_and_pad)
         )  # fmt: skip
         if out_tokens is None:
@@ -306,8 +307,9 @@ PATCHES = [
         reason="--moe-permute-fusion: the alltoall dispatcher's fused chunk sort (TE-only) runs "
         "Megatron's unfused sort (torch_npu has no chunk-sort kernel; the split sizes may stay "
         "on the device)",
-        parity_exempt="calls Megatron's own unfused chunk sort: no numerics of its own",
-        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
+        # the whole MoE layer's case: a single-rank alltoall layer with several local experts
+        # sorts its chunks, so it fails without this entry, and it exercises every MoE entry
+        parity="megatron_npu.parity.cases.moe:MOE_LAYER",
         benchmark_exempt="Megatron's own chunk sort, unchanged",
     ),
     Patch(

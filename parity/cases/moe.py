@@ -645,3 +645,207 @@ ROUTER_TOP_K = ParityCase(
         _top_k_edge(router_dtype="input", seed=8),  # 16-bit logits: Megatron's code
     ),
 )
+
+
+# ------------------------------------------------------------------------ the whole MoE layer
+
+
+def _fp32_only():
+    import torch
+
+    from megatron_npu.registry import DEVICE_ORDER
+
+    return {device: (torch.float32,) for device in DEVICE_ORDER}
+
+
+_FP32_ONLY = _fp32_only()
+
+
+def _layer_params():
+    return st.fixed_dictionaries({
+        "seq": st.integers(1, 6),
+        "batch": st.sampled_from([1, 2]),
+        "hidden": st.sampled_from([8, 16]),
+        "ffn": st.sampled_from([4, 8]),
+        "experts": st.sampled_from([2, 4, 8]),
+        "topk": st.sampled_from([1, 2, 8]),
+        "score_function": st.sampled_from(["softmax", "sigmoid"]),
+        # None: no token dropping; with a factor, the lowest-probability tokens over each
+        # expert's capacity are dropped (Megatron's default policy), or the experts are padded
+        "capacity_factor": st.sampled_from([None, 0.5, 1.0]),
+        "pad": st.booleans(),
+        "grouped": st.booleans(),  # the TE spec's grouped experts, else the local spec's loop
+        "router_fusion": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    })  # fmt: skip
+
+
+def _layer_setup(p) -> dict:
+    topk = min(p["topk"], p["experts"])
+    pad = p["pad"] and p["capacity_factor"] is not None
+    # Megatron asks for the softmax before the choice when a token takes one expert
+    pre_softmax = p["score_function"] == "softmax" and topk == 1
+    return {"topk": topk, "pad": pad, "pre_softmax": pre_softmax}
+
+
+def _layer_inputs(p):
+    import torch
+
+    g = generator(p)
+    e, h, f = p["experts"], p["hidden"], p["ffn"]
+    return {
+        "x": torch.randn(p["seq"], p["batch"], h, generator=g, dtype=torch.float64),
+        "router": torch.randn(e, h, generator=g, dtype=torch.float64) * 0.5,
+        "fc1": torch.randn(e, 2 * f, h, generator=g, dtype=torch.float64) * 0.3,
+        "fc2": torch.randn(e, h, f, generator=g, dtype=torch.float64) * 0.3,
+        "grad_out": torch.randn(p["seq"], p["batch"], h, generator=g, dtype=torch.float64),
+    }
+
+
+def _expert_linears(layer, grouped: bool, e: int):
+    """(fc1 weight, fc2 weight) of expert ``e``: TE's ``weight{e}`` of the grouped linears, or
+    the local spec's per-expert MLP."""
+    if grouped:
+        return (getattr(layer.experts.linear_fc1, f"weight{e}"),
+                getattr(layer.experts.linear_fc2, f"weight{e}"))  # fmt: skip
+    mlp = layer.experts.local_experts[e]
+    return mlp.linear_fc1.weight, mlp.linear_fc2.weight
+
+
+def _layer_run(ctx: Context, inputs):
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    p, s = ctx.params, _layer_setup(ctx.params)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    extra = {"moe_router_fusion": p["router_fusion"]} if "moe_router_fusion" in fields else {}
+    with megatron_parallel():
+        config = megatron_config(
+            hidden_size=p["hidden"], ffn_hidden_size=p["ffn"], moe_ffn_hidden_size=p["ffn"],
+            num_moe_experts=p["experts"], moe_router_topk=s["topk"],
+            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0, moe_router_score_function=p["score_function"],
+            moe_router_pre_softmax=s["pre_softmax"],
+            moe_router_dtype="fp32", moe_expert_capacity_factor=p["capacity_factor"],
+            moe_pad_expert_input_to_capacity=s["pad"], moe_token_drop_policy="probs",
+            moe_permute_fusion=True, moe_grouped_gemm=p["grouped"], gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=True,
+            params_dtype=ctx.dtype, hidden_dropout=0.0, **extra,
+        )  # fmt: skip
+        if p["grouped"]:
+            layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=p["experts"], moe_grouped_gemm=True)  # fmt: skip
+        else:
+            layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=p["experts"])
+        layer = build_module(layer_spec.submodules.mlp, config=config)
+        layer.to(device=ctx.device, dtype=ctx.dtype).train()
+        with torch.no_grad():
+            layer.router.weight.copy_(ctx.value(inputs["router"]))
+            for e in range(p["experts"]):
+                fc1, fc2 = _expert_linears(layer, p["grouped"], e)
+                fc1.copy_(ctx.value(inputs["fc1"][e]))
+                fc2.copy_(ctx.value(inputs["fc2"][e]))
+        x = ctx.tensor(inputs["x"], grad=True)
+        out = layer(x)[0]
+        out.backward(ctx.tensor(inputs["grad_out"]).to(out.dtype))
+
+        def grad_of(param):
+            return param.grad if param.grad is not None else torch.zeros_like(param)
+
+        linears = [_expert_linears(layer, p["grouped"], e) for e in range(p["experts"])]
+        return {
+            "out": out.detach(), "grad_x": x.grad, "grad_router": grad_of(layer.router.weight),
+            "grad_fc1": torch.stack([grad_of(fc1) for fc1, _ in linears]),
+            "grad_fc2": torch.stack([grad_of(fc2) for _, fc2 in linears]),
+        }  # fmt: skip
+
+
+def _layer_reference(ctx: Context, inputs):
+    """The MoE layer from its definition, per token: the router's scores of ``x W_r^T``, the top-k
+    experts (softmax: of the logits, then a softmax over the chosen, or for top-1 the softmax
+    over all experts at the chosen one; sigmoid: the chosen scores,
+    over their sum when k > 1), each expert keeping at most its capacity of tokens by probability,
+    and the sum of ``prob x W2 (silu(W1_gate x) * W1_up x)`` over the kept experts."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    p, s = ctx.params, _layer_setup(ctx.params)
+    x = ctx.tensor(inputs["x"], grad=True)
+    wr = ctx.tensor(inputs["router"], grad=True)
+    w1 = ctx.tensor(inputs["fc1"], grad=True)
+    w2 = ctx.tensor(inputs["fc2"], grad=True)
+    tokens = x.reshape(-1, p["hidden"])
+    n, e, k = tokens.shape[0], p["experts"], s["topk"]
+    logits = tokens @ wr.t()
+    if s["pre_softmax"]:
+        scores = torch.softmax(logits, dim=-1)
+        chosen = scores.detach().topk(k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+    elif p["score_function"] == "softmax":
+        chosen = logits.detach().topk(k, dim=-1).indices
+        weights = torch.softmax(logits.gather(1, chosen), dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        chosen = scores.detach().topk(k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    probs = torch.zeros(n, e, dtype=logits.dtype).scatter(1, chosen, weights)
+    keep = torch.zeros(n, e, dtype=torch.bool).scatter(1, chosen, True)
+    if p["capacity_factor"] is not None:
+        capacity = math.ceil(n * k / e * p["capacity_factor"])
+        if capacity <= n:  # each expert keeps its `capacity` most probable tokens
+            best = probs.detach().topk(capacity, dim=0).indices
+            keep &= torch.zeros(n, e, dtype=torch.bool).scatter(0, best, True)
+    out = torch.zeros_like(tokens)
+    f = p["ffn"]
+    for j in range(e):
+        hidden = tokens @ w1[j].t()
+        ffn = (F.silu(hidden[:, :f]) * hidden[:, f:]) @ w2[j].t()
+        out = out + (probs[:, j] * keep[:, j]).unsqueeze(-1) * ffn
+    out = out.view_as(x)
+    result = {"out": out.detach()}
+    result.update(grads(out, ctx.tensor(inputs["grad_out"]), x=x, router=wr, fc1=w1, fc2=w2))
+    return result
+
+
+def _layer_edge(**kw):
+    base = {"seq": 4, "batch": 2, "hidden": 16, "ffn": 8, "experts": 4, "topk": 2,
+            "score_function": "softmax", "capacity_factor": None, "pad": False,
+            "grouped": False, "router_fusion": False, "seed": 1}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+MOE_LAYER = ParityCase(
+    name="moe-layer",
+    params=_layer_params(),
+    make_inputs=_layer_inputs,
+    run=_layer_run,
+    reference=_layer_reference,
+    compares="the MoE layer's output (router, alltoall dispatch with the fused permutation, "
+    "experts, combine); grads of the input, the router and every expert's FC1 / FC2",
+    reference_kind="independent per-token routing and per-expert SwiGLU loop on CPU, fp64",
+    whole_module=True,
+    # fp32 only: a 16-bit layer rounds at every step between its kernels, and the definition run
+    # in 16 bits is no trusted path to measure that against (msprobe's stage 2 wants the stock
+    # path). Each 16-bit kernel of the layer is held to its stock path by its own case: the
+    # router, the permutation, the grouped GEMM, the grouped linears.
+    dtypes=_FP32_ONLY,
+    edge_cases=(
+        _layer_edge(),
+        _layer_edge(experts=8, topk=8, grouped=True, seed=2),  # every expert, grouped GEMM
+        _layer_edge(score_function="sigmoid", router_fusion=True, capacity_factor=0.5, seed=13),
+        _layer_edge(capacity_factor=0.5, pad=True, grouped=True, seed=4),  # padded experts
+        _layer_edge(experts=2, topk=1, seq=1, batch=1, score_function="sigmoid", seed=5),
+        _layer_edge(experts=8, topk=2, capacity_factor=1.0, router_fusion=True,
+                    score_function="sigmoid", seed=6),  # fmt: skip
+    ),
+)

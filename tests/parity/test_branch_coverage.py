@@ -97,16 +97,24 @@ def test_parity_examples_reach_the_branches_of_the_patched_code(traced, tmp_path
 
 
 def test_npu_cells_call_the_kernels_the_registry_declares(traced):
+    """A patch's npu-emulated cells call exactly the kernels it declares; a whole-module case
+    (the MoE layer) calls its own and, on its way, only kernels other patches declare."""
+    from megatron_npu.parity.case import load_case
+
     from megatron_npu.registry import all_patches
 
     kernels = traced[1]["kernels"]
     assert kernels, "the trace recorded no npu-emulated cell"
+    declared_anywhere = {k for p in all_patches() for k in p.npu_kernels}
     for patch in all_patches():
-        if patch.id in kernels:
-            assert set(kernels[patch.id]) == set(patch.npu_kernels), (
-                f"{patch.id}: npu-emulated cells called {sorted(kernels[patch.id])}, the "
-                f"registry declares {list(patch.npu_kernels)}"
-            )
+        if patch.id not in kernels:
+            continue
+        called, declared = set(kernels[patch.id]), set(patch.npu_kernels)
+        detail = f"{patch.id}: npu-emulated cells called {sorted(called)}, the registry declares "
+        if load_case(patch.parity).whole_module:
+            assert declared <= called <= declared_anywhere, detail + str(sorted(declared))
+        else:
+            assert called == declared, detail + str(sorted(declared))
 
 
 def kernel_call_sites() -> set[tuple[str, int, str]]:
