@@ -310,7 +310,7 @@ PATCHES = [
         # the whole MoE layer's case: a single-rank alltoall layer with several local experts
         # sorts its chunks, so it fails without this entry, and it exercises every MoE entry
         parity="megatron_npu.parity.cases.moe:MOE_LAYER",
-        benchmark_exempt="Megatron's own chunk sort, unchanged",
+        benchmark="perf.cases.moe:MOE_LAYER_STEP",
     ),
     Patch(
         id="moe.fused-router-top-k",

@@ -47,7 +47,14 @@ DeepSeek-V3-style routing, forward and backward: sigmoid scores of fp32 logits, 
 ``npu_moe_gating_top_k`` and its backward kernel on the NPU). fp32 only: the router's logits are
 fp32 (``--moe-router-dtype fp32``) whatever the model's dtype.
 
-The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``) run fp32 only: this CPU has no bf16 matrix
+``MOE_LAYER_STEP``: one MoE layer forward and backward, alltoall dispatch on one rank, 8
+SwiGLU experts (FFN 1408), top-2, hidden 1024, 4096 tokens, no token dropping, softmax routing
+with an fp32 router. ``megatron`` is what Megatron builds without TE: the local spec's
+``SequentialMLP`` (one expert MLP after another) and the unfused permutation; ``native`` /
+``npu-binding`` the TE spec's grouped experts (one grouped GEMM per layer and direction) with
+``--moe-permute-fusion`` (the permute / unpermute kernels on the NPU).
+
+The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``, ``MOE_LAYER_STEP``) run fp32 only: this CPU has no bf16 matrix
 units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so a bf16 figure
 would time the emulation of bf16 arithmetic, not the op.
 """
@@ -293,4 +300,48 @@ ROUTER_TOP_K = BenchCase(
     dtypes=("float32",),
     note="sigmoid, expert bias, group-limited top-k, scaling; megatron: Megatron's function "
     "with fused=False; fp32 logits only (--moe-router-dtype fp32)",
+)
+
+
+# ------------------------------------------------------------------------- one MoE layer step
+
+
+def _moe_layer_step(cell: Cell) -> Built:
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    e, k, t, h, f = (cell.shape[key] for key in ("experts", "topk", "tokens", "hidden", "ffn"))
+    adaptor = cell.path != "megatron"
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=8, ffn_hidden_size=f,
+        moe_ffn_hidden_size=f, num_moe_experts=e, moe_router_topk=k,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32", moe_grouped_gemm=adaptor, moe_permute_fusion=adaptor,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bias_activation_fusion=True, use_cpu_initialization=True, params_dtype=cell.torch_dtype,
+    )  # fmt: skip
+    if adaptor:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=e, moe_grouped_gemm=True)  # fmt: skip
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=e)
+    layer = build_module(spec.submodules.mlp, config=config).to(cell.torch_dtype).train()
+    x = _randn(cell, t, 1, h)
+    return Built(lambda: layer(x)[0], (x, *layer.parameters()))
+
+
+MOE_LAYER_STEP = BenchCase(
+    op="moe-layer-step",
+    shapes={
+        "full": {"experts": 8, "topk": 2, "tokens": 4096, "hidden": 1024, "ffn": 1408},
+        "quick": {"experts": 4, "topk": 2, "tokens": 128, "hidden": 64, "ffn": 64},
+    },
+    build=_moe_layer_step,
+    dtypes=("float32",),
+    note="one MoE layer fwd+bwd, alltoall on one rank; megatron: SequentialMLP and the unfused "
+    f"permutation; the adaptor: grouped experts and the fused permutation; {_GEMM_NOTE}",
 )
