@@ -836,6 +836,12 @@ _ALL = (
         "moe.grouped-gemm-ops", (_moe_cases._gemm_edge(),),
     ),
     Mutation(
+        "te-grouped-linear-last-expert-dropped", "TE's grouped linears leave the last expert's "
+        "rows at 0 (the grouped GEMM of the op layer)",
+        "megatron_npu.ops.grouped_matmul.grouped_mm", _grouped_last_group_dropped,
+        "transformer-engine.column-parallel-grouped-linear", (_moe_cases._linear_edge(),),
+    ),
+    Mutation(
         "te-grouped-linear-bias-reversed", "TE's grouped linear adds expert g's bias to the rows "
         "of expert n-1-g",
         "torch.repeat_interleave", _grouped_bias_reversed,

@@ -60,8 +60,10 @@ _KINDS = (
     (re.compile(r"(^|\.)rotary_pos_emb$"), "rotary"),
     (re.compile(r"(^|\.)(embedding|word_embeddings|position_embeddings)$"), "embedding"),
     (re.compile(r"(^|\.)output_layer$"), "output"),
-    # mixture of experts: the router, the experts (each local expert) and the shared expert
+    # mixture of experts: the router, the experts (each local expert, and the experts' linears:
+    # TE's grouped FC1 / FC2, a local expert's) and the shared expert
     (re.compile(r"(^|\.)(router|experts|shared_experts|local_experts\.\d+)$"), "moe"),
+    (re.compile(r"(^|\.)(experts|local_experts\.\d+)\.linear_\w+$"), "moe"),
     (re.compile(r"(^|\.)mlp$"), "mlp"),
     (re.compile(r"(^|\.)linear_\w+$"), "linear"),
     (re.compile(r"(^|\.)layers\.\d+$"), "layer"),

@@ -26,7 +26,7 @@ from typing import Any
 
 def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
     """The code objects that run when ``obj`` (a patch's installed object) is used: a
-    function's, a class's methods, and -- for an adaptor object that routes attribute access,
+    function's, a class's methods (its own and those of its adaptor-defined bases), and -- for an adaptor object that routes attribute access,
     e.g. a namespace whose ``optim.AdamW`` is the adaptor's AdamW -- those of the adaptor
     objects it holds (a few levels deep)."""
     if isinstance(obj, (staticmethod, classmethod)):
@@ -53,7 +53,12 @@ def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
     if inspect.isfunction(obj):
         yield obj.__code__
     elif isinstance(obj, type):
-        for value in vars(obj).values():
+        # the class's own methods and those it inherits from the adaptor's classes (TE's column
+        # and row grouped linears share their forward): Megatron's and torch's bases are not
+        # the patch's code
+        own_classes = [k for k in obj.__mro__ if k is obj or _own_object(k, itself=True)]
+        values = [v for k in own_classes for v in vars(k).values()]
+        for value in values:
             if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(
                 value
             ):

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from megatron_npu.devices.torch_namespace import TORCH_NAMESPACE
 from megatron_npu.modules.norm import Norm, normalize
 
 #: TE's ``_extra_state`` payloads that carry no fp8 state: ``pickle.dumps(None)`` (TE 2.0-2.3
@@ -52,6 +53,12 @@ _EMPTY_PICKLES = (pickle.dumps(None, protocol=4), pickle.dumps({}, protocol=4))
 class FP8StateError(ValueError):
     """A checkpoint's TE ``_extra_state`` holds fp8 scaling state."""
 
+
+
+def _device() -> Any:
+    """Where Megatron's device-path initialisation puts a weight: its ``torch.cuda.current_device()``
+    as the device layer answers it (the NPU, the CPU for the stand-in devices)."""
+    return TORCH_NAMESPACE.cuda.current_device()
 
 def _megatron_core_below(version: str) -> bool:
     from packaging.version import Version
@@ -262,7 +269,7 @@ class TELinear(TEExtraState, torch.nn.Module):
 
         self.config = config
         self.skip_bias_add = skip_bias_add
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = "cpu" if config.use_cpu_initialization else _device()
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
         )
@@ -408,7 +415,7 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
         elif parallel_mode == "row":
             input_size = input_size // tp_size
         self.in_features, self.out_features = input_size, output_size
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = "cpu" if config.use_cpu_initialization else _device()
         tracker = get_cuda_rng_tracker()
         for i in range(num_gemms):
             weight = torch.nn.Parameter(

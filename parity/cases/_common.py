@@ -25,6 +25,14 @@ def megatron_config(**overrides: Any) -> Any:
     return TransformerConfig(**base)
 
 
+def build_from_spec(spec: Any, config: Any) -> Any:
+    """A Megatron submodule from its spec: a ``ModuleSpec`` through ``build_module``, or a
+    builder (megatron-core 0.18+ specs the MoE layer as a ``functools.partial``) called."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    return build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+
+
 def grads(out: torch.Tensor, grad_out: torch.Tensor, **leaves: torch.Tensor | None) -> dict:
     """Back-propagate ``grad_out`` and collect ``grad_<name>`` for each non-None leaf."""
     out.backward(grad_out.to(out.dtype))

@@ -32,6 +32,7 @@ import inspect
 from hypothesis import strategies as st
 from megatron_npu.parity.case import Context, ParityCase
 from megatron_npu.parity.cases._common import (
+    build_from_spec,
     expected_key_flags,
     generator,
     grads,
@@ -718,7 +719,6 @@ def _layer_run(ctx: Context, inputs):
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     p, s = ctx.params, _layer_setup(ctx.params)
@@ -742,7 +742,7 @@ def _layer_run(ctx: Context, inputs):
                 num_experts=p["experts"], moe_grouped_gemm=True)  # fmt: skip
         else:
             layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=p["experts"])
-        layer = build_module(layer_spec.submodules.mlp, config=config)
+        layer = build_from_spec(layer_spec.submodules.mlp, config)
         layer.to(device=ctx.device, dtype=ctx.dtype).train()
         with torch.no_grad():
             layer.router.weight.copy_(ctx.value(inputs["router"]))

@@ -310,8 +310,8 @@ def _moe_layer_step(cell: Cell) -> Built:
     import torch.nn.functional as F
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_npu.parity.cases._common import build_from_spec
 
     e, k, t, h, f = (cell.shape[key] for key in ("experts", "topk", "tokens", "hidden", "ffn"))
     adaptor = cell.path != "megatron"
@@ -329,7 +329,7 @@ def _moe_layer_step(cell: Cell) -> Built:
             num_experts=e, moe_grouped_gemm=True)  # fmt: skip
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=e)
-    layer = build_module(spec.submodules.mlp, config=config).to(cell.torch_dtype).train()
+    layer = build_from_spec(spec.submodules.mlp, config).to(cell.torch_dtype).train()
     x = _randn(cell, t, 1, h)
     return Built(lambda: layer(x)[0], (x, *layer.parameters()))
 

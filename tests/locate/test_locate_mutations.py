@@ -194,27 +194,43 @@ def test_locate_across_pipeline_stages_and_in_fp16(layout, tmp_path, corpus_dir)
         assert data["step"]["step"] > ref["iterations"][0]  # after the skipped updates
 
 
-def test_locate_names_the_moe_experts(tmp_path, corpus_dir):
-    """A mixture-of-experts model (4 experts, top-2, the grouped GEMM of megatron-core's
-    GroupedMLP, bf16 as it asks) with a planted grouped-GEMM bug (the last expert's rows left
-    at 0): replaying step 1, locate names the experts (kind ``moe``) in the forward and the
-    grouped-GEMM patch, which Megatron cannot run without (a suspect, as for the fused softmax).
-    Up to megatron-core 0.16, where GroupedMLP exists."""
+#: (spec flag, planted grouped-GEMM bug, the patches locate must name) per expert implementation
+MOE_EXPERTS = {
+    # megatron-core's legacy GroupedMLP (up to 0.16), grouped_gemm.ops.gmm
+    "grouped-mlp": ("", "grouped-gemm-last-expert-dropped", ["moe.grouped-gemm-ops"]),
+    # the TE spec's TEGroupedMLP, the adaptor's grouped linears (every release)
+    "te-grouped-mlp": ("--transformer-impl transformer_engine",
+                       "te-grouped-linear-last-expert-dropped", None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("experts", sorted(MOE_EXPERTS))
+def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
+    """A mixture-of-experts model (4 experts, top-2, grouped GEMM, bf16 as it asks) with a
+    planted grouped-GEMM bug (the last expert's rows left at 0): replaying step 1, locate names
+    the experts (kind ``moe``) in the forward and the grouped-GEMM patches, which Megatron
+    cannot run without (suspects, as for the fused softmax). The legacy GroupedMLP exists up to
+    megatron-core 0.16; the TE spec's grouped experts on every release."""
     from packaging.version import Version
 
     from megatron_npu.patcher import megatron_core_version
 
-    if Version(megatron_core_version()) >= Version("0.17"):
-        pytest.skip("megatron-core 0.17+ has no GroupedMLP (the TE spec's grouped linears serve)")
-    moe = ("--bf16 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear "
-           "--moe-token-dispatcher-type alltoall")  # fmt: skip
+    spec, plant, named = MOE_EXPERTS[experts]
+    if not spec and Version(megatron_core_version()) >= Version("0.17"):
+        pytest.skip("megatron-core 0.17+ has no GroupedMLP (te-grouped-mlp covers the experts)")
+    moe = (f"--bf16 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear "
+           f"--moe-token-dispatcher-type alltoall {spec}")  # fmt: skip
     args = _args(tmp_path, "--device cpu", "--device cpu",
-                 f"{TINY} --default-corpus-dir {corpus_dir} {moe}",
-                 "grouped-gemm-last-expert-dropped")  # fmt: skip
+                 f"{TINY} --default-corpus-dir {corpus_dir} {moe}", plant)  # fmt: skip
     args.step, args.max_trials = 1, 4
     data = command.locate(args, echo=lambda s: None)
     found = data["divergent"]
+    # the experts (GroupedMLP holds its weights itself), or their grouped FC1 (TE's)
     assert (found["kind"], found["module"], found["phase"]) == (
-        "moe", "decoder.layers.0.mlp.experts", "forward"
+        "moe", "decoder.layers.0.mlp.experts" + ("" if not spec else ".linear_fc1"), "forward"
     ), found
-    assert data["culprit"]["culprits"] + data["culprit"]["suspects"] == ["moe.grouped-gemm-ops"]
+    blamed = data["culprit"]["culprits"] + data["culprit"]["suspects"]
+    if named is not None:
+        assert blamed == named
+    else:  # the grouped linears, as the TE extension or the spec provider installs them
+        assert blamed and all("grouped-linear" in p for p in blamed), blamed

@@ -211,7 +211,9 @@ def test_moe_layer_freq_builds_dense_and_moe_layers_where_megatron_does(freq, pa
     finally:
         megatron_npu.restore()
     layers = getattr(spec, "layer_specs", [spec] * 4)
-    built = [int(s.submodules.mlp.module is MoELayer) for s in layers]
+    # the MLP's class: a ModuleSpec's module, or a builder's (megatron-core 0.18+)
+    mlps = [s.submodules.mlp for s in layers]
+    built = [int(getattr(m, "module", getattr(m, "func", None)) is MoELayer) for m in mlps]
     assert built == pattern
 
 
