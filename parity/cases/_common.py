@@ -11,6 +11,11 @@ from typing import Any
 
 import torch
 
+from megatron_npu.registry import DEVICE_ORDER
+
+#: a case that runs in fp32 only, on every device
+FP32_ONLY = {device: (torch.float32,) for device in DEVICE_ORDER}
+
 
 def generator(params: dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(params.get("seed", 0)))

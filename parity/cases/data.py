@@ -10,10 +10,7 @@ import numpy
 import torch
 from hypothesis import strategies as st
 from megatron_npu.parity.case import Context, ParityCase
-
-from megatron_npu.registry import DEVICE_ORDER
-
-_ONE_RUN = {d: (torch.float32,) for d in DEVICE_ORDER}
+from megatron_npu.parity.cases._common import FP32_ONLY
 
 
 def _rng(p) -> numpy.random.Generator:
@@ -88,7 +85,7 @@ def _case(name, params, compares, edge_cases=()):
         reference=_original(name),
         compares=compares,
         edge_cases=edge_cases,
-        dtypes=_ONE_RUN,
+        dtypes=FP32_ONLY,
         reference_kind="megatron-core's compiled helpers_cpp (exact)",
     )
 
