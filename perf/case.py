@@ -64,10 +64,13 @@ class Cell:
 @dataclass(frozen=True)
 class Built:
     """What a case hands the runner for one cell: ``run()`` executes the op once and returns the
-    tensor(s) to back-propagate (fwd+bwd), ``leaves`` are the inputs whose grads it resets."""
+    tensor(s) to back-propagate (fwd+bwd), ``leaves`` are the inputs whose grads it resets.
+    ``forward_flops``, where given, is the model FLOPs one forward is credited with (an MoE
+    layer's: only the experts each token is routed to); the runner then records MFU."""
 
     run: Callable[[], Any]
     leaves: tuple[torch.Tensor, ...] = ()
+    forward_flops: float | None = None
 
 
 @dataclass(frozen=True)

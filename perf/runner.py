@@ -8,6 +8,7 @@ of one op line up in pytest-benchmark's tables.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 import megatron_npu
 from megatron_npu.ops import settings
+from megatron_npu.training import peak as peak_flops
 from perf.case import Built, Cell
 from perf.memory import peak_allocated_bytes
 
@@ -78,3 +80,20 @@ def run_cell(benchmark: Any, cell: Cell, build: Callable[[Cell], Built], rounds:
             torch_threads=torch.get_num_threads(), **extra,
         )  # fmt: skip
         benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
+    if built.forward_flops is not None and not cell.emulated:
+        passes = 3 if cell.direction == "fwd+bwd" else 1  # backward: data and weight gradients
+        record_mfu(benchmark, built.forward_flops * passes, cell.device, cell.torch_dtype)
+
+
+def record_mfu(benchmark: Any, model_flops: float, device: str, dtype: torch.dtype) -> None:
+    """Record ``model_flops_per_call``, ``achieved_tflops`` (model FLOPs over the median time),
+    the per-device peak it is measured against and ``mfu``. Not for emulated cells: their time
+    is the emulation's."""
+    median = statistics.median(benchmark.stats.stats.data)
+    figure = peak_flops.measured_peak_flops(device, dtype)
+    achieved = model_flops / median
+    benchmark.extra_info.update(
+        model_flops_per_call=model_flops, achieved_tflops=achieved / 1e12,
+        peak_tflops=figure.tflops, peak_source=figure.source,
+        mfu=peak_flops.mfu(achieved, figure),
+    )  # fmt: skip

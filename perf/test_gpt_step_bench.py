@@ -24,7 +24,6 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import statistics
 
 import pytest
 import torch
@@ -33,8 +32,9 @@ import megatron_npu
 from megatron_npu import devices
 from megatron_npu.ops.settings import reset as reset_fused_attention
 from megatron_npu.ops.settings import set_fused_attention
-from megatron_npu.training import arguments, data, flops, launch, loop, peak
+from megatron_npu.training import arguments, data, flops, launch, loop
 from perf.plain_gpt import GPTShape, PlainTrainer
+from perf.runner import record_mfu
 
 SHAPES = {
     "full": GPTShape(8, 1024, 16, 1024, 32000, 1),
@@ -122,7 +122,6 @@ def test_gpt_train_step(benchmark, perf_size, path):
         shape=f"L={shape.num_layers},h={shape.hidden_size},n={shape.num_attention_heads},"
         f"s={shape.seq_length},V={shape.vocab_size},b={shape.micro_batch_size}",
         peak_memory_bytes=None, torch_threads=torch.get_num_threads(), case=path,
-        model_flops_per_step=model_flops,
     )  # fmt: skip
     losses: list[float] = []
     try:
@@ -133,11 +132,5 @@ def test_gpt_train_step(benchmark, perf_size, path):
     finally:
         if isinstance(runner, _MegatronStep):
             runner.close()
-    median = statistics.median(benchmark.stats.stats.data)
-    figure = peak.measured_peak_flops("cpu", DTYPE)
-    achieved = model_flops / median
-    benchmark.extra_info.update(
-        achieved_tflops=achieved / 1e12, peak_tflops=figure.tflops, peak_source=figure.source,
-        mfu=achieved / (figure.tflops * 1e12),
-    )  # fmt: skip
+    record_mfu(benchmark, model_flops, "cpu", DTYPE)
     assert all(torch.isfinite(torch.tensor(losses)))

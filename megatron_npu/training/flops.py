@@ -56,6 +56,13 @@ def active_ffn_hidden_size(
     return moe_layer_share * active + (1.0 - moe_layer_share) * ffn_hidden_size
 
 
+def mlp_forward_flops(tokens: float, hidden_size: int, ffn_hidden_size: float, *, swiglu: bool) -> float:
+    """Forward FLOPs of the MLP GEMMs for ``tokens`` tokens: ``h -> ffn`` and ``ffn -> h`` at
+    ``2 m n k`` each, plus SwiGLU's gate (a third GEMM of the same size). ``ffn_hidden_size`` is
+    the width a token passes through (:func:`active_ffn_hidden_size` for an MoE layer)."""
+    return 2.0 * 2.0 * tokens * hidden_size * ffn_hidden_size * (1.5 if swiglu else 1.0)
+
+
 def gpt_model_flops_per_iteration(
     *,
     num_layers: int,
@@ -91,6 +98,6 @@ def gpt_model_flops_per_iteration(
     attention = (
         1.0 + num_query_groups / num_attention_heads + seq_length / h * causal_share
     ) * query_ratio
-    mlp = ffn_hidden_size / h * (1.5 if swiglu else 1.0)
+    mlp = mlp_forward_flops(1, hidden_size, ffn_hidden_size, swiglu=swiglu) / (4.0 * h * h)
     logits = padded_vocab_size / (2.0 * num_layers * h)
     return 12.0 * global_batch_size * seq_length * num_layers * h * h * (attention + mlp + logits)

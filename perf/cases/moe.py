@@ -52,7 +52,10 @@ SwiGLU experts (FFN 1408), top-2, hidden 1024, 4096 tokens, no token dropping, s
 with an fp32 router. ``megatron`` is what Megatron builds without TE: the local spec's
 ``SequentialMLP`` (one expert MLP after another) and the unfused permutation; ``native`` /
 ``npu-binding`` the TE spec's grouped experts (one grouped GEMM per layer and direction) with
-``--moe-permute-fusion`` (the permute / unpermute kernels on the NPU).
+``--moe-permute-fusion`` (the permute / unpermute kernels on the NPU). Both paths record MFU
+with model FLOPs that count only the active experts (top-k x the expert FFN per token, SwiGLU's
+three GEMMs, :func:`megatron_npu.training.flops.mlp_forward_flops`), as Megatron-LM counts an
+MoE model; the router's small gating GEMM is left out, as there.
 
 The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``, ``MOE_LAYER_STEP``) run fp32 only: this CPU has no bf16 matrix
 units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so a bf16 figure
@@ -313,6 +316,8 @@ def _moe_layer_step(cell: Cell) -> Built:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron_npu.parity.cases._common import build_from_spec
 
+    from megatron_npu.training import flops
+
     e, k, t, h, f = (cell.shape[key] for key in ("experts", "topk", "tokens", "hidden", "ffn"))
     adaptor = cell.path != "megatron"
     model_parallel_cuda_manual_seed(0)
@@ -331,7 +336,10 @@ def _moe_layer_step(cell: Cell) -> Built:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=e)
     layer = build_from_spec(spec.submodules.mlp, config).to(cell.torch_dtype).train()
     x = _randn(cell, t, 1, h)
-    return Built(lambda: layer(x)[0], (x, *layer.parameters()))
+    active = flops.active_ffn_hidden_size(f, num_experts=e, moe_ffn_hidden_size=f,
+                                          moe_router_topk=k)  # fmt: skip
+    return Built(lambda: layer(x)[0], (x, *layer.parameters()),
+                 forward_flops=flops.mlp_forward_flops(t, h, active, swiglu=True))  # fmt: skip
 
 
 MOE_LAYER_STEP = BenchCase(
