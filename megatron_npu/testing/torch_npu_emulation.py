@@ -53,12 +53,14 @@ __all__ = [
     "npu_apply_adam_w",
     "npu_fast_gelu",
     "npu_fusion_attention",
+    "npu_fusion_attention_grad",
     "npu_gelu",
     "npu_grouped_matmul",
     "npu_moe_gating_top_k",
     "npu_moe_gating_top_k_backward",
     "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute_with_routing_map",
+    "npu_ring_attention_update",
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_scaled_masked_softmax",
@@ -228,6 +230,31 @@ def _fa_check_dead_rows(dead: torch.Tensor, sparse_mode: int, inner_precise: int
     )
 
 
+def _fa_scores(query, key, value, head_num, layout, n_kv, atten_mask, sparse_mode, pre, nxt,
+               scale):
+    """(q, k, v) as fp32 (B, N, S, D) with the key/value heads shared out to the query heads,
+    the scaled scores with hidden positions at -inf, and the visibility mask (or None)."""
+    q = _split_heads(query, layout, head_num).float()
+    k = _split_heads(key, layout, n_kv).float()
+    v = _split_heads(value, layout, n_kv).float()
+    b, sq, skv = q.shape[0], q.shape[2], k.shape[2]
+    visible = _fa_visible(atten_mask, sparse_mode, pre, nxt, b, head_num, sq, skv, query.device)
+    group = head_num // n_kv
+    if group > 1:  # query head h reads key/value head h // group
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bnqd,bnkd->bnqk", q, k) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return q, k, v, scores, visible
+
+
+def _fa_keep(probs: torch.Tensor, seed: int, keep_prob: float) -> torch.Tensor:
+    """The dropout keep-mask the forward drew from ``seed`` (the grad redraws it)."""
+    gen = torch.Generator(device=probs.device).manual_seed(seed)
+    return torch.rand(probs.shape, generator=gen, device=probs.device) < keep_prob
+
+
 def npu_fusion_attention(
     query,
     key,
@@ -277,19 +304,8 @@ def npu_fusion_attention(
         raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
     if inner_precise not in (0, 1, 2):
         raise ValueError(f"{op}: inner_precise must be 0, 1 or 2, got {inner_precise}")
-    visible = _fa_visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, head_num, sq,
-                          skv, query.device)
-
-    q = _split_heads(query, input_layout, head_num).float()
-    k = _split_heads(key, input_layout, n_kv).float()
-    v = _split_heads(value, input_layout, n_kv).float()
-    group = head_num // n_kv
-    if group > 1:  # query head h reads key/value head h // group
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("bnqd,bnkd->bnqk", q, k) * scale
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    q, k, v, scores, _ = _fa_scores(query, key, value, head_num, input_layout, n_kv, atten_mask,
+                                    sparse_mode, pre_tockens, next_tockens, scale)
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # a shift softmax is invariant to
     dead = torch.isneginf(row_max)  # rows with nothing to attend
     _fa_check_dead_rows(dead, sparse_mode, inner_precise)
@@ -301,15 +317,151 @@ def npu_fusion_attention(
     seed, offset, numels = 0, 0, 0
     if keep_prob < 1.0:
         seed = int(torch.randint(0, _MAX, (1,)).item())
-        gen = torch.Generator(device=query.device).manual_seed(seed)
-        keep = torch.rand(probs.shape, generator=gen, device=query.device) < keep_prob
-        probs = probs * keep / keep_prob
+        probs = probs * _fa_keep(probs, seed, keep_prob) / keep_prob
         numels = probs.numel()
     out = torch.einsum("bnqk,bnkd->bnqd", probs, v).to(query.dtype)
     softmax_max = row_max.detach().expand(-1, -1, -1, 8).contiguous()
     softmax_sum = row_sum.detach().expand(-1, -1, -1, 8).contiguous()
     reserved = torch.empty(0, dtype=query.dtype, device=query.device)
     return _merge_heads(out, input_layout), softmax_max, softmax_sum, reserved, seed, offset, numels
+
+
+def npu_fusion_attention_grad(
+    query,
+    key,
+    value,
+    dy,
+    head_num,
+    input_layout,
+    *,
+    pse=None,
+    padding_mask=None,
+    atten_mask=None,
+    softmax_max=None,
+    softmax_sum=None,
+    softmax_in=None,
+    attention_in=None,
+    scale_value=1.0,
+    keep_prob=1.0,
+    pre_tockens=2147483647,
+    next_tockens=2147483647,
+    inner_precise=0,
+    seed=0,
+    offset=0,
+    numels=0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode=0,
+    gen_mask_parallel=True,
+    sync=False,
+    softmax_layout="",
+    sink=None,
+):
+    """Emulates ``torch_npu.npu_fusion_attention_grad``: ``(dq, dk, dv, dpse, dsink)`` of the
+    forward that produced ``attention_in`` with statistics ``softmax_max`` / ``softmax_sum``
+    (``(B, N, Sq, 8)`` fp32). The probabilities are rebuilt from *those* statistics, not from the
+    scores' own maximum and sum, so outputs and statistics merged across several calls (ring
+    attention) give each call's share of the merged gradient. Dropout redraws the forward's mask
+    from ``seed``. Grouped-query key/value gradients are summed over their query heads."""
+    op = "npu_fusion_attention_grad"
+    b, n_kv, sq, skv, d = _fa_dims(query, key, value, head_num, input_layout)
+    if pse is not None or padding_mask is not None or softmax_in is not None:
+        raise NotImplementedError(f"{op}: pse/padding_mask/softmax_in are not emulated")
+    if prefix is not None or actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not "
+                                  "emulated")
+    if softmax_layout or sink is not None:
+        raise NotImplementedError(f"{op}: softmax_layout/sink are not emulated")
+    if softmax_max is None or softmax_sum is None or attention_in is None:
+        raise ValueError(f"{op}: softmax_max, softmax_sum and attention_in (the forward's "
+                         "outputs) are required")
+    for arg, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (b, head_num, sq, 8):
+            raise ValueError(f"{op}: {arg} must be float32 of shape {(b, head_num, sq, 8)}, got "
+                             f"{_name(t.dtype)} {tuple(t.shape)}")
+    for arg, t in (("dy", dy), ("attention_in", attention_in)):
+        if tuple(t.shape) != tuple(query.shape) or t.dtype != query.dtype:
+            raise ValueError(f"{op}: {arg} must have query's shape {tuple(query.shape)} and "
+                             f"dtype {_name(query.dtype)}, got {_name(t.dtype)} "
+                             f"{tuple(t.shape)}")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
+    q, k, v, scores, visible = _fa_scores(query, key, value, head_num, input_layout, n_kv,
+                                          atten_mask, sparse_mode, pre_tockens, next_tockens,
+                                          scale_value)  # fmt: skip
+    row_max, row_sum = softmax_max[..., :1], softmax_sum[..., :1]
+    probs = torch.exp(scores - row_max) / torch.where(row_sum > 0, row_sum, 1.0)
+    if visible is not None:
+        probs = probs.masked_fill(~visible, 0.0)
+    keep = _fa_keep(probs, seed, keep_prob) / keep_prob if keep_prob < 1.0 else 1.0
+    g = _split_heads(dy, input_layout, head_num).float()
+    out = _split_heads(attention_in, input_layout, head_num).float()
+    dv = torch.einsum("bnqk,bnqd->bnkd", probs * keep, g)
+    dprobs = torch.einsum("bnqd,bnkd->bnqk", g, v) * keep
+    delta = (g * out).sum(dim=-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale_value
+    dq = torch.einsum("bnqk,bnkd->bnqd", dscores, k)
+    dk = torch.einsum("bnqk,bnqd->bnkd", dscores, q)
+    group = head_num // n_kv
+    if group > 1:
+        dk = dk.unflatten(1, (n_kv, group)).sum(2)
+        dv = dv.unflatten(1, (n_kv, group)).sum(2)
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return (_merge_heads(dq.to(query.dtype), input_layout),
+            _merge_heads(dk.to(key.dtype), input_layout),
+            _merge_heads(dv.to(value.dtype), input_layout), empty, empty)  # fmt: skip
+
+
+def npu_ring_attention_update(
+    prev_attn_out,
+    prev_softmax_max,
+    prev_softmax_sum,
+    cur_attn_out,
+    cur_softmax_max,
+    cur_softmax_sum,
+    *,
+    actual_seq_qlen=None,
+    input_layout="SBH",
+    input_softmax_layout="",
+):
+    """Emulates ``torch_npu.npu_ring_attention_update``: merge two partial attentions over
+    disjoint keys by their softmax statistics. ``m = max(m1, m2)``, ``l = l1 e^(m1 - m) +
+    l2 e^(m2 - m)``, ``out = (o1 l1 e^(m1 - m) + o2 l2 e^(m2 - m)) / l``; outputs ``(S, B, H)``
+    (``SBH``; ``TND`` is not emulated), statistics fp32 ``(B, N, S, 8)``. Returns ``(out,
+    softmax_max, softmax_sum)``, ``out`` in the input dtype."""
+    op = "npu_ring_attention_update"
+    if input_layout != "SBH" or input_softmax_layout or actual_seq_qlen is not None:
+        raise NotImplementedError(f"{op}: only input_layout 'SBH' with the default softmax "
+                                  "layout is emulated")
+    for arg, t in (("prev_attn_out", prev_attn_out), ("cur_attn_out", cur_attn_out)):
+        _float_dtype(op, arg, t)
+        if t.dim() != 3:
+            raise ValueError(f"{op}: {arg} must be (S, B, H), got {tuple(t.shape)}")
+    if prev_attn_out.shape != cur_attn_out.shape or prev_attn_out.dtype != cur_attn_out.dtype:
+        raise ValueError(f"{op}: prev_attn_out and cur_attn_out must share shape and dtype")
+    s, b, h = prev_attn_out.shape
+    stats = (("prev_softmax_max", prev_softmax_max), ("prev_softmax_sum", prev_softmax_sum),
+             ("cur_softmax_max", cur_softmax_max), ("cur_softmax_sum", cur_softmax_sum))
+    n = prev_softmax_max.shape[1] if prev_softmax_max.dim() == 4 else 0
+    for arg, t in stats:
+        if t.dtype != torch.float32 or t.dim() != 4 or tuple(t.shape) != (b, n, s, 8):
+            raise ValueError(f"{op}: {arg} must be float32 (B, N, S, 8) = {(b, n, s, 8)}, got "
+                             f"{_name(t.dtype)} {tuple(t.shape)}")
+    if n < 1 or h % n:
+        raise ValueError(f"{op}: N={n} heads do not divide H={h}")
+    smax = torch.maximum(prev_softmax_max, cur_softmax_max)
+    prev_scaled = prev_softmax_sum * torch.exp(prev_softmax_max - smax)
+    cur_scaled = cur_softmax_sum * torch.exp(cur_softmax_max - smax)
+    ssum = prev_scaled + cur_scaled
+
+    def per_head(weight):  # (B, N, S, 8) -> (S, B, N, 1)
+        return weight[..., :1].permute(2, 0, 1, 3)
+
+    o1 = prev_attn_out.float().unflatten(2, (n, h // n))
+    o2 = cur_attn_out.float().unflatten(2, (n, h // n))
+    out = (o1 * per_head(prev_scaled) + o2 * per_head(cur_scaled)) / per_head(ssum)
+    return out.flatten(2).to(prev_attn_out.dtype), smax, ssum
 
 
 # ============================================================================ norms

@@ -165,6 +165,13 @@ def _examples() -> dict[str, tuple[tuple, dict, bool]]:
     return {
         "npu_fusion_attention": ((rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), 2, "BSH"),
                                  {"scale": 0.25}, False),
+        "npu_fusion_attention_grad": (
+            (rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), 2, "BSH"),
+            {"softmax_max": torch.zeros(2, 2, 4, 8), "softmax_sum": torch.full((2, 2, 4, 8), 4.0),
+             "attention_in": rand(2, 4, 16), "scale_value": 0.25}, False),
+        "npu_ring_attention_update": (
+            (rand(4, 2, 16), torch.zeros(2, 2, 4, 8), torch.ones(2, 2, 4, 8), rand(4, 2, 16),
+             torch.zeros(2, 2, 4, 8), torch.ones(2, 2, 4, 8)), {"input_layout": "SBH"}, False),
         "npu_rms_norm": ((rand(3, 8), torch.ones(8)), {"epsilon": 1e-5}, False),
         "npu_swiglu": ((rand(3, 8),), {"dim": -1}, False),
         "npu_rotary_mul": ((rand(2, 4, 3, 8), angle.cos(), angle.sin()), {}, False),
