@@ -35,6 +35,7 @@ with a named error: the adaptor trains without fp8.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import pickle
@@ -330,7 +331,12 @@ def _build_attention() -> type:
     class TEDotProductAttention(TEExtraState, DotProductAttention):
         """TE's core attention on Megatron's DotProductAttention (the adaptor routes it to the
         fused-attention op when the run asks for flash attention): [s, b, np, hn] q and
-        [s, b, ng, hn] k/v (grouped-query heads expanded inside) -> [s, b, np * hn]."""
+        [s, b, ng, hn] k/v (grouped-query heads expanded inside) -> [s, b, np * hn].
+
+        With ``--context-parallel-size`` above 1 (which Megatron's own DotProductAttention
+        refuses: TE's class is Megatron's only context-parallel attention) the call goes to the
+        context-parallel op with the layer's ``cp_comm_type`` over the context-parallel group
+        (:func:`megatron_npu.patches.attention.context_parallel_core_attention`)."""
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                      attention_dropout=None, softmax_scale=None, k_channels=None,
@@ -341,15 +347,37 @@ def _build_attention() -> type:
                     raise ValueError(f"TEDotProductAttention: {name}={value} other than "
                                      f"kv_channels ({config.kv_channels}, multi-latent "
                                      "attention) is not supported by the adaptor")  # fmt: skip
-            super().__init__(config, layer_number, attn_mask_type, attention_type,
+            context_parallel = getattr(config, "context_parallel_size", 1) > 1
+            built_with = config
+            if context_parallel:  # DotProductAttention asserts CP 1; this class serves CP
+                built_with = copy.copy(config)
+                built_with.context_parallel_size = 1
+            super().__init__(built_with, layer_number, attn_mask_type, attention_type,
                              **_accepted(DotProductAttention, dict(
                                  attention_dropout=attention_dropout,
                                  softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
                                  model_comm_pgs=model_comm_pgs, pg_collection=pg_collection,
                              )))  # fmt: skip
+            self.config = config
+            self.cp_comm_type = cp_comm_type or "p2p"
+            self.cp_group = None
+            if context_parallel:
+                from megatron.core import parallel_state
+
+                pgs = pg_collection if pg_collection is not None else model_comm_pgs
+                self.cp_group = getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip
+            if self.cp_group is not None:
+                from megatron_npu.patches.attention import context_parallel_core_attention
+
+                if attention_bias is not None or packed_seq_params is not None:
+                    raise ValueError("context parallelism: attention_bias and packed sequences "
+                                     "are not served by the adaptor")  # fmt: skip
+                return context_parallel_core_attention(
+                    self, query, key, value, attention_mask, attn_mask_type, self.cp_group,
+                    self.cp_comm_type)  # fmt: skip
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)  # fmt: skip
 

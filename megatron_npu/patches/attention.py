@@ -18,7 +18,8 @@ window the run asked for), no causal flag and no other mask, exactly that band.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from megatron_npu.ops import settings
 from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
@@ -27,19 +28,25 @@ from megatron_npu.registry import Patch
 _TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 
 
-def fused_core_attention(module: Any, query, key, value, attention_mask, attn_mask_type) -> Any:
-    """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op."""
-    from megatron.core import tensor_parallel
+class CoreAttentionCall(NamedTuple):
+    """What one core-attention call of a Megatron module asks for, in the op's terms."""
+
+    causal: bool
+    attention_mask: Any
+    pre_tokens: int
+    next_tokens: int
+    scale: float
+    dropout_p: float
+
+
+def core_attention_call(module: Any, attention_mask, attn_mask_type) -> CoreAttentionCall:
+    """The mask, window, softmax scale and dropout of ``module``'s (Megatron's
+    ``DotProductAttention``) call, as the fused-attention op takes them."""
     from megatron.core.transformer.enums import AttnMaskType
 
     chosen = settings.fused_attention()
-    sq, b, heads, dim = query.shape
     mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
     causal = mask_type == AttnMaskType.causal
-    if chosen.shape_order == "SBH":
-        q, k, v = (t.reshape(t.shape[0], b, -1) for t in (query, key, value))
-    else:  # BSH
-        q, k, v = (t.transpose(0, 1).reshape(b, t.shape[0], -1) for t in (query, key, value))
     pre_tokens, next_tokens = chosen.pre_tokens, chosen.next_tokens
     window = getattr(module.scale_mask_softmax, "window_size", None)
     if window is not None:  # the band replaces the mask, as in Megatron's softmax
@@ -50,23 +57,66 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
     # With apply_query_key_layer_scaling Megatron divides softmax_scale by the layer number and
     # its softmax multiplies the scores back: the effective scale is the product.
     scale = module.softmax_scale * (module.scale_mask_softmax.scale or 1.0)
+    return CoreAttentionCall(causal, attention_mask, pre_tokens, next_tokens, scale, dropout_p)
 
-    def run():
-        return fused_attention(
-            q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=causal,
-            attention_mask=attention_mask,
-            pre_tokens=pre_tokens, next_tokens=next_tokens,
-            scale=scale, dropout_p=dropout_p,
-        )  # fmt: skip
+
+def _in_attention_rng(module: Any, dropout_p: float, run: Callable[[], Any]) -> Any:
+    """``run()`` inside the model-parallel RNG fork where Megatron draws attention dropout."""
+    from megatron.core import tensor_parallel
 
     if dropout_p > 0 and not module.config.sequence_parallel:
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            out = run()
-    else:
-        out = run()
+            return run()
+    return run()
+
+
+def fused_core_attention(module: Any, query, key, value, attention_mask, attn_mask_type) -> Any:
+    """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op."""
+    chosen = settings.fused_attention()
+    sq, b, heads, dim = query.shape
+    call = core_attention_call(module, attention_mask, attn_mask_type)
+    if chosen.shape_order == "SBH":
+        q, k, v = (t.reshape(t.shape[0], b, -1) for t in (query, key, value))
+    else:  # BSH
+        q, k, v = (t.transpose(0, 1).reshape(b, t.shape[0], -1) for t in (query, key, value))
+
+    def run():
+        return fused_attention(
+            q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=call.causal,
+            attention_mask=call.attention_mask,
+            pre_tokens=call.pre_tokens, next_tokens=call.next_tokens,
+            scale=call.scale, dropout_p=call.dropout_p,
+        )  # fmt: skip
+
+    out = _in_attention_rng(module, call.dropout_p, run)
     if chosen.shape_order == "BSH":
         out = out.transpose(0, 1)
     return out.reshape(sq, b, heads * dim)
+
+
+def context_parallel_core_attention(module: Any, query, key, value, attention_mask,
+                                    attn_mask_type, group, comm_type: str) -> Any:  # fmt: skip
+    """TE's context-parallel core attention: Megatron's [s/CP, b, np, hn] load-balanced rows ->
+    [s/CP, b, np*hn] through :func:`~megatron_npu.ops.context_parallel.context_parallel_attention`.
+    As in TE, a causal call does not read ``attention_mask`` (the dataloader's causal mask, split
+    by ``get_batch_on_this_cp_rank``); a padding or arbitrary mask is refused by name."""
+    from megatron_npu.ops.context_parallel import ContextParallelError, context_parallel_attention
+
+    call = core_attention_call(module, attention_mask, attn_mask_type)
+    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
+    if mask_type.name not in ("causal", "no_mask"):
+        raise ContextParallelError(f"context parallelism serves causal and unmasked attention; "
+                                   f"attention mask type {mask_type.name} is not served")  # fmt: skip
+
+    def run():
+        return context_parallel_attention(
+            query, key, value, group, comm_type=comm_type,
+            causal=call.causal or call.next_tokens == 0,  # a window (left, 0) is causal
+            scale=call.scale, dropout_p=call.dropout_p, pre_tokens=call.pre_tokens,
+            next_tokens=call.next_tokens,
+        )  # fmt: skip
+
+    return _in_attention_rng(module, call.dropout_p, run)
 
 
 def _route_to_fused(original: Any) -> Any:

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
 from megatron_npu.registry import Patch
@@ -74,8 +75,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
     ("external_cuda_graph", True, "--external-cuda-graph", "CUDA graphs do not exist here"),
     ("enable_cuda_graph", True, "--enable-cuda-graph", "CUDA graphs do not exist here"),
     ("cuda_graph_impl", "not-none", "--cuda-graph-impl", "CUDA graphs do not exist here"),
-    ("context_parallel_size", "above-1", "--context-parallel-size",
-     "context parallelism needs TE's ring attention"),
     ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
      "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather"),
     ("moe_enable_deepep", True, "--moe-enable-deepep",
@@ -151,10 +150,23 @@ def _moe_problems(args: Any) -> list[str]:
     )
 
 
+def _context_parallel_problems(args: Any) -> list[str]:
+    return context_parallel_problems(
+        cp=getattr(args, "context_parallel_size", 1) or 1,
+        comm_types=comm_types_of(getattr(args, "cp_comm_type", None)),
+        transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
+        seq_length=getattr(args, "seq_length", None),
+        heads=getattr(args, "num_attention_heads", 1) or 1,
+        tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        window=getattr(args, "window_size", None) is not None,
+    )
+
+
 def _validate_args(original: Any) -> Any:
-    """Megatron-LM's argument validation, with two changes. First the mixture-of-experts
-    options are checked together (:mod:`megatron_npu.moe_options`): a combination that cannot
-    work stops with one named line, not Megatron's asserts on every rank. Then Megatron's own
+    """Megatron-LM's argument validation, with two changes. First the mixture-of-experts and
+    the context-parallel options are checked together (:mod:`megatron_npu.moe_options`,
+    :mod:`megatron_npu.context_parallel_options`): a combination that cannot work stops with one
+    named line, not Megatron's asserts on every rank. Then Megatron's own
     checks run, less one: it asserts a CUDA compute capability of 8 or more for
     ``--moe-grouped-gemm`` (``torch.cuda.get_device_capability()``), a check of the GPU's
     grouped-GEMM kernels; off CUDA the grouped GEMM is the adaptor's (``npu_grouped_matmul`` on
@@ -162,7 +174,7 @@ def _validate_args(original: Any) -> Any:
 
     @functools.wraps(original)
     def validate_args(args: Any, defaults: Any = None) -> Any:
-        problems = _moe_problems(args)
+        problems = _moe_problems(args) + _context_parallel_problems(args)
         if problems:
             _refuse(MegatronLMOptionConflict(problems))
         grouped = bool(getattr(args, "moe_grouped_gemm", False))

@@ -1,0 +1,232 @@
+"""Context-parallel core attention: Megatron's ``--cp-comm-type`` on the device's fused attention.
+
+Each rank of the context-parallel group holds ``s / CP`` rows of the sequence, Megatron-LM's
+load-balanced chunks (``get_batch_on_this_cp_rank``: the sequence cut into ``2 CP`` chunks, rank
+``r`` holding chunks ``r`` and ``2 CP - 1 - r``). Queries ``[s_local, b, n, d]``, keys and values
+``[s_local, b, ng, d]``; the output ``[s_local, b, n * d]`` is exact attention over the whole
+sequence for the local queries. The comm types:
+
+* ``p2p``: ring attention (:mod:`megatron_npu.ops.ring_attention`); causal or full attention.
+* ``a2a`` (Ulysses): an all-to-all trades heads for sequence, so each rank holds the whole
+  sequence for ``n / CP`` of the heads; one fused attention over the sequence in its natural
+  order (causal masks and sliding windows as on one device); the inverse all-to-all returns the
+  local rows with every head. Key/value heads that CP does not divide are shared out to the
+  query heads first.
+* ``allgather``: keys and values are all-gathered and put in natural order; each local chunk's
+  queries attend the keys up to their own end (bottom-right aligned, so windows apply as usual).
+  The key/value gradients are summed over the group and each rank keeps its own rows.
+
+``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) is refused by name.
+
+The attention itself is :func:`megatron_npu.ops.attention.fused_attention` (``npu_fusion_attention``
+on the NPU), or the ring's blocks; the collectives are torch.distributed's, over the group's
+backend (gloo on ``cpu`` and ``npu-emulated``, hccl on the NPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
+from megatron_npu.ops.ring_attention import ring_attention
+
+_OP = "context_parallel_attention"
+#: Megatron's ``--cp-comm-type`` values the adaptor serves.
+COMM_TYPES = ("p2p", "a2a", "allgather")
+#: Megatron's values it refuses, with the reason.
+REFUSED_COMM_TYPES = {
+    "a2a+p2p": "hierarchical context parallelism (--hierarchical-context-parallel-sizes) is not "
+    "served by the adaptor; use --cp-comm-type p2p, a2a or allgather",
+}
+
+
+class ContextParallelError(ValueError):
+    """A context-parallel attention the adaptor cannot compute (named, one line)."""
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Natural chunk index of each chunk in rank order: rank ``r`` holds ``r, 2 CP - 1 - r``."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def to_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Rows in rank order (``cp`` ranks' load-balanced chunks, dim 0) -> natural order."""
+    chunks = x.chunk(2 * cp)
+    order = chunk_order(cp)
+    return torch.cat([chunks[order.index(m)] for m in range(2 * cp)])
+
+
+def to_rank_order(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of :func:`to_natural`."""
+    chunks = x.chunk(2 * cp)
+    return torch.cat([chunks[m] for m in chunk_order(cp)])
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` ``[cp, ...]``: part ``j`` goes to rank ``j``; returns the parts received, ``[cp, ...]``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after contiguous(): empty_like keeps a view's strides
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """``[s_l, b, n, d]`` -> ``[cp s_l, b, n / cp, d]`` (rows in rank order); backward inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad, ctx.group), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad, ctx.group), None
+
+
+def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    s, b, n, d = x.shape
+    parts = x.reshape(s, b, cp, n // cp, d).permute(2, 0, 1, 3, 4)
+    return _all_to_all(parts, group).reshape(cp * s, b, n // cp, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    total, b, heads, d = x.shape
+    received = _all_to_all(x.reshape(cp, total // cp, b, heads, d), group)
+    return received.permute(1, 2, 0, 3, 4).reshape(total // cp, b, cp * heads, d)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 in rank order; the backward sums the gradient over the group and
+    keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
+
+
+# ------------------------------------------------------------------------------ comm types
+
+
+def _sbh(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def _a2a(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
+    cp = dist.get_world_size(group)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % cp:
+        raise ContextParallelError(f"{_OP}: --cp-comm-type a2a shares the {heads} attention "
+                                   f"heads (per tensor-parallel rank) out over the {cp} "
+                                   "context-parallel ranks: the head count must be a multiple "
+                                   "of the context-parallel size")  # fmt: skip
+    if kv_heads % cp:  # share the key/value heads out to the query heads first
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    q, k, v = (_HeadsToSequence.apply(t, group) for t in (q, k, v))
+    reorder = causal or pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
+    if reorder:
+        q, k, v = (to_natural(t, cp) for t in (q, k, v))
+    out = fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=q.shape[2], input_layout="SBH",
+                          causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                          scale=scale, dropout_p=dropout_p)  # fmt: skip
+    out = out.view(q.shape)
+    if reorder:
+        out = to_rank_order(out, cp)
+    return _sbh(_SequenceToHeads.apply(out, group))
+
+
+def _allgather(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    k, v = (to_natural(_GatherRows.apply(t, group), cp) for t in (k, v))
+    heads = q.shape[2]
+    windowed = pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
+    if not causal and not windowed:
+        return fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=heads, input_layout="SBH",
+                               scale=scale, dropout_p=dropout_p)  # fmt: skip
+    if not causal:
+        raise ContextParallelError(f"{_OP}: a sliding window without a causal mask is not "
+                                   "served under context parallelism")  # fmt: skip
+    chunk = q.shape[0] // 2
+    outs = []
+    for index, natural in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (natural + 1) * chunk  # keys up to the chunk's own end, bottom-right aligned
+        rows = q[index * chunk:(index + 1) * chunk]
+        outs.append(fused_attention(_sbh(rows), _sbh(k[:end]), _sbh(v[:end]), head_num=heads,
+                                    input_layout="SBH", causal=True, pre_tokens=pre_tokens,
+                                    next_tokens=next_tokens, scale=scale,
+                                    dropout_p=dropout_p))  # fmt: skip
+    return torch.cat(outs)
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    *,
+    comm_type: str = "p2p",
+    causal: bool,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    pre_tokens: int = MAX_TOKENS,
+    next_tokens: int = MAX_TOKENS,
+) -> torch.Tensor:
+    """Core attention of this rank's load-balanced rows over the context-parallel sequence
+    (module docstring). ``pre_tokens`` / ``next_tokens``: the window, as in
+    :func:`~megatron_npu.ops.attention.fused_attention`."""
+    if comm_type in REFUSED_COMM_TYPES:
+        raise ContextParallelError(f"{_OP}: --cp-comm-type {comm_type}: "
+                                   f"{REFUSED_COMM_TYPES[comm_type]}")  # fmt: skip
+    if comm_type not in COMM_TYPES:
+        raise ContextParallelError(f"{_OP}: unknown --cp-comm-type {comm_type!r}; served: "
+                                   f"{', '.join(COMM_TYPES)}")  # fmt: skip
+    if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
+        raise ContextParallelError(f"{_OP}: query [s, b, n, d] and key/value [s, b, ng, d] "
+                                   f"expected, got {tuple(query.shape)}, {tuple(key.shape)}, "
+                                   f"{tuple(value.shape)}")  # fmt: skip
+    if query.shape[0] % 2:
+        raise ContextParallelError(f"{_OP}: each rank holds two load-balanced chunks of the "
+                                   f"sequence, so its {query.shape[0]} rows must be an even "
+                                   "count (the sequence length a multiple of 2 x CP)")  # fmt: skip
+    total = query.shape[0] * dist.get_world_size(group)
+    if pre_tokens >= total - 1:  # a window at least the sequence long restricts nothing
+        pre_tokens = MAX_TOKENS
+    if causal or next_tokens >= total - 1:  # causality caps the right edge at 0
+        next_tokens = MAX_TOKENS
+    windowed = pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
+    kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p)
+    if comm_type == "p2p":
+        if windowed:
+            raise ContextParallelError(f"{_OP}: a sliding window is not served with "
+                                       "--cp-comm-type p2p; use a2a or allgather")  # fmt: skip
+        return ring_attention(query, key, value, group, **kwargs)
+    kwargs.update(pre_tokens=pre_tokens, next_tokens=next_tokens)
+    if comm_type == "a2a":
+        return _a2a(query, key, value, group, **kwargs)
+    return _allgather(query, key, value, group, **kwargs)
