@@ -29,21 +29,23 @@ DEFAULT_DTYPES: Mapping[str, tuple[torch.dtype, ...]] = {d: ALL_DTYPES for d in 
 
 @dataclass(frozen=True, order=True)
 class Parallel:
-    """Parallel sizes of one run: tensor, pipeline and data parallel."""
+    """Parallel sizes of one run: tensor, pipeline, data and context parallel."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def as_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": self.world}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "world": self.world}
 
     def label(self) -> str:
-        return f"tp{self.tp}-pp{self.pp}-dp{self.dp}"
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}-pp{self.pp}-dp{self.dp}{cp}"
 
 
 def upcast(dtype: torch.dtype) -> torch.dtype:

@@ -459,6 +459,7 @@ def _reference_calls_implementation(case):
 
 # ---------------------------------------------------------------------------- examples
 
+from megatron_npu.parity.cases import context_parallel as _cp_cases  # noqa: E402
 from megatron_npu.parity.cases import moe as _moe_cases  # noqa: E402
 from megatron_npu.parity.cases import transformer_engine as _te_cases  # noqa: E402
 from megatron_npu.parity.cases.attention import _edge as _attention  # noqa: E402
@@ -502,6 +503,36 @@ _GRAD_NORM_LARGE = {"tensors": 6, "scale": 1.0, "seed": 1}
 _CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
 _SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": True,
                "extra": True, "seed": 3}  # fmt: skip
+
+
+
+def _ring_lower_block_whole(original):
+    def ring_steps(rank, size, local, causal):
+        steps = original(rank, size, local, causal)
+        # a lower rank's block read whole: its second chunk lies in the queries' future
+        return [s._replace(kv_rows=slice(None)) if not s.causal and s.q_rows == slice(None)
+                else s for s in steps]  # fmt: skip
+
+    return ring_steps
+
+
+def _ring_update_weights_swapped(original):
+    def npu_ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum,
+                                  **kwargs):  # fmt: skip
+        out, smax, ssum = original(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum,
+                                   **kwargs)  # fmt: skip
+        swapped, _, _ = original(cur_out, prev_max, prev_sum, prev_out, cur_max, cur_sum,
+                                 **kwargs)  # fmt: skip
+        return swapped, smax, ssum  # each partial output weighted by the other's share
+
+    return npu_ring_attention_update
+
+
+def _a2a_rank_order_kept(original):
+    def to_natural(x, cp):
+        return x  # the gathered sequence left in rank order: causality on the wrong positions
+
+    return to_natural
 
 
 _ALL = (
@@ -883,6 +914,27 @@ _ALL = (
         "megatron_npu.patches.moe.unpermute_with_kernel", _unpermute_probs_dropped,
         "moe.fused-unpermute", (_moe_cases._permute_edge(probs_at="unpermute", seed=7),),
         device=NPU_EMULATED,
+    ),
+    Mutation(
+        "ring-lower-block-whole", "the ring lets every query see the whole block of a lower "
+        "rank, whose second chunk lies in the queries' future",
+        "megatron_npu.ops.ring_attention.ring_steps", _ring_lower_block_whole,
+        "transformer-engine.context-parallel-attention", (_cp_cases._edge(),),
+        parallel=Parallel(cp=2),
+    ),
+    Mutation(
+        "ring-update-weights-swapped", "the ring-update kernel weights each partial output by "
+        "the other partial's softmax share",
+        "megatron_npu.testing.torch_npu_emulation.npu_ring_attention_update",
+        _ring_update_weights_swapped, "transformer-engine.context-parallel-attention",
+        (_cp_cases._edge(causal=False, seed=2),), device=NPU_EMULATED, parallel=Parallel(cp=2),
+    ),
+    Mutation(
+        "a2a-rank-order-kept", "Ulysses attends over the gathered sequence in rank order, not "
+        "in its natural order",
+        "megatron_npu.ops.context_parallel.to_natural", _a2a_rank_order_kept,
+        "transformer-engine.context-parallel-attention", (_cp_cases._edge(comm="a2a", seed=3),),
+        parallel=Parallel(cp=2),
     ),
 )
 

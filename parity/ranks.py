@@ -82,18 +82,20 @@ def _worker(
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", None))
-    layout: tuple[int, int] | None = None
+    layout: tuple[int, int, int] | None = None
     while True:
         job = conn.recv()
         if job is None:
             break
         try:
             megatron_npu.apply(job.device)
-            if layout != (job.parallel.tp, job.parallel.pp):
+            wanted = (job.parallel.tp, job.parallel.pp, job.parallel.cp)
+            if layout != wanted:
                 if layout is not None:
                     parallel_state.destroy_model_parallel()
-                parallel_state.initialize_model_parallel(job.parallel.tp, job.parallel.pp)
-                layout = (job.parallel.tp, job.parallel.pp)
+                parallel_state.initialize_model_parallel(
+                    job.parallel.tp, job.parallel.pp, context_parallel_size=job.parallel.cp)
+                layout = wanted
             conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))

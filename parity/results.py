@@ -57,15 +57,17 @@ __all__ = [
     "write_record",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: versions read_records accepts (a schema-1 record has no kernels / benchmark keys)
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 #: verdict rules of a record that compared nothing (the cell failed before any comparison)
 NO_TENSOR_RULES = ("crash", "timeout", "reference_hygiene")
 # "npu" only for a real Ascend NPU through torch_npu; the CPU emulation of torch_npu's kernels
 # is "npu-emulated", never "npu".
 DEVICES = DEVICE_ORDER
-PARALLEL_KEYS = ("tp", "pp", "dp", "world")
+PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "world")
+#: the first schema whose ``parallel`` has the context-parallel size; older records had CP 1
+_CP_SCHEMA = 3
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 _EMULATION_MODULE_HINT = "emulation"
@@ -292,7 +294,7 @@ class ParityRecord:
     target: str  # dotted path of the patched function
     case: str
     dtype: str  # float16 / bfloat16 / float32
-    parallel: dict[str, int]  # exactly tp, pp, dp, world
+    parallel: dict[str, int]  # exactly tp, pp, dp, cp, world
     device: str  # one of DEVICES
     tensors: dict[str, TensorResult]
     verdict: Verdict  # overall: the worst tensor verdict
@@ -525,6 +527,8 @@ def _parse_record(data: Any) -> ParityRecord:
     case = _get(data, "case", "", str)
     dtype = _get(data, "dtype", "", str)
     parallel = _get(data, "parallel", "", dict)
+    if version < _CP_SCHEMA and "cp" not in parallel:
+        parallel = {**parallel, "cp": 1}
     for key in PARALLEL_KEYS:
         _get(parallel, key, "parallel", int)
     device = _get(data, "device", "", str)
@@ -728,7 +732,7 @@ class SummaryRow(NamedTuple):
     patch: str
     case: str
     dtype: str
-    parallel: str  # "tp2 pp1 dp1 w2"
+    parallel: str  # "tp2 pp1 dp1 w2", "cp2" before the world where CP is above 1
     device: str
     verdict: str
     npu_code: str  # npu/npu-emulated cells: "NPU kernel" or "same code as cpu"; else "-"
@@ -736,7 +740,8 @@ class SummaryRow(NamedTuple):
 
 
 def _parallel_text(parallel: Mapping[str, int]) -> str:
-    return f"tp{parallel['tp']} pp{parallel['pp']} dp{parallel['dp']} w{parallel['world']}"
+    cp = f" cp{parallel['cp']}" if parallel["cp"] > 1 else ""
+    return f"tp{parallel['tp']} pp{parallel['pp']} dp{parallel['dp']}{cp} w{parallel['world']}"
 
 
 def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:

@@ -20,7 +20,7 @@ from megatron_npu.parity.verdict import STATUSES
 from megatron_npu.reports.errors import Skipped
 
 #: Parity record schema versions this reader understands (docs/parity-results.md: readers accept 1 and 2).
-PARITY_SCHEMAS = (1, 2)
+PARITY_SCHEMAS = (1, 2, 3)
 #: Verdict rules of a cell that produced no comparison (schema 2).
 FAILURE_RULES = ("crash", "timeout")
 
@@ -91,6 +91,8 @@ def parse_cell(data: Any, source: str) -> ParityCell:
         raise BadRecord(
             f"schema_version {version} is not supported (this report reads {PARITY_SCHEMAS})"
         )
+    if version < 3:  # schema 3 added the context-parallel size; older records had CP 1
+        data = {**data, "parallel": {"cp": 1, **_need(data, "parallel", dict)}}
     parallel = {k: _need(data, f"parallel.{k}", int) for k in PARALLEL_KEYS}
     status = _need(data, "verdict.status", str)
     if status not in STATUSES:

@@ -333,10 +333,11 @@ def _build_attention() -> type:
         fused-attention op when the run asks for flash attention): [s, b, np, hn] q and
         [s, b, ng, hn] k/v (grouped-query heads expanded inside) -> [s, b, np * hn].
 
-        With ``--context-parallel-size`` above 1 (which Megatron's own DotProductAttention
-        refuses: TE's class is Megatron's only context-parallel attention) the call goes to the
-        context-parallel op with the layer's ``cp_comm_type`` over the context-parallel group
-        (:func:`megatron_npu.patches.attention.context_parallel_core_attention`)."""
+        It takes ``--context-parallel-size`` above 1 (which Megatron's own DotProductAttention
+        refuses: TE's class is Megatron's only context-parallel attention) and keeps the layer's
+        ``cp_comm_type`` and the context-parallel group; the registry entry
+        ``transformer-engine.context-parallel-attention`` routes such calls to the
+        context-parallel op (:mod:`megatron_npu.patches.context_parallel`)."""
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                      attention_dropout=None, softmax_scale=None, k_channels=None,
@@ -369,15 +370,10 @@ def _build_attention() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip
-            if self.cp_group is not None:
-                from megatron_npu.patches.attention import context_parallel_core_attention
-
-                if attention_bias is not None or packed_seq_params is not None:
-                    raise ValueError("context parallelism: attention_bias and packed sequences "
-                                     "are not served by the adaptor")  # fmt: skip
-                return context_parallel_core_attention(
-                    self, query, key, value, attention_mask, attn_mask_type, self.cp_group,
-                    self.cp_comm_type)  # fmt: skip
+            if self.cp_group is not None:  # never attention over the local rows alone
+                raise RuntimeError("TEDotProductAttention: context parallelism is served by the "
+                                   "adaptor entry transformer-engine.context-parallel-attention, "
+                                   "which is not applied")  # fmt: skip
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)  # fmt: skip
 

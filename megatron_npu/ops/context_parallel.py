@@ -50,6 +50,13 @@ def chunk_order(cp: int) -> list[int]:
     return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
 
 
+def local_rows(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a whole sequence (dim 0), as Megatron-LM's
+    ``get_batch_on_this_cp_rank`` splits a batch: chunks ``rank`` and ``2 CP - 1 - rank``."""
+    chunks = x.chunk(2 * cp)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
 def to_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
     """Rows in rank order (``cp`` ranks' load-balanced chunks, dim 0) -> natural order."""
     chunks = x.chunk(2 * cp)

@@ -31,7 +31,8 @@ block given the *merged* output and statistics) and passes both on, so after one
 block's key/value gradient is back on its owner. Gradients accumulate in fp32.
 
 **Blocks**: on the NPU ``npu_fusion_attention`` (``SBH``, causal blocks in ``sparse_mode`` 3)
-returns the block's ``softmax_max`` / ``softmax_sum``; ``npu_ring_attention_update`` merges and
+returns the block's ``softmax_max`` / ``softmax_sum``; ``npu_ring_attention_update`` merges the
+block outputs in fp32 (rounded to the input dtype once, at the end) and
 ``npu_fusion_attention_grad`` differentiates, with the dropout seed each forward block reported.
 The native path runs the CPU flash-attention kernel and its backward (output and log-sum-exp), or,
 with attention dropout, the same math written out with a dropout mask drawn from a per-block seed
@@ -62,8 +63,8 @@ _SEED_HIGH = 2**62
 
 
 class _Part(NamedTuple):
-    """A (partial) attention result for some query rows: output ``[s, b, n, d]`` (native: fp32)
-    or ``[s, b, n * d]`` (NPU: the input dtype), and the backend's per-row statistics."""
+    """A (partial) attention result for some query rows: fp32 output, ``[s, b, n, d]`` (native)
+    or ``[s, b, n * d]`` (NPU), and the backend's per-row statistics."""
 
     out: torch.Tensor
     stats: tuple[torch.Tensor, ...]
@@ -81,7 +82,8 @@ class NativeBlocks:
 
     @staticmethod
     def _bnsd(x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
-        x = x.permute(1, 2, 0, 3).float()
+        x = x.permute(1, 2, 0, 3)
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # fp64 stays fp64
         if heads is not None and x.shape[1] != heads:  # query head h reads kv head h // group
             x = x.repeat_interleave(heads // x.shape[1], dim=1)
         return x.contiguous()
@@ -140,7 +142,7 @@ class NativeBlocks:
         (lse,) = part.stats
         qb = self._bnsd(q)
         kb, vb = self._bnsd(k, self.heads), self._bnsd(v, self.heads)
-        gb, ob = self._bnsd(grad), part.out.permute(1, 2, 0, 3).float().contiguous()
+        gb, ob = self._bnsd(grad), self._bnsd(part.out)
         lse_b = lse.permute(1, 2, 0).contiguous()
         if seed is None:
             dq, dk, dv = _flash_backward(gb, qb, kb, vb, ob, lse_b, 0.0, causal, scale=self.scale)
@@ -164,7 +166,8 @@ class NativeBlocks:
             group = self.heads // kv_heads
             dk = dk.unflatten(1, (kv_heads, group)).sum(2)
             dv = dv.unflatten(1, (kv_heads, group)).sum(2)
-        return tuple(t.permute(2, 0, 1, 3) for t in (dq, dk, dv))
+        return tuple(t.permute(2, 0, 1, 3).to(torch.promote_types(t.dtype, torch.float32))
+                     for t in (dq, dk, dv))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- NPU blocks
@@ -195,7 +198,8 @@ class NpuBlocks:
             self._sbh(q), self._sbh(k), self._sbh(v), self.heads, "SBH", scale=self.scale,
             keep_prob=self.keep_prob, **self._mask(causal, q.device),
         )  # fmt: skip
-        return _Part(out, (smax, ssum)), (seed, offset, numels)
+        # merged in fp32 (the update kernel's fp32 form), rounded once by finish()
+        return _Part(out.float(), (smax, ssum)), (seed, offset, numels)
 
     def merge(self, acc: _Part, cur: _Part, rows: slice) -> _Part:
         smax, ssum = acc.stats
@@ -222,7 +226,7 @@ class NpuBlocks:
         smax, ssum = part.stats
         dq, dk, dv = self.kernels.npu_fusion_attention_grad(
             self._sbh(q), self._sbh(k), self._sbh(v), self._sbh(grad).to(q.dtype), self.heads,
-            "SBH", softmax_max=smax, softmax_sum=ssum, attention_in=part.out,
+            "SBH", softmax_max=smax, softmax_sum=ssum, attention_in=part.out.to(q.dtype),
             scale_value=self.scale, keep_prob=self.keep_prob, seed=seed, offset=offset,
             numels=numels, **self._mask(causal, q.device),
         )[:3]  # fmt: skip

@@ -60,7 +60,7 @@ def core_attention_call(module: Any, attention_mask, attn_mask_type) -> CoreAtte
     return CoreAttentionCall(causal, attention_mask, pre_tokens, next_tokens, scale, dropout_p)
 
 
-def _in_attention_rng(module: Any, dropout_p: float, run: Callable[[], Any]) -> Any:
+def in_attention_rng(module: Any, dropout_p: float, run: Callable[[], Any]) -> Any:
     """``run()`` inside the model-parallel RNG fork where Megatron draws attention dropout."""
     from megatron.core import tensor_parallel
 
@@ -88,35 +88,10 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
             scale=call.scale, dropout_p=call.dropout_p,
         )  # fmt: skip
 
-    out = _in_attention_rng(module, call.dropout_p, run)
+    out = in_attention_rng(module, call.dropout_p, run)
     if chosen.shape_order == "BSH":
         out = out.transpose(0, 1)
     return out.reshape(sq, b, heads * dim)
-
-
-def context_parallel_core_attention(module: Any, query, key, value, attention_mask,
-                                    attn_mask_type, group, comm_type: str) -> Any:  # fmt: skip
-    """TE's context-parallel core attention: Megatron's [s/CP, b, np, hn] load-balanced rows ->
-    [s/CP, b, np*hn] through :func:`~megatron_npu.ops.context_parallel.context_parallel_attention`.
-    As in TE, a causal call does not read ``attention_mask`` (the dataloader's causal mask, split
-    by ``get_batch_on_this_cp_rank``); a padding or arbitrary mask is refused by name."""
-    from megatron_npu.ops.context_parallel import ContextParallelError, context_parallel_attention
-
-    call = core_attention_call(module, attention_mask, attn_mask_type)
-    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
-    if mask_type.name not in ("causal", "no_mask"):
-        raise ContextParallelError(f"context parallelism serves causal and unmasked attention; "
-                                   f"attention mask type {mask_type.name} is not served")  # fmt: skip
-
-    def run():
-        return context_parallel_attention(
-            query, key, value, group, comm_type=comm_type,
-            causal=call.causal or call.next_tokens == 0,  # a window (left, 0) is causal
-            scale=call.scale, dropout_p=call.dropout_p, pre_tokens=call.pre_tokens,
-            next_tokens=call.next_tokens,
-        )  # fmt: skip
-
-    return _in_attention_rng(module, call.dropout_p, run)
 
 
 def _route_to_fused(original: Any) -> Any:

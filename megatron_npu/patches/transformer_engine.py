@@ -21,6 +21,7 @@ import functools
 from typing import Any
 
 from megatron_npu.modules import te_layers
+from megatron_npu.patches.context_parallel import route_context_parallel
 from megatron_npu.registry import Patch
 
 _EXT = "megatron.core.extensions.transformer_engine"
@@ -157,6 +158,20 @@ PATCHES = [
         "TE_DOT_PRODUCT_ATTENTION",
         "perf.cases.attention:TE_DOT_PRODUCT_ATTENTION",
         npu_kernels=("npu_fusion_attention",),
+    ),
+    Patch(  # after the class above: it wraps that class's forward
+        id="transformer-engine.context-parallel-attention",
+        target=f"{_EXT}.TEDotProductAttention.forward",
+        replacement=route_context_parallel,
+        kind="wrap",
+        reason="--context-parallel-size through TE's attention: ring (p2p), Ulysses (a2a) or "
+        "all-gathered K/V over the context-parallel group, on the fused-attention op",
+        parity="megatron_npu.parity.cases.context_parallel:TE_CONTEXT_PARALLEL_ATTENTION",
+        benchmark_exempt="a context-parallel group needs several ranks, which a one-process "
+        "benchmark cell does not have: perf/test_context_parallel_bench.py measures CP1 "
+        "against CP2 training steps",
+        npu_kernels=("npu_fusion_attention", "npu_ring_attention_update",
+                     "npu_fusion_attention_grad"),
     ),
     Patch(
         id="transformer-engine.block-final-norm",

@@ -202,8 +202,13 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
         (("--num-experts", "4", "--moe-router-topk", "6", "--expert-model-parallel-size", "3"),
          ("--moe-router-topk 6", "--num-experts 4", "does not divide the 2 ranks"),
          "these Megatron-LM options do not work together"),
+        # context parallelism with the local spec (Megatron asserts in DotProductAttention on
+        # every rank) and a sequence that 2 x CP does not divide
+        (("--context-parallel-size", "2", "--seq-length", "126", "--max-position-embeddings",
+          "128"), ("--transformer-impl local", "--seq-length 126"),
+         "these Megatron-LM options do not work together"),
     ],
-    ids=["moe-flex-dispatcher", "moe-topk-and-ep-sizes"],
+    ids=["moe-flex-dispatcher", "moe-topk-and-ep-sizes", "cp-local-spec-and-sequence"],
 )  # fmt: skip
 def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header):
     """An option the adaptor cannot serve, or options that cannot work together, stop every rank
@@ -219,6 +224,35 @@ def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header)
     assert header in lines[0] and all(option in lines[0] for option in options), lines[0]
     assert "exitcode  : 2" in run.log
     assert "[rank0]: Traceback" not in run.log and "[rank1]: Traceback" not in run.log
+
+
+def test_context_parallel_trains_and_matches_cp1(tmp_path):
+    """``--context-parallel-size 2`` through TE's attention (Megatron-LM's default spec): the ring
+    (p2p) on cpu and Ulysses (a2a) with flash attention on npu-emulated, each against CP1 at the
+    same global batch by the layout rule (host initialisation, no dropout: the same model);
+    the a2a run's attention is ``npu_fusion_attention`` (one call per layer and micro-batch) and
+    the ring's blocks on npu-emulated the ring kernels."""
+    args = (
+        *TINY, *TE, "--mock-data", "--train-iters", "12", "--use-cpu-initialization",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+    )  # fmt: skip
+    cp1 = pretrain_gpt(tmp_path, *args, name="cp1")
+    check_trained(cp1, 12, min_applied=12)
+    runs = {
+        "p2p-cpu": ("cpu", ("--cp-comm-type", "p2p")),
+        "a2a-flash": ("npu-emulated", ("--cp-comm-type", "a2a", "--use-flash-attn")),
+    }
+    for name, (device, extra) in runs.items():
+        env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
+        run = pretrain_gpt(tmp_path, *args, "--context-parallel-size", "2", *extra, nproc=2,
+                           device=device, name=name, env=env)  # fmt: skip
+        check_trained(run, 12, min_applied=12)
+        verdict = rules.layout(name, "cp1", _curve(cp1, range(1, 13)), _curve(run, range(1, 13)))
+        assert verdict.status == rules.PASS, (name, verdict.detail)
+    counts = _kernel_counts(tmp_path, "a2a-flash")
+    # 2 layers x 2 micro-batches x 12 iterations, each rank all of its heads' sequence once
+    assert counts.get("npu_fusion_attention") == 48, counts
+    assert counts.get("npu_ring_attention_update", 0) == 0, counts
 
 
 #: a Mixtral-style MoE block: 4 experts, top-2, SwiGLU experts without biases, aux loss

@@ -1,4 +1,6 @@
-"""Run every single-process parity cell's quick examples under coverage.py, in a fresh process.
+"""Run every single-process parity cell's quick examples under coverage.py, in a fresh process,
+and the multi-rank cells of the patches that have no single-process layout (context
+parallelism), whose rank-pool workers coverage measures too (its multiprocessing support).
 
 ``python tests/parity/_coverage_trace.py OUT`` writes ``OUT/coverage.dat`` (branch data over
 :data:`SOURCES` of ``megatron_npu``) and ``OUT/cells.json`` (cells in error, the emulated
@@ -26,17 +28,24 @@ DTYPES = ("float32", "float16")
 ATTENTION = "attention.dot-product"
 
 
+def _rcfile(out: Path) -> Path:
+    """coverage's settings as a file: the rank-pool workers (spawned by multiprocessing) read
+    them from there, so they measure the same sources with branches as this process."""
+    sources = "\n    ".join(str(REPO / "megatron_npu" / s) for s in SOURCES)
+    rc = out / "coveragerc"
+    rc.write_text(f"[run]\nbranch = True\nparallel = True\nconcurrency = multiprocessing, thread\n"
+                  f"data_file = {out / 'coverage.dat'}\nsource =\n    {sources}\n")  # fmt: skip
+    return rc
+
+
 def main(out: Path) -> None:
-    cov = coverage.Coverage(
-        branch=True,
-        data_file=str(out / "coverage.dat"),
-        source=[str(REPO / "megatron_npu" / s) for s in SOURCES],
-    )
+    cov = coverage.Coverage(config_file=str(_rcfile(out)))
     cov.start()
     # imported under coverage, so that module-level lines and branches count as well
     from megatron_npu.parity.harness import Job, evaluate
     from megatron_npu.parity.matrix import case_examples, cells
     from megatron_npu.parity.metrics import dtype_name
+    from megatron_npu.parity.ranks import PoolManager
 
     from megatron_npu.ops import cpu_band_kernel
     from megatron_npu.registry import CPU, NPU_EMULATED
@@ -44,10 +53,26 @@ def main(out: Path) -> None:
 
     kernels: dict[str, set[str]] = defaultdict(set)
     errors = []
+    every = cells((CPU, NPU_EMULATED))
+    # a patch with no single-process layout (context parallelism) is traced on its rank pools
+    single = {c.patch.id for c in every if c.parallel.world == 1}
+    pools = PoolManager()
     try:
         with record_call_sites() as sites:
-            for cell in cells((CPU, NPU_EMULATED)):
-                if cell.parallel.world > 1 or dtype_name(cell.dtype) not in DTYPES:
+            for cell in every:
+                if dtype_name(cell.dtype) not in DTYPES:
+                    continue
+                if cell.parallel.world > 1:
+                    if cell.patch.id in single:
+                        continue
+                    job = Job(cell.patch.id, cell.device, dtype_name(cell.dtype), cell.parallel,
+                              case_examples(cell.case.name, "quick"))  # fmt: skip
+                    record = evaluate(job, pools.get(cell.parallel.world, cell.device))
+                    if record.verdict.status == "error":
+                        errors.append(cell.id)
+                    if cell.device == NPU_EMULATED:
+                        kernels[cell.patch.id] |= {k for k, n in (record.kernels or {}).items()
+                                                   if n}  # fmt: skip
                     continue
                 job = Job(cell.patch.id, cell.device, dtype_name(cell.dtype), cell.parallel,
                           case_examples(cell.case.name, "quick"))  # fmt: skip
@@ -70,8 +95,13 @@ def main(out: Path) -> None:
                         else:
                             os.environ[cpu_band_kernel.ENV_VAR] = previous
     finally:
+        pools.close()
         cov.stop()
         cov.save()
+        cov.combine()  # this process's data and every rank-pool worker's, one data file
+        merged = coverage.CoverageData(basename=str(out / "coverage.dat"))
+        merged.update(cov.get_data())
+        merged.write()
     cells_out = {
         "errors": errors,
         "kernels": {k: sorted(v) for k, v in kernels.items()},

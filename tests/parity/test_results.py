@@ -31,7 +31,7 @@ from megatron_npu.parity.results import (
 )
 from megatron_npu.parity.verdict import Tolerance, Verdict
 
-PAR = {"tp": 2, "pp": 1, "dp": 1, "world": 2}
+PAR = {"tp": 2, "pp": 1, "dp": 1, "cp": 1, "world": 2}
 
 TOP_KEYS = {
     "schema_version",
@@ -139,7 +139,7 @@ def test_overall_verdict_is_the_worst_tensor():
     "change",
     [
         {"parallel": {"tp": 1, "pp": 1, "dp": 1}},
-        {"parallel": {"tp": 0, "pp": 1, "dp": 1, "world": 1}},
+        {"parallel": {"tp": 0, "pp": 1, "dp": 1, "cp": 1, "world": 1}},
         {"device": "gpu"},
         {"dtype": "float64"},
         {"case": ""},
@@ -254,7 +254,7 @@ def test_filename_is_deterministic_and_safe():
     assert name == record_filename("a/b c", "../../etc", "float16", PAR, "npu-emulated")
     assert "/" not in name and " " not in name and not name.startswith(".")
     assert name.endswith(".json")
-    assert "npu-emulated" in name and "tp2-pp1-dp1-world2" in name
+    assert "npu-emulated" in name and "tp2-pp1-dp1-cp1-world2" in name
     # keys that sanitize alike still get different files
     assert record_filename("a/b", "c", "float16", PAR, "cpu") != record_filename(
         "a_b", "c", "float16", PAR, "cpu"
@@ -348,11 +348,12 @@ def _write_raw(tmp_path, mutate):
         (lambda d: d["verdict"].pop("status"), "verdict.status"),
         (lambda d: d["parallel"].pop("world"), "parallel.world"),
         (lambda d: d["provenance"]["git"].pop("dirty"), "provenance.git.dirty"),
-        (lambda d: d.update(schema_version=3), "schema_version"),
+        (lambda d: d.update(schema_version=4), "schema_version"),
+        (lambda d: d["parallel"].pop("cp"), "parallel.cp"),
         (lambda d: d.update(kernels={"npu_swiglu": "2"}), "kernels.npu_swiglu"),
         (lambda d: d.update(npu_kernel_exercised="yes"), "npu_kernel_exercised"),
         (lambda d: d.pop("benchmark"), "benchmark"),
-        (lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "world": 2}), "parallel.tp"),
+        (lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "cp": 1, "world": 2}), "parallel.tp"),
         (lambda d: d["provenance"].update(seed=True), "provenance.seed"),
         (lambda d: d.update(device="npu-ish"), "device"),
     ],
@@ -467,7 +468,7 @@ def test_schema_2_record_with_kernels_and_benchmark_round_trips(tmp_path):
         comparisons={"out": tested}, benchmarks={"out": bres}, benchmark_level="L0",
         kernels={"npu_rms_norm": 3}, provenance=provenance("npu-emulated"),
     )  # fmt: skip
-    assert rec.schema_version == 2
+    assert rec.schema_version == 3
     assert (rec.kernels, rec.npu_kernel_exercised) == ({"npu_rms_norm": 3}, True)
     assert rec.tensors["out"].verdict.rule == "benchmark"
     assert rec.benchmark is not None and rec.benchmark.tensors["out"].status == "pass"
@@ -524,3 +525,9 @@ def test_only_failure_rules_may_have_no_tensors():
         dataclasses.replace(make_record(), tensors={})
     with pytest.raises(ValueError, match="npu_kernel_exercised"):
         dataclasses.replace(make_record(), kernels={"npu_swiglu": 1})
+
+
+def test_a_schema_2_record_has_no_cp_and_reads_as_cp_1(tmp_path):
+    _write_raw(tmp_path, lambda d: (d.update(schema_version=2), d["parallel"].pop("cp")))
+    (record,) = read_records(tmp_path)
+    assert record.parallel["cp"] == 1 and record.schema_version == 2
