@@ -131,6 +131,9 @@ def test_megatron_modules_see_routed_torch_only_while_applied(cpu_adaptor):
     assert routed.device("cuda", routed.cuda.current_device()) == torch.device("cpu")
     assert isinstance(torch.device("cpu"), routed.device)
     assert routed.nn is torch.nn and routed.float16 is torch.float16
+    # Megatron-LM's CP batch split asks for pinned memory, which a host-only torch cannot give
+    pinned = routed.tensor([0, 3], device="cpu", pin_memory=True)
+    assert pinned.tolist() == [0, 3] and not pinned.is_pinned()
     megatron_npu.restore()
     assert mcore_utils.torch is torch
 

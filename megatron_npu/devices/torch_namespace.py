@@ -7,7 +7,8 @@ except:
 * ``torch.cuda`` -> the active device's accelerator API (RNG, streams, memory, properties, nvtx);
 * tensor factories (``empty``, ``zeros``, ``tensor``, ``arange``, ...) and ``torch.device``: a
   ``device`` of ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or a bare int becomes the
-  active device.
+  active device; on a host-only device (``cpu``, ``npu-emulated``) ``pin_memory=True`` is
+  dropped, since there is no accelerator to pin host memory for.
 
 Only code in the patched modules sees it, so no process-wide ``TorchFunctionMode`` taxes every
 torch call; ordinary attributes are cached on first use so lookups stay dictionary hits.
@@ -59,6 +60,12 @@ def route_device(factory: Any) -> Any:
     def routed(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            active = devices.active()
+            if active is not None and active.torch_type == "cpu":
+                # page-locked memory only speeds copies to an accelerator, and a host-only torch
+                # has no allocator for it (Megatron-LM's get_batch_on_this_cp_rank asks for it)
+                kwargs["pin_memory"] = False
         return factory(*args, **kwargs)
 
     return routed
