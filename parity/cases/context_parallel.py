@@ -164,8 +164,17 @@ def _reference(ctx: Context, inputs):
     dk, dv = (t.unflatten(2, (ng, group)).sum(3) for t in (dk, dv))
     result = {"out": out.reshape(s, -1, n * d), "grad_query": dq.to(dtype),
               "grad_key": dk.to(dtype), "grad_value": dv.to(dtype)}  # fmt: skip
-    return {name: torch.stack([local_rows(t, cp, r) for r in range(cp)])
+    return {name: torch.stack([_megatron_rows(t, cp, r) for r in range(cp)])
             for name, t in result.items()}  # fmt: skip
+
+
+def _megatron_rows(x, cp: int, rank: int):
+    """The reference's own statement of Megatron-LM's ``get_batch_on_this_cp_rank`` cut (the
+    reference calls no adaptor code): ``2 CP`` chunks, rank ``r`` keeps ``r`` and ``2 CP - 1 - r``."""
+    import torch
+
+    chunks = x.view(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    return chunks.index_select(0, torch.tensor([rank, 2 * cp - 1 - rank])).flatten(0, 1)
 
 
 def _edge(**kw):
