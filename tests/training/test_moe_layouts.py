@@ -49,12 +49,28 @@ def _figures(run) -> dict[int, tuple[float, float]]:
     }
 
 
+def _aux_loss_over_the_same_tokens(layout: list[str]) -> bool:
+    """Whether this layout's load-balancing loss is taken over the tokens the one-rank EP1 run
+    takes it over. megatron-core 0.13 takes it over each data-parallel rank's own micro-batch
+    (its router reduces only over TP x CP), so a layout with two data-parallel ranks (EP2 on
+    TP1) logs, and trains on, another aux loss by Megatron's own definition; later releases
+    take it over the data-parallel ranks' tokens together."""
+    from packaging.version import Version
+
+    from megatron_npu.patcher import megatron_core_version
+
+    return "--tensor-model-parallel-size" in layout or (
+        Version(megatron_core_version()) >= Version("0.14"))  # fmt: skip
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_moe_layout_matches_ep1(tmp_path, moe_baseline, name):
     run = train(tmp_path, *TINY, *MOE, *LAYOUTS[name], nproc=2, name=name)
     base, other = _figures(moe_baseline), _figures(run)
     assert sorted(other) == sorted(base) == list(range(1, STEPS + 1))
-    worst = max(max(abs(a - b) for a, b in zip(base[s], other[s])) for s in base)
+    compared = 2 if _aux_loss_over_the_same_tokens(LAYOUTS[name]) else 1  # loss (and aux loss)
+    worst = max(max(abs(a - b) for a, b in zip(base[s][:compared], other[s][:compared]))
+                for s in base)  # fmt: skip
     print(f"\n{name}: max |loss or aux loss - EP1| over {STEPS} steps = {worst:.3e}")
     assert worst <= TOLERANCE, (base, other)
     assert base[STEPS][0] < base[1][0] - 0.1  # it learns
