@@ -88,14 +88,19 @@ class NativeBlocks:
             x = x.repeat_interleave(heads // x.shape[1], dim=1)
         return x.contiguous()
 
-    def _math(self, q, k, v, causal: bool, seed: int):
-        """Scores, probabilities after dropout, and the row log-sum-exp, all ``[b, n, sq, skv]``
-        / ``[b, n, sq]`` fp32."""
+    def _scores(self, q, k, causal: bool) -> torch.Tensor:
+        """Scaled scores ``[b, n, sq, skv]``, causal positions above the diagonal at -inf."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if causal:
             sq, skv = scores.shape[-2:]
             hidden = torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu_(1 + skv - sq)
             scores = scores.masked_fill(hidden, float("-inf"))
+        return scores
+
+    def _math(self, q, k, v, causal: bool, seed: int):
+        """Scores, probabilities after dropout, and the row log-sum-exp, all ``[b, n, sq, skv]``
+        / ``[b, n, sq]`` fp32."""
+        scores = self._scores(q, k, causal)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))
         keep = self._keep_mask(probs, seed)
@@ -147,12 +152,7 @@ class NativeBlocks:
         if seed is None:
             dq, dk, dv = _flash_backward(gb, qb, kb, vb, ob, lse_b, 0.0, causal, scale=self.scale)
         else:
-            scores = torch.matmul(qb, kb.transpose(-1, -2)) * self.scale
-            if causal:
-                sq, skv = scores.shape[-2:]
-                hidden = torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu_(1 + skv - sq)
-                scores = scores.masked_fill(hidden, float("-inf"))
-            probs = torch.exp(scores - lse_b.unsqueeze(-1))  # normalised by the merged sum
+            probs = torch.exp(self._scores(qb, kb, causal) - lse_b.unsqueeze(-1))  # normalised by the merged sum
             keep = self._keep_mask(probs, seed) / (1.0 - self.dropout_p)
             dropped = probs * keep
             dv = torch.matmul(dropped.transpose(-1, -2), gb)
