@@ -18,8 +18,9 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
 ``plant`` (testing aid, like train's ``--force-overflow-step``) puts one of the parity harness's
 planted bugs (:mod:`megatron_npu.parity.mutations`) in place in this process for the whole run.
 
-:func:`run` starts the ranks (``world`` processes with torchrun's environment variables) and
-waits for them; a failure raises :class:`WorkerError` with the log's tail.
+:func:`run` starts the ranks (``world`` processes with torchrun's environment variables, forked
+warm by :func:`megatron_npu.training.launch.run_warm`) and waits for them; a failure raises
+:class:`WorkerError` with the log's tail.
 """
 
 from __future__ import annotations
@@ -27,13 +28,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
-
-LOG_TAIL_LINES = 25
 
 
 class WorkerError(RuntimeError):
@@ -191,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
     env.pop("MEGATRON_NPU_DISABLE", None)  # the spec's list is the whole disabled set
     env.pop("MEGATRON_NPU_DISABLE_FLAG", None)
     return env
@@ -201,58 +196,15 @@ def _environment() -> dict[str, str]:
 def run(
     spec: dict[str, Any], world: int = 1, timeout_s: float = 900.0, log: Path | None = None
 ) -> None:
-    """Run ``spec`` on ``world`` ranks and wait; raise :class:`WorkerError` on failure."""
-    from megatron_npu.training.launch import free_port
+    """Run ``spec`` on ``world`` ranks and wait; raise :class:`WorkerError` on failure. The ranks
+    start warm (:func:`megatron_npu.training.launch.run_warm`): a locate run replays a step
+    many times, and each replay would otherwise import Megatron anew."""
+    from megatron_npu.training.launch import RankFailure, run_warm
 
-    with tempfile.TemporaryDirectory(prefix="locate-") as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec), encoding="utf-8")
-        base = _environment()
-        port = free_port("127.0.0.1")
-        procs = []
-        logs = []
-        for rank in range(world):
-            env = dict(base)
-            if world > 1:
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))  # fmt: skip
-            out = open(Path(tmp) / f"rank{rank}.log", "w+", encoding="utf-8")  # noqa: SIM115
-            logs.append(out)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_npu.locate.worker", str(spec_path)],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            ))  # fmt: skip
-        failed = None
-        try:
-            for rank, proc in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    code = None
-                if code != 0 and failed is None:
-                    failed = (rank, code)
-                    for other in procs:
-                        if other.poll() is None:
-                            other.kill()
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            texts = []
-            for out in logs:
-                out.seek(0)
-                texts.append(out.read())
-                out.close()
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text("\n".join(texts), encoding="utf-8")
-        if failed is not None:
-            rank, code = failed
-            tail = "\n".join(texts[rank].splitlines()[-LOG_TAIL_LINES:])
-            reason = "timed out" if code is None else f"exit status {code}"
-            raise WorkerError(f"locate worker rank {rank} failed ({reason}):\n{tail}")
+    try:
+        run_warm(_run_rank, spec, world, timeout_s=timeout_s, log=log, env=_environment())
+    except RankFailure as exc:
+        raise WorkerError(f"locate worker {exc}") from None
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ One module per job:
 
 * :mod:`.arguments` -- the command line (Megatron's own option names) and its validation
 * :mod:`.launch` -- ``--nproc-per-node``: starting and watching the ranks; process-group set-up
+* :mod:`.warm_imports` -- what a rank imports, imported once for ranks forked warm
 * :mod:`.errors` -- the named errors: bad input (exit 2), a run stopped for training nothing
   (exit 3), each reported once
 * :mod:`.children` -- every process a rank forks or spawns dies with it (parent-death signal)

@@ -10,6 +10,11 @@ Two ways in, one worker:
 * ``torchrun -m megatron_npu.train ...`` starts the workers itself; each reads that environment.
 
 Without either (no ``--nproc-per-node``, no ``RANK`` in the environment) the run is one rank.
+
+Tools that run many short jobs in one process (``locate``'s replays) start their ranks with
+:func:`run_warm` instead: each rank is a function forked from a fork server that imported
+Megatron once (:mod:`.warm_imports`), with the same torchrun environment and parent-death
+signal, its output in a log, the first failure stopping the rest.
 The process-group backend is the active device's (``gloo`` on cpu and npu-emulated, ``hccl`` on
 npu, ``nccl`` on cuda).
 
@@ -34,15 +39,21 @@ What the launcher guarantees when processes fail:
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -303,3 +314,112 @@ def shutdown(barrier: bool = True) -> None:
         finally:
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
+
+
+#: What a rank imports before it can do anything (a few seconds each time): the warm fork
+#: server imports it once, and every rank started through :func:`run_warm` is forked from it.
+WARM_MODULES = ("megatron_npu.training.warm_imports",)
+RANK_LOG_TAIL_LINES = 25
+
+
+_warm_lock = threading.Lock()
+_warm_env: dict[str, str] | None = None
+
+
+def _warm_context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
+    """The fork-server context, its server started under ``env``: what a process does when it
+    starts (``sitecustomize`` on ``PYTHONPATH``, variables read at import) is done under the
+    environment the ranks are asked to run in. A call with another environment than the
+    running server's stops it and starts a new one; the stdlib has no public way to stop its
+    fork server, so ``_stop`` (what CPython's own tests call) is used."""
+    global _warm_env
+    server = multiprocessing.forkserver._forkserver
+    with _warm_lock:
+        if _warm_env != env:
+            server._stop()
+            server.set_forkserver_preload(list(WARM_MODULES))
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            server.ensure_running()  # a no-op while it runs
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _warm_env = dict(env)
+    return multiprocessing.get_context("forkserver")
+
+
+class RankFailure(RuntimeError):
+    """A rank started by :func:`run_warm` failed; the message ends with its log's tail."""
+
+
+def _warm_rank(target: Callable[[Any], None], payload: Any, env: dict[str, str],
+               log_path: str) -> None:  # fmt: skip
+    """A rank's first steps after the fork: die with the fork server (which dies with the
+    process that started it), take the rank's environment, write stdout and stderr to its log,
+    use the thread count its environment asks for (the fork server imported torch before)."""
+    children.die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    target(payload)
+
+
+def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
+             timeout_s: float = 900.0, log: Path | None = None,
+             env: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    """Run ``target(payload)`` on ``world`` local ranks, each with torchrun's environment, and
+    wait; the first rank to fail stops the others and raises :class:`RankFailure` with its log's
+    tail. The ranks fork from a fork server that has imported :data:`WARM_MODULES` once, so a
+    caller that runs many short jobs one after another (locate's replays) pays for the imports
+    once. ``target`` is a module-level function (it travels by name); ``log`` receives every
+    rank's output. As with any multiprocessing start method but ``fork``, the caller's main
+    module must import without side effects (``if __name__ == "__main__":``)."""
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base["PYTHONUNBUFFERED"] = "1"
+    ctx = _warm_context(base)
+    port = free_port("127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix="megatron-npu-ranks-") as tmp:
+        procs, logs = [], []
+        for rank in range(world):
+            rank_env = dict(base)
+            if world > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port))  # fmt: skip
+            logs.append(Path(tmp) / f"rank{rank}.log")
+            proc = ctx.Process(target=_warm_rank, args=(target, payload, rank_env, str(logs[-1])))
+            proc.start()
+            procs.append(proc)
+        failed = None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while failed is None and any(p.exitcode is None for p in procs):
+                for rank, proc in enumerate(procs):
+                    proc.join(POLL_S)
+                    if proc.exitcode not in (None, 0):
+                        failed = (rank, _describe_exit(rank, proc.exitcode))
+                        break
+                if failed is None and time.monotonic() > deadline:
+                    failed = (0, f"the ranks timed out after {timeout_s:.0f} s")
+        finally:
+            for proc in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+                proc.join()
+        texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else ""
+                 for p in logs]  # fmt: skip
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("\n".join(texts), encoding="utf-8")
+    if failed is not None:
+        rank, reason = failed
+        tail = "\n".join(texts[rank].splitlines()[-RANK_LOG_TAIL_LINES:])
+        raise RankFailure(f"{reason}:\n{tail}")
