@@ -12,9 +12,8 @@ from ._harness import TINY, run
 
 
 @pytest.fixture(scope="session")
-def good_checkpoint(tmp_path_factory, request) -> Path:
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if hasattr(request.config, "workerinput") else base) / "faults-shared"
+def good_checkpoint(xdist_shared) -> Path:
+    shared = xdist_shared / "faults-shared"
     shared.mkdir(exist_ok=True)
     save = shared / "ckpt"
     with FileLock(str(shared / "ckpt.lock")):

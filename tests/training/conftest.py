@@ -23,11 +23,9 @@ def train_tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_tmp(tmp_path_factory, request) -> Path:
+def shared_tmp(xdist_shared) -> Path:
     """A directory every xdist worker of this pytest run sees (the session's own otherwise)."""
-    base = tmp_path_factory.getbasetemp()
-    under_xdist = hasattr(request.config, "workerinput")
-    root = (base.parent if under_xdist else base) / "training-shared"
+    root = xdist_shared / "training-shared"
     root.mkdir(exist_ok=True)
     return root
 
