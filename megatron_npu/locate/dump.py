@@ -25,7 +25,7 @@ Dump folder (docs/locate.md)::
 
     <dump>/dump.json            {"format": "megatron-npu-locate-dump", "version": 1, step, world,
                                  device, dtype, argv, disabled, ranks: [...]}
-    <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"}, "entries": [...],
+    <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"[, "cp"]}, "entries": [...],
                                  "modules": {name: {"kind", "depth", "patches": {own, total}}}}
     <dump>/rank<R>/tensors.pt   {key: tensor} (torch.save; read back with weights_only=True)
 """

@@ -160,7 +160,8 @@ def tensor_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
 def _shard(coords: dict[str, int], world: int) -> str:
     if world <= 1:
         return ""
-    return f"tp{coords.get('tp', 0)}.pp{coords.get('pp', 0)}.dp{coords.get('dp', 0)}"
+    shard = f"tp{coords.get('tp', 0)}.pp{coords.get('pp', 0)}.dp{coords.get('dp', 0)}"
+    return f"{shard}.cp{coords['cp']}" if "cp" in coords else shard
 
 
 def _phase_of(quantity: str) -> tuple[str, str] | None:

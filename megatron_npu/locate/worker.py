@@ -48,11 +48,14 @@ def _plant(name: str | None):
 def _coords() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
-    return {
+    coords = {
         "tp": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_rank(),
         "dp": ps.get_data_parallel_rank(),
     }
+    if ps.get_context_parallel_world_size() > 1:  # each CP rank holds its own rows
+        coords["cp"] = ps.get_context_parallel_rank()
+    return coords
 
 
 @contextlib.contextmanager

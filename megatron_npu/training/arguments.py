@@ -19,6 +19,7 @@ import math
 import os
 from collections.abc import Sequence
 
+from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW
@@ -130,6 +131,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="interleaved pipeline schedule: layers per virtual stage",
     )
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument(
+        "--context-parallel-size", type=_positive, default=1,
+        help="split each sequence over this many ranks (Megatron's load-balanced 2 x CP chunks); "
+        "needs --transformer-impl transformer_engine",
+    )
+    g.add_argument(
+        "--cp-comm-type", default="p2p",
+        help="how the context-parallel ranks exchange keys and values: p2p (ring attention), "
+        "a2a (all-to-all over heads) or allgather",
+    )
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -536,6 +547,13 @@ def check(args: argparse.Namespace) -> None:
         raise ArgumentError("--seq-length must be divisible by the TP size with --sequence-parallel")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+    problems = context_parallel_problems(
+        cp=args.context_parallel_size, comm_types=comm_types_of(args.cp_comm_type),
+        transformer_impl=args.transformer_impl, seq_length=args.seq_length,
+        heads=args.num_attention_heads, tp=tp, window=False,
+    )  # fmt: skip
+    if problems:
+        raise ArgumentError("; ".join(problems))
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.loss_scale is not None and not args.fp16:
@@ -587,10 +605,10 @@ def check(args: argparse.Namespace) -> None:
 def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive the sizes that depend on the world size (Megatron's names)."""
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise ArgumentError(
-            f"world size {world_size} is not divisible by TP x PP = {model_parallel}"
-        )
+    replicas = model_parallel * args.context_parallel_size  # one data-parallel replica's ranks
+    if world_size % replicas:
+        layout = "TP x PP" if args.context_parallel_size == 1 else "TP x PP x CP"
+        raise ArgumentError(f"world size {world_size} is not divisible by {layout} = {replicas}")
     problems = moe_option_problems(
         num_experts=args.num_experts, topk=args.moe_router_topk,
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
@@ -600,7 +618,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if problems:
         raise ArgumentError("; ".join(problems))
     args.world_size = world_size
-    args.data_parallel_size = world_size // model_parallel
+    args.data_parallel_size = world_size // replicas
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size

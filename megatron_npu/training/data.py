@@ -221,6 +221,32 @@ def iterators(
     return out
 
 
+def context_parallel_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This context-parallel rank's rows of a micro-batch, cut by Megatron's own
+    ``get_batch_on_this_cp_rank`` (two of the sequence's 2 x CP chunks, ``r`` and
+    ``2 CP - 1 - r``; positions and labels travel with their tokens). The attention mask stays
+    whole: context-parallel attention is causal or unmasked and does not read it.
+
+    The function's signature is per release: ``(batch)`` up to 0.16, ``cp_group`` from 0.17,
+    and from 0.18 a required ``is_hybrid_cp`` (False: one sequence per row, no packed
+    documents, so the per-sequence split above), as Megatron-LM's ``pretrain_gpt.py`` of each
+    release calls it."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    accepted = inspect.signature(get_batch_on_this_cp_rank).parameters
+    options: dict[str, object] = {}
+    if "cp_group" in accepted:
+        options["cp_group"] = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in accepted:
+        options["is_hybrid_cp"] = False
+    rows = get_batch_on_this_cp_rank(
+        {k: v for k, v in batch.items() if k != "attention_mask"}, **options
+    )
+    return {**batch, **rows}
+
+
 def checked_token_ids(
     batches: Iterator[dict[str, torch.Tensor]], data: TrainData
 ) -> Iterator[dict[str, torch.Tensor]]:

@@ -297,6 +297,7 @@ def init_model_parallel(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=args.distributed_timeout_minutes,

@@ -119,6 +119,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(device_type, data_iterator, model):
     gpt = model_mod.unwrap(model)
     batch = next(data_iterator) if data_iterator is not None else None
+    if batch is not None and gpt.config.context_parallel_size > 1:
+        batch = data_mod.context_parallel_rows(batch)
 
     def take(key, needed):
         if batch is None or not needed:
@@ -266,7 +268,9 @@ def _describe_layout(args, device) -> str:
     return (
         f" megatron-npu train: {device.describe()} | world {args.world_size} = "
         f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
-        f"{f' (VPP {vpp})' if vpp else ''} x DP {args.data_parallel_size} | "
+        f"{f' (VPP {vpp})' if vpp else ''}"
+        f"{f' x CP {args.context_parallel_size} ({args.cp_comm_type})' if args.context_parallel_size > 1 else ''}"
+        f" x DP {args.data_parallel_size} | "
         f"{args.num_microbatches} micro-batches/step"
     )
 

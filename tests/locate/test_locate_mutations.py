@@ -234,3 +234,25 @@ def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
         assert blamed == named
     else:  # the grouped linears, as the TE extension or the spec provider installs them
         assert blamed and all("grouped-linear" in p for p in blamed), blamed
+
+
+def test_locate_on_a_context_parallel_run(tmp_path, corpus_dir):
+    """Two context-parallel ranks (TE spec, CP2 ring) with a planted ring bug (rank 1's queries
+    see all of rank 0's block, future rows included): replaying step 1, locate compares the
+    ranks' own rows (shards named ``.cp0`` / ``.cp1``), names the core attention of rank 1 in the
+    forward, and the context-parallel attention patch, which TE's attention cannot run without
+    under CP (a suspect)."""
+    cp = (f"--transformer-impl transformer_engine --context-parallel-size 2 "
+          f"--nproc-per-node 2 {WIDE}")  # fmt: skip
+    args = _args(tmp_path, "--device cpu", "--device cpu",
+                 f"{TINY} --default-corpus-dir {corpus_dir} {cp}", "ring-lower-block-whole")  # fmt: skip
+    args.step, args.max_trials = 1, 2
+    data = command.locate(args, echo=lambda s: None)
+    found = data["divergent"]
+    assert (found["kind"], found["module"], found["phase"], found["shard"]) == (
+        "attention", "decoder.layers.0.self_attention.core_attention", "forward",
+        "tp0.pp0.dp0.cp1",
+    ), found
+    assert {r["shard"] for r in data["modules"]} == {"tp0.pp0.dp0.cp0", "tp0.pp0.dp0.cp1"}
+    blamed = data["culprit"]["culprits"] + data["culprit"]["suspects"]
+    assert blamed == ["transformer-engine.context-parallel-attention"], data["culprit"]

@@ -63,6 +63,12 @@ def test_sequence_parallel_is_dropped_without_tp():
         (["--force-overflow-step", "2"], "needs --fp16"),
         (["--data-path", "x"], "exclude each other"),
         (["--save-interval", "5"], "--save-interval needs --save"),
+        # context parallelism: the named problems Megatron-LM's scripts get too
+        (["--context-parallel-size", "2"], "context parallelism runs through TE's attention"),
+        (["--context-parallel-size", "3", "--transformer-impl", "transformer_engine"],
+         "--seq-length 32: each of the 3 context-parallel ranks"),
+        (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
+          "--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p"),
     ],
 )
 def test_inconsistent_options_fail(capsys, extra, message):
@@ -153,6 +159,15 @@ def test_launcher_checks_world_size_rules_before_starting_ranks(capsys):
     rc = train.main([*BASE, "--global-batch-size", "6", "--nproc-per-node", "2", "--device", "cpu"])
     assert rc == 2
     assert "not divisible by micro batch size x data-parallel size = 4" in capsys.readouterr().err
+
+
+def test_context_parallel_ranks_are_not_data_parallel_ranks():
+    args = parse("--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
+                 "--tensor-model-parallel-size", "2", "--global-batch-size", "8")  # fmt: skip
+    arguments.finalize(args, world_size=8)
+    assert args.data_parallel_size == 2 and args.num_microbatches == 2
+    with pytest.raises(arguments.ArgumentError, match="not divisible by TP x PP x CP = 4"):
+        arguments.finalize(args, world_size=6)
 
 
 def test_moe_options_reach_megatrons_config():
