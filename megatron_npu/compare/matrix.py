@@ -80,6 +80,8 @@ LAYOUT_OPTIONS = frozenset(
         "num-layers-per-virtual-pipeline-stage",
         "expert-model-parallel-size",
         "expert-tensor-parallel-size",
+        "context-parallel-size",
+        "cp-comm-type",
         "sequence-parallel",
         "use-distributed-optimizer",
         "overlap-grad-reduce",

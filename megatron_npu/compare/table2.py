@@ -80,10 +80,13 @@ def labels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def layout_of(arguments: dict[str, Any], world_size: int | None) -> str:
     tp = arguments.get("tensor_model_parallel_size", 1)
     pp = arguments.get("pipeline_model_parallel_size", 1)
-    dp = arguments.get("data_parallel_size") or (world_size // (tp * pp) if world_size else 1)
+    cp = arguments.get("context_parallel_size") or 1
+    dp = arguments.get("data_parallel_size") or (world_size // (tp * pp * cp) if world_size else 1)
     parts = [f"TP{tp}", f"PP{pp}"]
     if arguments.get("virtual_pipeline_model_parallel_size"):
         parts.append(f"VPP{arguments['virtual_pipeline_model_parallel_size']}")
+    if cp > 1:
+        parts.append(f"CP{cp} {arguments.get('cp_comm_type') or 'p2p'}")
     parts.append(f"DP{dp}")
     ep, etp = arguments.get("expert_model_parallel_size") or 1, arguments.get("expert_tensor_parallel_size")
     if arguments.get("num_experts") and (ep > 1 or (etp is not None and etp != tp)):

@@ -77,10 +77,12 @@ def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dic
 
 def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
     """The Transformer Engine spec on the reference path and the NPU path agree by the
-    approximate rule, and its TP2 run agrees with its TP1 run by the layout rule."""
-    verdicts = _rows_alone(tmp_path, monkeypatch, "ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2")
+    approximate rule, and its TP2 and CP2 runs agree with its one-rank run by the layout rule."""
+    verdicts = _rows_alone(tmp_path, monkeypatch, "ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2",
+                           "npu-fp32-te-cp2")  # fmt: skip
     assert verdicts[("npu-fp32-te", "approximate")]["status"] == "pass"
     assert verdicts[("npu-fp32-te-tp2", "layout")]["status"] == "pass"
+    assert verdicts[("npu-fp32-te-cp2", "layout")]["status"] == "pass"
 
 
 def test_moe_rows_pass_their_rules(tmp_path, monkeypatch):

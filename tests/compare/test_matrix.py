@@ -106,6 +106,8 @@ def test_the_default_matrix_has_the_rows_the_issue_asks_for():
     assert te["npu-fp32-te"].reference == "ref-fp32-te"
     assert te["npu-fp32-te-tp2"].tensor_parallel == 2
     assert te["npu-fp32-te-tp2"].reference == "npu-fp32-te"
+    assert te["npu-fp32-te-cp2"].option("context-parallel-size") == 2
+    assert te["npu-fp32-te-cp2"].reference == "npu-fp32-te"
     cuda = [r for r in matrix.runs if "cuda" in r.devices]
     assert cuda and all(r.optional for r in cuda)
 
