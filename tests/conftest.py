@@ -1,4 +1,10 @@
-"""Session inputs computed once per pytest invocation, also under ``pytest -n N``.
+"""The suite's own option and fixtures.
+
+``--per-release``: the tests marked ``per_release`` repeat whole training runs of other tests
+(an exemption's test run again with its patch switched off); tox runs them once per
+megatron-core release, the default suite leaves them out.
+
+Session inputs computed once per pytest invocation, also under ``pytest -n N``.
 
 Every xdist worker has a session of its own, so a session fixture that trains a model or runs a
 comparison would run once per worker. ``once_per_run.built_once`` builds such an input in the
@@ -12,6 +18,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--per-release", action="store_true",
+        help="also run the tests marked per_release (tox runs them once per megatron-core "
+        "release; the default suite leaves them out to stay within its time)",
+    )  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out (deselect, and say so) the ``per_release`` tests unless ``--per-release``."""
+    if config.getoption("--per-release"):
+        return
+    kept = [item for item in items if item.get_closest_marker("per_release") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")
