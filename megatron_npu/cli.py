@@ -41,7 +41,10 @@ def _preprocess(args: argparse.Namespace) -> int:
 #: subcommands whose module provides ``add_arguments(parser)`` and ``main(args)``; imported only
 #: when the parser is built, so ``megatron-npu`` itself stays light
 _DELEGATED = {
-    "parity": ("megatron_npu.parity.runner", "check every patched function against its CPU reference"),
+    "parity": (
+        "megatron_npu.parity.runner",
+        "check every patched function against its CPU reference",
+    ),
     "report": (
         "megatron_npu.reports.cli",
         "one self-contained HTML page from parity, compare and benchmark results",

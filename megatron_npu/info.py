@@ -145,9 +145,7 @@ def render(data: dict[str, Any], file: Any = None) -> None:
         npu = row["npu_path"]
         if row["npu_kernels"]:
             npu = f"[cyan]{npu}[/]: {', '.join(row['npu_kernels'])}"
-        table.add_row(
-            row["id"], row["target"], f"[{style}]{row['status']}[/]", npu, row["reason"]
-        )
+        table.add_row(row["id"], row["target"], f"[{style}]{row['status']}[/]", npu, row["reason"])
     console.print(table)
     counts: dict[str, int] = {}
     for row in data["patches"]:

@@ -372,7 +372,8 @@ def _later_copies(sites: list[_Site], modules_before: set[int]) -> list[_Site]:
     copied: dict[tuple[str, str], _Site] = {
         (site.owner.__name__, site.name): site
         for site in sites
-        if inspect.ismodule(site.owner) and site.original is not _MISSING
+        if inspect.ismodule(site.owner)
+        and site.original is not _MISSING
         and _rebindable(site.owner, site.original)
     }
     if not copied:
@@ -380,8 +381,10 @@ def _later_copies(sites: list[_Site], modules_before: set[int]) -> list[_Site]:
     fresh = [
         module
         for modname, module in list(sys.modules.items())
-        if module is not None and id(module) not in modules_before
-        and inspect.ismodule(module) and modname.partition(".")[0] not in _BELOW_MEGATRON
+        if module is not None
+        and id(module) not in modules_before
+        and inspect.ismodule(module)
+        and modname.partition(".")[0] not in _BELOW_MEGATRON
     ]
     imports = {id(module): _import_froms(module) for module in fresh}
     found: list[_Site] = []

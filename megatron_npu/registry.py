@@ -89,7 +89,9 @@ class Patch:
         if self.parity_exempt and not self.exempt_test:
             raise ValueError(f"patch {self.id!r}: a parity exemption must name its exempt_test")
         if self.requires and not self.target.startswith(self.requires + "."):
-            raise ValueError(f"patch {self.id!r}: target {self.target!r} is not in {self.requires!r}")
+            raise ValueError(
+                f"patch {self.id!r}: target {self.target!r} is not in {self.requires!r}"
+            )
         if self.creates and self.kind != "replace":
             raise ValueError(f"patch {self.id!r}: a created target has no original to wrap")
         if self.kind == "wrap" and not callable(self.replacement):
@@ -139,4 +141,3 @@ def get_patch(patch_id: str) -> Patch:
         if patch.id == patch_id:
             return patch
     raise KeyError(f"no patch with id {patch_id!r}")
-

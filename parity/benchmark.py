@@ -32,7 +32,17 @@ from typing import Any
 
 from megatron_npu.parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
 
-__all__ = ["against_benchmark", "BENCHMARK_PATH", "CASE_LEVELS", "REL_L2_BENCHMARK_FACTOR", "with_benchmark", "LEVEL_LIMITS", "BenchmarkResult", "benchmark_result", "level_of"]
+__all__ = [
+    "against_benchmark",
+    "BENCHMARK_PATH",
+    "CASE_LEVELS",
+    "REL_L2_BENCHMARK_FACTOR",
+    "with_benchmark",
+    "LEVEL_LIMITS",
+    "BenchmarkResult",
+    "benchmark_result",
+    "level_of",
+]
 
 #: what the stage-2 benchmark runs, in words (recorded)
 BENCHMARK_PATH = "the case's reference (stock Megatron path) on CPU in the tested dtype"

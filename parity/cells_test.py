@@ -39,7 +39,9 @@ def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
             pool = _Unstartable(exc)
     record = evaluate(job, pool=pool)
     write_record(record, parity_results)
-    failing = {n: t.verdict.reason for n, t in record.tensors.items() if t.verdict.status == "error"}
+    failing = {
+        n: t.verdict.reason for n, t in record.tensors.items() if t.verdict.status == "error"
+    }
     if record.verdict.status == "error" and not failing:
         failing = {"cell": record.verdict.reason}
     assert not failing, f"{cell.id}: {failing}"

@@ -505,7 +505,6 @@ _SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": Tr
                "extra": True, "seed": 3}  # fmt: skip
 
 
-
 def _ring_lower_block_whole(original):
     def ring_steps(rank, size, local, causal):
         steps = original(rank, size, local, causal)
@@ -765,7 +764,6 @@ _ALL = (
 )  # fmt: skip
 
 
-
 def _gemm_operand_never_transposed(original):
     def _operand(t, letter):
         return t  # the layout's "T" ignored: right only for a symmetric operand
@@ -850,90 +848,124 @@ _ALL = (
     *_ALL,
     # ---- mixture of experts
     Mutation(
-        "router-gemm-layout-ignored", "the router's GEMM ignores the layout's transposes "
+        "router-gemm-layout-ignored",
+        "the router's GEMM ignores the layout's transposes "
         "(x @ W instead of x @ W^T): shapes agree only for a square W",
-        "megatron_npu.ops.gemm._operand", _gemm_operand_never_transposed,
-        "moe.router-gating-gemm", (_moe_cases._router_edge(batch=None, hidden=8, experts=8, seed=5),),
+        "megatron_npu.ops.gemm._operand",
+        _gemm_operand_never_transposed,
+        "moe.router-gating-gemm",
+        (_moe_cases._router_edge(batch=None, hidden=8, experts=8, seed=5),),
     ),
     Mutation(
-        "grouped-gemm-wgrad-next-expert", "npu_grouped_matmul's split-K weight gradient of each "
-        "expert lands on the next expert",
-        "megatron_npu.testing.torch_npu_emulation.npu_grouped_matmul", _grouped_wgrad_next_group,
-        "moe.grouped-gemm-ops", (_moe_cases._gemm_edge(),), device=NPU_EMULATED,
+        "grouped-gemm-wgrad-next-expert",
+        "npu_grouped_matmul's split-K weight gradient of each expert lands on the next expert",
+        "megatron_npu.testing.torch_npu_emulation.npu_grouped_matmul",
+        _grouped_wgrad_next_group,
+        "moe.grouped-gemm-ops",
+        (_moe_cases._gemm_edge(),),
+        device=NPU_EMULATED,
     ),
     Mutation(
-        "grouped-gemm-last-expert-dropped", "the grouped GEMM leaves the last expert's rows at 0",
-        "megatron_npu.patches.moe.grouped_mm", _grouped_last_group_dropped,
-        "moe.grouped-gemm-ops", (_moe_cases._gemm_edge(),),
+        "grouped-gemm-last-expert-dropped",
+        "the grouped GEMM leaves the last expert's rows at 0",
+        "megatron_npu.patches.moe.grouped_mm",
+        _grouped_last_group_dropped,
+        "moe.grouped-gemm-ops",
+        (_moe_cases._gemm_edge(),),
     ),
     Mutation(
-        "te-grouped-linear-last-expert-dropped", "TE's grouped linears leave the last expert's "
-        "rows at 0 (the grouped GEMM of the op layer)",
-        "megatron_npu.ops.grouped_matmul.grouped_mm", _grouped_last_group_dropped,
-        "transformer-engine.column-parallel-grouped-linear", (_moe_cases._linear_edge(),),
+        "te-grouped-linear-last-expert-dropped",
+        "TE's grouped linears leave the last expert's rows at 0 (the grouped GEMM of the op layer)",
+        "megatron_npu.ops.grouped_matmul.grouped_mm",
+        _grouped_last_group_dropped,
+        "transformer-engine.column-parallel-grouped-linear",
+        (_moe_cases._linear_edge(),),
     ),
     Mutation(
-        "te-grouped-linear-bias-reversed", "TE's grouped linear adds expert g's bias to the rows "
-        "of expert n-1-g",
-        "torch.repeat_interleave", _grouped_bias_reversed,
-        "transformer-engine.column-parallel-grouped-linear", (_moe_cases._linear_edge(),),
+        "te-grouped-linear-bias-reversed",
+        "TE's grouped linear adds expert g's bias to the rows of expert n-1-g",
+        "torch.repeat_interleave",
+        _grouped_bias_reversed,
+        "transformer-engine.column-parallel-grouped-linear",
+        (_moe_cases._linear_edge(),),
     ),
     Mutation(
-        "permute-kernel-slots-shifted", "the permute kernel's slot map is one slot off, so each "
+        "permute-kernel-slots-shifted",
+        "the permute kernel's slot map is one slot off, so each "
         "token is summed back from its neighbour's expert outputs",
         "megatron_npu.testing.torch_npu_emulation.npu_moe_token_permute_with_routing_map",
-        _permute_slots_shifted, "moe.fused-permute", (_moe_cases._permute_edge(),),
+        _permute_slots_shifted,
+        "moe.fused-permute",
+        (_moe_cases._permute_edge(),),
         device=NPU_EMULATED,
     ),
     Mutation(
-        "router-top-k-backward-unscaled", "the gating kernel's backward leaves out the routed "
+        "router-top-k-backward-unscaled",
+        "the gating kernel's backward leaves out the routed "
         "scaling factor (the forward applies it)",
         "megatron_npu.testing.torch_npu_emulation.npu_moe_gating_top_k_backward",
-        _gating_backward_unscaled, "moe.fused-router-top-k", (_moe_cases._top_k_edge(),),
+        _gating_backward_unscaled,
+        "moe.fused-router-top-k",
+        (_moe_cases._top_k_edge(),),
         device=NPU_EMULATED,
     ),
     Mutation(
-        "router-top-k-groups-by-best-expert", "group-limited routing scores each group by its "
+        "router-top-k-groups-by-best-expert",
+        "group-limited routing scores each group by its "
         "best expert where Megatron sums its best two",
-        "megatron_npu.patches.moe.gating_kernel_groups", _gating_groups_by_max,
+        "megatron_npu.patches.moe.gating_kernel_groups",
+        _gating_groups_by_max,
         "moe.fused-router-top-k",
         (_moe_cases._top_k_edge(groups=4, group_topk=2, topk_per_group=2, seed=9, tokens=12),),
         device=NPU_EMULATED,
     ),
     Mutation(
-        "moe-padding-taken-first", "the padded permutation fills each expert's capacity with "
+        "moe-padding-taken-first",
+        "the padded permutation fills each expert's capacity with "
         "the tokens it did not choose before those it did",
         "megatron_npu.testing.torch_npu_emulation.npu_moe_token_permute_with_routing_map",
-        _padding_taken_first, "moe.fused-sort-chunks",
+        _padding_taken_first,
+        "moe.fused-sort-chunks",
         (_moe_cases._layer_edge(capacity_factor=0.5, pad=True, grouped=True, seed=4),),
         device=NPU_EMULATED,
     ),
     Mutation(
-        "unpermute-kernel-probs-dropped", "the fused unpermute leaves out the routing probs it "
+        "unpermute-kernel-probs-dropped",
+        "the fused unpermute leaves out the routing probs it "
         "was handed (every expert output weighted 1)",
-        "megatron_npu.patches.moe.unpermute_with_kernel", _unpermute_probs_dropped,
-        "moe.fused-unpermute", (_moe_cases._permute_edge(probs_at="unpermute", seed=7),),
+        "megatron_npu.patches.moe.unpermute_with_kernel",
+        _unpermute_probs_dropped,
+        "moe.fused-unpermute",
+        (_moe_cases._permute_edge(probs_at="unpermute", seed=7),),
         device=NPU_EMULATED,
     ),
     Mutation(
-        "ring-lower-block-whole", "the ring lets every query see the whole block of a lower "
+        "ring-lower-block-whole",
+        "the ring lets every query see the whole block of a lower "
         "rank, whose second chunk lies in the queries' future",
-        "megatron_npu.ops.ring_attention.ring_steps", _ring_lower_block_whole,
-        "transformer-engine.context-parallel-attention", (_cp_cases._edge(),),
+        "megatron_npu.ops.ring_attention.ring_steps",
+        _ring_lower_block_whole,
+        "transformer-engine.context-parallel-attention",
+        (_cp_cases._edge(),),
         parallel=Parallel(cp=2),
     ),
     Mutation(
-        "ring-update-weights-swapped", "the ring-update kernel weights each partial output by "
-        "the other partial's softmax share",
+        "ring-update-weights-swapped",
+        "the ring-update kernel weights each partial output by the other partial's softmax share",
         "megatron_npu.testing.torch_npu_emulation.npu_ring_attention_update",
-        _ring_update_weights_swapped, "transformer-engine.context-parallel-attention",
-        (_cp_cases._edge(causal=False, seed=2),), device=NPU_EMULATED, parallel=Parallel(cp=2),
+        _ring_update_weights_swapped,
+        "transformer-engine.context-parallel-attention",
+        (_cp_cases._edge(causal=False, seed=2),),
+        device=NPU_EMULATED,
+        parallel=Parallel(cp=2),
     ),
     Mutation(
-        "a2a-rank-order-kept", "Ulysses attends over the gathered sequence in rank order, not "
-        "in its natural order",
-        "megatron_npu.ops.context_parallel.to_natural", _a2a_rank_order_kept,
-        "transformer-engine.context-parallel-attention", (_cp_cases._edge(comm="a2a", seed=3),),
+        "a2a-rank-order-kept",
+        "Ulysses attends over the gathered sequence in rank order, not in its natural order",
+        "megatron_npu.ops.context_parallel.to_natural",
+        _a2a_rank_order_kept,
+        "transformer-engine.context-parallel-attention",
+        (_cp_cases._edge(comm="a2a", seed=3),),
         parallel=Parallel(cp=2),
     ),
 )

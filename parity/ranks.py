@@ -94,7 +94,8 @@ def _worker(
                 if layout is not None:
                     parallel_state.destroy_model_parallel()
                 parallel_state.initialize_model_parallel(
-                    job.parallel.tp, job.parallel.pp, context_parallel_size=job.parallel.cp)
+                    job.parallel.tp, job.parallel.pp, context_parallel_size=job.parallel.cp
+                )
                 layout = wanted
             conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001

@@ -340,7 +340,9 @@ class ParityRecord:
                 f"{READABLE_VERSIONS})"
             )
         if self.schema_version >= 2:
-            if not isinstance(self.kernels, dict) or not isinstance(self.npu_kernel_exercised, bool):
+            if not isinstance(self.kernels, dict) or not isinstance(
+                self.npu_kernel_exercised, bool
+            ):
                 raise ValueError("a schema-2 record needs kernels (dict) and npu_kernel_exercised")
             if self.npu_kernel_exercised != any(v > 0 for v in self.kernels.values()):
                 raise ValueError("npu_kernel_exercised must say whether any kernel was called")

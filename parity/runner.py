@@ -44,15 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device to check (repeatable); default: cpu, npu-emulated, and npu/cuda if present",
     )  # fmt: skip
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="few examples per cell (the CI setting; default)")
-    mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="many hypothesis-drawn examples per cell")
+    mode.add_argument(
+        "--quick",
+        dest="mode",
+        action="store_const",
+        const="quick",
+        help="few examples per cell (the CI setting; default)",
+    )
+    mode.add_argument(
+        "--full",
+        dest="mode",
+        action="store_const",
+        const="full",
+        help="many hypothesis-drawn examples per cell",
+    )
     parser.set_defaults(mode="quick")
-    parser.add_argument("-n", "--workers", type=int, default=1,
-                        help="parallel pytest-xdist workers (default 1)")
-    parser.add_argument("--results", default=os.path.join("results", "parity"),
-                        help="parent directory; each run writes into a new run-* folder")
+    parser.add_argument(
+        "-n", "--workers", type=int, default=1, help="parallel pytest-xdist workers (default 1)"
+    )
+    parser.add_argument(
+        "--results",
+        default=os.path.join("results", "parity"),
+        help="parent directory; each run writes into a new run-* folder",
+    )
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k filter on cell ids")
 
 

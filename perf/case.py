@@ -94,8 +94,11 @@ class BenchCase:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, allowed, got in (("paths", PATHS, self.paths), ("dtypes", DTYPES, self.dtypes),
-                                   ("directions", DIRECTIONS, self.directions)):
+        for name, allowed, got in (
+            ("paths", PATHS, self.paths),
+            ("dtypes", DTYPES, self.dtypes),
+            ("directions", DIRECTIONS, self.directions),
+        ):
             bad = [x for x in got if x not in allowed]
             if bad or not got:
                 raise ValueError(f"benchmark {self.op!r}: {name} {bad or got} not in {allowed}")

@@ -42,6 +42,7 @@ def timed_call(cell: Cell, built: Built) -> Callable[[], Any]:
     """The callable the benchmark times: forward only (no autograd graph), forward+backward
     (grads of the leaves reset first, upstream gradient fixed), or one optimizer step."""
     if cell.direction != "fwd+bwd":
+
         def forward() -> Any:
             with torch.no_grad():
                 return built.run()
@@ -62,8 +63,9 @@ def timed_call(cell: Cell, built: Built) -> Callable[[], Any]:
     return forward_backward
 
 
-def run_cell(benchmark: Any, cell: Cell, build: Callable[[Cell], Built], rounds: int,
-             **extra: Any) -> None:
+def run_cell(
+    benchmark: Any, cell: Cell, build: Callable[[Cell], Built], rounds: int, **extra: Any
+) -> None:
     """Time ``cell`` (``rounds`` rounds after one warm-up) and record its peak memory."""
     with adaptor_for(cell):
         built = build(cell)

@@ -59,8 +59,16 @@ def test_attention_window_vs_full_causal(benchmark, case):
     out = benchmark.pedantic(forward, rounds=7, iterations=1, warmup_rounds=3)
     assert out.shape == (B, N, S, D) and torch.isfinite(out).all()
     # the last query sees only the last WINDOW + 1 keys under the window, all keys otherwise
-    probe = native_fused_attention(q[:, :, -1:], k, v, head_num=N, input_layout="BNSD",
-                                   causal=True, pre_tokens=kwargs["pre_tokens"], next_tokens=0)
+    probe = native_fused_attention(
+        q[:, :, -1:],
+        k,
+        v,
+        head_num=N,
+        input_layout="BNSD",
+        causal=True,
+        pre_tokens=kwargs["pre_tokens"],
+        next_tokens=0,
+    )
     torch.testing.assert_close(out[:, :, -1:], probe, rtol=1e-4, atol=1e-5)
 
 
@@ -91,6 +99,12 @@ def test_fused_attention_vs_plain_sdpa(benchmark, which):
             t.grad = None
         fn().backward(grad)
 
-    _label(benchmark, "attention-vs-sdpa", f"S={SDPA_S},B={SDPA_B},N={SDPA_N},D={SDPA_D}",
-           "fwd+bwd", path="native" if which == "fused-op" else "plain-torch", case=which)
+    _label(
+        benchmark,
+        "attention-vs-sdpa",
+        f"S={SDPA_S},B={SDPA_B},N={SDPA_N},D={SDPA_D}",
+        "fwd+bwd",
+        path="native" if which == "fused-op" else "plain-torch",
+        case=which,
+    )
     benchmark.pedantic(step, rounds=7, iterations=1, warmup_rounds=3)

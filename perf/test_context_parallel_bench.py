@@ -74,6 +74,8 @@ def test_context_parallel_step(benchmark, perf_size, cp):
         single = max(r["peak_bytes"] for r in _measure(1, perf_size))
         ratio = benchmark.extra_info["peak_memory_bytes"] / single
         benchmark.extra_info["peak_memory_vs_cp1"] = ratio
-        print(f"peak per rank: CP1 {single / 2**20:.1f} MiB, CP{cp} "
-              f"{benchmark.extra_info['peak_memory_bytes'] / 2**20:.1f} MiB ({ratio:.3f} x)")
+        print(
+            f"peak per rank: CP1 {single / 2**20:.1f} MiB, CP{cp} "
+            f"{benchmark.extra_info['peak_memory_bytes'] / 2**20:.1f} MiB ({ratio:.3f} x)"
+        )
         assert ratio <= MEMORY_TARGET, (single, per_rank)

@@ -43,10 +43,21 @@ def test_apply_then_restore(benchmark):
     """``apply("cpu")`` + ``restore()`` once, the whole registry (target: under 50 ms)."""
     megatron_npu.apply("cpu")  # first call imports Megatron's modules: not part of the figure
     megatron_npu.restore()
-    benchmark.extra_info.update(patch_id=None, op="apply-restore", path="native", device="cpu",
-                                emulated=False, direction="step", peak_memory_bytes=None)
-    benchmark.pedantic(lambda: (megatron_npu.apply("cpu"), megatron_npu.restore()),
-                       rounds=10, iterations=1, warmup_rounds=1)
+    benchmark.extra_info.update(
+        patch_id=None,
+        op="apply-restore",
+        path="native",
+        device="cpu",
+        emulated=False,
+        direction="step",
+        peak_memory_bytes=None,
+    )
+    benchmark.pedantic(
+        lambda: (megatron_npu.apply("cpu"), megatron_npu.restore()),
+        rounds=10,
+        iterations=1,
+        warmup_rounds=1,
+    )
 
 
 @pytest.mark.benchmark(group="routing-attribute")

@@ -142,7 +142,11 @@ def table2(comp: Comparison) -> dict[str, Any]:
         "labels": dict(columns),
         "rows": rows,
         "notes": [compare_table.MEMORY_NOTE]  # the page labels emulated devices itself
-        + ([compare_table.EMULATED_NOTE.replace("`*` ", "")] if any(r.get("emulated") for r in rows_in) else []),
+        + (
+            [compare_table.EMULATED_NOTE.replace("`*` ", "")]
+            if any(r.get("emulated") for r in rows_in)
+            else []
+        ),
     }
 
 
@@ -159,7 +163,9 @@ def headline(comps: list[Comparison]) -> dict[str, Any] | None:
                 problems.append(f"run {run.name} failed{where}")
         for v in comp.verdicts:
             if v.get("status") in FAILING:
-                problems.append(f"{v['rule']} {v['status']} for {v['candidate']} vs {v['baseline']}{where}")
+                problems.append(
+                    f"{v['rule']} {v['status']} for {v['candidate']} vs {v['baseline']}{where}"
+                )
     if not problems:
         runs = sum(len(c.runs) for c in comps)
         return {"passed": True, "text": f"Comparison passed: {runs} runs, no rule failed."}

@@ -21,7 +21,9 @@ def worst_status(statuses: list[str]) -> str | None:
 
 def default_tolerance(dtype: str) -> dict[str, Any]:
     """The thresholds :func:`megatron_npu.parity.verdict.verdict` uses when a case has no override."""
-    rules = importlib.import_module("megatron_npu.parity.verdict")  # megatron_npu.parity.verdict is also a function name
+    rules = importlib.import_module(
+        "megatron_npu.parity.verdict"
+    )  # megatron_npu.parity.verdict is also a function name
     error_n, warning_n = rules._DUAL_DEFAULTS.get(dtype, (None, None))
     return {"cosine": COSINE_MIN, "abs_pass": ABS_PASS, "dual_error": error_n,
             "dual_warning": warning_n}  # fmt: skip

@@ -30,8 +30,10 @@ def _ast_cuda_modules(package: str) -> set[str]:
                 isinstance(node, ast.Attribute) and node.attr == "cuda"
                 and isinstance(node.value, ast.Name) and node.value.id == "torch"
             )  # fmt: skip
-            device = isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                node.value == "cuda" or node.value.startswith("cuda:")
+            device = (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value == "cuda" or node.value.startswith("cuda:"))
             )
             if torch_cuda or device:
                 parts = path.relative_to(root).with_suffix("").parts
@@ -80,7 +82,9 @@ def fake_megatron(tmp_path, monkeypatch):
     write("__init__.py", "")
     write("core/__init__.py", "")
     write("core/train/__init__.py", "")
-    write("core/train/step.py", "import torch\n\ndef f():\n    return torch.cuda.current_device()\n")
+    write(
+        "core/train/step.py", "import torch\n\ndef f():\n    return torch.cuda.current_device()\n"
+    )
     write("core/train/plain.py", "import torch\n\ndef g():\n    return torch.zeros(1)\n")
     write("core/train/gpu_only.py", "import torch\nx = torch.empty(1, device='cuda:0')\n")
     write("core/newfeature.py", "import torch\n\ndef h():\n    torch.cuda.synchronize()\n")

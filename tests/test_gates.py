@@ -47,7 +47,9 @@ def test_the_helpers_cpp_build_is_a_test_dependency():
 def test_branch_coverage_uses_only_coverage_public_api():
     """No private coverage.py attribute (``cov._analyze`` and the like) in the coverage gate,
     and the trace runs in a subprocess (order-independent)."""
-    paths = [ROOT / "tests" / "parity" / n for n in ("test_branch_coverage.py", "_coverage_trace.py")]
+    paths = [
+        ROOT / "tests" / "parity" / n for n in ("test_branch_coverage.py", "_coverage_trace.py")
+    ]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):

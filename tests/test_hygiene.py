@@ -99,7 +99,9 @@ def nvtx_stubs() -> set[str]:
     for package in ("megatron_npu", "parity", "perf", "reports"):
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
-            if any(isinstance(n, ast.ClassDef) and "nvtx" in n.name.lower() for n in ast.walk(tree)):
+            if any(
+                isinstance(n, ast.ClassDef) and "nvtx" in n.name.lower() for n in ast.walk(tree)
+            ):
                 found.add(path.relative_to(ROOT).as_posix())
     return found
 
@@ -111,7 +113,8 @@ def test_the_nvtx_stub_is_defined_once():
 def test_the_scans_see_a_violation():
     """The regular expression and the AST scan find what they are for."""
     assert CITATION.findall("see REFERENCE.md section 3 and `docs/parity-results.md`.") == [
-        "REFERENCE.md", "docs/parity-results.md",
+        "REFERENCE.md",
+        "docs/parity-results.md",
     ]
     tree = ast.parse('"""npu-emulated in a docstring"""\nDEVICE = "npu-emulated"\n')
     constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]

@@ -91,7 +91,14 @@ def bare_imports() -> list[str]:
 
 
 #: calls that take a package by name
-LOADERS = {"import_module", "find_spec", "files", "PackageLoader", "__import__", "resource_filename"}
+LOADERS = {
+    "import_module",
+    "find_spec",
+    "files",
+    "PackageLoader",
+    "__import__",
+    "resource_filename",
+}
 
 
 def _callee(node: ast.Call) -> str:

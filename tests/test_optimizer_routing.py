@@ -13,8 +13,9 @@ def _build_optimizer():
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                               use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True
+    )
 
     class Tiny(MegatronModule):
         def __init__(self):

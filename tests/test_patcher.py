@@ -115,9 +115,7 @@ def test_missing_module_is_a_target_error(fake):
 
 
 def test_version_range_excluding_installed_version_skips(fake):
-    patch = Patch(
-        "t.old", "fakemeg.core.thing.not_there", _replacement_f, "test", versions="<0.14"
-    )
+    patch = Patch("t.old", "fakemeg.core.thing.not_there", _replacement_f, "test", versions="<0.14")
     results = _apply([patch])
     assert results[0].status == "skipped-by-version"
     assert VERSION in results[0].reason
@@ -232,7 +230,10 @@ def test_disable_argument_leaves_patch_out_and_reports_it(fake):
 def test_disable_environment_variable(fake, monkeypatch):
     monkeypatch.setenv(patcher.DISABLE_ENV, " t.f , ")
     results = _apply([Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")])
-    assert (results[0].status, results[0].reason) == ("disabled", "disabled by MEGATRON_NPU_DISABLE")
+    assert (results[0].status, results[0].reason) == (
+        "disabled",
+        "disabled by MEGATRON_NPU_DISABLE",
+    )
     assert fake.thing.f is _original_f
 
 
@@ -254,7 +255,16 @@ def test_disable_patch_flag_reaches_info(monkeypatch, capsys):
 
     monkeypatch.setenv(patcher.DISABLE_FLAG_ENV, "")  # the command publishes its ids here
     first, second = (p.id for p in all_patches()[:2])
-    argv = ["info", "--device", "cpu", "--json", "--disable-patch", first, "--disable-patch", second]
+    argv = [
+        "info",
+        "--device",
+        "cpu",
+        "--json",
+        "--disable-patch",
+        first,
+        "--disable-patch",
+        second,
+    ]
     assert cli.main(argv) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)["patches"]}
     for patch_id in (first, second):

@@ -79,7 +79,6 @@ class RunResult:
     def fingerprint(self) -> dict[str, Any]:
         return fp.fingerprint(self.metrics["config"]) if self.metrics else {}
 
-
     def speed_setup(self) -> rules.SpeedSetup:
         args = self.arguments
         config = (self.metrics or {}).get("config", {})
@@ -162,7 +161,9 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         "ci95_mfu": mfu_ci95 if mfu is not None else None,
         "peak_tflops": peak.get("tflops"),
         "peak_source": peak.get("source"),
-        "peak_understated": rules.mfu_shown(result.emulated) and raw_mfu is not None and mfu is None,
+        "peak_understated": rules.mfu_shown(result.emulated)
+        and raw_mfu is not None
+        and mfu is None,
         "mfu_note": None if rules.mfu_shown(result.emulated) else rules.EMULATED_SPEED,
         "peak_allocated_mib": memory_mib if measure == "allocator" else None,
         "peak_rss_mib": memory_mib if measure == "rss" else _mib(summary.get("peak_rss_bytes")),
@@ -344,7 +345,11 @@ CONFIRM_ROUNDS = 1
 
 
 def confirm_slowdown(
-    verdict: rules.Verdict, results: dict[str, RunResult], matrix: Matrix, out_dir: Path, echo: TextIO
+    verdict: rules.Verdict,
+    results: dict[str, RunResult],
+    matrix: Matrix,
+    out_dir: Path,
+    echo: TextIO,
 ) -> rules.Verdict:
     """A speed ``fail`` between two runs trained here is re-timed: both are trained again back to
     back (reference first, no checkpoint, in ``runs/<name>/retime``) and the slowdown stands only
@@ -358,7 +363,9 @@ def confirm_slowdown(
     s = matrix.settings
     session = uuid.uuid4().hex[:12]
     for _ in range(CONFIRM_ROUNDS):
-        echo.write(f" [compare] {cand.spec.name}: slower than {other.spec.name}; timing both again, back to back\n")
+        echo.write(
+            f" [compare] {cand.spec.name}: slower than {other.spec.name}; timing both again, back to back\n"
+        )
         retimed = {}
         for run in (other, cand):
             run_dir = out_dir / "runs" / run.spec.name / "retime"
@@ -414,7 +421,9 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
     if imported.emulated and device != NPU_EMULATED:
         result.notes.append("the file says its run was emulated")
-    echo.write(f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})\n")
+    echo.write(
+        f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})\n"
+    )
     return result
 
 
@@ -467,7 +476,12 @@ def run_compare(
         run_dir = out_dir / "runs" / spec.name
         if spec.kind == "script":
             outcome = runner.execute_script(
-                spec, device, run_dir, timeout_s=spec.timeout_s or s.timeout_s, echo=echo, session=session
+                spec,
+                device,
+                run_dir,
+                timeout_s=spec.timeout_s or s.timeout_s,
+                echo=echo,
+                session=session,
             )
         else:
             outcome = runner.execute(
@@ -552,4 +566,3 @@ def main(args) -> int:
         print(f"megatron-npu compare: {exc}", file=sys.stderr)
         return 2
     return status
-

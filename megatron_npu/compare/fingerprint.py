@@ -104,7 +104,9 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         "num_attention_heads": heads,
         # Megatron reads num_query_groups only with group_query_attention (else one group per
         # head), and Megatron-LM's argument dump shows its unused default 1
-        "num_query_groups": args.get("num_query_groups") if args.get("group_query_attention") else heads,
+        "num_query_groups": args.get("num_query_groups")
+        if args.get("group_query_attention")
+        else heads,
         "kv_channels": kv,
         "seq_length": args.get("seq_length"),
         "max_position_embeddings": args.get("max_position_embeddings"),

@@ -53,17 +53,27 @@ def _sha256(path: Path) -> str | None:
 
 def _check_metrics(data: Any, path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not all(k in data for k in METRICS_KEYS):
-        raise ImportedRunError(f"{path}: not a megatron-npu metrics.json (needs {list(METRICS_KEYS)})")
+        raise ImportedRunError(
+            f"{path}: not a megatron-npu metrics.json (needs {list(METRICS_KEYS)})"
+        )
     steps = data["steps"]
     if not isinstance(steps, list) or not steps:
         raise ImportedRunError(f"{path}: 'steps' is empty: the run logged no step")
     for i, step in enumerate(steps):
-        if not isinstance(step, dict) or not isinstance(step.get("step"), int) or not isinstance(
-            step.get("step_time_s"), int | float
+        if (
+            not isinstance(step, dict)
+            or not isinstance(step.get("step"), int)
+            or not isinstance(step.get("step_time_s"), int | float)
         ):
-            raise ImportedRunError(f"{path}: steps[{i}] needs an integer 'step' and a number 'step_time_s'")
-    if not isinstance(data["config"], dict) or not isinstance(data["config"].get("arguments"), dict):
-        raise ImportedRunError(f"{path}: 'config.arguments' is missing: no fingerprint can be taken")
+            raise ImportedRunError(
+                f"{path}: steps[{i}] needs an integer 'step' and a number 'step_time_s'"
+            )
+    if not isinstance(data["config"], dict) or not isinstance(
+        data["config"].get("arguments"), dict
+    ):
+        raise ImportedRunError(
+            f"{path}: 'config.arguments' is missing: no fingerprint can be taken"
+        )
     return data
 
 
@@ -83,7 +93,7 @@ def _from_results(data: dict, path: Path, run: str | None) -> tuple[dict[str, An
     names = [r.get("name") for r in runs if isinstance(r, dict)]
     if run is None:
         if len(names) != 1:
-            raise ImportedRunError(f"{path}: holds runs {names}: name one with run = \"NAME\"")
+            raise ImportedRunError(f'{path}: holds runs {names}: name one with run = "NAME"')
         run = names[0]
     entry = next((r for r in runs if isinstance(r, dict) and r.get("name") == run), None)
     if entry is None:

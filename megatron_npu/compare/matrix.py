@@ -366,7 +366,9 @@ def _source(raw: dict, base_dir: Path, where: str) -> tuple[str, str | None, dic
         path = _name_or_none(raw, "import", where)
         return "import", str(base_dir / path), {"import_run": _name_or_none(raw, "run", where)}
     if "run" in raw:
-        raise MatrixError(f"{where}: run = ... names a run of an imported results.json; add import = ...")
+        raise MatrixError(
+            f"{where}: run = ... names a run of an imported results.json; add import = ..."
+        )
     if "script" in raw:
         if "rerun_of" in raw or "options" in raw:
             raise MatrixError(

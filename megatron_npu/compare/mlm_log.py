@@ -34,8 +34,12 @@ ARGS_START = re.compile(r"-{3,} arguments -{3,}")
 ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
 ARG_LINE = re.compile(r"^(?:\[[^\]]*\]:?)?\s+([A-Za-z_]\w*) (?:\.+ | )(.*)$")
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|(.*)$")
-PADDED_VOCAB = re.compile(r"padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)")
-MEMORY = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.eE+-]+) \| max allocated: ([\d.eE+-]+)")
+PADDED_VOCAB = re.compile(
+    r"padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)"
+)
+MEMORY = re.compile(
+    r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.eE+-]+) \| max allocated: ([\d.eE+-]+)"
+)
 #: The last field Megatron-LM writes on every iteration line: a line without it is cut short.
 LAST_FIELD = "number of skipped iterations"
 FIELDS = {
@@ -74,7 +78,9 @@ def _number(path: Path, number: int, key: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise LogFormatError(f"{path}:{number}: {key!r} is not a number: {text.strip()!r}") from None
+        raise LogFormatError(
+            f"{path}:{number}: {key!r} is not a number: {text.strip()!r}"
+        ) from None
 
 
 def _iteration(path: Path, number: int, match: re.Match) -> dict[str, Any]:
@@ -91,7 +97,9 @@ def _iteration(path: Path, number: int, match: re.Match) -> dict[str, Any]:
             continue
         record[FIELDS[key]] = _number(path, number, key, value)
     if "step_time_ms" not in record:
-        raise LogFormatError(f"{path}:{number}: iteration line without 'elapsed time per iteration (ms)'")
+        raise LogFormatError(
+            f"{path}:{number}: iteration line without 'elapsed time per iteration (ms)'"
+        )
     return record
 
 
@@ -188,7 +196,10 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "world_size": world,
             "data_parallel_size": dp,
             "padded_vocab_size": parsed.get("padded_vocab_size") or args.get("padded_vocab_size"),
-            "data": {"source": data_source, "description": _data_description(args, "Megatron-LM log", source)},
+            "data": {
+                "source": data_source,
+                "description": _data_description(args, "Megatron-LM log", source),
+            },
         },
         "steps": steps,
         "summary": {

@@ -243,7 +243,9 @@ def approximate(
 #: The one rule for emulated rows (``npu-emulated``: the NPU code path run on CPU through the
 #: torch_npu emulation): their s/step and tokens/s are shown as measured and marked emulated, but
 #: they have no MFU (no NPU peak applies to them) and never a speed verdict.
-EMULATED_SPEED = "emulated figures: not NPU performance, never compared for speed and shown without MFU"
+EMULATED_SPEED = (
+    "emulated figures: not NPU performance, never compared for speed and shown without MFU"
+)
 
 
 def mfu_shown(emulated: bool) -> bool:
@@ -292,7 +294,11 @@ def speed_mismatch(
         differs.append(f"device {cand.device} ({classes[0]}) vs {base.device} ({classes[1]})")
     if not differs:
         return None
-    return "not like for like: " + ", ".join(differs) + " (name the pair in speed_reference to time it anyway)"
+    return (
+        "not like for like: "
+        + ", ".join(differs)
+        + " (name the pair in speed_reference to time it anyway)"
+    )
 
 
 @dataclass(frozen=True)
@@ -307,6 +313,7 @@ def step_time_stats(
 ) -> StepTimeStats | None:
     """Median s/step after ``warmup`` steps, with a percentile-bootstrap 95 % interval (steps
     without a time -- NaN or None, as an imported log may have -- are left out)."""
+
     def finite(values: list) -> list[float]:
         return [float(t) for t in values if t is not None and np.isfinite(t)]
 

@@ -260,9 +260,18 @@ def execute_script(
     identity = {"device": device, "command": command[3:], "versions": library_versions(),
                 "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest() if script.is_file() else None}  # fmt: skip
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    record_path, metrics_path, log_path = run_dir / "run.json", run_dir / "metrics.json", run_dir / "train.log"
+    record_path, metrics_path, log_path = (
+        run_dir / "run.json",
+        run_dir / "metrics.json",
+        run_dir / "train.log",
+    )
     cached = read_json(record_path)
-    if cached and cached.get("config_hash") == digest and cached.get("status") == "ok" and metrics_path.is_file():
+    if (
+        cached
+        and cached.get("config_hash") == digest
+        and cached.get("status") == "ok"
+        and metrics_path.is_file()
+    ):
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
         return Outcome("cached", None, float(cached.get("wall_s", 0.0)), command, digest,
                        None, cached.get("session"))  # fmt: skip

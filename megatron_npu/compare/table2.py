@@ -88,7 +88,10 @@ def layout_of(arguments: dict[str, Any], world_size: int | None) -> str:
     if cp > 1:
         parts.append(f"CP{cp} {arguments.get('cp_comm_type') or 'p2p'}")
     parts.append(f"DP{dp}")
-    ep, etp = arguments.get("expert_model_parallel_size") or 1, arguments.get("expert_tensor_parallel_size")
+    ep, etp = (
+        arguments.get("expert_model_parallel_size") or 1,
+        arguments.get("expert_tensor_parallel_size"),
+    )
     if arguments.get("num_experts") and (ep > 1 or (etp is not None and etp != tp)):
         parts.append(f"EP{ep}" + (f" ETP{etp}" if etp is not None and etp != tp else ""))
     if arguments.get("sequence_parallel"):

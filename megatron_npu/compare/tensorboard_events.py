@@ -87,7 +87,9 @@ def read(path: str | Path) -> dict[str, Any]:
         try:
             accumulator.Reload()
         except Exception as exc:  # the reader's own errors: corrupt records, bad CRCs
-            raise EventFolderError(f"{file}: not a readable event file ({type(exc).__name__}: {exc})") from None
+            raise EventFolderError(
+                f"{file}: not a readable event file ({type(exc).__name__}: {exc})"
+            ) from None
         tags = accumulator.Tags()
         for tag in tags.get("scalars", []):
             for event in accumulator.Scalars(tag):

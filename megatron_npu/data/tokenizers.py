@@ -51,6 +51,7 @@ except ImportError:  # megatron-core 0.13: the dataset package's abstract tokeni
         # provides as properties; calling it would try to overwrite them
         return None
 
+
 __all__ = [
     "TOKENIZER_TYPES",
     "BertWordPieceTokenizer",

@@ -31,7 +31,10 @@ DEFAULT_DATA = Path(__file__).with_name("lambada_default.jsonl")
 #: What a result is called: ``lambada`` only for a user's ``lambada_test.jsonl``-format file (the
 #: LAMBADA test set); the shipped file is a cloze set cut from the embedded corpus, not LAMBADA.
 LAMBADA_SET, CORPUS_CLOZE_SET = "lambada", "corpus-cloze"
-SET_TITLES = {LAMBADA_SET: "LAMBADA", CORPUS_CLOZE_SET: "the corpus cloze set (LAMBADA format, cut from the embedded corpus)"}
+SET_TITLES = {
+    LAMBADA_SET: "LAMBADA",
+    CORPUS_CLOZE_SET: "the corpus cloze set (LAMBADA format, cut from the embedded corpus)",
+}
 
 
 def set_name(data: str | Path | None) -> str:

@@ -53,9 +53,7 @@ class Norm(torch.nn.Module):
     ) -> None:
         super().__init__()
         if normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(
-                f"normalization must be LayerNorm or RMSNorm, got {normalization!r}"
-            )
+            raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {normalization!r}")
         self.normalization = normalization
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma

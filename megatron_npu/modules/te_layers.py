@@ -55,11 +55,11 @@ class FP8StateError(ValueError):
     """A checkpoint's TE ``_extra_state`` holds fp8 scaling state."""
 
 
-
 def _device() -> Any:
     """Where Megatron's device-path initialisation puts a weight: its ``torch.cuda.current_device()``
     as the device layer answers it (the NPU, the CPU for the stand-in devices)."""
     return TORCH_NAMESPACE.cuda.current_device()
+
 
 def _megatron_core_below(version: str) -> bool:
     from packaging.version import Version
@@ -227,8 +227,13 @@ def stand_in(name: str) -> type:
     if name not in _built:
         if name == "TEDotProductAttention":
             _built[name] = _build_attention()
-        elif name in ("TELinear", "TENorm", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
-                      "TERowParallelGroupedLinear"):
+        elif name in (
+            "TELinear",
+            "TENorm",
+            "TEGroupedLinear",
+            "TEColumnParallelGroupedLinear",
+            "TERowParallelGroupedLinear",
+        ):
             _built[name] = globals()[name]
         else:
             _built.update(_build_linears())
@@ -366,7 +371,9 @@ def _build_attention() -> type:
                 from megatron.core import parallel_state
 
                 pgs = pg_collection if pg_collection is not None else model_comm_pgs
-                self.cp_group = getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
+                self.cp_group = (
+                    getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
+                )
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip
@@ -456,7 +463,6 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
         for param in self.parameters():
             param.allreduce = not (is_expert and ep_size > 1)
         self._register_load_state_dict_pre_hook(_merge_extra_states, with_module=True)
-
 
     def forward(self, x: torch.Tensor, m_splits):
         from megatron_npu.ops.grouped_matmul import grouped_mm

@@ -39,8 +39,20 @@ from megatron_npu.ops.kernels import npu_kernels
 _OP = "adamw_step"
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, eps,
-           weight_decay, amsgrad) -> None:
+def _check(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+) -> None:
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if amsgrad:
@@ -59,8 +71,9 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta
                     f"{tuple(p.shape)}"
                 )
     if not isinstance(step, int) or step < 1:
-        raise ValueError(f"{_OP}: step must be an int >= 1 (the step after this update), got "
-                         f"{step!r}")
+        raise ValueError(
+            f"{_OP}: step must be an int >= 1 (the step after this update), got {step!r}"
+        )
     if lr < 0 or eps < 0 or weight_decay < 0:
         raise ValueError(f"{_OP}: lr, eps and weight_decay must be >= 0")
     for name, b in (("beta1", beta1), ("beta2", beta2)):
@@ -143,8 +156,20 @@ def native_adamw_step_(
     amsgrad: bool = False,
     maximize: bool = False,
 ) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, eps,
-           weight_decay, amsgrad)
+    _check(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        amsgrad,
+    )
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         key = (p.device, p.dtype, grads[i].dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype)
@@ -192,8 +217,20 @@ def npu_adamw_step_(
     amsgrad: bool = False,
     maximize: bool = False,
 ) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, eps,
-           weight_decay, amsgrad)
+    _check(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        amsgrad,
+    )
     beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
@@ -289,9 +326,17 @@ def adamw_step_(
     maximize: bool = False,
 ) -> None:
     """In-place AdamW step on the NPU kernel module in use, else natively."""
-    kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, max_exp_avg_sqs=max_exp_avg_sqs, amsgrad=amsgrad,
-                  maximize=maximize)
+    kwargs = dict(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        max_exp_avg_sqs=max_exp_avg_sqs,
+        amsgrad=amsgrad,
+        maximize=maximize,
+    )
     kernels = npu_kernels()
     if kernels is not None:
         npu_adamw_step_(kernels, params, grads, exp_avgs, exp_avg_sqs, **kwargs)

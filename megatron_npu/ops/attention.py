@@ -208,7 +208,9 @@ def _causal_pair(sq: int, skv: int, device: torch.device) -> tuple[torch.Tensor,
     return pair
 
 
-def causal_mask(sq: int, skv: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_mask(
+    sq: int, skv: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Megatron's plain causal attention mask, ``(1, 1, Sq, Skv)`` bool (True = masked), shared.
 
     A caller that knows its mask is the plain causal one (the training loop, whose data layer
@@ -270,7 +272,9 @@ def without_redundant_causal_mask(
 
 def check_dropout(dropout_p: float, op: str = _OP) -> None:
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{op}: dropout_p must be in [0, 1) (keep_prob in (0, 1]), got {dropout_p}")
+        raise ValueError(
+            f"{op}: dropout_p must be in [0, 1) (keep_prob in (0, 1]), got {dropout_p}"
+        )
 
 
 def visible_keys(
@@ -379,8 +383,10 @@ def native_fused_attention(
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
-    elif user_visible is None and dropout_p == 0.0 and (
-        block := _batched_band_block(q, sq, skv, lo, hi)
+    elif (
+        user_visible is None
+        and dropout_p == 0.0
+        and (block := _batched_band_block(q, sq, skv, lo, hi))
     ):
         out = _BatchedBandAttention.apply(q, k, v, -lo, block, scale)
     elif user_visible is None and dropout_p == 0.0 and (plan := _band_plan(q, sq, skv, lo, hi)):

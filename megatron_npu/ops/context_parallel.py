@@ -183,7 +183,7 @@ def _allgather(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tok
     outs = []
     for index, natural in enumerate((rank, 2 * cp - 1 - rank)):
         end = (natural + 1) * chunk  # keys up to the chunk's own end, bottom-right aligned
-        rows = q[index * chunk:(index + 1) * chunk]
+        rows = q[index * chunk : (index + 1) * chunk]
         outs.append(fused_attention(_sbh(rows), _sbh(k[:end]), _sbh(v[:end]), head_num=heads,
                                     input_layout="SBH", causal=True, pre_tokens=pre_tokens,
                                     next_tokens=next_tokens, scale=scale,

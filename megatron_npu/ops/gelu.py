@@ -31,7 +31,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None
     check_float_dtype(op, "x", x)
     if bias is not None:
         check_float_dtype(op, "bias", bias)
-        if bias.dim() > x.dim() or tuple(bias.shape) != tuple(x.shape[x.dim() - bias.dim():]):
+        if bias.dim() > x.dim() or tuple(bias.shape) != tuple(x.shape[x.dim() - bias.dim() :]):
             raise ValueError(
                 f"{op}: bias shape {tuple(bias.shape)} must equal the trailing dims of x "
                 f"{tuple(x.shape)}"

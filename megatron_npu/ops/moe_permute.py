@@ -31,8 +31,10 @@ KERNEL_INDEX_DTYPE = torch.int32
 def kernel_takes_probs(tokens: torch.Tensor, probs: torch.Tensor | None) -> bool:
     """The kernels take probs of the tokens' dtype, or fp32 probs with bf16 tokens (so fp16
     tokens with ``--moe-router-dtype fp32`` probs are not theirs)."""
-    return probs is None or probs.dtype == tokens.dtype or (
-        probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16
+    return (
+        probs is None
+        or probs.dtype == tokens.dtype
+        or (probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16)
     )
 
 

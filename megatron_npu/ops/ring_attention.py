@@ -152,7 +152,9 @@ class NativeBlocks:
         if seed is None:
             dq, dk, dv = _flash_backward(gb, qb, kb, vb, ob, lse_b, 0.0, causal, scale=self.scale)
         else:
-            probs = torch.exp(self._scores(qb, kb, causal) - lse_b.unsqueeze(-1))  # normalised by the merged sum
+            probs = torch.exp(
+                self._scores(qb, kb, causal) - lse_b.unsqueeze(-1)
+            )  # normalised by the merged sum
             keep = self._keep_mask(probs, seed) / (1.0 - self.dropout_p)
             dropped = probs * keep
             dv = torch.matmul(dropped.transpose(-1, -2), gb)

@@ -33,7 +33,9 @@ class FusedAdamW(torch.optim.AdamW):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
+        params: Iterable[torch.Tensor]
+        | Iterable[dict[str, Any]]
+        | Iterable[tuple[str, torch.Tensor]],
         lr: float | torch.Tensor = 0.001,
         betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-08,

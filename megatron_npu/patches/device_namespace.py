@@ -70,7 +70,9 @@ _PARITY = {
     "megatron.core.tensor_parallel.mappings": "megatron_npu.parity.cases.communication:TP_MAPPINGS",
 }
 _EXEMPT = "device routing, no numerics of its own"
-_EXEMPT_TEST = "tests/patches/test_device_namespace.py::test_module_torch_routes_cuda_to_the_active_device"
+_EXEMPT_TEST = (
+    "tests/patches/test_device_namespace.py::test_module_torch_routes_cuda_to_the_active_device"
+)
 
 PATCHES = [
     Patch(
@@ -85,9 +87,9 @@ PATCHES = [
         parity_exempt="" if module in _PARITY else _EXEMPT,
         benchmark_exempt="device-namespace plumbing: its per-call cost is "
         "perf/test_device_routing_bench.py",
-        exempt_test="" if module in _PARITY else (
-            f"{_EXEMPT_TEST}[torch-namespace:{module.removeprefix('megatron.core.')}]"
-        ),
+        exempt_test=""
+        if module in _PARITY
+        else (f"{_EXEMPT_TEST}[torch-namespace:{module.removeprefix('megatron.core.')}]"),
     )
     for module in MODULES
 ]

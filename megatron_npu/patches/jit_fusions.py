@@ -59,8 +59,10 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.torch_norm.L2Norm._norm", ""),
     ("megatron.core.transformer.attention.Attention._apply_output_gate", ">=0.16"),
     ("megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias", ">=0.16"),
-    ("megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher.dispatch_preprocess",
-     ">=0.16"),
+    (
+        "megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher.dispatch_preprocess",
+        ">=0.16",
+    ),
 )
 
 

@@ -59,7 +59,9 @@ def _releasing_sent_outputs(schedule: Any) -> Any:
     return run
 
 
-_EXEMPT = "tests/patches/test_pipeline_outputs.py::test_sent_output_data_lives_until_the_schedule_returns"
+_EXEMPT = (
+    "tests/patches/test_pipeline_outputs.py::test_sent_output_data_lives_until_the_schedule_returns"
+)
 
 PATCHES = [
     Patch(
@@ -85,7 +87,9 @@ PATCHES = [
             exempt_test=_EXEMPT,
             benchmark_exempt="one list clear per training step",
         )
-        for name in ("forward_backward_pipelining_with_interleaving",
-                     "forward_backward_pipelining_without_interleaving")
+        for name in (
+            "forward_backward_pipelining_with_interleaving",
+            "forward_backward_pipelining_without_interleaving",
+        )
     ),
 ]

@@ -68,7 +68,10 @@ _SCOPED = (
         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
         "_build_model_and_main_param_groups",
     ),
-    ("scope.distopt-init", "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__"),
+    (
+        "scope.distopt-init",
+        "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__",
+    ),
     (
         "scope.fp16-optimizer-init",
         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",

@@ -170,8 +170,11 @@ PATCHES = [
         benchmark_exempt="a context-parallel group needs several ranks, which a one-process "
         "benchmark cell does not have: perf/test_context_parallel_bench.py measures CP1 "
         "against CP2 training steps",
-        npu_kernels=("npu_fusion_attention", "npu_ring_attention_update",
-                     "npu_fusion_attention_grad"),
+        npu_kernels=(
+            "npu_fusion_attention",
+            "npu_ring_attention_update",
+            "npu_fusion_attention_grad",
+        ),
     ),
     Patch(
         id="transformer-engine.block-final-norm",
@@ -224,10 +227,16 @@ PATCHES = [
         )
         for module in (_EXT, _PROVIDER)
         for key, name, what in (
-            ("column-parallel-grouped-linear", "TEColumnParallelGroupedLinear",
-             "the experts' grouped FC1 (--moe-grouped-gemm)"),
-            ("row-parallel-grouped-linear", "TERowParallelGroupedLinear",
-             "the experts' grouped FC2 (--moe-grouped-gemm)"),
+            (
+                "column-parallel-grouped-linear",
+                "TEColumnParallelGroupedLinear",
+                "the experts' grouped FC1 (--moe-grouped-gemm)",
+            ),
+            (
+                "row-parallel-grouped-linear",
+                "TERowParallelGroupedLinear",
+                "the experts' grouped FC2 (--moe-grouped-gemm)",
+            ),
         )
     ],
     Patch(

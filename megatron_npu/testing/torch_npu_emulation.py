@@ -125,8 +125,10 @@ def _fa_dims(query, key, value, head_num, layout):
         if t.dim() != rank:
             raise ValueError(f"{op}: layout {layout} needs {rank}-D {arg}, got {tuple(t.shape)}")
     if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(f"{op}: key and value shapes must be equal, got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}")
+        raise ValueError(
+            f"{op}: key and value shapes must be equal, got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
     if head_num < 1:
         raise ValueError(f"{op}: head_num must be >= 1, got {head_num}")
     if rank == 3:
@@ -137,14 +139,18 @@ def _fa_dims(query, key, value, head_num, layout):
         if key.shape[-1] % d != 0:
             raise ValueError(f"{op}: key H={key.shape[-1]} is not a multiple of D={d}")
         n_kv = key.shape[-1] // d
-        b, sq, skv = ((query.shape[0], query.shape[1], key.shape[1]) if layout == "BSH"
-                      else (query.shape[1], query.shape[0], key.shape[0]))
+        b, sq, skv = (
+            (query.shape[0], query.shape[1], key.shape[1])
+            if layout == "BSH"
+            else (query.shape[1], query.shape[0], key.shape[0])
+        )
         b_kv = key.shape[0] if layout == "BSH" else key.shape[1]
     else:
         n_axis, s_axis = (1, 2) if layout == "BNSD" else (2, 1)
         if query.shape[n_axis] != head_num:
-            raise ValueError(f"{op}: head_num {head_num} differs from query N "
-                             f"{query.shape[n_axis]} ({layout})")
+            raise ValueError(
+                f"{op}: head_num {head_num} differs from query N {query.shape[n_axis]} ({layout})"
+            )
         d = query.shape[3]
         if key.shape[3] != d:
             raise ValueError(f"{op}: Dq={d} must equal Dk={key.shape[3]}")
@@ -158,8 +164,9 @@ def _fa_dims(query, key, value, head_num, layout):
     if not 1 <= head_num <= 256:
         raise ValueError(f"{op}: query head count N={head_num} is outside 1..256")
     if n_kv < 1 or head_num % n_kv != 0:
-        raise ValueError(f"{op}: Nq/Nkv must be a non-zero integer (GQA), got Nq={head_num}, "
-                         f"Nkv={n_kv}")
+        raise ValueError(
+            f"{op}: Nq/Nkv must be a non-zero integer (GQA), got Nq={head_num}, Nkv={n_kv}"
+        )
     return b, n_kv, sq, skv, d
 
 
@@ -169,47 +176,61 @@ def _fa_visible(atten_mask, sparse_mode, pre, nxt, b, n, sq, skv, device):
     if sparse_mode not in range(9):
         raise ValueError(f"{op}: sparse_mode must be in 0..8, got {sparse_mode}")
     if sparse_mode in (5, 6, 7, 8):
-        raise NotImplementedError(f"{op}: sparse_mode {sparse_mode} (prefix/varlen) is not "
-                                  "emulated")
+        raise NotImplementedError(
+            f"{op}: sparse_mode {sparse_mode} (prefix/varlen) is not emulated"
+        )
     if atten_mask is None:
         # documented: without atten_mask, sparse_mode/pre_tockens/next_tockens do not apply
         return None
     if atten_mask.dtype not in (torch.bool, torch.uint8):
-        raise TypeError(f"{op}: atten_mask dtype must be bool or uint8, got "
-                        f"{_name(atten_mask.dtype)}")
+        raise TypeError(
+            f"{op}: atten_mask dtype must be bool or uint8, got {_name(atten_mask.dtype)}"
+        )
     row = torch.arange(sq, device=device).view(sq, 1)
     col = torch.arange(skv, device=device).view(1, skv)
     if sparse_mode in (2, 3, 4):
         if tuple(atten_mask.shape) != (_COMPRESSED, _COMPRESSED):
-            raise ValueError(f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask of "
-                             f"shape (2048, 2048), got {tuple(atten_mask.shape)}")
+            raise ValueError(
+                f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask of "
+                f"shape (2048, 2048), got {tuple(atten_mask.shape)}"
+            )
         expected = torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device)
         if not torch.equal(atten_mask.bool(), torch.triu(expected, diagonal=1)):
-            raise ValueError(f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask "
-                             "triu(ones(2048, 2048), diagonal=1) (True above the diagonal)")
+            raise ValueError(
+                f"{op}: sparse_mode {sparse_mode} needs the compressed atten_mask "
+                "triu(ones(2048, 2048), diagonal=1) (True above the diagonal)"
+            )
         if sparse_mode == 2:  # leftUpCausal: origin top-left
             return col <= row
         shift = skv - sq  # rightDownCausal / band: origin bottom-right
         if sparse_mode == 3:
             return col <= row + shift
         if pre + nxt < 0:
-            raise ValueError(f"{op}: sparse_mode 4 (band) needs pre_tockens + next_tockens >= 0, "
-                             f"got {pre} and {nxt}")
+            raise ValueError(
+                f"{op}: sparse_mode 4 (band) needs pre_tockens + next_tockens >= 0, "
+                f"got {pre} and {nxt}"
+            )
         return (col - row - shift <= nxt) & (row + shift - col <= pre)
     shapes = {(b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)}
     if tuple(atten_mask.shape) not in shapes:
-        raise ValueError(f"{op}: atten_mask shape {tuple(atten_mask.shape)} must be BNSS, B1SS, "
-                         f"11SS or SS with B={b}, N={n}, Sq={sq}, Skv={skv}")
+        raise ValueError(
+            f"{op}: atten_mask shape {tuple(atten_mask.shape)} must be BNSS, B1SS, "
+            f"11SS or SS with B={b}, N={n}, Sq={sq}, Skv={skv}"
+        )
     keep = atten_mask == 0
     if sparse_mode == 1:  # allMask: the mask alone
         return keep
     # sparse_mode 0: the mask plus the pre/next band, origin top-left
     if nxt < 0 and (pre < -nxt or -nxt >= skv):
-        raise ValueError(f"{op}: negative next_tockens={nxt} needs pre_tockens >= |next_tockens| "
-                         f"and |next_tockens| < Skv={skv}")
+        raise ValueError(
+            f"{op}: negative next_tockens={nxt} needs pre_tockens >= |next_tockens| "
+            f"and |next_tockens| < Skv={skv}"
+        )
     if pre < 0 and (nxt < -pre or -pre >= sq):
-        raise ValueError(f"{op}: negative pre_tockens={pre} needs next_tockens >= |pre_tockens| "
-                         f"and |pre_tockens| < Sq={sq}")
+        raise ValueError(
+            f"{op}: negative pre_tockens={pre} needs next_tockens >= |pre_tockens| "
+            f"and |pre_tockens| < Sq={sq}"
+        )
     band = (col - row <= nxt) & (row - col <= pre)
     return keep & band
 
@@ -230,8 +251,7 @@ def _fa_check_dead_rows(dead: torch.Tensor, sparse_mode: int, inner_precise: int
     )
 
 
-def _fa_scores(query, key, value, head_num, layout, n_kv, atten_mask, sparse_mode, pre, nxt,
-               scale):
+def _fa_scores(query, key, value, head_num, layout, n_kv, atten_mask, sparse_mode, pre, nxt, scale):
     """(q, k, v) as fp32 (B, N, S, D) with the key/value heads shared out to the query heads,
     the scaled scores with hidden positions at -inf, and the visibility mask (or None)."""
     q = _split_heads(query, layout, head_num).float()
@@ -295,17 +315,29 @@ def npu_fusion_attention(
     if padding_mask is not None:
         raise ValueError(f"{op}: padding_mask is not supported by the kernel (must be None)")
     if prefix is not None or actual_seq_qlen is not None or actual_seq_kvlen is not None:
-        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not "
-                                  "emulated")
+        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not emulated")
     if softmax_layout or sink is not None or dropout_mask is not None or seed or offset:
-        raise NotImplementedError(f"{op}: softmax_layout/sink/dropout_mask/seed/offset are not "
-                                  "emulated (their defaults only)")
+        raise NotImplementedError(
+            f"{op}: softmax_layout/sink/dropout_mask/seed/offset are not "
+            "emulated (their defaults only)"
+        )
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
     if inner_precise not in (0, 1, 2):
         raise ValueError(f"{op}: inner_precise must be 0, 1 or 2, got {inner_precise}")
-    q, k, v, scores, _ = _fa_scores(query, key, value, head_num, input_layout, n_kv, atten_mask,
-                                    sparse_mode, pre_tockens, next_tockens, scale)
+    q, k, v, scores, _ = _fa_scores(
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        n_kv,
+        atten_mask,
+        sparse_mode,
+        pre_tockens,
+        next_tockens,
+        scale,
+    )
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # a shift softmax is invariant to
     dead = torch.isneginf(row_max)  # rows with nothing to attend
     _fa_check_dead_rows(dead, sparse_mode, inner_precise)
@@ -369,22 +401,26 @@ def npu_fusion_attention_grad(
     if pse is not None or padding_mask is not None or softmax_in is not None:
         raise NotImplementedError(f"{op}: pse/padding_mask/softmax_in are not emulated")
     if prefix is not None or actual_seq_qlen is not None or actual_seq_kvlen is not None:
-        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not "
-                                  "emulated")
+        raise NotImplementedError(f"{op}: prefix/actual_seq_qlen/actual_seq_kvlen are not emulated")
     if softmax_layout or sink is not None:
         raise NotImplementedError(f"{op}: softmax_layout/sink are not emulated")
     if softmax_max is None or softmax_sum is None or attention_in is None:
-        raise ValueError(f"{op}: softmax_max, softmax_sum and attention_in (the forward's "
-                         "outputs) are required")
+        raise ValueError(
+            f"{op}: softmax_max, softmax_sum and attention_in (the forward's outputs) are required"
+        )
     for arg, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
         if t.dtype != torch.float32 or tuple(t.shape) != (b, head_num, sq, 8):
-            raise ValueError(f"{op}: {arg} must be float32 of shape {(b, head_num, sq, 8)}, got "
-                             f"{_name(t.dtype)} {tuple(t.shape)}")
+            raise ValueError(
+                f"{op}: {arg} must be float32 of shape {(b, head_num, sq, 8)}, got "
+                f"{_name(t.dtype)} {tuple(t.shape)}"
+            )
     for arg, t in (("dy", dy), ("attention_in", attention_in)):
         if tuple(t.shape) != tuple(query.shape) or t.dtype != query.dtype:
-            raise ValueError(f"{op}: {arg} must have query's shape {tuple(query.shape)} and "
-                             f"dtype {_name(query.dtype)}, got {_name(t.dtype)} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{op}: {arg} must have query's shape {tuple(query.shape)} and "
+                f"dtype {_name(query.dtype)}, got {_name(t.dtype)} "
+                f"{tuple(t.shape)}"
+            )
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
     q, k, v, scores, visible = _fa_scores(query, key, value, head_num, input_layout, n_kv,
@@ -432,8 +468,9 @@ def npu_ring_attention_update(
     softmax_max, softmax_sum)``, ``out`` in the input dtype."""
     op = "npu_ring_attention_update"
     if input_layout != "SBH" or input_softmax_layout or actual_seq_qlen is not None:
-        raise NotImplementedError(f"{op}: only input_layout 'SBH' with the default softmax "
-                                  "layout is emulated")
+        raise NotImplementedError(
+            f"{op}: only input_layout 'SBH' with the default softmax layout is emulated"
+        )
     for arg, t in (("prev_attn_out", prev_attn_out), ("cur_attn_out", cur_attn_out)):
         _float_dtype(op, arg, t)
         if t.dim() != 3:
@@ -441,13 +478,19 @@ def npu_ring_attention_update(
     if prev_attn_out.shape != cur_attn_out.shape or prev_attn_out.dtype != cur_attn_out.dtype:
         raise ValueError(f"{op}: prev_attn_out and cur_attn_out must share shape and dtype")
     s, b, h = prev_attn_out.shape
-    stats = (("prev_softmax_max", prev_softmax_max), ("prev_softmax_sum", prev_softmax_sum),
-             ("cur_softmax_max", cur_softmax_max), ("cur_softmax_sum", cur_softmax_sum))
+    stats = (
+        ("prev_softmax_max", prev_softmax_max),
+        ("prev_softmax_sum", prev_softmax_sum),
+        ("cur_softmax_max", cur_softmax_max),
+        ("cur_softmax_sum", cur_softmax_sum),
+    )
     n = prev_softmax_max.shape[1] if prev_softmax_max.dim() == 4 else 0
     for arg, t in stats:
         if t.dtype != torch.float32 or t.dim() != 4 or tuple(t.shape) != (b, n, s, 8):
-            raise ValueError(f"{op}: {arg} must be float32 (B, N, S, 8) = {(b, n, s, 8)}, got "
-                             f"{_name(t.dtype)} {tuple(t.shape)}")
+            raise ValueError(
+                f"{op}: {arg} must be float32 (B, N, S, 8) = {(b, n, s, 8)}, got "
+                f"{_name(t.dtype)} {tuple(t.shape)}"
+            )
     if n < 1 or h % n:
         raise ValueError(f"{op}: N={n} heads do not divide H={h}")
     smax = torch.maximum(prev_softmax_max, cur_softmax_max)
@@ -475,15 +518,19 @@ def npu_rms_norm(input, gamma, epsilon=1e-6):  # noqa: A002 - torch_npu's parame
     _float_dtype(op, "x", x)
     _float_dtype(op, "gamma", gamma)
     if gamma.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{op}: gamma dtype {_name(gamma.dtype)} must equal x dtype "
-                        f"{_name(x.dtype)} (documented rule) or be float32 (the kernel's "
-                        "mixed-precision form for float16/bfloat16 x)")
+        raise TypeError(
+            f"{op}: gamma dtype {_name(gamma.dtype)} must equal x dtype "
+            f"{_name(x.dtype)} (documented rule) or be float32 (the kernel's "
+            "mixed-precision form for float16/bfloat16 x)"
+        )
     if not 2 <= x.dim() <= 8:
         raise ValueError(f"{op}: x must have 2 to 8 dims, got {x.dim()}")
     k = gamma.dim()
-    if k < 1 or k > x.dim() or tuple(x.shape[x.dim() - k:]) != tuple(gamma.shape):
-        raise ValueError(f"{op}: gamma shape {tuple(gamma.shape)} must equal the trailing dims of "
-                         f"x {tuple(x.shape)}")
+    if k < 1 or k > x.dim() or tuple(x.shape[x.dim() - k :]) != tuple(gamma.shape):
+        raise ValueError(
+            f"{op}: gamma shape {tuple(gamma.shape)} must equal the trailing dims of "
+            f"x {tuple(x.shape)}"
+        )
     if epsilon < 0:
         raise ValueError(f"{op}: epsilon must be >= 0, got {epsilon}")
     dims = tuple(range(x.dim() - k, x.dim()))
@@ -587,8 +634,10 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A00
         if t.dim() != 4:
             raise ValueError(f"{op}: {arg} must be 4-D, got shape {tuple(t.shape)}")
     if not input.dtype == r1.dtype == r2.dtype:
-        raise TypeError(f"{op}: input, r1 and r2 must share one dtype, got {_name(input.dtype)}, "
-                        f"{_name(r1.dtype)}, {_name(r2.dtype)}")
+        raise TypeError(
+            f"{op}: input, r1 and r2 must share one dtype, got {_name(input.dtype)}, "
+            f"{_name(r1.dtype)}, {_name(r2.dtype)}"
+        )
     if rotary_mode not in ("half", "interleave"):
         raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
     d = input.shape[-1]
@@ -605,15 +654,19 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A00
         if rotary_mode == "half" and max(b, n) >= _ROTARY_MAX_BN:
             raise ValueError(f"{op}: half mode needs B, N < {_ROTARY_MAX_BN}, got B={b}, N={n}")
         if rotary_mode == "interleave" and b * n >= _ROTARY_MAX_BN:
-            raise ValueError(f"{op}: interleave mode needs B * N < {_ROTARY_MAX_BN}, got "
-                             f"B={b}, N={n}")
+            raise ValueError(
+                f"{op}: interleave mode needs B * N < {_ROTARY_MAX_BN}, got B={b}, N={n}"
+            )
         if (r1.requires_grad or r2.requires_grad) and b * n > _ROTARY_MAX_BN_GRAD:
-            raise ValueError(f"{op}: gradients of r1/r2 need B * N <= {_ROTARY_MAX_BN_GRAD}, "
-                             f"got B={b}, N={n}")
+            raise ValueError(
+                f"{op}: gradients of r1/r2 need B * N <= {_ROTARY_MAX_BN_GRAD}, got B={b}, N={n}"
+            )
     for arg, t in (("r1", r1), ("r2", r2)):
         if t.numel() and float(t.detach().abs().amax()) > 1.0:
-            raise ValueError(f"{op}: {arg} values must lie in [-1, 1] (cos/sin), got max |{arg}| "
-                             f"= {float(t.detach().abs().amax()):.4g}")
+            raise ValueError(
+                f"{op}: {arg} values must lie in [-1, 1] (cos/sin), got max |{arg}| "
+                f"= {float(t.detach().abs().amax()):.4g}"
+            )
     x = input.float()
     idx = torch.arange(d, device=input.device)
     if rotary_mode == "half":
@@ -687,8 +740,9 @@ def npu_apply_adam_w(
     for arg, t in (("var", var), ("m", m), ("v", v), ("grad", grad)):
         _float_dtype(op, arg, t)
         if tuple(t.shape) != tuple(var.shape):
-            raise ValueError(f"{op}: {arg} shape {tuple(t.shape)} differs from var "
-                             f"{tuple(var.shape)}")
+            raise ValueError(
+                f"{op}: {arg} shape {tuple(t.shape)} differs from var {tuple(var.shape)}"
+            )
     if not var.dtype == m.dtype == v.dtype == grad.dtype:
         raise TypeError(f"{op}: var, m, v and grad must share one dtype")
     if amsgrad and max_grad_norm is None:
@@ -731,8 +785,9 @@ def _group_ends(op, group_list, group_list_type, groups):
             raise ValueError(f"{op}: group_list_type 1 needs counts >= 0")
         ends = list(itertools.accumulate(int(v) for v in values))
     else:
-        raise ValueError(f"{op}: group_list_type must be 0 (cumsum) or 1 (counts), "
-                         f"got {group_list_type}")
+        raise ValueError(
+            f"{op}: group_list_type must be 0 (cumsum) or 1 (counts), got {group_list_type}"
+        )
     return list(zip([0, *ends[:-1]], ends))
 
 
@@ -761,8 +816,10 @@ def npu_grouped_matmul(
                  "activation_quant_offset": activation_quant_offset}  # fmt: skip
     used = [k for k, v in quantised.items() if v is not None]
     if used or act_type not in (0, None) or output_dtype not in (None, 0, 1, 27):
-        raise NotImplementedError(f"{op}: the quantised / fused-activation forms are not "
-                                  f"emulated (got {', '.join(used) or 'act_type/output_dtype'})")
+        raise NotImplementedError(
+            f"{op}: the quantised / fused-activation forms are not "
+            f"emulated (got {', '.join(used) or 'act_type/output_dtype'})"
+        )
     if split_item not in (0, 1, 2, 3):
         raise ValueError(f"{op}: split_item must be 0, 1, 2 or 3, got {split_item}")
     if not x or not weight:
@@ -797,8 +854,9 @@ def npu_grouped_matmul(
         parts = []
         for g, (start, end) in enumerate(ranges):
             if ws[g].shape != (xs.shape[1], n):
-                raise ValueError(f"{op}: weight {g} is {tuple(ws[g].shape)}, expected "
-                                 f"{(xs.shape[1], n)}")
+                raise ValueError(
+                    f"{op}: weight {g} is {tuple(ws[g].shape)}, expected {(xs.shape[1], n)}"
+                )
             yg = xs[start:end].float() @ ws[g].float()
             if bias is not None:
                 yg = yg + bias[g].float()
@@ -812,8 +870,10 @@ def npu_grouped_matmul(
             raise ValueError(f"{op}: group_type 2 takes no bias")
         xt, dy = x[0], weight[0]
         if xt.shape[1] != dy.shape[0]:
-            raise ValueError(f"{op}: x [K, M] and weight [M, N] disagree on M: "
-                             f"{tuple(xt.shape)}, {tuple(dy.shape)}")
+            raise ValueError(
+                f"{op}: x [K, M] and weight [M, N] disagree on M: "
+                f"{tuple(xt.shape)}, {tuple(dy.shape)}"
+            )
         groups = len(group_list) if group_list is not None else 0
         ranges = _group_ends(op, group_list, group_list_type, groups)
         outs = [(xt[:, a:b].float() @ dy[a:b].float()).to(dtype) for a, b in ranges]
@@ -1030,7 +1090,8 @@ def npu_moe_token_unpermute_with_routing_map(
             experts_num = probs.shape[1]
             capacity = rows // experts_num if experts_num else 0
             expert_of_row = torch.arange(experts_num, device=index.device).repeat_interleave(
-                capacity)
+                capacity
+            )
             weight = probs[token_of_row, expert_of_row]
         source = permuted_tokens
     else:

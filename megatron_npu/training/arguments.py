@@ -106,11 +106,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ``python -m megatron_npu.train``)."""
     g = parser.add_argument_group("device and launch")
     g.add_argument(
-        "--device", choices=DEVICE_NAMES, default=None,
+        "--device",
+        choices=DEVICE_NAMES,
+        default=None,
         help="default: auto ($MEGATRON_NPU_DEVICE, else npu if torch_npu sees one, else cpu)",
     )
     g.add_argument(
-        "--nproc-per-node", type=_positive, default=None,
+        "--nproc-per-node",
+        type=_positive,
+        default=None,
         help="start this many ranks here through torch's elastic launcher "
         "(leave out under torchrun, which sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*)",
     )
@@ -118,7 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--node-rank", type=_non_negative, default=0)
     g.add_argument("--master-addr", default="127.0.0.1")
     g.add_argument(
-        "--master-port", type=int, default=None,
+        "--master-port",
+        type=int,
+        default=None,
         help="default: a free port when --nnodes is 1, else 29500",
     )
     g.add_argument("--distributed-timeout-minutes", type=_positive, default=10)
@@ -127,17 +133,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=_positive, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive, default=1)
     g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage", type=_positive, default=None,
+        "--num-layers-per-virtual-pipeline-stage",
+        type=_positive,
+        default=None,
         help="interleaved pipeline schedule: layers per virtual stage",
     )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument(
-        "--context-parallel-size", type=_positive, default=1,
+        "--context-parallel-size",
+        type=_positive,
+        default=1,
         help="split each sequence over this many ranks (Megatron's load-balanced 2 x CP chunks); "
         "needs --transformer-impl transformer_engine",
     )
     g.add_argument(
-        "--cp-comm-type", default="p2p",
+        "--cp-comm-type",
+        default="p2p",
         help="how the context-parallel ranks exchange keys and values: p2p (ring attention), "
         "a2a (all-to-all over heads) or allgather",
     )
@@ -149,7 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=_positive, required=True)
     g.add_argument("--hidden-size", type=_positive, required=True)
     g.add_argument(
-        "--ffn-hidden-size", type=_positive, default=None,
+        "--ffn-hidden-size",
+        type=_positive,
+        default=None,
         help="default 4 * hidden size (with --swiglu: int(8 * hidden / 3 / 64) * 64, as Megatron)",
     )
     g.add_argument("--num-attention-heads", type=_positive, required=True)
@@ -161,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-position-embeddings", type=_positive, default=None, help="default: --seq-length"
     )
     g.add_argument(
-        "--position-embedding-type", choices=("learned_absolute", "rope"),
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
         default="learned_absolute",
     )
     g.add_argument("--rotary-percent", type=_finite, default=1.0)
@@ -188,7 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=_finite, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
     g.add_argument(
-        "--vocab-size", type=_positive, default=None,
+        "--vocab-size",
+        type=_positive,
+        default=None,
         help="vocabulary of the NullTokenizer used with --mock-data (default 512)",
     )
 
@@ -290,7 +306,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
     g.add_argument(
-        "--loss-scale", type=_finite, default=None,
+        "--loss-scale",
+        type=_finite,
+        default=None,
         help="static loss scale for fp16 (default: dynamic loss scaling)",
     )
     g.add_argument("--initial-loss-scale", type=_finite, default=2.0**32)
@@ -298,11 +316,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=_finite, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument(
-        "--accumulate-allreduce-grads-in-fp32", action="store_true",
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
         help="(always on with --bf16, as in Megatron)",
     )
     g.add_argument(
-        "--force-overflow-step", type=_positive, default=None,
+        "--force-overflow-step",
+        type=_positive,
+        default=None,
         help=argparse.SUPPRESS,  # testing aid, see loop.force_overflow
     )
 
@@ -324,35 +345,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=_finite, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
-        "--divergence-steps", type=_positive, default=5, metavar="N",
+        "--divergence-steps",
+        type=_positive,
+        default=5,
+        metavar="N",
         help="stop the run (exit status 3) when the lm loss is NaN/inf for N consecutive steps",
     )
     g.add_argument(
-        "--no-divergence-stop", dest="divergence_stop", action="store_false",
+        "--no-divergence-stop",
+        dest="divergence_stop",
+        action="store_false",
         help="keep training when the loss is NaN/inf, every step is skipped or the learning "
         "rate is 0 throughout (default: such a run stops with exit status 3)",
     )
 
     g = parser.add_argument_group("data")
     g.add_argument(
-        "--data-path", nargs="+", default=None,
+        "--data-path",
+        nargs="+",
+        default=None,
         help="indexed dataset prefix(es), optionally weighted: [W1] PREFIX1 [W2] PREFIX2 ...",
     )
     g.add_argument("--mock-data", action="store_true")
     g.add_argument(
-        "--split", default=None,
+        "--split",
+        default=None,
         help="train/valid/test weights of --data-path (default 100,0,0: there is no evaluation "
         "loop, only the train split is read)",
     )
     g.add_argument("--data-cache-path", default=None)
     g.add_argument(
-        "--tokenizer-type", choices=(*TOKENIZER_TYPES, "NullTokenizer"), default=None,
+        "--tokenizer-type",
+        choices=(*TOKENIZER_TYPES, "NullTokenizer"),
+        default=None,
         help="with --data-path (NullTokenizer: --mock-data only)",
     )
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument(
-        "--default-corpus-dir", default=None,
+        "--default-corpus-dir",
+        default=None,
         help="where the embedded default corpus is written when neither --data-path nor "
         "--mock-data is given (default: <--save or a temp dir>/default_corpus)",
     )
@@ -362,29 +394,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_positive, default=None)
     g.add_argument(
-        "--ckpt-step", type=_positive, default=None,
+        "--ckpt-step",
+        type=_positive,
+        default=None,
         help="load this iteration from --load instead of the latest",
     )
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     g.add_argument(
-        "--load-optional", action="store_true",
+        "--load-optional",
+        action="store_true",
         help="start from scratch when --load holds no checkpoint (default: that is an error)",
     )
     g.add_argument(
-        "--override-opt_param-scheduler", action="store_true",
+        "--override-opt_param-scheduler",
+        action="store_true",
         help="on resume, take the LR/WD schedule from this command line, not the checkpoint",
     )
     g.add_argument(
-        "--use-checkpoint-opt_param-scheduler", action="store_true",
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
         help="on resume, take the LR/WD schedule from the checkpoint, not this command line",
     )
     g.add_argument(
-        "--no-safe-load", dest="safe_load", action="store_false",
+        "--no-safe-load",
+        dest="safe_load",
+        action="store_false",
         help="let --load unpickle arbitrary objects in the checkpoint's .metadata and "
         "object shards (default: only tensors, torch's checkpoint metadata and RNG states)",
     )
     g.add_argument(
-        "--allow-unverified-load", action="store_true",
+        "--allow-unverified-load",
+        action="store_true",
         help="load a checkpoint that has no megatron_npu_checkpoint.json manifest (Megatron-LM's "
         "own, or one whose manifest was removed): no checksum or model-fingerprint checks "
         "(default: refused)",
@@ -399,12 +439,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--metrics-out", default=None, help="write run metrics JSON here (rank 0)")
     g.add_argument(
-        "--peak-tflops", type=float, default=None,
+        "--peak-tflops",
+        type=float,
+        default=None,
         help="per-device peak TFLOP/s for MFU (default: $MEGATRON_NPU_PEAK_TFLOPS, else a GEMM "
         "probe cached in ~/.cache/megatron-npu/peak.json)",
     )
     g.add_argument(
-        "--progress", choices=("auto", "rich", "plain", "none"), default="auto",
+        "--progress",
+        choices=("auto", "rich", "plain", "none"),
+        default="auto",
         help="progress display: rich bar on a TTY, plain lines otherwise (auto)",
     )
     return parser
@@ -544,7 +588,9 @@ def check(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: SP means nothing without TP
     if args.sequence_parallel and args.seq_length % tp:
-        raise ArgumentError("--seq-length must be divisible by the TP size with --sequence-parallel")
+        raise ArgumentError(
+            "--seq-length must be divisible by the TP size with --sequence-parallel"
+        )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     problems = context_parallel_problems(
@@ -569,7 +615,9 @@ def check(args: argparse.Namespace) -> None:
     if args.data_path and args.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
     if args.data_path and args.tokenizer_type in (None, "NullTokenizer"):
-        raise ArgumentError("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file)")
+        raise ArgumentError(
+            "--data-path needs --tokenizer-type (and its --vocab-file/--merge-file)"
+        )
     if args.mock_data and args.tokenizer_type not in (None, "NullTokenizer"):
         raise ArgumentError("--mock-data uses Megatron's NullTokenizer (set --vocab-size)")
     if args.mock_data and args.vocab_size is None:

@@ -286,7 +286,9 @@ def check_fingerprint(path: str | os.PathLike[str], saved: dict, here: dict) -> 
             )
 
 
-def check_optimizer_kind(path: str | os.PathLike[str], saved_distopt: bool, args: Namespace) -> None:
+def check_optimizer_kind(
+    path: str | os.PathLike[str], saved_distopt: bool, args: Namespace
+) -> None:
     """Megatron-core cannot load one optimizer kind's state into the other."""
     if args.no_load_optim or saved_distopt == bool(args.use_distributed_optimizer):
         return

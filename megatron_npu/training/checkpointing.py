@@ -367,7 +367,9 @@ def load(args: Namespace, model, optimizer, scheduler) -> Resume:
                 "pass --load-optional to start from scratch instead",
             )
         if torch.distributed.get_rank() == 0:
-            print(f" no checkpoint under {root}: starting from scratch (--load-optional)", flush=True)
+            print(
+                f" no checkpoint under {root}: starting from scratch (--load-optional)", flush=True
+            )
         return Resume()
     path = iteration_dir(root, iteration)
     try:
@@ -422,10 +424,14 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
         _set_rng_state(loaded["rng_state"][0])
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
-        note = "" if has_rng else (
-            " (RNG state not restored: saved with another (TP, PP) layout)"
-            if not same_tp_pp and not args.no_load_rng
-            else ""
+        note = (
+            ""
+            if has_rng
+            else (
+                " (RNG state not restored: saved with another (TP, PP) layout)"
+                if not same_tp_pp and not args.no_load_rng
+                else ""
+            )
         )
         print(
             f" loaded checkpoint {path} at iteration {iteration} "

@@ -56,7 +56,9 @@ def active_ffn_hidden_size(
     return moe_layer_share * active + (1.0 - moe_layer_share) * ffn_hidden_size
 
 
-def mlp_forward_flops(tokens: float, hidden_size: int, ffn_hidden_size: float, *, swiglu: bool) -> float:
+def mlp_forward_flops(
+    tokens: float, hidden_size: int, ffn_hidden_size: float, *, swiglu: bool
+) -> float:
     """Forward FLOPs of the MLP GEMMs for ``tokens`` tokens: ``h -> ffn`` and ``ffn -> h`` at
     ``2 m n k`` each, plus SwiGLU's gate (a third GEMM of the same size). ``ffn_hidden_size`` is
     the width a token passes through (:func:`active_ffn_hidden_size` for an MoE layer)."""

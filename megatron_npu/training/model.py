@@ -171,7 +171,10 @@ def _seeded_expert_linear(cls: type, first: bool) -> type:
     def as_expert(config: Any):
         seed = _expert_seed(config, "expert") if first and config is not None else None
         gated = first and config is not None and config.gated_linear_unit
-        with weight_init.expert(seed), weight_init.gated_fc1() if gated else contextlib.nullcontext():
+        with (
+            weight_init.expert(seed),
+            weight_init.gated_fc1() if gated else contextlib.nullcontext(),
+        ):
             yield
 
     return _building_in(cls, "SeededExpert", as_expert)
@@ -236,7 +239,9 @@ def _seed_experts(mlp: Any, config_gated: bool) -> Any:
         if shared is not None and config_gated:
             shared = _gated_mlp(shared)
         if isinstance(shared, functools.partial):
-            shared = functools.partial(_seeded_builder(shared.func), *shared.args, **shared.keywords)
+            shared = functools.partial(
+                _seeded_builder(shared.func), *shared.args, **shared.keywords
+            )
         elif shared is not None:
             shared = dataclasses.replace(
                 shared, module=_building_in(shared.module, "Seeded", _as_shared_expert)

@@ -35,7 +35,9 @@ def build_from_spec(spec: Any, config: Any) -> Any:
     builder (megatron-core 0.18+ specs the MoE layer as a ``functools.partial``) called."""
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    return build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+    return (
+        build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+    )
 
 
 def grads(out: torch.Tensor, grad_out: torch.Tensor, **leaves: torch.Tensor | None) -> dict:
@@ -68,7 +70,9 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
         try:
             dist.init_process_group(
                 active.dist_backend if active is not None else "gloo",
-                init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1,
+                init_method=f"file://{os.path.join(store, 'store')}",
+                rank=0,
+                world_size=1,
             )
         except BaseException:
             shutil.rmtree(store, ignore_errors=True)

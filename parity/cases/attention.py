@@ -317,8 +317,17 @@ DOT_PRODUCT_ATTENTION = ParityCase(
         # the windowed query blocks: 160 keys > window 17 + 64, three blocks of 64
         _edge(seq=160, kv_seq=160, pre=16, next=0, heads=2, groups=1, head_dim=8, seed=18),
         # a non-causal band with a padding mask, BSH, windowed blocks
-        _edge(layout="BSH", mask="padding", seq=144, kv_seq=144, pre=24, next=8, heads=2,
-              head_dim=8, seed=19),
+        _edge(
+            layout="BSH",
+            mask="padding",
+            seq=144,
+            kv_seq=144,
+            pre=24,
+            next=8,
+            heads=2,
+            head_dim=8,
+            seed=19,
+        ),
         # CPU band paths (windows of 64+ keys, no mask, no dropout): a causal sliding window
         # runs batched (blocks of half the window, a padded last block); a band that also looks
         # ahead runs the per-block band pieces
@@ -327,8 +336,16 @@ DOT_PRODUCT_ATTENTION = ParityCase(
         # dropout in training (SBH causal, GQA), with sequence parallelism (no RNG fork),
         # and in eval mode (dropout configured, not applied)
         _edge(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20),
-        _edge(layout="BSH", mask="padding", seq=16, kv_seq=16, head_dim=16, dropout=0.3,
-              sp=True, seed=21),
+        _edge(
+            layout="BSH",
+            mask="padding",
+            seq=16,
+            kv_seq=16,
+            head_dim=16,
+            dropout=0.3,
+            sp=True,
+            seed=21,
+        ),
         _edge(dropout=0.2, training=False, seed=22),
     ),
 )

@@ -149,6 +149,7 @@ def _reference(ctx: Context, inputs):
         hidden |= torch.ones(s, s, dtype=torch.bool).triu(1)
     if p["window"] is not None:  # Megatron's window (w, 0): each query sees itself and w before
         hidden |= torch.ones(s, s, dtype=torch.bool).tril(-p["window"] - 1)
+
     def gemm(spec, a, b):  # operands in the dtype, as the kernel feeds its matrix unit
         return torch.einsum(spec, a.to(dtype), b.to(dtype)).to(work)
 

@@ -89,8 +89,14 @@ def _reference(ctx: Context, inputs):
 
 
 def _edge(**kw):
-    base = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
-            "activation": True}
+    base = {
+        "seq": 4,
+        "batch": 2,
+        "vocab": 256,
+        "label_smoothing": 0.0,
+        "logit_scale": 1.0,
+        "activation": True,
+    }
     base.update(kw)
     return base
 

@@ -38,8 +38,10 @@ def _blending(fn, p):
     index = numpy.zeros(p["size"], dtype=numpy.int16)
     sample = numpy.zeros(p["size"], dtype=numpy.int64)
     fn(index, sample, weights, p["datasets"], p["size"], False)
-    return {"dataset_index": torch.from_numpy(index.astype(numpy.int64)),
-            "dataset_sample_index": torch.from_numpy(sample)}
+    return {
+        "dataset_index": torch.from_numpy(index.astype(numpy.int64)),
+        "dataset_sample_index": torch.from_numpy(sample),
+    }
 
 
 def _exhaustive(fn, p):
@@ -49,8 +51,10 @@ def _exhaustive(fn, p):
     index = numpy.zeros(total, dtype=numpy.int16)
     sample = numpy.zeros(total, dtype=numpy.int64)
     fn(index, sample, sizes, p["datasets"])
-    return {"dataset_index": torch.from_numpy(index.astype(numpy.int64)),
-            "dataset_sample_index": torch.from_numpy(sample)}
+    return {
+        "dataset_index": torch.from_numpy(index.astype(numpy.int64)),
+        "dataset_sample_index": torch.from_numpy(sample),
+    }
 
 
 def _patched(name):
@@ -92,19 +96,35 @@ def _case(name, params, compares, edge_cases=()):
 
 BUILD_SAMPLE_IDX = _case(
     "build_sample_idx",
-    st.fixed_dictionaries({
-        "docs": st.integers(1, 60), "max_doc": st.integers(2, 300), "seq": st.integers(1, 128),
-        "epochs": st.integers(1, 3), "drop_last": st.booleans(), "extra": st.booleans(),
-        "seed": st.integers(0, 2**16),
-    }),  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "docs": st.integers(1, 60),
+            "max_doc": st.integers(2, 300),
+            "seq": st.integers(1, 128),
+            "epochs": st.integers(1, 3),
+            "drop_last": st.booleans(),
+            "extra": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    ),  # fmt: skip
     "the [num_samples + 1, 2] (document, offset) sample index",
-    edge_cases=({"docs": 1, "max_doc": 2, "seq": 1, "epochs": 1, "drop_last": True,
-                 "extra": True, "seed": 0},),  # fmt: skip
+    edge_cases=(
+        {
+            "docs": 1,
+            "max_doc": 2,
+            "seq": 1,
+            "epochs": 1,
+            "drop_last": True,
+            "extra": True,
+            "seed": 0,
+        },
+    ),  # fmt: skip
 )
 BUILD_BLENDING_INDICES = _case(
     "build_blending_indices",
-    st.fixed_dictionaries({"datasets": st.integers(1, 6), "size": st.integers(1, 2000),
-                           "seed": st.integers(0, 2**16)}),
+    st.fixed_dictionaries(
+        {"datasets": st.integers(1, 6), "size": st.integers(1, 2000), "seed": st.integers(0, 2**16)}
+    ),
     "per-sample dataset id and the sample's index within it",
 )
 BUILD_EXHAUSTIVE_BLENDING_INDICES = _case(

@@ -835,7 +835,13 @@ MOE_LAYER = ParityCase(
         _layer_edge(score_function="sigmoid", router_fusion=True, capacity_factor=0.5, seed=13),
         _layer_edge(capacity_factor=0.5, pad=True, grouped=True, seed=4),  # padded experts
         _layer_edge(experts=2, topk=1, seq=1, batch=1, score_function="sigmoid", seed=5),
-        _layer_edge(experts=8, topk=2, capacity_factor=1.0, router_fusion=True,
-                    score_function="sigmoid", seed=6),  # fmt: skip
+        _layer_edge(
+            experts=8,
+            topk=2,
+            capacity_factor=1.0,
+            router_fusion=True,
+            score_function="sigmoid",
+            seed=6,
+        ),  # fmt: skip
     ),
 )

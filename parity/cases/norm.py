@@ -148,4 +148,3 @@ WRAPPED_TORCH_NORM = ParityCase(
         _edge(normalization="LayerNorm", hidden=24, zero_centered=True, sp=True, seed=7),
     ),
 )
-

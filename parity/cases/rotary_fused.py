@@ -37,7 +37,5 @@ ROTARY_FUSED = ParityCase(
     reference=rotary._reference,
     compares="rotated t [s, b, np, hn] (pass-through features included) and grad of t",
     reference_kind=rotary.ROTARY_BSHD.reference_kind,
-    edge_cases=tuple(
-        e for e in (_fused_only(e) for e in rotary.ROTARY_BSHD.edge_cases)
-    ),
+    edge_cases=tuple(e for e in (_fused_only(e) for e in rotary.ROTARY_BSHD.edge_cases)),
 )

@@ -23,8 +23,10 @@ def build(cell: Cell) -> Built:
 
 VOCAB_PARALLEL_CROSS_ENTROPY = BenchCase(
     op="cross-entropy",
-    shapes={"full": {"seq": 1024, "batch": 1, "vocab": 131072},
-            "quick": {"seq": 128, "batch": 1, "vocab": 32768}},
+    shapes={
+        "full": {"seq": 1024, "batch": 1, "vocab": 131072},
+        "quick": {"seq": 128, "batch": 1, "vocab": 32768},
+    },
     build=build,
     paths=("megatron", "native"),
     note="no torch_npu kernel: the op is the same code on every device (no npu-binding path)",

@@ -35,8 +35,14 @@ def _exhaustive(cell: Cell) -> Built:
 
 
 def _case(op: str, build, full: dict, quick: dict) -> BenchCase:
-    return BenchCase(op=op, shapes={"full": full, "quick": quick}, build=build,
-                     paths=("megatron", "native"), dtypes=("float32",), directions=("step",))
+    return BenchCase(
+        op=op,
+        shapes={"full": full, "quick": quick},
+        build=build,
+        paths=("megatron", "native"),
+        dtypes=("float32",),
+        directions=("step",),
+    )
 
 
 BUILD_SAMPLE_IDX = _case(

@@ -35,8 +35,10 @@ def _build(cell: Cell) -> Built:
 
 GRADIENT_ACCUMULATION_FUSION = BenchCase(
     op="wgrad-gemm-accum",
-    shapes={"full": {"tokens": 2048, "in": 4096, "out": 8192},
-            "quick": {"tokens": 256, "in": 256, "out": 512}},  # fmt: skip
+    shapes={
+        "full": {"tokens": 2048, "in": 4096, "out": 8192},
+        "quick": {"tokens": 256, "in": 256, "out": 512},
+    },  # fmt: skip
     build=_build,
     paths=("megatron", "native"),
     directions=("fwd",),

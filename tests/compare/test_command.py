@@ -94,7 +94,9 @@ def fake_runs(monkeypatch):
 
 def _run(tmp_path, monkeypatch, reports_module):
     if reports_module is None:
-        monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)  # import reports -> ImportError
+        monkeypatch.setitem(
+            sys.modules, "megatron_npu.reports", None
+        )  # import reports -> ImportError
     else:
         monkeypatch.setitem(sys.modules, "megatron_npu.reports", reports_module)
     path = tmp_path / "m.toml"
@@ -126,7 +128,9 @@ def test_a_failed_run_is_reported_and_the_others_complete(tmp_path, monkeypatch,
     assert runs["ref"]["perf"]["mfu"] == pytest.approx(1e9 / 0.1 / 0.05e12)
     # the MFU interval is the s/step interval turned around
     slow, fast = runs["ref"]["perf"]["ci95_s_per_step"][::-1]
-    assert runs["ref"]["perf"]["ci95_mfu"] == pytest.approx([1e9 / slow / 0.05e12, 1e9 / fast / 0.05e12])
+    assert runs["ref"]["perf"]["ci95_mfu"] == pytest.approx(
+        [1e9 / slow / 0.05e12, 1e9 / fast / 0.05e12]
+    )
     table = (tmp_path / "out" / "table2.md").read_text()
     assert "| emu | npu-emulated* |" in table and "not NPU performance" in table
     assert "run failed: killed after the 5 s timeout" in table

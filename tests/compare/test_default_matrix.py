@@ -48,7 +48,9 @@ def _verdicts(document) -> dict[tuple[str, str], dict]:
 
 
 def test_healthy_tree_has_no_fail(tmp_path, monkeypatch):
-    document, status = _compare(tmp_path, monkeypatch, None, "ref-fp32", "cpu-fp32-flash", "npu-fp32")
+    document, status = _compare(
+        tmp_path, monkeypatch, None, "ref-fp32", "cpu-fp32-flash", "npu-fp32"
+    )
     verdicts = _verdicts(document)
     assert status == 0, [v for v in verdicts.values() if v["status"] != "pass"]
     assert not [v for v in verdicts.values() if v["status"] in ("fail", "refused")]
@@ -96,7 +98,9 @@ def test_moe_rows_pass_their_rules(tmp_path, monkeypatch):
 
 
 def test_planted_slowdown_fails_the_default_matrix(tmp_path, monkeypatch):
-    document, status = _compare(tmp_path, monkeypatch, "slow-attention", "ref-fp32", "cpu-fp32-flash")
+    document, status = _compare(
+        tmp_path, monkeypatch, "slow-attention", "ref-fp32", "cpu-fp32-flash"
+    )
     verdicts = _verdicts(document)
     perf = verdicts[("cpu-fp32-flash", "performance")]
     assert perf["status"] == "fail", perf["detail"]

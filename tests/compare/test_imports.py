@@ -40,7 +40,9 @@ def elsewhere(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.setitem(sys.modules, "megatron_npu.reports", None)
-        _, status = command.run_compare(m.load(folder / "m.toml"), folder / "out", echo=io.StringIO())
+        _, status = command.run_compare(
+            m.load(folder / "m.toml"), folder / "out", echo=io.StringIO()
+        )
     assert status == 0
     return folder / "out"
 
@@ -56,7 +58,9 @@ def test_imported_runs_take_part_in_every_rule(elsewhere, tmp_path, monkeypatch)
         f'[[run]]\nname = "metrics-file"\nimport = "{elsewhere / "runs" / "a" / "metrics.json"}"\n'
         '[[run]]\nname = "local"\ndevice = "cpu"\n'
     )
-    document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO())
+    document, status = command.run_compare(
+        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
+    )
     runs = {r["name"]: r for r in document["runs"]}
     assert runs["gpu"]["status"] == "imported" and runs["gpu"]["device"] == "cuda"
     assert runs["gpu"]["imported_from"]["kind"] == "compare-results"
@@ -137,11 +141,20 @@ def test_matrix_import_and_script_keys(tmp_path):
     assert script.kind == "script" and script.script_args == ("--num-layers", "2")
     assert script.nproc_per_node == 2 and script.path == str(tmp_path / "mlm" / "pretrain_gpt.py")
     for text, needle in [
-        ('[[run]]\nname = "g"\nimport = "x"\noptions = { lr = 1 }\n', "an imported run takes no ['options']"),
-        ('[[run]]\nname = "g"\nimport = "x"\nscript = "y"\n', "either import = ... or script = ..."),
+        (
+            '[[run]]\nname = "g"\nimport = "x"\noptions = { lr = 1 }\n',
+            "an imported run takes no ['options']",
+        ),
+        (
+            '[[run]]\nname = "g"\nimport = "x"\nscript = "y"\n',
+            "either import = ... or script = ...",
+        ),
         ('[[run]]\nname = "g"\nrun = "x"\n', "add import = ..."),
         ('[[run]]\nname = "g"\nargs = ["x"]\n', "args belongs to a script = ... run"),
-        ('[[run]]\nname = "g"\nscript = "y"\nnproc_per_node = 0\n', "nproc_per_node must be a positive integer"),
+        (
+            '[[run]]\nname = "g"\nscript = "y"\nnproc_per_node = 0\n',
+            "nproc_per_node must be a positive integer",
+        ),
         ('[[run]]\nname = "g"\nspeed_reference = "zz"\n', "speed_reference 'zz' is not a run"),
     ]:
         with pytest.raises(m.MatrixError, match=None) as info:
@@ -173,4 +186,6 @@ def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, mon
     outcome = runner.execute_script(spec, "npu-emulated", tmp_path / "run", timeout_s=60,
                                     echo=io.StringIO(), session="s")  # fmt: skip
     assert outcome.status == "failed"
-    assert outcome.error.startswith(f"its log cannot be read: {tmp_path / 'run' / 'train.log'}: no argument dump")
+    assert outcome.error.startswith(
+        f"its log cannot be read: {tmp_path / 'run' / 'train.log'}: no argument dump"
+    )

@@ -25,7 +25,11 @@ FP16_EVENTS = FIXTURES / "tb-fp16-cpu"
 
 
 def _iteration_lines(path: Path) -> list[tuple[int, str]]:
-    return [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if mlm_log.ITERATION.search(line)]
+    return [
+        (n, line)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if mlm_log.ITERATION.search(line)
+    ]
 
 
 def test_a_real_log_parses_with_its_arguments_and_every_step():
@@ -36,9 +40,11 @@ def test_a_real_log_parses_with_its_arguments_and_every_step():
     assert args["tokenizer_type"] == "NullTokenizer" and args["data_path"] is None
     assert parsed["padded_vocab_size"] == 1280
     lines = _iteration_lines(TP2_LOG)
-    assert [r["iteration"] for r in parsed["iterations"]] == list(range(1, 13)) == [
-        int(re.search(r"iteration\s+(\d+)/", line).group(1)) for _, line in lines
-    ]
+    assert (
+        [r["iteration"] for r in parsed["iterations"]]
+        == list(range(1, 13))
+        == [int(re.search(r"iteration\s+(\d+)/", line).group(1)) for _, line in lines]
+    )
     first = parsed["iterations"][0]
     assert first["lm_loss"] == 7.168857 and first["grad_norm"] == 0.8
     assert first["step_time_ms"] == 310.5 and first["skipped"] == 0
@@ -56,7 +62,9 @@ def test_skipped_fp16_steps_have_no_loss():
 def test_the_event_folder_matches_the_log_of_the_same_run():
     events = imports.load(TP2_EVENTS)
     log = imports.load(TP2_LOG)
-    assert events.provenance["kind"] == "tensorboard" and log.provenance["kind"] == "megatron-lm-log"
+    assert (
+        events.provenance["kind"] == "tensorboard" and log.provenance["kind"] == "megatron-lm-log"
+    )
     e_steps, l_steps = events.metrics["steps"], log.metrics["steps"]
     assert [s["step"] for s in e_steps] == [s["step"] for s in l_steps]
     # TensorBoard holds each step's loss; the log prints %.6E of it -- except its second line,
@@ -64,7 +72,9 @@ def test_the_event_folder_matches_the_log_of_the_same_run():
     for e, line in zip(e_steps, l_steps):
         if e["step"] != 2:
             assert f"{e['lm_loss']:.6E}" == f"{line['lm_loss']:.6E}"
-    assert l_steps[1]["lm_loss"] == pytest.approx((e_steps[0]["lm_loss"] + e_steps[1]["lm_loss"]) / 2, rel=1e-6)
+    assert l_steps[1]["lm_loss"] == pytest.approx(
+        (e_steps[0]["lm_loss"] + e_steps[1]["lm_loss"]) / 2, rel=1e-6
+    )
     assert [round(s["grad_norm"], 3) for s in e_steps] == [s["grad_norm"] for s in l_steps]
     assert events.metrics["config"]["arguments"]["num_layers"] == 2  # from the text summaries
     assert events.metrics["config"]["padded_vocab_size"] == 1280
@@ -75,7 +85,9 @@ def test_several_ranks_prefixed_and_repeated_lines_parse_alike(tmp_path):
     out = []
     for line in TP2_LOG.read_text().splitlines():
         out.append(f"[rank1]: {line}")
-        if mlm_log.ITERATION.search(line):  # both ranks print it (e.g. a PP run's logs concatenated)
+        if mlm_log.ITERATION.search(
+            line
+        ):  # both ranks print it (e.g. a PP run's logs concatenated)
             out.append(f"[rank0]: {line}")
     prefixed.write_text("\n".join(out) + "\n")
     assert mlm_log.parse(prefixed) == mlm_log.parse(TP2_LOG)
@@ -126,7 +138,10 @@ def test_damaged_event_files_are_named(tmp_path):
         folder.mkdir()
         (folder / original.name).write_bytes(damaged)
         message = _error(folder)
-        assert message.startswith(f"{folder / original.name}: record ") and "truncated or corrupt" in message
+        assert (
+            message.startswith(f"{folder / original.name}: record ")
+            and "truncated or corrupt" in message
+        )
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / original.name).write_bytes(b"")
@@ -198,7 +213,10 @@ options = {{ nproc-per-node = 2, tensor-model-parallel-size = 2 }}
     assert verdicts[("mlm-events", "performance")]["detail"] == "no step times to compare"
     rows = {r["name"]: r for r in document["table2"]}
     assert set(rows) == {"mlm-cpu", "mlm-npu-emulated", "mlm-events", "npu-tp2"}
-    assert rows["mlm-cpu"]["hardware"].startswith("Megatron-LM") and rows["mlm-cpu"]["layout"] == "TP2 PP1 DP1"
+    assert (
+        rows["mlm-cpu"]["hardware"].startswith("Megatron-LM")
+        and rows["mlm-cpu"]["layout"] == "TP2 PP1 DP1"
+    )
     assert rows["npu-tp2"]["mfu"] is None and rows["mlm-npu-emulated"]["emulated"] is True
     # Megatron-LM's 'max allocated' of a run on cpu is what the adaptor's cpu device measures:
     # the process's peak RSS, so it goes in the RSS column

@@ -121,8 +121,13 @@ def test_performance_flags_slower_and_never_judges_emulated_speed():
 
 
 def _setup(**changes):
-    fields = dict(device="cpu", emulated=False, precision="fp32", layout="TP1 PP1 DP1",
-                  shape={"seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8})
+    fields = dict(
+        device="cpu",
+        emulated=False,
+        precision="fp32",
+        layout="TP1 PP1 DP1",
+        shape={"seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8},
+    )
     return rules.SpeedSetup(**{**fields, **changes})  # fmt: skip
 
 
@@ -141,8 +146,12 @@ def test_speed_is_judged_like_for_like_only():
     rerun = rules.speed_mismatch(_setup(), base, same_configuration=True)
     assert "rerun" in rerun
     # a pair the matrix names is timed whatever differs, but never on emulated figures
-    assert rules.speed_mismatch(_setup(device="cuda", precision="bf16"), base, explicit=True) is None
-    emulated = rules.speed_mismatch(_setup(device="npu-emulated", emulated=True), base, explicit=True)
+    assert (
+        rules.speed_mismatch(_setup(device="cuda", precision="bf16"), base, explicit=True) is None
+    )
+    emulated = rules.speed_mismatch(
+        _setup(device="npu-emulated", emulated=True), base, explicit=True
+    )
     assert emulated == rules.EMULATED_SPEED
     assert rules.mfu_shown(False) and not rules.mfu_shown(True)
 

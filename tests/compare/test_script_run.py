@@ -39,7 +39,9 @@ def _megatron_lm() -> Path:
 def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, monkeypatch):
     script = _megatron_lm() / "pretrain_gpt.py"
     # the steering repo's shared/ is beside every checkout CI runs: a missing one is a failure
-    assert script.is_file(), f"no Megatron-LM checkout at {script.parent} (../shared/megatron-lm, or $MEGATRON_LM_ROOT)"
+    assert script.is_file(), (
+        f"no Megatron-LM checkout at {script.parent} (../shared/megatron-lm, or $MEGATRON_LM_ROOT)"
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     args = ", ".join(f'"{a}"' for a in ARGS)
@@ -57,7 +59,9 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
     assert len(runs["mlm-script"]["steps"]) == 12
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     assert verdicts[("mlm-script", "fingerprint")]["status"] == "pass"
-    assert verdicts[("mlm-script", "approximate")]["status"] == "pass", verdicts[("mlm-script", "approximate")]
+    assert verdicts[("mlm-script", "approximate")]["status"] == "pass", verdicts[
+        ("mlm-script", "approximate")
+    ]
     assert verdicts[("mlm-script", "performance")]["status"] == "not-applicable"
     assert (tmp_path / "out" / "runs" / "mlm-script" / "metrics.json").is_file()
     assert status == 0, echo.getvalue()[-3000:]

@@ -129,7 +129,10 @@ def _crafted_common(ckpt: Path) -> None:
     manifest_path = directory / checkpoint_store.MANIFEST
     manifest = json.loads(manifest_path.read_text())
     data = (directory / "common.pt").read_bytes()
-    manifest["files"]["common.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"]["common.pt"] = {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     manifest_path.write_text(json.dumps(manifest))
 
 

@@ -70,7 +70,15 @@ def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, m
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(
-        ["--compare-dir", str(tmp_path / "out"), "--pair", "ref", "npu", "--out", str(tmp_path / "loc")]
+        [
+            "--compare-dir",
+            str(tmp_path / "out"),
+            "--pair",
+            "ref",
+            "npu",
+            "--out",
+            str(tmp_path / "loc"),
+        ]
     )
     data = command.locate(args, echo=lambda s: None)
     # the first step whose loss or grad norm leaves the approximate rule, from compare's curves

@@ -227,7 +227,9 @@ def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
     found = data["divergent"]
     # the experts (GroupedMLP holds its weights itself), or their grouped FC1 (TE's)
     assert (found["kind"], found["module"], found["phase"]) == (
-        "moe", "decoder.layers.0.mlp.experts" + ("" if not spec else ".linear_fc1"), "forward"
+        "moe",
+        "decoder.layers.0.mlp.experts" + ("" if not spec else ".linear_fc1"),
+        "forward",
     ), found
     blamed = data["culprit"]["culprits"] + data["culprit"]["suspects"]
     if named is not None:
@@ -250,7 +252,9 @@ def test_locate_on_a_context_parallel_run(tmp_path, corpus_dir):
     data = command.locate(args, echo=lambda s: None)
     found = data["divergent"]
     assert (found["kind"], found["module"], found["phase"], found["shard"]) == (
-        "attention", "decoder.layers.0.self_attention.core_attention", "forward",
+        "attention",
+        "decoder.layers.0.self_attention.core_attention",
+        "forward",
         "tp0.pp0.dp0.cp1",
     ), found
     assert {r["shard"] for r in data["modules"]} == {"tp0.pp0.dp0.cp0", "tp0.pp0.dp0.cp1"}

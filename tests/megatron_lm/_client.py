@@ -30,7 +30,6 @@ TINY = (
 )  # fmt: skip
 
 
-
 def client_devices() -> tuple[str, ...]:
     """Devices the run list covers: npu-emulated in the default suite, both in tox
     (``MEGATRON_NPU_CLIENT_DEVICES=cpu,npu-emulated``)."""

@@ -90,9 +90,12 @@ def check_case(case: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
     want.backward(dout.double())
     with count_kernel_calls() as calls:
         out, grads = _run_cp(case, q, k, v, dout, cp, rank)
-    result = {"errors": _errors(out, grads, want, [t.grad for t in full],
-                                lambda x: local_rows(x, cp, rank)),  # fmt: skip
-              "kernels": dict(calls)}
+    result = {
+        "errors": _errors(
+            out, grads, want, [t.grad for t in full], lambda x: local_rows(x, cp, rank)
+        ),  # fmt: skip
+        "kernels": dict(calls),
+    }
     if case["dtype"] != "float32":
         single, single_grads = _run_single(case, q, k, v, dout)
         result["single"] = _errors(single, single_grads, want, [t.grad for t in full],

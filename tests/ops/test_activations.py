@@ -26,8 +26,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @settings(max_examples=30, deadline=None)
-@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), half=st.integers(1, 24),
-       dim_pick=st.integers(0, 3), seed=st.integers(0, 2**16))
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    half=st.integers(1, 24),
+    dim_pick=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_swiglu_matches_fp64_reference(path, dtype_name, shape, half, dim_pick, seed):
     dtype = DTYPES[dtype_name]
     dim = dim_pick % (len(shape) + 1) - (len(shape) + 1)  # a negative dim of the full shape
@@ -56,8 +60,14 @@ def test_swiglu_invalid_inputs(path):
     with pytest.raises(ValueError, match=r"dim 4 out of range"):
         run(path, swiglu.swiglu, swiglu.native_swiglu, swiglu.npu_swiglu, torch.randn(3, 4), 4)
     with pytest.raises(TypeError, match=r"x dtype must be one of"):
-        run(path, swiglu.swiglu, swiglu.native_swiglu, swiglu.npu_swiglu,
-            torch.ones(3, 4, dtype=torch.int32), -1)
+        run(
+            path,
+            swiglu.swiglu,
+            swiglu.native_swiglu,
+            swiglu.npu_swiglu,
+            torch.ones(3, 4, dtype=torch.int32),
+            -1,
+        )
 
 
 def test_swiglu_emulation_checks_itself():
@@ -77,18 +87,24 @@ def gelu_reference(z: torch.Tensor, approximate: str) -> torch.Tensor:
 
 
 def bias_gelu(path, x, bias, approximate):
-    return run(path, gelu.bias_gelu, gelu.native_bias_gelu, gelu.npu_bias_gelu, x, bias,
-               approximate)
+    return run(
+        path, gelu.bias_gelu, gelu.native_bias_gelu, gelu.npu_bias_gelu, x, bias, approximate
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 @settings(max_examples=25, deadline=None)
-@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=2), hidden=st.integers(1, 40),
-       with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_bias_gelu_matches_fp64_reference(path, dtype_name, approximate, lead, hidden,
-                                          with_bias, seed):
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    hidden=st.integers(1, 40),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bias_gelu_matches_fp64_reference(
+    path, dtype_name, approximate, lead, hidden, with_bias, seed
+):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(*lead, hidden, generator=gen) * 3).to(dtype)
@@ -110,8 +126,9 @@ def test_bias_gelu_matches_fp64_reference(path, dtype_name, approximate, lead, h
     ref, bench = reference(torch.float64), reference(dtype)
     got = {"y": y, "dx": xs.grad, "dbias": bs.grad if with_bias else None}
     for name in ("y", "dx", "dbias") if with_bias else ("y", "dx"):
-        require_accurate(got[name], ref[name], dtype, name, benchmark=bench[name],
-                         level=level_of("bias-gelu"))
+        require_accurate(
+            got[name], ref[name], dtype, name, benchmark=bench[name], level=level_of("bias-gelu")
+        )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -138,6 +155,9 @@ def test_gelu_emulation_checks_itself():
         emulation.npu_gelu(torch.randn(3), approximate="erf")
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     # torch_npu's own doc example values for fast_gelu (A2 formula)
-    torch.testing.assert_close(emulation.npu_fast_gelu(x),
-                               torch.tensor([0.8458, 1.9357, 2.9819, 3.9956]), atol=1e-4,
-                               rtol=0)
+    torch.testing.assert_close(
+        emulation.npu_fast_gelu(x),
+        torch.tensor([0.8458, 1.9357, 2.9819, 3.9956]),
+        atol=1e-4,
+        rtol=0,
+    )

@@ -48,8 +48,11 @@ def test_a_missing_fused_kernel_is_named_once_recorded_and_the_update_is_still_a
     monkeypatch.setattr(torch, "_fused_adamw_", _no_kernel_for(torch.float16))
     params, grads = _tensors(torch.float16)
     expected = [p.clone() for p in params]
-    with pytest.warns(fallbacks.FusedKernelFallbackWarning, match=r"torch\._fused_adamw_ "
-                      r"unavailable for cpu float16 params, float16 grads.*per-tensor fp32"):
+    with pytest.warns(
+        fallbacks.FusedKernelFallbackWarning,
+        match=r"torch\._fused_adamw_ "
+        r"unavailable for cpu float16 params, float16 grads.*per-tensor fp32",
+    ):
         _step(params, grads)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fallbacks.FusedKernelFallbackWarning)  # once only

@@ -51,8 +51,16 @@ def band_forward(request, monkeypatch):
 
 
 def attend(path, q, k, v, **kw):
-    return run(path, att.fused_attention, att.native_fused_attention, att.npu_fused_attention,
-               q, k, v, **kw)
+    return run(
+        path,
+        att.fused_attention,
+        att.native_fused_attention,
+        att.npu_fused_attention,
+        q,
+        k,
+        v,
+        **kw,
+    )
 
 
 # ----------------------------------------------------------------------------- reference
@@ -140,8 +148,12 @@ def attention_cases(draw):
 def make_mask(kind, b, n, sq, skv, gen):
     if kind is None:
         return None
-    shape = {"SS": (sq, skv), "11SS": (1, 1, sq, skv), "B1SS": (b, 1, sq, skv),
-             "BNSS": (b, n, sq, skv)}[kind]
+    shape = {
+        "SS": (sq, skv),
+        "11SS": (1, 1, sq, skv),
+        "B1SS": (b, 1, sq, skv),
+        "BNSS": (b, n, sq, skv),
+    }[kind]
     return torch.rand(shape, generator=gen) < 0.25
 
 
@@ -164,14 +176,32 @@ def test_forward_and_backward_match_fp64_reference(path, dtype_name, case):
     mask = make_mask(case["mask_kind"], b, n, sq, skv, gen)
     layout = case["layout"]
     qs, ks, vs = (to_layout(t, layout).detach().requires_grad_() for t in (q, k, v))
-    out = attend(path, qs, ks, vs, head_num=n, input_layout=layout, causal=case["causal"],
-                 attention_mask=mask, pre_tokens=case["pre"], next_tokens=case["nxt"],
-                 scale=case["scale"])
+    out = attend(
+        path,
+        qs,
+        ks,
+        vs,
+        head_num=n,
+        input_layout=layout,
+        causal=case["causal"],
+        attention_mask=mask,
+        pre_tokens=case["pre"],
+        next_tokens=case["nxt"],
+        scale=case["scale"],
+    )
     out.backward(to_layout(grad_out, layout))
 
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = reference_bnsd(rq, rk, rv, causal=case["causal"], pre=case["pre"], nxt=case["nxt"],
-                         masked=mask, scale=case["scale"])
+    ref = reference_bnsd(
+        rq,
+        rk,
+        rv,
+        causal=case["causal"],
+        pre=case["pre"],
+        nxt=case["nxt"],
+        masked=mask,
+        scale=case["scale"],
+    )
     ref.backward(grad_out.double())
 
     assert out.dtype == dtype and out.shape == qs.shape
@@ -227,8 +257,12 @@ def test_sbh_and_bsh_agree(path):
     q_sbh, k_sbh, v_sbh = (torch.randn(s, b, h, generator=gen) for _ in range(3))
     kw = dict(head_num=n, causal=True, pre_tokens=7, next_tokens=0)
     out_sbh = attend(path, q_sbh, k_sbh, v_sbh, input_layout="SBH", **kw)
-    out_bsh = attend(path, *(t.transpose(0, 1).contiguous() for t in (q_sbh, k_sbh, v_sbh)),
-                     input_layout="BSH", **kw)
+    out_bsh = attend(
+        path,
+        *(t.transpose(0, 1).contiguous() for t in (q_sbh, k_sbh, v_sbh)),
+        input_layout="BSH",
+        **kw,
+    )
     torch.testing.assert_close(out_sbh.transpose(0, 1), out_bsh, rtol=1e-6, atol=1e-6)
 
 
@@ -237,8 +271,17 @@ def test_sbh_and_bsh_agree(path):
 def test_pre_next_65536_with_causal_is_full_causal(path, seq):
     gen = torch.Generator().manual_seed(seq)
     q, k, v = (torch.randn(2, 3, seq, 8, generator=gen) for _ in range(3))
-    seeds = attend(path, q, k, v, head_num=3, input_layout="BNSD", causal=True,
-                   pre_tokens=65536, next_tokens=65536)
+    seeds = attend(
+        path,
+        q,
+        k,
+        v,
+        head_num=3,
+        input_layout="BNSD",
+        causal=True,
+        pre_tokens=65536,
+        next_tokens=65536,
+    )
     plain = attend(path, q, k, v, head_num=3, input_layout="BNSD", causal=True)
     ref = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0)
     torch.testing.assert_close(seeds, plain, rtol=1e-6, atol=1e-6)
@@ -249,22 +292,32 @@ def test_pre_next_65536_with_causal_is_full_causal(path, seq):
 
 
 def test_npu_plan_maps_windows_to_sparse_modes():
-    plan = att.npu_sparse_plan(4096, 4096, causal=True, pre_tokens=65536, next_tokens=65536,
-                               attention_mask=None, device="cpu")
+    plan = att.npu_sparse_plan(
+        4096,
+        4096,
+        causal=True,
+        pre_tokens=65536,
+        next_tokens=65536,
+        attention_mask=None,
+        device="cpu",
+    )
     assert plan.sparse_mode == 3 and plan.next_tockens == 0
     assert tuple(plan.atten_mask.shape) == (2048, 2048) and plan.atten_mask.dtype == torch.bool
     assert torch.equal(plan.atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
-    plan = att.npu_sparse_plan(4096, 4096, causal=True, pre_tokens=2048, next_tokens=0,
-                               attention_mask=None, device="cpu")
+    plan = att.npu_sparse_plan(
+        4096, 4096, causal=True, pre_tokens=2048, next_tokens=0, attention_mask=None, device="cpu"
+    )
     assert (plan.sparse_mode, plan.pre_tockens, plan.next_tockens) == (4, 2048, 0)
     assert tuple(plan.atten_mask.shape) == (2048, 2048)
-    plan = att.npu_sparse_plan(64, 64, causal=False, pre_tokens=BIG, next_tokens=BIG,
-                               attention_mask=None, device="cpu")
+    plan = att.npu_sparse_plan(
+        64, 64, causal=False, pre_tokens=BIG, next_tokens=BIG, attention_mask=None, device="cpu"
+    )
     assert plan.sparse_mode == 0 and plan.atten_mask is None
     user = torch.zeros(64, 64, dtype=torch.bool)
     user[:, 0] = True
-    plan = att.npu_sparse_plan(64, 64, causal=True, pre_tokens=10, next_tokens=0,
-                               attention_mask=user, device="cpu")
+    plan = att.npu_sparse_plan(
+        64, 64, causal=True, pre_tokens=10, next_tokens=0, attention_mask=user, device="cpu"
+    )
     assert (plan.sparse_mode, plan.pre_tockens, plan.next_tockens) == (0, 10, 0)
     i, j = torch.arange(64)[:, None], torch.arange(64)[None]
     expected = user | (j > i) | (j < i - 10)
@@ -285,8 +338,9 @@ class _Recorder:
 def test_binding_passes_torch_npu_arguments():
     rec = _Recorder()
     q, k, v = (torch.randn(5, 2, 16) for _ in range(3))
-    att.npu_fused_attention(rec, q, k, v, head_num=4, input_layout="SBH", causal=True,
-                            dropout_p=0.25)
+    att.npu_fused_attention(
+        rec, q, k, v, head_num=4, input_layout="SBH", causal=True, dropout_p=0.25
+    )
     args, kwargs = rec.calls[0]
     assert args[3:] == (4, "SBH")
     assert kwargs["keep_prob"] == pytest.approx(0.75)
@@ -302,10 +356,21 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch, band_forward):
     k, v = (torch.randn(1, 1, seq, 4, generator=gen) for _ in range(2))
     blocks = []
     real = att._batched_band_block
-    monkeypatch.setattr(att, "_batched_band_block", lambda *a: blocks.append(real(*a)) or blocks[-1])
+    monkeypatch.setattr(
+        att, "_batched_band_block", lambda *a: blocks.append(real(*a)) or blocks[-1]
+    )
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attend(path, qs, ks, vs, head_num=2, input_layout="BNSD", causal=True,
-                 pre_tokens=window, next_tokens=0)
+    out = attend(
+        path,
+        qs,
+        ks,
+        vs,
+        head_num=2,
+        input_layout="BNSD",
+        causal=True,
+        pre_tokens=window,
+        next_tokens=0,
+    )
     out.sum().backward()
     # native takes the batched band path, with one padded block of 1024 after the first 2048
     assert blocks == ([1024] if path == "native" else [])
@@ -321,22 +386,32 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch, band_forward):
     require_accurate(ks.grad, rk.grad, torch.float32, "window dk")
     full_causal = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0)
     assert (out[:, :, window + 1 :].double() - full_causal[:, :, window + 1 :]).abs().max() > 1e-3
-    torch.testing.assert_close(out[:, :, : window + 1].double(), full_causal[:, :, : window + 1],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out[:, :, : window + 1].double(), full_causal[:, :, : window + 1], rtol=1e-5, atol=1e-5
+    )
 
 
 BAND_WINDOWS = [  # (sq, skv, causal, pre, nxt): causal bands, offsets, symmetric windows
-    (23, 23, True, 5, 0), (23, 23, True, 8, BIG), (17, 29, True, 6, 0), (29, 17, True, 9, 0),
-    (29, 17, False, 3, 5), (17, 29, False, 9, 3),
-    (23, 23, False, 4, 4), (23, 23, False, 3, 7), (20, 26, False, 6, 2), (26, 20, False, 2, 9),
-    (19, 19, False, 13, 0), (19, 31, True, 40, 0),
+    (23, 23, True, 5, 0),
+    (23, 23, True, 8, BIG),
+    (17, 29, True, 6, 0),
+    (29, 17, True, 9, 0),
+    (29, 17, False, 3, 5),
+    (17, 29, False, 9, 3),
+    (23, 23, False, 4, 4),
+    (23, 23, False, 3, 7),
+    (20, 26, False, 6, 2),
+    (26, 20, False, 2, 9),
+    (19, 19, False, 13, 0),
+    (19, 31, True, 40, 0),
 ]
 
 
 @pytest.mark.parametrize("block", [2, 5])
 @pytest.mark.parametrize("window", BAND_WINDOWS, ids=lambda w: "-".join(map(str, w)))
-def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, monkeypatch,
-                                                                band_forward):
+def test_band_pieces_match_fp64_reference_forward_and_backward(
+    window, block, monkeypatch, band_forward
+):
     """The band path (flash pieces merged by log-sum-exp, per-piece backward with the merged
     statistics) at tiny blocks, so every piece kind and every cut at the sequence ends occurs."""
     sq, skv, causal, pre, nxt = window
@@ -350,8 +425,9 @@ def test_band_pieces_match_fp64_reference_forward_and_backward(window, block, mo
     plan = att._band_plan(q, sq, skv, lo, hi)
     assert plan is not None and len({p.q0 for p in plan}) > 1  # several query blocks
     assert {p.kind for p in plan} & {"reversed-causal", "causal"}
-    out = att.native_fused_attention(q, k, v, head_num=2, input_layout="BNSD", causal=causal,
-                                     pre_tokens=pre, next_tokens=nxt)
+    out = att.native_fused_attention(
+        q, k, v, head_num=2, input_layout="BNSD", causal=causal, pre_tokens=pre, next_tokens=nxt
+    )
     assert band_forward  # the band path ran, with the forward this test is for
     grad = torch.randn(out.shape, generator=gen)
     out.backward(grad)
@@ -377,8 +453,9 @@ BATCHED_BANDS = [  # (seq, window, block limit, "long" query count, block it giv
 
 @pytest.mark.parametrize("layout", ["BNSD", "SBH"])
 @pytest.mark.parametrize("case", BATCHED_BANDS, ids=lambda c: "-".join(map(str, c)))
-def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, monkeypatch,
-                                                                   band_forward):
+def test_batched_band_matches_fp64_reference_forward_and_backward(
+    case, layout, monkeypatch, band_forward
+):
     """The batched band path (causal sliding window: every block's pieces in one call per kind,
     overlapping middle keys' gradients added back) agrees with plain attention, GQA included."""
     seq, window, limit, long_queries, block = case
@@ -394,17 +471,27 @@ def test_batched_band_matches_fp64_reference_forward_and_backward(case, layout, 
     k, v = (torch.randn(2, 2, seq, 8, generator=gen) for _ in range(2))
     grad = torch.randn(q.shape, generator=gen)
     qs, ks, vs = (to_layout(t, layout).detach().requires_grad_() for t in (q, k, v))
-    out = att.native_fused_attention(qs, ks, vs, head_num=4, input_layout=layout, causal=True,
-                                     pre_tokens=window, next_tokens=0)
+    out = att.native_fused_attention(
+        qs, ks, vs, head_num=4, input_layout=layout, causal=True, pre_tokens=window, next_tokens=0
+    )
     out.backward(to_layout(grad, layout))
     assert ran == [block] and band_forward
     rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference_bnsd(rq, rk, rv, causal=True, pre=window, nxt=0)
     ref.backward(grad.double())
-    for name, got, want, heads in (("out", out, ref, 4), ("dq", qs.grad, rq.grad, 4),
-                                   ("dk", ks.grad, rk.grad, 2), ("dv", vs.grad, rv.grad, 2)):
-        torch.testing.assert_close(from_layout(got, layout, heads), want.float(), rtol=1e-5,
-                                   atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    for name, got, want, heads in (
+        ("out", out, ref, 4),
+        ("dq", qs.grad, rq.grad, 4),
+        ("dk", ks.grad, rk.grad, 2),
+        ("dv", vs.grad, rv.grad, 2),
+    ):
+        torch.testing.assert_close(
+            from_layout(got, layout, heads),
+            want.float(),
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("block", [3, 4, 8])
@@ -434,8 +521,9 @@ def test_window_zero_sees_only_itself(path):
 @pytest.mark.parametrize("path", PATHS)
 def test_window_longer_than_sequence_is_no_window(path):
     q, k, v = (torch.randn(1, 2, 11, 8) for _ in range(3))
-    windowed = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True,
-                      pre_tokens=500, next_tokens=0)
+    windowed = attend(
+        path, q, k, v, head_num=2, input_layout="BNSD", causal=True, pre_tokens=500, next_tokens=0
+    )
     causal = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True)
     torch.testing.assert_close(windowed, causal, rtol=1e-6, atol=1e-6)
 
@@ -445,8 +533,15 @@ def test_gqa_equals_repeated_kv_heads(path):
     q = torch.randn(2, 6, 10, 8)
     k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     gqa = attend(path, q, k, v, head_num=6, input_layout="BNSD", causal=True)
-    mha = attend(path, q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), head_num=6,
-                 input_layout="BNSD", causal=True)
+    mha = attend(
+        path,
+        q,
+        k.repeat_interleave(3, 1),
+        v.repeat_interleave(3, 1),
+        head_num=6,
+        input_layout="BNSD",
+        causal=True,
+    )
     torch.testing.assert_close(gqa, mha, rtol=1e-6, atol=1e-6)
 
 
@@ -468,8 +563,11 @@ def test_dropout_keeps_expectation_and_drops(path):
 INVALID = [
     ("layout", dict(input_layout="XYZ"), r"input_layout 'XYZ' is not one of"),
     ("heads", dict(head_num=5), r"head_num 5 must divide"),
-    ("mask shape", dict(attention_mask=torch.zeros(3, 7, dtype=torch.bool)),
-     r"attention_mask shape \(3, 7\) is not one of"),
+    (
+        "mask shape",
+        dict(attention_mask=torch.zeros(3, 7, dtype=torch.bool)),
+        r"attention_mask shape \(3, 7\) is not one of",
+    ),
     ("mask dtype", dict(attention_mask=torch.zeros(8, 8)), r"attention_mask dtype must be bool"),
     ("window", dict(pre_tokens=-3, next_tokens=1), r"window is empty"),
     ("dropout", dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\)"),
@@ -501,8 +599,9 @@ def test_invalid_gqa_and_dtype(path):
 
 
 def _fa(q, k, v, **kw):
-    return emulation.npu_fusion_attention(q, k, v, kw.pop("head_num", 2),
-                                          kw.pop("input_layout", "BNSD"), **kw)
+    return emulation.npu_fusion_attention(
+        q, k, v, kw.pop("head_num", 2), kw.pop("input_layout", "BNSD"), **kw
+    )
 
 
 def test_emulation_returns_torch_npu_tuple():
@@ -526,8 +625,9 @@ def test_emulation_sparse_modes_follow_their_masks():
     mode2 = _fa(q, k, v, atten_mask=tri, sparse_mode=2)[0]
     mode3 = _fa(q, k, v, atten_mask=tri, sparse_mode=3)[0]
     band = _fa(q, k, v, atten_mask=tri, sparse_mode=4, pre_tockens=2, next_tockens=0)[0]
-    band0 = _fa(q, k, v, atten_mask=(j > i) | (j < i - 2), sparse_mode=0, pre_tockens=2,
-                next_tockens=0)[0]
+    band0 = _fa(
+        q, k, v, atten_mask=(j > i) | (j < i - 2), sparse_mode=0, pre_tockens=2, next_tockens=0
+    )[0]
     torch.testing.assert_close(mode0, mode2)
     torch.testing.assert_close(mode0, mode3)
     torch.testing.assert_close(band, band0)
@@ -538,26 +638,51 @@ def test_emulation_sparse_modes_follow_their_masks():
 
 
 EMULATION_INVALID = [
-    ("layout", dict(input_layout="XYZ"),
-     r"npu_fusion_attention: input_layout 'XYZ' is not one of BSH, SBH, BSND, BNSD, TND"),
-    ("compressed", dict(atten_mask=torch.ones(6, 6, dtype=torch.bool).triu(1), sparse_mode=3),
-     r"sparse_mode 3 needs the compressed atten_mask of shape \(2048, 2048\)"),
-    ("compressed content", dict(atten_mask=torch.zeros(2048, 2048, dtype=torch.bool),
-                                sparse_mode=2), r"triu\(ones\(2048, 2048\), diagonal=1\)"),
-    ("mask shape", dict(atten_mask=torch.zeros(2, 6, 6, dtype=torch.bool)),
-     r"atten_mask shape \(2, 6, 6\) must be BNSS, B1SS, 11SS or SS"),
+    (
+        "layout",
+        dict(input_layout="XYZ"),
+        r"npu_fusion_attention: input_layout 'XYZ' is not one of BSH, SBH, BSND, BNSD, TND",
+    ),
+    (
+        "compressed",
+        dict(atten_mask=torch.ones(6, 6, dtype=torch.bool).triu(1), sparse_mode=3),
+        r"sparse_mode 3 needs the compressed atten_mask of shape \(2048, 2048\)",
+    ),
+    (
+        "compressed content",
+        dict(atten_mask=torch.zeros(2048, 2048, dtype=torch.bool), sparse_mode=2),
+        r"triu\(ones\(2048, 2048\), diagonal=1\)",
+    ),
+    (
+        "mask shape",
+        dict(atten_mask=torch.zeros(2, 6, 6, dtype=torch.bool)),
+        r"atten_mask shape \(2, 6, 6\) must be BNSS, B1SS, 11SS or SS",
+    ),
     ("mask dtype", dict(atten_mask=torch.zeros(6, 6)), r"atten_mask dtype must be bool or uint8"),
     ("keep_prob", dict(keep_prob=0.0), r"keep_prob must be in \(0, 1\]"),
-    ("next", dict(atten_mask=torch.zeros(6, 6, dtype=torch.bool), pre_tockens=1,
-                  next_tockens=-2), r"negative next_tockens=-2 needs pre_tockens >="),
-    ("band", dict(atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1), sparse_mode=4,
-                  pre_tockens=-3, next_tockens=1), r"pre_tockens \+ next_tockens >= 0"),
+    (
+        "next",
+        dict(atten_mask=torch.zeros(6, 6, dtype=torch.bool), pre_tockens=1, next_tockens=-2),
+        r"negative next_tockens=-2 needs pre_tockens >=",
+    ),
+    (
+        "band",
+        dict(
+            atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
+            sparse_mode=4,
+            pre_tockens=-3,
+            next_tockens=1,
+        ),
+        r"pre_tockens \+ next_tockens >= 0",
+    ),
     ("heads", dict(head_num=3), r"head_num 3 differs from query N 2"),
     ("sparse_mode", dict(sparse_mode=9), r"sparse_mode must be in 0..8"),
 ]
 
 
-@pytest.mark.parametrize("what,kw,message", EMULATION_INVALID, ids=[c[0] for c in EMULATION_INVALID])
+@pytest.mark.parametrize(
+    "what,kw,message", EMULATION_INVALID, ids=[c[0] for c in EMULATION_INVALID]
+)
 def test_emulation_rejects_what_the_kernel_rejects(what, kw, message):
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
     with pytest.raises((ValueError, TypeError), match=message):
@@ -608,8 +733,7 @@ def test_causal_attention_honours_a_document_mask(path):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 12, 8, generator=gen) for _ in range(3))
     mask = _document_mask(12, [5, 9])
-    out = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True,
-                 attention_mask=mask)
+    out = attend(path, q, k, v, head_num=2, input_layout="BNSD", causal=True, attention_mask=mask)
     ref = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0, masked=mask)
     require_accurate(out, ref, torch.float32, "document mask")
     plain = reference_bnsd(q, k, v, causal=True, pre=BIG, nxt=0)
@@ -641,11 +765,17 @@ def test_megatron_attention_with_a_document_mask_equals_megatron_unfused(gloo_wo
     megatron_npu.apply("cpu")
     try:
         model_parallel_cuda_manual_seed(0)
-        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                                   use_cpu_initialization=True, masked_softmax_fusion=False,
-                                   attention_dropout=0.0)
-        module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                     attention_type="self")
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            use_cpu_initialization=True,
+            masked_softmax_fusion=False,
+            attention_dropout=0.0,
+        )
+        module = DotProductAttention(
+            config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+        )
         gen = torch.Generator().manual_seed(4)
         q, k, v = (torch.randn(10, 1, 2, 8, generator=gen) for _ in range(3))
         mask = _document_mask(10, [4, 7])

@@ -93,7 +93,8 @@ def run_ranks(world: int, device: str, jobs: list, timeout_s: float = 240.0) -> 
 def _cp2(device: str) -> dict:
     """Every CP2 job of ``device`` on one pair of spawned ranks (started once per device)."""
     jobs = [("case", c) for c in CASES] + [
-        ("dropout", c) for c in DROPOUT if device in c["devices"]]
+        ("dropout", c) for c in DROPOUT if device in c["devices"]
+    ]
     return {_job_id(kind, case): outcome
             for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs))}  # fmt: skip
 
@@ -142,8 +143,10 @@ def test_ring_dropout_backward_is_the_derivative_of_its_forward(device, case):
 
 def test_cp4_ring_matches_whole_sequence_attention():
     """Four ranks: every ring step kind (own block, lower and higher ranks' blocks) on each."""
-    jobs = [("case", {"comm": "p2p", "causal": True, "dtype": "float32"}),
-            ("case", {"comm": "a2a", "causal": True, "dtype": "float32", "heads": 8})]
+    jobs = [
+        ("case", {"comm": "p2p", "causal": True, "dtype": "float32"}),
+        ("case", {"comm": "a2a", "causal": True, "dtype": "float32", "heads": 8}),
+    ]
     for index, per_rank in enumerate(run_ranks(4, "cpu", jobs)):
         for rank, outcome in enumerate(per_rank):
             assert "raised" not in outcome, outcome["raised"]
@@ -171,7 +174,7 @@ def test_ring_steps_cover_each_causal_pair_once():
                         seen[qi, ki] += 1
         for qi in q_pos:
             assert seen[qi, : qi + 1].tolist() == [1] * (int(qi) + 1)
-            assert int(seen[qi, qi + 1:].sum()) == 0
+            assert int(seen[qi, qi + 1 :].sum()) == 0
 
 
 def test_natural_order_round_trips():

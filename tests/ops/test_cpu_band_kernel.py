@@ -82,8 +82,9 @@ def test_kernel_reads_strided_inputs_and_any_thread_count(built):
     # machines, by ~4e-7 here), so only float32 rounding apart
     torch.testing.assert_close(one[0], many[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(one[1], many[1], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(one[0].double(), reference(q, k, v, -300, 0, 0.2)[0], rtol=1e-5,
-                               atol=2e-6)
+    torch.testing.assert_close(
+        one[0].double(), reference(q, k, v, -300, 0, 0.2)[0], rtol=1e-5, atol=2e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,8 +133,9 @@ def test_a_failed_build_falls_back_to_the_flash_pieces(monkeypatch):
     assert status.reason == "not built: OSError: ninja: c++: command not found"
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 300, 16, generator=gen) for _ in range(3))
-    out = att.native_fused_attention(q, k, v, head_num=2, input_layout="BNSD", causal=True,
-                                     pre_tokens=100, next_tokens=0)
+    out = att.native_fused_attention(
+        q, k, v, head_num=2, input_layout="BNSD", causal=True, pre_tokens=100, next_tokens=0
+    )
     rows = (t.reshape(2, 300, 16) for t in (q, k, v))
     want, _ = reference(*rows, -100, 0, 0.25)
     torch.testing.assert_close(out.reshape(2, 300, 16).double(), want, rtol=1e-5, atol=2e-6)

@@ -59,9 +59,14 @@ def run_tp(logits, target, tp, smoothing, grad_loss):
     def rank_main(r):
         try:
             rmax, rsum = group.reducers(r)
-            loss = vocab_parallel_cross_entropy(shards[r], target, vocab_start_index=starts[r],
-                                                label_smoothing=smoothing, all_reduce_max=rmax,
-                                                all_reduce_sum=rsum)
+            loss = vocab_parallel_cross_entropy(
+                shards[r],
+                target,
+                vocab_start_index=starts[r],
+                label_smoothing=smoothing,
+                all_reduce_max=rmax,
+                all_reduce_sum=rsum,
+            )
             loss.backward(grad_loss)
             losses[r] = loss
         except Exception as exc:  # surfaced in the main thread
@@ -82,9 +87,13 @@ def run_tp(logits, target, tp, smoothing, grad_loss):
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @settings(max_examples=25, deadline=None)
-@given(tokens=st.lists(st.integers(1, 5), min_size=1, max_size=2), tp=st.sampled_from([1, 2, 3]),
-       per_rank=st.integers(1, 40), smoothing=st.sampled_from([0.0, 0.1]),
-       seed=st.integers(0, 2**16))
+@given(
+    tokens=st.lists(st.integers(1, 5), min_size=1, max_size=2),
+    tp=st.sampled_from([1, 2, 3]),
+    per_rank=st.integers(1, 40),
+    smoothing=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**16),
+)
 def test_cross_entropy_matches_fp64_reference(dtype_name, tokens, tp, per_rank, smoothing, seed):
     dtype = DTYPES[dtype_name]
     vocab = tp * per_rank
@@ -242,5 +251,6 @@ def test_equals_megatron_at_tp2_and_documents_its_label_smoothing(monkeypatch):
         k = local[rank].shape[-1]
         s = 0.1 * k / (k - 1)
         nll = -logits.double().log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(rank_loss.double(), (1 - s) * nll - s * lp.mean(-1),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            rank_loss.double(), (1 - s) * nll - s * lp.mean(-1), rtol=1e-5, atol=1e-5
+        )

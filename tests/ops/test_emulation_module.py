@@ -41,8 +41,9 @@ def test_public_ops_route_to_the_installed_kernels(monkeypatch):
     calls = []
     for name in emulation.KERNELS:
         real = getattr(emulation, name)
-        monkeypatch.setattr(emulation, name,
-                            lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+        monkeypatch.setattr(
+            emulation, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k)
+        )
     x = torch.randn(4, 2, 8)
     attention.fused_attention(x, x, x, head_num=2, causal=True)
     norm.rms_norm(x, torch.ones(8))
@@ -52,8 +53,15 @@ def test_public_ops_route_to_the_installed_kernels(monkeypatch):
     softmax.scaled_masked_softmax(torch.randn(1, 1, 32, 32), causal=True)
     p = [torch.randn(3)]
     adamw.adamw_step_(p, [torch.randn(3)], [torch.zeros(3)], [torch.zeros(3)], step=1, lr=0.1)
-    assert calls == ["npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_gelu",
-                     "npu_rotary_mul", "npu_scaled_masked_softmax", "npu_apply_adam_w"]
+    assert calls == [
+        "npu_fusion_attention",
+        "npu_rms_norm",
+        "npu_swiglu",
+        "npu_gelu",
+        "npu_rotary_mul",
+        "npu_scaled_masked_softmax",
+        "npu_apply_adam_w",
+    ]
 
 
 # ---------------------------------------------------------------- documented input limits

@@ -32,11 +32,18 @@ def rms_cases(draw):
     lead = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     # one normalised feature is ill-conditioned (dx is eps / (x**2 + eps)**1.5 of gy * w, a
     # small difference of large terms): test_rms_norm_of_a_single_feature bounds it instead
-    norm_dims = draw(st.lists(st.integers(1, 48), min_size=1, max_size=2).filter(
-        lambda dims: math.prod(dims) > 1))
-    return dict(shape=tuple(lead + norm_dims), k=len(norm_dims),
-                fp32_weight=draw(st.booleans()), eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
-                seed=draw(st.integers(0, 2**16)))
+    norm_dims = draw(
+        st.lists(st.integers(1, 48), min_size=1, max_size=2).filter(
+            lambda dims: math.prod(dims) > 1
+        )
+    )
+    return dict(
+        shape=tuple(lead + norm_dims),
+        k=len(norm_dims),
+        fp32_weight=draw(st.booleans()),
+        eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -73,8 +80,9 @@ def test_rms_norm_matches_fp64_reference(path, dtype_name, case):
     rule_dtype = {"y": dtype, "rstd": torch.float32, "dx": dtype, "dgamma": w_dtype}
     for name, value in got.items():
         want = bench[name].to(value.dtype) if name == "rstd" else bench[name]
-        require_accurate(value, ref[name], rule_dtype[name], name, benchmark=want,
-                         level=level_of("norm"))
+        require_accurate(
+            value, ref[name], rule_dtype[name], name, benchmark=want, level=level_of("norm")
+        )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -123,8 +131,12 @@ def test_rms_norm_emulation_checks_itself():
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @settings(max_examples=25, deadline=None)
-@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=3), hidden=st.integers(1, 64),
-       affine=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    hidden=st.integers(1, 64),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_layer_norm_matches_fp64_reference(dtype_name, lead, hidden, affine, seed):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(seed)
@@ -162,8 +174,14 @@ def test_layer_norm_matches_fp64_reference(dtype_name, lead, hidden, affine, see
     got = {"y": y, "mean": mean, "rstd": rstd}
     got.update(zip(("dx", "dweight", "dbias"), (t.grad for t in leaves)))
     for name, value in got.items():
-        require_accurate(value, ref[name], dtype, name, benchmark=bench[name].to(value.dtype),
-                         level=level_of("norm"))
+        require_accurate(
+            value,
+            ref[name],
+            dtype,
+            name,
+            benchmark=bench[name].to(value.dtype),
+            level=level_of("norm"),
+        )
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

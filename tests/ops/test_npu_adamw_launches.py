@@ -25,7 +25,12 @@ def _params(n, seed=0):
 def _lists(n, seed=0):
     params = _params(n, seed)
     grads = _params(n, seed + 1)
-    return params, grads, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    return (
+        params,
+        grads,
+        [torch.zeros_like(p) for p in params],
+        [torch.zeros_like(p) for p in params],
+    )
 
 
 #: ops that only make a new view of existing memory: no kernel runs for them

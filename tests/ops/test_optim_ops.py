@@ -35,8 +35,9 @@ PARAM_SCALE = {torch.float32: 1.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0*
 
 
 def step(path, *lists, **kw):
-    return run(path, adamw.adamw_step_, adamw.native_adamw_step_, adamw.npu_adamw_step_, *lists,
-               **kw)
+    return run(
+        path, adamw.adamw_step_, adamw.native_adamw_step_, adamw.npu_adamw_step_, *lists, **kw
+    )
 
 
 def reference_step(p, m, v, vmax, g, t, wd, amsgrad, maximize, lr, beta1, beta2, eps):
@@ -98,12 +99,18 @@ def draw_params(shapes, dtype, gen):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @settings(max_examples=25, deadline=None)
-@given(shapes=st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3), min_size=1,
-                       max_size=3),
-       steps=st.integers(1, 3), wd=st.sampled_from([0.0, 0.1]), amsgrad=st.booleans(),
-       maximize=st.booleans(), lr=st.sampled_from(LRS), seed=st.integers(0, 2**16))
-def test_adamw_matches_fp64_reference(path, dtype_name, shapes, steps, wd, amsgrad, maximize,
-                                      lr, seed):
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3), min_size=1, max_size=3),
+    steps=st.integers(1, 3),
+    wd=st.sampled_from([0.0, 0.1]),
+    amsgrad=st.booleans(),
+    maximize=st.booleans(),
+    lr=st.sampled_from(LRS),
+    seed=st.integers(0, 2**16),
+)
+def test_adamw_matches_fp64_reference(
+    path, dtype_name, shapes, steps, wd, amsgrad, maximize, lr, seed
+):
     """Each step against fp64 from the same (stored) state, as msprobe checks one call: the
     parameter by its update (:func:`judge_update`), the moments by the verdict; fp32 also
     against the fp64 trajectory (16-bit state storage drifts by design over steps)."""
@@ -119,20 +126,38 @@ def test_adamw_matches_fp64_reference(path, dtype_name, shapes, steps, wd, amsgr
     trajectory = [(t.double(), z, z, z) for t, z in zip(params, zeros)]
     for t in range(1, steps + 1):
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-        before = [(params[i], m[i], v[i], vmax[i] if amsgrad else zeros[i])
-                  for i in range(len(shapes))]
-        expected = [reference_step(*state, grads[i], t, wd, amsgrad, maximize, **hp)
-                    for i, state in enumerate(before)]
-        trajectory = [reference_step(*state, grads[i], t, wd, amsgrad, maximize, **hp)
-                      for i, state in enumerate(trajectory)]
-        trajectory = [(p, m_, v_, zeros[i] if vm is None else vm)
-                      for i, (p, m_, v_, vm) in enumerate(trajectory)]
+        before = [
+            (params[i], m[i], v[i], vmax[i] if amsgrad else zeros[i]) for i in range(len(shapes))
+        ]
+        expected = [
+            reference_step(*state, grads[i], t, wd, amsgrad, maximize, **hp)
+            for i, state in enumerate(before)
+        ]
+        trajectory = [
+            reference_step(*state, grads[i], t, wd, amsgrad, maximize, **hp)
+            for i, state in enumerate(trajectory)
+        ]
+        trajectory = [
+            (p, m_, v_, zeros[i] if vm is None else vm)
+            for i, (p, m_, v_, vm) in enumerate(trajectory)
+        ]
         old = params
         params = [p.clone() for p in params]
         m, v = [x.clone() for x in m], [x.clone() for x in v]
         vmax = [x.clone() for x in vmax] if amsgrad else None
-        step(path, params, grads, m, v, step=t, weight_decay=wd, amsgrad=amsgrad,
-             maximize=maximize, max_exp_avg_sqs=vmax, **hp)
+        step(
+            path,
+            params,
+            grads,
+            m,
+            v,
+            step=t,
+            weight_decay=wd,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            max_exp_avg_sqs=vmax,
+            **hp,
+        )
         for i, (ref_p, ref_m, ref_v, ref_vmax) in enumerate(expected):
             assert params[i].dtype == dtype
             require_update(params[i], old[i], ref_p, dtype, f"step {t} param[{i}]")
@@ -142,8 +167,9 @@ def test_adamw_matches_fp64_reference(path, dtype_name, shapes, steps, wd, amsgr
                 require_accurate(vmax[i], ref_vmax, dtype, f"step {t} max_exp_avg_sq[{i}]")
     if dtype == torch.float32:
         for i, (ref_p, ref_m, ref_v, _) in enumerate(trajectory):
-            require_update(params[i], start[i], ref_p, dtype, f"trajectory param[{i}]",
-                           roundings=2 * steps)
+            require_update(
+                params[i], start[i], ref_p, dtype, f"trajectory param[{i}]", roundings=2 * steps
+            )
             require_accurate(m[i], ref_m, dtype, f"trajectory exp_avg[{i}]")
             require_accurate(v[i], ref_v, dtype, f"trajectory exp_avg_sq[{i}]")
 
@@ -168,8 +194,9 @@ def test_an_update_wrong_by_ten_percent_is_rejected(path, dtype_name, lr, wrong)
         v = [torch.zeros_like(p) for p in params]
         step(path, new, grads, m, v, step=1, weight_decay=0.1, **dict(HP, lr=lr * scale))
         for i, p in enumerate(params):
-            ref_p = reference_step(p, zeros[i], zeros[i], None, grads[i], 1, 0.1, False, False,
-                                   lr=lr, **HP)[0]
+            ref_p = reference_step(
+                p, zeros[i], zeros[i], None, grads[i], 1, 0.1, False, False, lr=lr, **HP
+            )[0]
             got = judge_update(new[i], p, ref_p, dtype)
             assert (got.status == "error") == (verdict == "error"), (scale, i, got)
             if verdict == "error":
@@ -188,10 +215,34 @@ def test_npu_apply_adam_w_beta_power_convention():
     for t in range(1, 4):
         ref.grad = g[t - 1].clone()
         opt.step()
-        emulation.npu_apply_adam_w(0.9 ** (t - 1), 0.95 ** (t - 1), 0.1, 0.05, 0.9, 0.95, 1e-8,
-                                   g[t - 1], None, False, False, out=(var, m, v))
-        emulation.npu_apply_adam_w(0.9**t, 0.95**t, 0.1, 0.05, 0.9, 0.95, 1e-8, g[t - 1], None,
-                                   False, False, out=(var_wrong, m_w, v_w))
+        emulation.npu_apply_adam_w(
+            0.9 ** (t - 1),
+            0.95 ** (t - 1),
+            0.1,
+            0.05,
+            0.9,
+            0.95,
+            1e-8,
+            g[t - 1],
+            None,
+            False,
+            False,
+            out=(var, m, v),
+        )
+        emulation.npu_apply_adam_w(
+            0.9**t,
+            0.95**t,
+            0.1,
+            0.05,
+            0.9,
+            0.95,
+            1e-8,
+            g[t - 1],
+            None,
+            False,
+            False,
+            out=(var_wrong, m_w, v_w),
+        )
     torch.testing.assert_close(var, ref.detach(), rtol=1e-5, atol=1e-6)
     assert (var_wrong - ref.detach()).abs().max() > 1e-3
 
@@ -215,20 +266,51 @@ def test_adamw_invalid_inputs(path):
 def test_adam_w_emulation_checks_itself():
     var = torch.randn(3)
     with pytest.raises(ValueError, match=r"npu_apply_adam_w: grad shape \(4,\) differs from var"):
-        emulation.npu_apply_adam_w(1.0, 1.0, 0.1, 0.0, 0.9, 0.99, 1e-8, torch.randn(4), None,
-                                   False, False, out=(var, torch.zeros(3), torch.zeros(3)))
+        emulation.npu_apply_adam_w(
+            1.0,
+            1.0,
+            0.1,
+            0.0,
+            0.9,
+            0.99,
+            1e-8,
+            torch.randn(4),
+            None,
+            False,
+            False,
+            out=(var, torch.zeros(3), torch.zeros(3)),
+        )
     with pytest.raises(ValueError, match=r"amsgrad=True needs max_grad_norm"):
-        emulation.npu_apply_adam_w(1.0, 1.0, 0.1, 0.0, 0.9, 0.99, 1e-8, torch.randn(3), None,
-                                   True, False, out=(var, torch.zeros(3), torch.zeros(3)))
+        emulation.npu_apply_adam_w(
+            1.0,
+            1.0,
+            0.1,
+            0.0,
+            0.9,
+            0.99,
+            1e-8,
+            torch.randn(3),
+            None,
+            True,
+            False,
+            out=(var, torch.zeros(3), torch.zeros(3)),
+        )
 
 
 # ----------------------------------------------------------------------------- multi-tensor
 
 
 @settings(max_examples=30, deadline=None)
-@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3),
-                                st.sampled_from(list(DTYPES))), min_size=1, max_size=5),
-       seed=st.integers(0, 2**16))
+@given(
+    specs=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from(list(DTYPES))
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    seed=st.integers(0, 2**16),
+)
 def test_multi_tensor_l2norm_matches_fp64_reference(specs, seed):
     gen = torch.Generator().manual_seed(seed)
     tensors = [(torch.randn(s, generator=gen) * 10).to(DTYPES[d]) for s, d in specs]

@@ -21,8 +21,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def rot(path, x, r1, r2, mode):
-    return run(path, rotary.rotary_mul, rotary.native_rotary_mul, rotary.npu_rotary_mul, x, r1,
-               r2, mode)
+    return run(
+        path, rotary.rotary_mul, rotary.native_rotary_mul, rotary.npu_rotary_mul, x, r1, r2, mode
+    )
 
 
 def reference(x, cos, sin, mode):
@@ -108,7 +109,10 @@ def test_rotary_invalid_inputs(path, what, xs, rs, mode, message):
 def test_rotary_emulation_checks_itself():
     x = torch.randn(1, 2, 3, 8)
     with pytest.raises(TypeError, match=r"npu_rotary_mul: input, r1 and r2 must share one dtype"):
-        emulation.npu_rotary_mul(x, torch.ones(1, 1, 3, 8, dtype=torch.float16),
-                                 torch.ones(1, 1, 3, 8, dtype=torch.float16))
+        emulation.npu_rotary_mul(
+            x,
+            torch.ones(1, 1, 3, 8, dtype=torch.float16),
+            torch.ones(1, 1, 3, 8, dtype=torch.float16),
+        )
     with pytest.raises(ValueError, match=r"npu_rotary_mul: r1/r2 last dim 6 must be the full D=8"):
         emulation.npu_rotary_mul(x, torch.ones(1, 1, 3, 6), torch.ones(1, 1, 3, 6))

@@ -22,8 +22,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def smx(path, x, mask, scale, causal):
-    return run(path, softmax.scaled_masked_softmax, softmax.native_scaled_masked_softmax,
-               softmax.npu_scaled_masked_softmax, x, mask, scale, causal)
+    return run(
+        path,
+        softmax.scaled_masked_softmax,
+        softmax.native_scaled_masked_softmax,
+        softmax.npu_scaled_masked_softmax,
+        x,
+        mask,
+        scale,
+        causal,
+    )
 
 
 def reference(x, masked, scale):
@@ -37,12 +45,19 @@ def reference(x, masked, scale):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 2), heads=st.integers(1, 3), sq=st.sampled_from([32, 64, 96]),
-       sk=st.sampled_from([32, 64, 128]), mask_kind=st.sampled_from([None, "b1", "11", "full"]),
-       causal=st.booleans(), scale=st.sampled_from([1.0, 0.125, 2.0]),
-       seed=st.integers(0, 2**16))
-def test_softmax_matches_fp64_reference(path, dtype_name, b, heads, sq, sk, mask_kind, causal,
-                                        scale, seed):
+@given(
+    b=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    sq=st.sampled_from([32, 64, 96]),
+    sk=st.sampled_from([32, 64, 128]),
+    mask_kind=st.sampled_from([None, "b1", "11", "full"]),
+    causal=st.booleans(),
+    scale=st.sampled_from([1.0, 0.125, 2.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_softmax_matches_fp64_reference(
+    path, dtype_name, b, heads, sq, sk, mask_kind, causal, scale, seed
+):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(b, heads, sq, sk, generator=gen) * 4).to(dtype)
@@ -67,8 +82,9 @@ def test_softmax_matches_fp64_reference(path, dtype_name, b, heads, sq, sk, mask
     require_accurate(y, ref, dtype, "y")
     require_accurate(xs.grad, xd.grad, dtype, "dx")
     if mask is not None and not causal:
-        torch.testing.assert_close(y[..., 3, :].float(), torch.full_like(y[..., 3, :].float(),
-                                                                         1.0 / sk))
+        torch.testing.assert_close(
+            y[..., 3, :].float(), torch.full_like(y[..., 3, :].float(), 1.0 / sk)
+        )
 
 
 INVALID = [
@@ -76,9 +92,20 @@ INVALID = [
     ("sk big", (1, 1, 32, 4128), None, ValueError, r"sk=4128 must be in \[32, 4096\]"),
     ("sk not /32", (1, 1, 32, 48), None, ValueError, r"sk=48 must be .* divisible by 32"),
     ("rank", (2, 32, 32), None, ValueError, r"x must be 4-D"),
-    ("mask dtype", (1, 1, 32, 32), torch.zeros(1, 1, 32, 32), TypeError, r"mask dtype must be bool"),
-    ("mask shape", (1, 2, 32, 32), torch.zeros(3, 1, 32, 32, dtype=torch.bool), ValueError,
-     r"mask shape \(3, 1, 32, 32\) must broadcast"),
+    (
+        "mask dtype",
+        (1, 1, 32, 32),
+        torch.zeros(1, 1, 32, 32),
+        TypeError,
+        r"mask dtype must be bool",
+    ),
+    (
+        "mask shape",
+        (1, 2, 32, 32),
+        torch.zeros(3, 1, 32, 32, dtype=torch.bool),
+        ValueError,
+        r"mask shape \(3, 1, 32, 32\) must broadcast",
+    ),
 ]
 
 

@@ -52,7 +52,11 @@ def traced(tmp_path_factory):
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(HERE / "_coverage_trace.py"), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=840,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out / "coverage.dat", json.loads((out / "cells.json").read_text())

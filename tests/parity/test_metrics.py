@@ -378,8 +378,9 @@ def test_single_element_skips_the_cosine_rule():
     c = compare(torch.tensor([1e-12]), torch.tensor([0.0], dtype=torch.float64), torch.float32)
     assert c.cosine is None
     assert verdict(c).status == "pass"
-    two = compare(torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0], dtype=torch.float64),
-                  torch.float32)
+    two = compare(
+        torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0], dtype=torch.float64), torch.float32
+    )
     assert verdict(two).status == "error" and verdict(two).rule == "cosine"
 
 

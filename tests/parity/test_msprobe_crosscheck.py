@@ -58,7 +58,10 @@ def battery():
         cases[f"{name}-noisy-3e-3"] = _pair(_randn(512, 2), dtype, rel_noise=3e-3)
         cases[f"{name}-noisy-3e-2"] = _pair(_randn(512, 3), dtype, rel_noise=3e-2)
         cases[f"{name}-tiny"] = _pair(_randn(256, 4), dtype, rel_noise=1e-3, scale=1e-6)
-        cases[f"{name}-all-zero"] = (torch.zeros(16, dtype=dtype), torch.zeros(16).to(_ref_dtype(dtype)))
+        cases[f"{name}-all-zero"] = (
+            torch.zeros(16, dtype=dtype),
+            torch.zeros(16).to(_ref_dtype(dtype)),
+        )
         cases[f"{name}-single"] = _pair([0.75], dtype, rel_noise=1e-2)
         cases[f"{name}-mixed-small"] = _pair(
             torch.cat([_randn(64, 5) * 1e-5, _randn(64, 6)]), dtype, rel_noise=2e-3

@@ -50,7 +50,9 @@ def test_there_are_enough_mutations_in_every_patched_area():
     assert any(m.examples[0].get("dropout", 0) > 0 for m in mutations)
     assert any(m.scope == "job" for m in mutations)  # a reference that calls the implementation
     # a window narrower than the sequence, with several query blocks
-    assert any(e.get("pre", 1 << 30) + 64 < e.get("kv_seq", 0) for m in mutations for e in m.examples)
+    assert any(
+        e.get("pre", 1 << 30) + 64 < e.get("kv_seq", 0) for m in mutations for e in m.examples
+    )
     # every area with numerics (the device-routing torch-namespace entries have none of their
     # own: their cases check collectives end to end)
     areas = {p.id.split(".")[0] for p in all_patches() if p.parity and ":" not in p.id}

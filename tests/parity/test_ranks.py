@@ -57,7 +57,9 @@ def _npu_like(monkeypatch, calls):
     from megatron_npu.devices.base import Device
 
     real_make = devices.make
-    accelerator = types.SimpleNamespace(set_device=lambda index: calls.append(("set_device", index)))
+    accelerator = types.SimpleNamespace(
+        set_device=lambda index: calls.append(("set_device", index))
+    )
 
     def make(name):
         if name == "npu":

@@ -38,7 +38,9 @@ COMPUTE = tuple(str(ADAPTOR / part) + "/" for part in ("ops", "modules", "optim"
 
 def _replacement_file(patch) -> str:
     obj = patch.replacement
-    return inspect.getsourcefile(obj if inspect.isroutine(obj) or inspect.isclass(obj) else type(obj))
+    return inspect.getsourcefile(
+        obj if inspect.isroutine(obj) or inspect.isclass(obj) else type(obj)
+    )
 
 
 def _adaptor_calls(fn, forbidden):
@@ -57,7 +59,9 @@ def _adaptor_calls(fn, forbidden):
     return out, seen
 
 
-@pytest.mark.parametrize(("patch", "case"), patches_with_cases(), ids=lambda x: getattr(x, "id", ""))
+@pytest.mark.parametrize(
+    ("patch", "case"), patches_with_cases(), ids=lambda x: getattr(x, "id", "")
+)
 def test_reference_never_reaches_the_implementation(patch, case):
     megatron_npu.apply("npu-emulated")
     original = patcher.original(patch)

@@ -353,7 +353,10 @@ def _write_raw(tmp_path, mutate):
         (lambda d: d.update(kernels={"npu_swiglu": "2"}), "kernels.npu_swiglu"),
         (lambda d: d.update(npu_kernel_exercised="yes"), "npu_kernel_exercised"),
         (lambda d: d.pop("benchmark"), "benchmark"),
-        (lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "cp": 1, "world": 2}), "parallel.tp"),
+        (
+            lambda d: d.update(parallel={"tp": "2", "pp": 1, "dp": 1, "cp": 1, "world": 2}),
+            "parallel.tp",
+        ),
         (lambda d: d["provenance"].update(seed=True), "provenance.seed"),
         (lambda d: d.update(device="npu-ish"), "device"),
     ],

@@ -17,8 +17,16 @@ def _run(tmp_path, *args):
 
 
 def test_parity_cli_writes_records_and_a_summary(tmp_path):
-    proc = _run(tmp_path, "--quick", "--device", "cpu", "--device", "npu-emulated",
-                "-k", "data.build-sample-idx")
+    proc = _run(
+        tmp_path,
+        "--quick",
+        "--device",
+        "cpu",
+        "--device",
+        "npu-emulated",
+        "-k",
+        "data.build-sample-idx",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list(tmp_path.glob("run-*-quick"))
     assert len(runs) == 1
@@ -26,7 +34,9 @@ def test_parity_cli_writes_records_and_a_summary(tmp_path):
     assert {r.device for r in records} == {"cpu", "npu-emulated"}
     assert all(r.patch_id == "data.build-sample-idx" for r in records)
     assert "2 records: 2 pass" in proc.stdout
-    assert "npu-emulated cells: 0 exercised an NPU kernel, 1 ran the same code as cpu" in proc.stdout
+    assert (
+        "npu-emulated cells: 0 exercised an NPU kernel, 1 ran the same code as cpu" in proc.stdout
+    )
     assert "parity results" in proc.stdout
 
 

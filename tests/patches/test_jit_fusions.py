@@ -64,9 +64,7 @@ def test_eager_bias_dropout_add_compiles_nothing():
     try:
         before = sum(counters["frames"].values())
         # (inference works in place on x: every call gets fresh copies)
-        out = fused_bias_dropout.bias_dropout_add_fused_inference(
-            (x.clone(), bias), residual, 0.0
-        )
+        out = fused_bias_dropout.bias_dropout_add_fused_inference((x.clone(), bias), residual, 0.0)
         assert sum(counters["frames"].values()) == before
     finally:
         megatron_npu.restore()

@@ -95,7 +95,9 @@ def test_benchmark_flags_need_separated_spreads(bench_file, tmp_path):
     assert rows[("bias-swiglu", "cpu", "native")]["flag"] == "slower"
     assert rows[("bias-gelu", "cpu", "native")]["ratio"] == f"{fast:.3g}"
     assert rows[("bias-gelu", "cpu", "native")]["flag"] == "faster"
-    same = fx.with_paths_relative(bench_file, tmp_path / "same.json", {("bias-gelu", "native"): 1.0})
+    same = fx.with_paths_relative(
+        bench_file, tmp_path / "same.json", {("bias-gelu", "native"): 1.0}
+    )
     assert _bench_rows(context(load([same])))[("bias-gelu", "cpu", "native")]["flag"] == "same"
 
 
@@ -201,7 +203,9 @@ def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
 
     folder = fx.copy_results(compare_dir, tmp_path / "cmp")
     data = json.loads((folder / "results.json").read_text())
-    data["skipped"] = [{"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}]
+    data["skipped"] = [
+        {"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}
+    ]
     data["notes"] = ["vocabulary padding aligned to a multiple of 256"]
     data["runs"][2].update(device=None, emulated=False, status="failed", steps=[], perf=None,
                            error="no device of its list is available")  # fmt: skip

@@ -65,10 +65,21 @@ def test_sequence_parallel_is_dropped_without_tp():
         (["--save-interval", "5"], "--save-interval needs --save"),
         # context parallelism: the named problems Megatron-LM's scripts get too
         (["--context-parallel-size", "2"], "context parallelism runs through TE's attention"),
-        (["--context-parallel-size", "3", "--transformer-impl", "transformer_engine"],
-         "--seq-length 32: each of the 3 context-parallel ranks"),
-        (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
-          "--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p"),
+        (
+            ["--context-parallel-size", "3", "--transformer-impl", "transformer_engine"],
+            "--seq-length 32: each of the 3 context-parallel ranks",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--transformer-impl",
+                "transformer_engine",
+                "--cp-comm-type",
+                "a2a+p2p",
+            ],
+            "--cp-comm-type a2a+p2p",
+        ),
     ],
 )
 def test_inconsistent_options_fail(capsys, extra, message):

@@ -147,9 +147,7 @@ def test_a_checkpoint_saved_before_any_applied_update_resumes_exactly(train_tmp)
     save = train_tmp / "ckpt_fp16_all_skipped"
     whole = train(train_tmp, *args, "--save", str(save), "--save-interval", "2", name="fp16")
     assert all(s["skipped"] for s in whole.steps[:2]) and not whole.steps[-1]["skipped"]
-    resumed = train(
-        train_tmp, *args, "--load", str(save), "--ckpt-step", "2", name="fp16-resumed"
-    )
+    resumed = train(train_tmp, *args, "--load", str(save), "--ckpt-step", "2", name="fp16-resumed")
     assert [s["step"] for s in resumed.steps] == list(range(3, 21))
     applied = [s for s in range(3, 21) if not whole.steps[s - 1]["skipped"]]
     assert applied, "the run must apply updates after the checkpoint"

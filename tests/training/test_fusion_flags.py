@@ -35,7 +35,9 @@ print("KERNELS=" + json.dumps(dict(calls)))
 
 
 def _parse(*extra):
-    return arguments.parse_args(["--mock-data", *_BASE, "--train-iters", "1", "--lr", "1e-3", *extra])
+    return arguments.parse_args(
+        ["--mock-data", *_BASE, "--train-iters", "1", "--lr", "1e-3", *extra]
+    )
 
 
 def test_flags_have_megatron_names_and_defaults():

@@ -29,13 +29,21 @@ LAYOUTS = {
     # fused into QKV / FC1, so the local baseline's losses
     "te-tp2-sp": (
         2,
-        ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
-         "--sequence-parallel"],
+        [
+            "--transformer-impl",
+            "transformer_engine",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
     ),  # fmt: skip
     "tp2-pp2-sp": (
         4,
         [
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
             "--sequence-parallel",
         ],
     ),  # fmt: skip
