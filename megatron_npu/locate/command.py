@@ -19,6 +19,7 @@ the result then says that no module diverges.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import shutil
 import sys
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_npu.locate import curves, dump, modules, result, worker
+from megatron_npu.locate import curves, dump, modules, msprobe_dumps, result, worker
 from megatron_npu.locate.culprit import search
 
 #: train options that locate sets itself (a compare run's command carries them)
@@ -391,6 +392,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-dir", help="a compare output folder: take the runs from it")
     g.add_argument("--pair", nargs=2, metavar=("REFERENCE", "CANDIDATE"),
                    help="with --compare-dir: the two run names (e.g. the failing pair)")  # fmt: skip
+    g.add_argument(
+        "--msprobe", nargs=2, metavar=("REF", "CAND"),
+        help="two msprobe dumps made anywhere (a dump folder, a step<N> or rank<R> folder, or a "
+        "dump.json; levels L0 and mix, tensor or statistics): name the first module or API "
+        "whose error its inputs do not explain (writes locate-msprobe.json)",
+    )  # fmt: skip
     g.add_argument("--plant-candidate", help=argparse.SUPPRESS)  # testing aid: a parity mutation
     s = parser.add_argument_group("search")
     s.add_argument("--step", type=int, default=None, help="replay this step (skip the curves)")
@@ -426,14 +433,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (locate.json, dumps, logs)")
 
 
+def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
+    """``--msprobe REF CAND``: compare two msprobe dumps row by row with the input-explained
+    rule (:mod:`.msprobe_dumps`); write and return ``locate-msprobe.json``."""
+    ref_path, cand_path = args.msprobe
+    reference, candidate = msprobe_dumps.read_dump(ref_path), msprobe_dumps.read_dump(cand_path)
+    rule = None
+    if args.base_tolerance is not None:
+        rule = modules.Rule(args.base_tolerance, args.depth_growth, args.gain)
+    found = msprobe_dumps.compare(reference, candidate, rule)
+    data = {"format": msprobe_dumps.RESULT_FORMAT, "schema_version": 1,
+            "reference": str(ref_path), "candidate": str(cand_path), **found}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / msprobe_dumps.RESULT_FILE
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    row = found["divergent"]
+    echo(f" locate: msprobe {found['task']} dumps, levels {', '.join(found['levels'])}, "
+         f"{len(found['rows'])} rows compared over {', '.join(found['ranks'])}")  # fmt: skip
+    if row is None:
+        echo(" locate: no row diverges beyond what its inputs explain")
+    else:
+        echo(f" locate: first divergent row: {row['name']} ({row['rank']}): error "
+             f"{row['output']:.3g} from inputs off by {row['input']:.3g} (tolerance "
+             f"{row['tolerance']:.3g})")  # fmt: skip
+        if row["module"] != row["name"]:
+            echo(f" locate: inside {row['module']}")
+    if found["statement"]:
+        echo(f" locate: {found['statement']}")
+    echo(f" locate: {path}")
+    return data
+
+
 def main(args: argparse.Namespace) -> int:
     try:
+        if args.msprobe:
+            locate_msprobe(args)
+            return 0
         if args.compare_dir and not args.pair:
             raise LocateError("--compare-dir needs --pair REFERENCE CANDIDATE")
         if args.limit < 1:
             raise LocateError("--limit must be positive")
         locate(args)
-    except (LocateError, curves.CurveError, dump.DumpError, worker.WorkerError) as exc:
+    except (LocateError, curves.CurveError, dump.DumpError, worker.WorkerError,
+            msprobe_dumps.MsprobeDumpError) as exc:  # fmt: skip
         print(f"megatron-npu locate: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,112 @@
+"""``megatron-npu locate --msprobe REF CAND`` on real msprobe dumps made here on the CPU
+(``mindstudio-probe``'s ``PrecisionDebugger``, levels L0 and mix, tasks tensor and statistics) of
+one training step of a small Llama-style stack, the candidate with a 2 % error planted in one
+norm (tests/locate/_msprobe_dump.py): every later row inherits the error, and locate names the
+norm that made it; a healthy pair names nothing; statistics-only dumps name it with the
+statement of what statistics can conclude, and their error figures are lower bounds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from once_per_run import built_once
+
+from megatron_npu.locate import command, msprobe_dumps
+from megatron_npu.locate.modules import tensor_error
+
+pytest.importorskip("msprobe", reason="the test extra installs mindstudio-probe")
+pytestmark = pytest.mark.slow
+
+MAKE = Path(__file__).with_name("_msprobe_dump.py")
+PLANTED = "Module.layers.1.norm.RMSNorm.forward.0"
+DUMPS = {  # name -> (level, task, planted)
+    "ref-L0-tensor": ("L0", "tensor", False), "cand-L0-tensor": ("L0", "tensor", True),
+    "ref2-L0-tensor": ("L0", "tensor", False),
+    "ref-mix-tensor": ("mix", "tensor", False), "cand-mix-tensor": ("mix", "tensor", True),
+    "ref-L0-statistics": ("L0", "statistics", False),
+    "cand-L0-statistics": ("L0", "statistics", True),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dumps(xdist_shared) -> Path:
+    def build(root: Path) -> None:
+        for name, (level, task, planted) in DUMPS.items():
+            argv = [sys.executable, str(MAKE), level, task, str(root / name)]
+            done = subprocess.run(argv + (["--plant"] if planted else []), capture_output=True,
+                                  text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    return built_once(xdist_shared, "msprobe-dumps", build)
+
+
+def _locate(out: Path, ref: Path, cand: Path) -> dict:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--msprobe", str(ref), str(cand), "--out", str(out)])
+    data = command.locate_msprobe(args, echo=lambda s: None)
+    assert json.loads((out / msprobe_dumps.RESULT_FILE).read_text()) == data
+    return data
+
+
+@pytest.mark.parametrize("kind", ["L0-tensor", "mix-tensor", "L0-statistics"])
+def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
+    data = _locate(tmp_path, dumps / f"ref-{kind}" / "dump", dumps / f"cand-{kind}" / "dump")
+    row = data["divergent"]
+    assert (row["name"], row["module"], row["phase"], row["rank"]) == (
+        PLANTED, PLANTED, "forward", "step0/rank0",
+    )  # fmt: skip
+    assert row["input"] == 0 and row["output"] > row["tolerance"]
+    rows = {r["name"]: r for r in data["rows"]}
+    later = [r for r in data["rows"] if r["name"].startswith("Module.layers.2.")]
+    assert later and all(isinstance(r["output"], float) and r["output"] > 0 for r in later)
+    assert not any(r["diverges"] for r in later)  # inherited, explained by their inputs
+    if kind.endswith("statistics"):
+        assert data["task"] == "statistics" and "lower bound" in data["statement"]
+    else:
+        assert data["task"] == "tensor" and data["statement"] is None
+        assert math.isclose(rows[PLANTED]["output"], 0.01396, rel_tol=0.05)
+    if kind.startswith("mix"):  # the APIs inside the module were compared too
+        assert any(r["kind"] == "api" and r["module"] == PLANTED for r in data["rows"])
+
+
+def test_two_healthy_runs_name_nothing(dumps, tmp_path):
+    data = _locate(tmp_path, dumps / "ref-L0-tensor" / "dump", dumps / "ref2-L0-tensor" / "dump")
+    assert data["divergent"] is None and len(data["rows"]) > 30 and not data["unmatched"]
+
+
+def test_a_step_folder_or_a_dump_json_is_taken_as_the_dump(dumps, tmp_path):
+    ref = next((dumps / "ref-L0-tensor" / "dump").rglob("dump.json"))
+    cand = dumps / "cand-L0-tensor" / "dump" / "step0"
+    assert _locate(tmp_path, ref, cand)["divergent"]["name"] == PLANTED
+
+
+def test_not_a_dump_is_one_named_error(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--msprobe", str(tmp_path), str(tmp_path), "--out", str(tmp_path)])
+    assert command.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-npu locate: {tmp_path}: no dump.json under it: not an msprobe dump"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_statistics_give_a_lower_bound_of_the_error(seed):
+    generator = torch.Generator().manual_seed(seed)
+    ref = torch.randn(64, 16, generator=generator)
+    cand = ref + torch.randn(64, 16, generator=generator) * 10 ** (-seed)
+
+    def info(t: torch.Tensor) -> msprobe_dumps.TensorInfo:
+        stats = {"Max": t.max().item(), "Min": t.min().item(), "Mean": t.mean().item(),
+                 "Norm": t.norm().item()}  # fmt: skip
+        return msprobe_dumps.TensorInfo(tuple(t.shape), "torch.float32", stats, None)
+
+    bound = msprobe_dumps.statistics_bound(info(cand), info(ref))
+    assert 0 < bound <= tensor_error(cand, ref) * (1 + 1e-6)
