@@ -21,7 +21,6 @@ from once_per_run import built_once
 from megatron_npu.locate import command, msprobe_dumps
 from megatron_npu.locate.modules import tensor_error
 
-pytest.importorskip("msprobe", reason="the test extra installs mindstudio-probe")
 pytestmark = pytest.mark.slow
 
 MAKE = Path(__file__).with_name("_msprobe_dump.py")
