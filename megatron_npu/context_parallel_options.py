@@ -29,9 +29,11 @@ def context_parallel_problems(
     heads: int,
     tp: int,
     window: bool,
+    hierarchical: Sequence[int] | None = None,
 ) -> list[str]:
     """Each broken combination as ``"--option ...: why"`` (empty when CP is 1 or the options
-    agree). ``window``: the run asks for a sliding window (``--window-size``)."""
+    agree). ``window``: the run asks for a sliding window (``--window-size``);
+    ``hierarchical``: ``--hierarchical-context-parallel-sizes`` (a2a+p2p)."""
     if cp <= 1:
         return []
     problems = []
@@ -57,9 +59,23 @@ def context_parallel_problems(
                 f"tensor-parallel rank are shared out over {cp} context-parallel ranks, so "
                 f"--context-parallel-size {cp} must divide them"
             )
-        elif kind == "p2p" and window:
+        elif kind in ("p2p", "a2a+p2p") and window:
             problems.append(
-                "--cp-comm-type p2p with --window-size: the ring serves causal and full "
+                f"--cp-comm-type {kind} with --window-size: the ring serves causal and full "
                 "attention; use --cp-comm-type a2a or allgather for a sliding window"
             )
+        if kind == "a2a+p2p":
+            sizes = list(hierarchical or ())
+            if len(sizes) != 2 or sizes[0] * sizes[1] != cp:
+                problems.append(
+                    f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P "
+                    f"(all-to-all within A ranks, a ring over P) with A x P = "
+                    f"--context-parallel-size {cp}; got {sizes or 'none'}"
+                )
+            elif (heads // max(tp, 1)) % sizes[0]:
+                problems.append(
+                    f"--cp-comm-type a2a+p2p: the {heads // max(tp, 1)} attention heads per "
+                    f"tensor-parallel rank are shared out over the {sizes[0]} ranks of the "
+                    f"all-to-all, so {sizes[0]} must divide them"
+                )
     return problems

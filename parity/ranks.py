@@ -93,9 +93,12 @@ def _worker(
             if layout != wanted:
                 if layout is not None:
                     parallel_state.destroy_model_parallel()
+                cp = job.parallel.cp
                 parallel_state.initialize_model_parallel(
-                    job.parallel.tp, job.parallel.pp, context_parallel_size=job.parallel.cp
-                )
+                    job.parallel.tp, job.parallel.pp, context_parallel_size=cp,
+                    # a2a+p2p's pair of groups: an all-to-all within 2 ranks, a ring over CP / 2
+                    hierarchical_context_parallel_sizes=[2, cp // 2] if cp % 2 == 0 else None,
+                )  # fmt: skip
                 layout = wanted
             conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001

@@ -371,9 +371,14 @@ def _build_attention() -> type:
                 from megatron.core import parallel_state
 
                 pgs = pg_collection if pg_collection is not None else model_comm_pgs
-                self.cp_group = (
-                    getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
-                )
+                if self.cp_comm_type == "a2a+p2p":  # TE's form: [all-to-all group, ring group]
+                    self.cp_group = getattr(pgs, "hcp", None) or (
+                        parallel_state.get_hierarchical_context_parallel_groups()
+                    )
+                else:
+                    self.cp_group = (
+                        getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
+                    )
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip

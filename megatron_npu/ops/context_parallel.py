@@ -16,7 +16,13 @@ sequence for the local queries. The comm types:
   queries attend the keys up to their own end (bottom-right aligned, so windows apply as usual).
   The key/value gradients are summed over the group and each rank keeps its own rows.
 
-``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) is refused by name.
+* ``a2a+p2p`` (``--hierarchical-context-parallel-sizes A P``, CP = A x P): ``group`` is
+  Megatron's pair of hierarchical groups, ``A`` consecutive context-parallel ranks (the
+  all-to-all) and ``P`` ranks ``A`` apart (the ring). The all-to-all within the inner group
+  gives each rank its group's rows for ``n / A`` heads; those rows are the load-balanced chunks
+  of a ``P``-rank sequence (ring rank ``j`` holds super-chunks ``j`` and ``2P - 1 - j``, each
+  ``A`` consecutive chunks), so the ring runs over the outer group unchanged; the inverse
+  all-to-all returns every head. Causal or full attention, as the ring.
 
 The attention itself is :func:`megatron_npu.ops.attention.fused_attention` (``npu_fusion_attention``
 on the NPU), or the ring's blocks; the collectives are torch.distributed's, over the group's
@@ -24,6 +30,8 @@ backend (gloo on ``cpu`` and ``npu-emulated``, hccl on the NPU).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -33,12 +41,9 @@ from megatron_npu.ops.ring_attention import ring_attention
 
 _OP = "context_parallel_attention"
 #: Megatron's ``--cp-comm-type`` values the adaptor serves.
-COMM_TYPES = ("p2p", "a2a", "allgather")
-#: Megatron's values it refuses, with the reason.
-REFUSED_COMM_TYPES = {
-    "a2a+p2p": "hierarchical context parallelism (--hierarchical-context-parallel-sizes) is not "
-    "served by the adaptor; use --cp-comm-type p2p, a2a or allgather",
-}
+COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+#: Megatron's values it refuses, with the reason (none today; kept for the option checks).
+REFUSED_COMM_TYPES: dict[str, str] = {}
 
 
 class ContextParallelError(ValueError):
@@ -146,15 +151,7 @@ def _sbh(x: torch.Tensor) -> torch.Tensor:
 
 def _a2a(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
     cp = dist.get_world_size(group)
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if heads % cp:
-        raise ContextParallelError(f"{_OP}: --cp-comm-type a2a shares the {heads} attention "
-                                   f"heads (per tensor-parallel rank) out over the {cp} "
-                                   "context-parallel ranks: the head count must be a multiple "
-                                   "of the context-parallel size")  # fmt: skip
-    if kv_heads % cp:  # share the key/value heads out to the query heads first
-        k = k.repeat_interleave(heads // kv_heads, dim=2)
-        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    k, v = _shared_heads(q, k, v, cp, "a2a")
     q, k, v = (_HeadsToSequence.apply(t, group) for t in (q, k, v))
     reorder = causal or pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
     if reorder:
@@ -166,6 +163,55 @@ def _a2a(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
     if reorder:
         out = to_rank_order(out, cp)
     return _sbh(_SequenceToHeads.apply(out, group))
+
+
+def _shared_heads(q, k, v, size: int, comm: str):
+    """Key/value heads an all-to-all over ``size`` ranks can split (repeated to the query heads
+    when ``size`` does not divide them); a head count it cannot split is a named error."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % size:
+        raise ContextParallelError(f"{_OP}: --cp-comm-type {comm} shares the {heads} attention "
+                                   f"heads (per tensor-parallel rank) out over {size} "
+                                   "context-parallel ranks: the head count must be a multiple "
+                                   "of that size")  # fmt: skip
+    if kv_heads % size:
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    return k, v
+
+
+def _to_super_chunks(x: torch.Tensor, inner: int) -> torch.Tensor:
+    """Rows gathered from ``inner`` consecutive ranks (each its chunk ``c_i`` then its mirror
+    ``m_i``) -> ``c_0 .. c_{A-1}, m_{A-1} .. m_0``: the two super-chunks in natural order."""
+    parts = x.chunk(2 * inner)
+    return torch.cat([*parts[0::2], *reversed(parts[1::2])])
+
+
+def _from_super_chunks(x: torch.Tensor, inner: int) -> torch.Tensor:
+    parts = x.chunk(2 * inner)
+    firsts, seconds = parts[:inner], list(reversed(parts[inner:]))
+    return torch.cat([t for pair in zip(firsts, seconds) for t in pair])
+
+
+def _a2a_p2p(q, k, v, groups, *, causal, scale, dropout_p):
+    inner_group, ring_group = groups
+    inner = dist.get_world_size(inner_group)
+    k, v = _shared_heads(q, k, v, inner, "a2a+p2p")
+    q, k, v = (_to_super_chunks(_HeadsToSequence.apply(t, inner_group), inner) for t in (q, k, v))
+    if dist.get_world_size(ring_group) == 1:  # sizes [A, 1]: the rows are the whole sequence
+        out = fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=q.shape[2], input_layout="SBH",
+                              causal=causal, scale=scale, dropout_p=dropout_p)  # fmt: skip
+    else:
+        out = ring_attention(q, k, v, ring_group, causal=causal, scale=scale, dropout_p=dropout_p)
+    out = _from_super_chunks(out.view(q.shape), inner)
+    return _sbh(_SequenceToHeads.apply(out, inner_group))
+
+
+def _group_size(group) -> int:
+    """The context-parallel size: one group's, or the product of a hierarchical pair's."""
+    if isinstance(group, list | tuple):
+        return math.prod(dist.get_world_size(g) for g in group)
+    return dist.get_world_size(group)
 
 
 def _allgather(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
@@ -221,17 +267,24 @@ def context_parallel_attention(
         raise ContextParallelError(f"{_OP}: each rank holds two load-balanced chunks of the "
                                    f"sequence, so its {query.shape[0]} rows must be an even "
                                    "count (the sequence length a multiple of 2 x CP)")  # fmt: skip
-    total = query.shape[0] * dist.get_world_size(group)
+    hierarchical = comm_type == "a2a+p2p"
+    if hierarchical != isinstance(group, list | tuple):
+        raise ContextParallelError(f"{_OP}: --cp-comm-type a2a+p2p takes Megatron's pair of "
+                                   "hierarchical context-parallel groups, every other comm type "
+                                   "one group")  # fmt: skip
+    total = query.shape[0] * _group_size(group)
     if pre_tokens >= total - 1:  # a window at least the sequence long restricts nothing
         pre_tokens = MAX_TOKENS
     if causal or next_tokens >= total - 1:  # causality caps the right edge at 0
         next_tokens = MAX_TOKENS
     windowed = pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
     kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p)
-    if comm_type == "p2p":
+    if comm_type in ("p2p", "a2a+p2p"):
         if windowed:
             raise ContextParallelError(f"{_OP}: a sliding window is not served with "
-                                       "--cp-comm-type p2p; use a2a or allgather")  # fmt: skip
+                                       f"--cp-comm-type {comm_type}; use a2a or allgather")  # fmt: skip
+        if hierarchical:
+            return _a2a_p2p(query, key, value, group, **kwargs)
         return ring_attention(query, key, value, group, **kwargs)
     kwargs.update(pre_tokens=pre_tokens, next_tokens=next_tokens)
     if comm_type == "a2a":

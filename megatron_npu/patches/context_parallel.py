@@ -3,8 +3,9 @@ takes ``--context-parallel-size`` above 1 and the registry entry
 ``transformer-engine.context-parallel-attention`` (declared with the TE stand-ins in
 :mod:`megatron_npu.patches.transformer_engine`, after the class it wraps) routes its calls to the
 context-parallel op (:mod:`megatron_npu.ops.context_parallel`: ``p2p`` ring, ``a2a`` Ulysses,
-``allgather``) with the layer's comm type over Megatron's context-parallel group; a layer of one
-context-parallel rank runs the class's own forward.
+``allgather``, ``a2a+p2p`` hybrid) with the layer's comm type over Megatron's context-parallel
+group (for ``a2a+p2p`` its pair of hierarchical groups); a layer of one context-parallel rank
+runs the class's own forward.
 """
 
 from __future__ import annotations

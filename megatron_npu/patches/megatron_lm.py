@@ -154,6 +154,7 @@ def _context_parallel_problems(args: Any) -> list[str]:
     return context_parallel_problems(
         cp=getattr(args, "context_parallel_size", 1) or 1,
         comm_types=comm_types_of(getattr(args, "cp_comm_type", None)),
+        hierarchical=getattr(args, "hierarchical_context_parallel_sizes", None),
         transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
         seq_length=getattr(args, "seq_length", None),
         heads=getattr(args, "num_attention_heads", 1) or 1,

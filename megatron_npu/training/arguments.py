@@ -150,7 +150,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cp-comm-type",
         default="p2p",
         help="how the context-parallel ranks exchange keys and values: p2p (ring attention), "
-        "a2a (all-to-all over heads) or allgather",
+        "a2a (all-to-all over heads), allgather, or a2a+p2p (with "
+        "--hierarchical-context-parallel-sizes)",
+    )
+    g.add_argument(
+        "--hierarchical-context-parallel-sizes",
+        type=_positive,
+        nargs=2,
+        default=None,
+        metavar=("A", "P"),
+        help="a2a+p2p: an all-to-all within A consecutive context-parallel ranks, a ring over P "
+        "(A x P = --context-parallel-size)",
     )
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -597,6 +607,7 @@ def check(args: argparse.Namespace) -> None:
         cp=args.context_parallel_size, comm_types=comm_types_of(args.cp_comm_type),
         transformer_impl=args.transformer_impl, seq_length=args.seq_length,
         heads=args.num_attention_heads, tp=tp, window=False,
+        hierarchical=args.hierarchical_context_parallel_sizes,
     )  # fmt: skip
     if problems:
         raise ArgumentError("; ".join(problems))

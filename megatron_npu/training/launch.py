@@ -298,6 +298,9 @@ def init_model_parallel(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=getattr(
+            args, "hierarchical_context_parallel_sizes", None
+        ),
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=args.distributed_timeout_minutes,

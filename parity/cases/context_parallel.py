@@ -12,7 +12,9 @@ rows. Flash attention (and ``npu_fusion_attention_grad``, whose ``attention_in``
 dtype) forms the backward's ``rowsum(dO * O)`` from the output as it returned it, rounded to the
 dtype; so does the 16-bit benchmark here, where the upcast reference has no such rounding.
 
-Drawn: the comm type (``p2p`` ring, ``a2a`` Ulysses, ``allgather``), causal or unmasked,
+Drawn: the comm type (``p2p`` ring, ``a2a`` Ulysses, ``allgather``, and ``a2a+p2p``, the
+hybrid over the pool's hierarchical groups: an all-to-all within 2 ranks, the ring over CP / 2),
+causal or unmasked,
 grouped-query heads (key/value heads that CP does not divide, shared out before a2a's
 all-to-all), a causal sliding window for a2a and allgather (Megatron's ``window_size``, on
 releases whose DotProductAttention takes one), the
@@ -60,10 +62,11 @@ _WINDOWS = tuple(dict.fromkeys((None, _SHORT, _LONG)))
 def _params():
     @st.composite
     def draw(d):
-        comm = d(st.sampled_from(["p2p", "a2a", "allgather"]))
+        comm = d(st.sampled_from(["p2p", "a2a", "allgather", "a2a+p2p"]))
         heads = d(st.sampled_from([4, 8]))  # a2a shares the heads out over up to 4 ranks
         causal = d(st.booleans())
-        window = d(st.sampled_from(_WINDOWS)) if comm != "p2p" and causal else None
+        windowed = comm in ("a2a", "allgather") and causal  # the ring takes no window
+        window = d(st.sampled_from(_WINDOWS)) if windowed else None
         return {
             "comm": comm,
             "causal": causal,
@@ -194,7 +197,7 @@ TE_CONTEXT_PARALLEL_ATTENTION = ParityCase(
     reference=_reference,
     compares="every CP rank's context output [s / CP, b, np*hn] and query/key/value grads "
     "(its load-balanced rows), all-gathered and stacked, per comm type (p2p ring, a2a, "
-    "allgather), causal or unmasked, with GQA, sliding windows and flash attention requested",
+    "allgather, a2a+p2p), causal or unmasked, with GQA, sliding windows and flash attention requested",
     reference_kind="independent softmax(Q K^T * scale, masked) V over the whole sequence on CPU "
     "and its gradients written out as flash attention's backward forms them (rowsum(dO O) from "
     "the output in the tested dtype for the 16-bit benchmark), cut into each rank's rows",
@@ -208,5 +211,8 @@ TE_CONTEXT_PARALLEL_ATTENTION = ParityCase(
         _edge(comm="allgather", seed=6),
         _edge(comm="allgather", causal=False, flash=True, softmax_scale=0.3, seed=7),
         _edge(comm="allgather", window=_LONG, heads=8, groups=8, seed=8),
+        # the hybrid: an all-to-all within pairs of ranks, the ring over the pairs
+        _edge(comm="a2a+p2p", seed=9),
+        _edge(comm="a2a+p2p", causal=False, groups=1, flash=True, seed=10),
     ),
 )

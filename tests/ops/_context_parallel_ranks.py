@@ -45,14 +45,37 @@ def _inputs(case: dict[str, Any], cp: int):
     return draw(s, b, n, d), draw(s, b, ng, d), draw(s, b, ng, d), draw(s, b, n * d)
 
 
+_HIERARCHICAL: dict[tuple[int, ...], list] = {}
+
+
+def hierarchical_groups(sizes: tuple[int, int]) -> list:
+    """This rank's pair of groups as Megatron's ``create_hierarchical_groups`` builds them for
+    ``--hierarchical-context-parallel-sizes A P`` over the whole world: ``A`` consecutive ranks,
+    and ``P`` ranks ``A`` apart (every rank creates every group, in the same order)."""
+    if sizes not in _HIERARCHICAL:
+        inner, outer = sizes
+        rank, mine = dist.get_rank(), []
+        for ranks in ([list(range(j * inner, (j + 1) * inner)) for j in range(outer)],
+                      [list(range(i, inner * outer, inner)) for i in range(inner)]):  # fmt: skip
+            for members in ranks:
+                group = dist.new_group(members)
+                if rank in members:
+                    mine.append(group)
+        _HIERARCHICAL[sizes] = mine
+    return _HIERARCHICAL[sizes]
+
+
 def _run_cp(case, q, k, v, dout, cp, rank):
     from megatron_npu.ops.context_parallel import context_parallel_attention
 
     dtype = getattr(torch, case["dtype"])
     window = case.get("window")
     leaves = [local_rows(t, cp, rank).to(dtype).requires_grad_() for t in (q, k, v)]
+    group = dist.group.WORLD
+    if case["comm"] == "a2a+p2p":
+        group = hierarchical_groups(tuple(case["sizes"]))
     out = context_parallel_attention(
-        *leaves, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"],
+        *leaves, group, comm_type=case["comm"], causal=case["causal"],
         **({} if window is None else {"pre_tokens": window, "next_tokens": 0}),
     )  # fmt: skip
     out.backward(local_rows(dout, cp, rank).to(dtype))

@@ -142,15 +142,31 @@ def test_ring_dropout_backward_is_the_derivative_of_its_forward(device, case):
 
 
 def test_cp4_ring_matches_whole_sequence_attention():
-    """Four ranks: every ring step kind (own block, lower and higher ranks' blocks) on each."""
+    """Four ranks: every ring step kind (own block, lower and higher ranks' blocks) on each;
+    and hierarchical a2a+p2p (an all-to-all within pairs of ranks, a ring over the pairs),
+    causal and full, with GQA whose key/value heads the all-to-all does and does not divide."""
+    hierarchical = {"comm": "a2a+p2p", "sizes": (2, 2), "dtype": "float32"}
     jobs = [
         ("case", {"comm": "p2p", "causal": True, "dtype": "float32"}),
         ("case", {"comm": "a2a", "causal": True, "dtype": "float32", "heads": 8}),
+        ("case", {**hierarchical, "causal": True}),
+        ("case", {**hierarchical, "causal": False, "heads": 4, "kv_heads": 1, "seed": 3}),
     ]
     for index, per_rank in enumerate(run_ranks(4, "cpu", jobs)):
         for rank, outcome in enumerate(per_rank):
             assert "raised" not in outcome, outcome["raised"]
             assert max(outcome["errors"]) <= 1e-5, (index, rank, outcome["errors"])
+
+
+def test_cp4_hierarchical_on_the_npu_path():
+    """a2a+p2p on npu-emulated: the ring's blocks are the fused-attention kernels (bf16,
+    within twice the device's own single-device error), merged by the ring-update kernel."""
+    case = {"comm": "a2a+p2p", "sizes": (2, 2), "dtype": "bfloat16", "causal": True}
+    for rank, outcome in enumerate(run_ranks(4, "npu-emulated", [("case", case)])[0]):
+        assert "raised" not in outcome, outcome["raised"]
+        bound = [2 * e + 1e-3 for e in outcome["single"]]
+        assert all(e <= b for e, b in zip(outcome["errors"], bound)), (rank, outcome)
+        assert outcome["kernels"]["npu_ring_attention_update"] >= 1, outcome["kernels"]
 
 
 # --------------------------------------------------------------- single-process behaviour
@@ -186,7 +202,8 @@ def test_natural_order_round_trips():
 
 @pytest.mark.parametrize(
     "comm, rows, match",
-    [("a2a+p2p", 4, "hierarchical context parallelism"), ("ring", 4, "unknown --cp-comm-type"),
+    [("a2a+p2p", 4, "pair of hierarchical context-parallel groups"),
+     ("ring", 4, "unknown --cp-comm-type"),
      ("p2p", 3, "even count")],
 )  # fmt: skip
 def test_bad_calls_are_named_errors(comm, rows, match):
@@ -201,7 +218,8 @@ def test_option_problems_name_each_option():
         seq_length=30, heads=6, tp=2, window=True,
     )  # fmt: skip
     text = "; ".join(problems)
-    for expected in ("--transformer-impl local", "--seq-length 30", "a2a+p2p",
+    for expected in ("--transformer-impl local", "--seq-length 30",
+                     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
                      "--cp-comm-type a2a: the 3 attention heads", "--cp-comm-type p2p with "
                      "--window-size"):  # fmt: skip
         assert expected in text, text

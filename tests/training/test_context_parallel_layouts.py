@@ -1,7 +1,8 @@
 """Context-parallel layouts of ``megatron-npu train`` compute the same model as one rank holding
 the whole sequence: CP2 with each ``--cp-comm-type`` (``p2p`` also on npu-emulated through the
-fused-attention kernels), and CP2 beside TP + SP, PP and DP with the distributed optimizer,
-against CP1 at the same global batch -- per-step losses within 1e-5, fp32, dropout 0.
+fused-attention kernels), CP2 beside TP + SP, PP and DP with the distributed optimizer, and
+hierarchical CP4 (``a2a+p2p``, 2 x 2), against CP1 at the same global batch -- per-step losses
+within 1e-5, fp32, dropout 0.
 
 Each layout is a real multi-rank gloo run of ``python -m megatron_npu.train`` with Megatron's
 Transformer Engine layer spec (context parallelism runs through TE's attention). The batch of
@@ -37,6 +38,9 @@ LAYOUTS = {
                            "--sequence-parallel"]),
     "pp2-cp2-a2a": (4, [*_cp("a2a"), "--pipeline-model-parallel-size", "2"]),
     "dp2-cp2-allgather-distopt": (4, [*_cp("allgather"), "--use-distributed-optimizer"]),
+    # hierarchical: an all-to-all within pairs of ranks, a ring over the two pairs (CP4)
+    "cp4-a2a-p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2", "2"]),
 }  # fmt: skip
 
 
@@ -49,7 +53,8 @@ def cp1(tmp_path_factory):
 def test_context_parallel_layout_matches_cp1(tmp_path, cp1, name):
     ranks, options = LAYOUTS[name]
     run = train(tmp_path, *TINY, *COMMON, *options, nproc=ranks, name=name)
-    assert " x CP 2 (" in run.stdout  # the layout line names the context-parallel size
+    cp = options[options.index("--context-parallel-size") + 1]
+    assert f" x CP {cp} (" in run.stdout  # the layout line names the context-parallel size
     assert sorted(run.losses) == sorted(cp1.losses) == list(range(1, STEPS + 1))
     worst = max(abs(run.losses[s] - cp1.losses[s]) for s in cp1.losses)
     print(f"\n{name}: max |loss - CP1| over {STEPS} steps = {worst:.3e}")
