@@ -459,6 +459,9 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
              f"{row['tolerance']:.3g})")  # fmt: skip
         if row["module"] != row["name"]:
             echo(f" locate: inside {row['module']}")
+        reached = row["patches"] or row.get("module_patches") or []
+        echo(" locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
+             f"locate on the runs to decide): {', '.join(reached) or 'none'}")  # fmt: skip
     if found["statement"]:
         echo(f" locate: {found['statement']}")
     echo(f" locate: {path}")

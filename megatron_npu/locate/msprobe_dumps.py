@@ -328,6 +328,11 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         )
         if ranked and first is None:
             first = ranked[0]
+    if first is not None:  # what a dump can say about the adaptor: the patches the row reaches
+        first_row = first.as_dict()
+        first_row["patches"] = patches_reaching(first.name)
+        if first.module != first.name:
+            first_row["module_patches"] = patches_reaching(first.module)
     statement = None
     if task == STATISTICS_TASK:
         statement = (
@@ -342,10 +347,36 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         "levels": sorted({d.level for d in (*reference.values(), *candidate.values())}),
         "ranks": sorted(reference),
         "statement": statement,
-        "divergent": first.as_dict() if first else None,
+        "divergent": first_row if first else None,
         "rows": [v.as_dict() for v in verdicts],
         "unmatched": {k: v for k, v in unmatched.items() if v},
     }
+
+
+def patches_reaching(row_name: str) -> list[str]:
+    """The adaptor patches a dump row reaches, by the registry: for a module row, the patches
+    whose target is its class or a method of it (``...TENorm``, ``...DotProductAttention.forward``);
+    for an API row, the patches whose target is that function or that declare it as their
+    torch_npu kernel (``NPU.npu_rms_norm``). Device plumbing (whole-module ``torch`` routing) is
+    left out: it reaches everything."""
+    from megatron_npu.registry import all_patches
+
+    module = _MODULE_ROW.match(row_name)
+    api = _API_ROW.match(row_name)
+    if module is not None:
+        name, kernel = module["cls"], None
+    elif api is not None:
+        name = kernel = api["api"].split(".", 1)[1]
+    else:
+        return []
+    found = []
+    for patch in all_patches():
+        segments = patch.target.split(".")
+        if (name in segments[-2:] and not patch.target.endswith(".torch")) or (
+            kernel is not None and kernel in (patch.npu_kernels or ())
+        ):
+            found.append(patch.id)
+    return sorted(found)
 
 
 def _enclosing_module(name: str, parents: dict[str, str | None]) -> str:

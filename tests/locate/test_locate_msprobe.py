@@ -63,6 +63,7 @@ def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
         PLANTED, PLANTED, "forward", "step0/rank0",
     )  # fmt: skip
     assert row["input"] == 0 and row["output"] > row["tolerance"]
+    assert row["patches"] == []  # a plain torch model: no adaptor patch reaches it
     rows = {r["name"]: r for r in data["rows"]}
     later = [r for r in data["rows"] if r["name"].startswith("Module.layers.2.")]
     assert later and all(isinstance(r["output"], float) and r["output"] > 0 for r in later)
@@ -94,6 +95,20 @@ def test_not_a_dump_is_one_named_error(tmp_path, capsys):
     assert command.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-npu locate: {tmp_path}: no dump.json under it: not an msprobe dump"]
+
+
+def test_the_patches_a_row_reaches_come_from_the_registry():
+    """Megatron's module and API names map to the patches whose targets or kernels they are."""
+    layer = "Module.decoder.layers.0"
+    assert msprobe_dumps.patches_reaching(f"{layer}.input_layernorm.TENorm.forward.0") == [
+        "transformer-engine.gpt-spec-norm", "transformer-engine.norm",
+    ]  # fmt: skip
+    softmax = f"{layer}.self_attention.core_attention.scale_mask_softmax"
+    assert "softmax.fused" in msprobe_dumps.patches_reaching(
+        f"{softmax}.FusedScaleMaskSoftmax.forward.0"
+    )
+    assert "transformer-engine.norm" in msprobe_dumps.patches_reaching("NPU.npu_rms_norm.0.forward")
+    assert msprobe_dumps.patches_reaching("Functional.linear.0.forward") == []
 
 
 @pytest.mark.parametrize("seed", range(6))
