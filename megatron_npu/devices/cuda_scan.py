@@ -1,7 +1,9 @@
 """Which modules of an installed package use CUDA directly: the input of device routing.
 
 :func:`cuda_using_modules` reads the package's source files (it imports nothing) and lists the
-modules that spell ``torch.cuda`` or a ``"cuda"`` / ``"cuda:N"`` device string, and whether each
+modules that spell ``torch.cuda``, a ``"cuda"`` / ``"cuda:N"`` device string or ``pin_memory=True``
+(page-locked host memory exists only beside an accelerator: a host-only torch has no allocator
+for it, so those factories need the routed namespace too), and whether each
 binds ``torch`` as a global (what :mod:`megatron_npu.patches.device_namespace` replaces). A text
 scan, not an AST walk, so every process can afford it (a few hundred files in tens of
 milliseconds); a mention in a comment or docstring counts too, which only routes a module that
@@ -16,7 +18,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-_CUDA = re.compile(rb"\btorch\.cuda\b|[\"']cuda(?::\d+)?[\"']")
+_CUDA = re.compile(rb"\btorch\.cuda\b|[\"']cuda(?::\d+)?[\"']|\bpin_memory\s*=\s*True\b")
 _IMPORTS_TORCH = re.compile(rb"^\s*import torch\s*(?:#.*)?$", re.MULTILINE)
 
 
@@ -37,7 +39,9 @@ def cuda_using_modules(package: str = "megatron.core") -> dict[str, bool]:
                 path = os.path.join(folder, filename)
                 with open(path, "rb") as handle:
                     source = handle.read()
-                if b"cuda" not in source or not _CUDA.search(source):
+                if (b"cuda" not in source and b"pin_memory" not in source) or not _CUDA.search(
+                    source
+                ):
                     continue
                 parts = os.path.relpath(path, location)[: -len(".py")].split(os.sep)
                 if parts[-1] == "__init__":

@@ -1,8 +1,9 @@
 """Context-parallel layouts of ``megatron-npu train`` compute the same model as one rank holding
 the whole sequence: CP2 with each ``--cp-comm-type`` (``p2p`` also on npu-emulated through the
 fused-attention kernels), CP2 beside TP + SP, PP and DP with the distributed optimizer, and
-hierarchical CP4 (``a2a+p2p``, 2 x 2), against CP1 at the same global batch -- per-step losses
-within 1e-5, fp32, dropout 0.
+hierarchical CP4 (``a2a+p2p``, 2 x 2), and a Llama-style model (RoPE, GQA) on the ring and on
+the NPU path's a2a, against CP1 at the same global batch -- per-step losses within 1e-5, fp32,
+dropout 0.
 
 Each layout is a real multi-rank gloo run of ``python -m megatron_npu.train`` with Megatron's
 Transformer Engine layer spec (context parallelism runs through TE's attention). The batch of
@@ -27,36 +28,53 @@ def _cp(comm: str) -> list[str]:
     return ["--context-parallel-size", "2", "--cp-comm-type", comm]
 
 
-#: name -> (ranks, options)
+#: Llama-style attention: rotary positions (each chunk at its true positions: Megatron's
+#: RotaryEmbedding cuts the frequencies per CP rank) and grouped-query heads
+LLAMA = ("--position-embedding-type", "rope", "--num-query-groups", "2")
+
+#: name -> (ranks, model options (the CP1 run has them too), layout options)
 LAYOUTS = {
-    "cp2-p2p": (2, _cp("p2p")),
-    "cp2-a2a": (2, _cp("a2a")),
-    "cp2-allgather": (2, _cp("allgather")),
+    "cp2-p2p": (2, (), _cp("p2p")),
+    "cp2-a2a": (2, (), _cp("a2a")),
+    "cp2-allgather": (2, (), _cp("allgather")),
     # the ring on the NPU path: npu_fusion_attention blocks merged by npu_ring_attention_update
-    "cp2-p2p-flash-npu": (2, [*_cp("p2p"), "--device", "npu-emulated", "--use-flash-attn"]),
-    "tp2-sp-cp2-p2p": (4, [*_cp("p2p"), "--tensor-model-parallel-size", "2",
-                           "--sequence-parallel"]),
-    "pp2-cp2-a2a": (4, [*_cp("a2a"), "--pipeline-model-parallel-size", "2"]),
-    "dp2-cp2-allgather-distopt": (4, [*_cp("allgather"), "--use-distributed-optimizer"]),
+    "cp2-p2p-flash-npu": (2, (), [*_cp("p2p"), "--device", "npu-emulated", "--use-flash-attn"]),
+    "tp2-sp-cp2-p2p": (4, (), [*_cp("p2p"), "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"]),
+    "pp2-cp2-a2a": (4, (), [*_cp("a2a"), "--pipeline-model-parallel-size", "2"]),
+    "dp2-cp2-allgather-distopt": (4, (), [*_cp("allgather"), "--use-distributed-optimizer"]),
     # hierarchical: an all-to-all within pairs of ranks, a ring over the two pairs (CP4)
-    "cp4-a2a-p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
-                        "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "cp4-a2a-p2p": (4, (), ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                            "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "rope-gqa-cp2-p2p": (2, LLAMA, _cp("p2p")),
+    "rope-gqa-cp2-a2a-flash-npu": (2, LLAMA, [*_cp("a2a"), "--device", "npu-emulated",
+                                              "--use-flash-attn"]),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cp1(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("cp1"), *TINY, *COMMON, name="cp1")
+    """The one-rank run of each model, made once."""
+    runs = {}
+
+    def run(model: tuple[str, ...]):
+        if model not in runs:
+            folder = tmp_path_factory.mktemp("cp1")
+            runs[model] = train(folder, *TINY, *COMMON, *model, name="cp1")
+        return runs[model]
+
+    return run
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_context_parallel_layout_matches_cp1(tmp_path, cp1, name):
-    ranks, options = LAYOUTS[name]
-    run = train(tmp_path, *TINY, *COMMON, *options, nproc=ranks, name=name)
+    ranks, model, options = LAYOUTS[name]
+    base = cp1(model)
+    run = train(tmp_path, *TINY, *COMMON, *model, *options, nproc=ranks, name=name)
     cp = options[options.index("--context-parallel-size") + 1]
     assert f" x CP {cp} (" in run.stdout  # the layout line names the context-parallel size
-    assert sorted(run.losses) == sorted(cp1.losses) == list(range(1, STEPS + 1))
-    worst = max(abs(run.losses[s] - cp1.losses[s]) for s in cp1.losses)
+    assert sorted(run.losses) == sorted(base.losses) == list(range(1, STEPS + 1))
+    worst = max(abs(run.losses[s] - base.losses[s]) for s in base.losses)
     print(f"\n{name}: max |loss - CP1| over {STEPS} steps = {worst:.3e}")
-    assert worst <= TOLERANCE, (cp1.losses, run.losses)
-    assert cp1.losses[STEPS] < cp1.losses[1]  # it learns
+    assert worst <= TOLERANCE, (base.losses, run.losses)
+    assert base.losses[STEPS] < base.losses[1]  # it learns
