@@ -227,13 +227,14 @@ def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header)
 
 
 def test_context_parallel_trains_and_matches_cp1(tmp_path):
-    """``--context-parallel-size 2`` through TE's attention (Megatron-LM's default spec): the ring
+    """``--context-parallel-size 2`` through TE's attention (Megatron-LM's default spec) on a
+    Llama-style model (RoPE, each chunk at its true positions; GQA; RMSNorm; SwiGLU): the ring
     (p2p) on cpu and Ulysses (a2a) with flash attention on npu-emulated, each against CP1 at the
     same global batch by the layout rule (host initialisation, no dropout: the same model);
     the a2a run's attention is ``npu_fusion_attention`` (one call per layer and micro-batch) and
     the ring's blocks on npu-emulated the ring kernels."""
     args = (
-        *TINY, *TE, "--mock-data", "--train-iters", "12", "--use-cpu-initialization",
+        *TINY, *TE, *LLAMA, "--mock-data", "--train-iters", "12", "--use-cpu-initialization",
         "--attention-dropout", "0", "--hidden-dropout", "0",
     )  # fmt: skip
     cp1 = pretrain_gpt(tmp_path, *args, name="cp1")
