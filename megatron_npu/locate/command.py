@@ -459,6 +459,11 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
              f"{row['tolerance']:.3g})")  # fmt: skip
         if row["module"] != row["name"]:
             echo(f" locate: inside {row['module']}")
+        metrics = row.get("msprobe_metrics")
+        if metrics:
+            verdict = "pass" if metrics["passes_msprobe_thresholds"] else "fail"
+            echo(f" locate: msprobe's own metrics for it: cosine {metrics['cosine']:.6f}, max abs "
+                 f"error {metrics['max_abs_error']:.3g} (its row thresholds: {verdict})")  # fmt: skip
         reached = row["patches"] or row.get("module_patches") or []
         echo(" locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
              f"locate on the runs to decide): {', '.join(reached) or 'none'}")  # fmt: skip

@@ -330,6 +330,14 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
             first = ranked[0]
     if first is not None:  # what a dump can say about the adaptor: the patches the row reaches
         first_row = first.as_dict()
+        cand_row = candidate[first.rank].rows[first.name]
+        ref_row = reference[first.rank].rows[first.name]
+        worst = first.worst
+        if (task == TENSOR_TASK and worst in cand_row.outputs and worst in ref_row.outputs
+                and cand_row.outputs[worst].file is not None):  # fmt: skip
+            first_row["msprobe_metrics"] = msprobe_metrics(
+                cand_row.outputs[worst], ref_row.outputs[worst]
+            )
         first_row["patches"] = patches_reaching(first.name)
         if first.module != first.name:
             first_row["module_patches"] = patches_reaching(first.module)
@@ -351,6 +359,29 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         "rows": [v.as_dict() for v in verdicts],
         "unmatched": {k: v for k, v in unmatched.items() if v},
     }
+
+
+#: ``msprobe compare``'s row thresholds as users read them (cosine, max absolute error)
+MSPROBE_COSINE, MSPROBE_MAX_ABS = 0.99, 1e-3
+
+
+def msprobe_metrics(cand: TensorInfo, ref: TensorInfo) -> dict[str, Any]:
+    """The metrics ``msprobe compare`` shows for one tensor pair (cosine, max absolute and
+    relative error; the parity harness's implementation of msprobe's definitions), and whether
+    they pass its row thresholds: the yardstick users hold the named row to."""
+    from megatron_npu.parity.metrics import compare as measure
+
+    actual, reference = cand.load(), ref.load()
+    rule = actual.dtype if actual.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    result = measure(actual.to(rule), reference.double(), rule)
+    cosine, max_abs = result.cosine, result.max_abs_error
+    return {
+        "cosine": cosine, "max_abs_error": max_abs, "max_rel_error": result.max_rel_error,
+        "passes_msprobe_thresholds": bool(
+            cosine is not None and cosine > MSPROBE_COSINE
+            and max_abs is not None and max_abs < MSPROBE_MAX_ABS
+        ),
+    }  # fmt: skip
 
 
 def patches_reaching(row_name: str) -> list[str]:

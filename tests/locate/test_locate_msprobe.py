@@ -73,6 +73,10 @@ def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
     else:
         assert data["task"] == "tensor" and data["statement"] is None
         assert math.isclose(rows[PLANTED]["output"], 0.01396, rel_tol=0.05)
+        # what msprobe compare shows for that row: its cosine passes, the 2 % is in max rel err
+        metrics = row["msprobe_metrics"]
+        assert metrics["cosine"] > msprobe_dumps.MSPROBE_COSINE
+        assert math.isclose(metrics["max_rel_error"], 0.02, rel_tol=1e-3)
     if kind.startswith("mix"):  # the APIs inside the module were compared too
         assert any(r["kind"] == "api" and r["module"] == PLANTED for r in data["rows"])
 
