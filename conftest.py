@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -51,3 +52,4 @@ def gloo_world_of_one() -> Iterator[None]:
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+    shutil.rmtree(store_dir, ignore_errors=True)  # the rendezvous file: nothing left in /tmp
