@@ -224,12 +224,14 @@ def execute(
     return Outcome("ok" if ok else "failed", error, wall, command, digest, session=session)
 
 
-def script_command(spec: RunSpec) -> list[str]:
+def script_command(spec: RunSpec, log_dir: Path | None = None) -> list[str]:
     """``torchrun --nproc-per-node N -m megatron_npu.run_script SCRIPT ARGS...`` (torchrun as
-    ``python -m torch.distributed.run``, so the interpreter is this one)."""
+    ``python -m torch.distributed.run``, so the interpreter is this one); with ``log_dir``,
+    torchrun keeps its per-rank logs there instead of a ``torchelastic_*`` folder in /tmp."""
+    logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc_per_node),
-        "-m", "megatron_npu.run_script", str(spec.path), *spec.script_args,
+        *logs, "-m", "megatron_npu.run_script", str(spec.path), *spec.script_args,
     ]  # fmt: skip
 
 
@@ -255,11 +257,12 @@ def execute_script(
     turn its log into ``metrics.json`` (:mod:`.mlm_log`)."""
     from megatron_npu.compare import mlm_log
 
-    command = script_command(spec)
     script = Path(str(spec.path))
-    identity = {"device": device, "command": command[3:], "versions": library_versions(),
+    identity = {"device": device, "command": script_command(spec)[3:],
+                "versions": library_versions(),
                 "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest() if script.is_file() else None}  # fmt: skip
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    command = script_command(spec, run_dir / "torchrun-logs")
     record_path, metrics_path, log_path = (
         run_dir / "run.json",
         run_dir / "metrics.json",

@@ -182,7 +182,7 @@ def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, mon
     assert env["MEGATRON_NPU_DEVICE"] == "npu-emulated"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(script.parent), "/somewhere/else"]
     # a script that logs no Megatron-LM line is a failed run naming its log, not an empty curve
-    monkeypatch.setattr(runner, "script_command", lambda spec: [sys.executable, str(spec.path)])
+    monkeypatch.setattr(runner, "script_command", lambda spec, *_: [sys.executable, str(spec.path)])
     outcome = runner.execute_script(spec, "npu-emulated", tmp_path / "run", timeout_s=60,
                                     echo=io.StringIO(), session="s")  # fmt: skip
     assert outcome.status == "failed"

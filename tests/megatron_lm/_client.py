@@ -111,6 +111,8 @@ def pretrain_gpt(
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]),
+        # torchrun's log folders and the ranks' temporary files stay in the test's own folder
+        "TMPDIR": str(tmp),
         **(env or {}),
     }
     proc = subprocess.run(
