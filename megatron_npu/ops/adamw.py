@@ -337,7 +337,7 @@ def adamw_step_(
         amsgrad=amsgrad,
         maximize=maximize,
     )
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_apply_adam_w")
     if kernels is not None:
         npu_adamw_step_(kernels, params, grads, exp_avgs, exp_avg_sqs, **kwargs)
     else:

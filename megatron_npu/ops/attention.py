@@ -888,7 +888,7 @@ def fused_attention(
         scale=scale,
         dropout_p=dropout_p,
     )
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_fusion_attention", "npu_fusion_attention_grad")
     if kernels is not None:
         return npu_fused_attention(kernels, query, key, value, **kwargs)
     return native_fused_attention(query, key, value, **kwargs)

@@ -68,7 +68,7 @@ def bias_gelu(
     x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "tanh"
 ) -> torch.Tensor:
     """GELU(x + bias) on the NPU kernel module in use, else natively."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_gelu")
     if kernels is not None:
         return npu_bias_gelu(kernels, x, bias, approximate)
     return native_bias_gelu(x, bias, approximate)

@@ -133,7 +133,7 @@ def grouped_mm(x: torch.Tensor, weight, group_sizes, trans_b: bool = False) -> t
     """``x[rows of g] @ weight[g]`` for every group ``g``, on the NPU kernel when one is in use.
     ``weight`` is one [groups, K, N] tensor or a list of [K, N] tensors ([N, K] with
     ``trans_b``)."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_grouped_matmul")
     if kernels is not None:
         return npu_grouped_mm(kernels, x, weight, group_sizes, trans_b)
     return native_grouped_mm(x, weight, group_sizes, trans_b)

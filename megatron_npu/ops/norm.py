@@ -66,7 +66,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)`` on the NPU kernel module in use, else natively."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_rms_norm")
     if kernels is not None:
         return npu_rms_norm(kernels, x, weight, eps)
     return native_rms_norm(x, weight, eps)

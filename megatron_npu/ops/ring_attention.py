@@ -362,7 +362,9 @@ def ring_attention(
         raise ValueError(f"{_OP}: dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[3])
-    kernels = npu_kernels()
+    kernels = npu_kernels(
+        "npu_fusion_attention", "npu_fusion_attention_grad", "npu_ring_attention_update"
+    )
     blocks = (NpuBlocks(kernels, heads, scale, dropout_p) if kernels is not None
               else NativeBlocks(heads, scale, dropout_p))  # fmt: skip
     return _RingAttention.apply(query, key, value, group, causal, blocks)

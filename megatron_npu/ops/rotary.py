@@ -78,7 +78,7 @@ def rotary_mul(
     x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"
 ) -> torch.Tensor:
     """Rotary multiply on the NPU kernel module in use, else natively."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_rotary_mul")
     if kernels is not None:
         return npu_rotary_mul(kernels, x, r1, r2, rotary_mode)
     return native_rotary_mul(x, r1, r2, rotary_mode)

@@ -116,7 +116,7 @@ def scaled_masked_softmax(
     causal: bool = False,
 ) -> torch.Tensor:
     """Scaled masked softmax on the NPU kernel module in use, else natively."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_scaled_masked_softmax")
     if kernels is not None:
         return npu_scaled_masked_softmax(kernels, x, mask, scale, causal)
     return native_scaled_masked_softmax(x, mask, scale, causal)

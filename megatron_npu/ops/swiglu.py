@@ -37,7 +37,7 @@ def npu_swiglu(kernels: ModuleType, x: torch.Tensor, dim: int = -1) -> torch.Ten
 
 def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """SwiGLU on the NPU kernel module in use, else natively."""
-    kernels = npu_kernels()
+    kernels = npu_kernels("npu_swiglu")
     if kernels is not None:
         return npu_swiglu(kernels, x, dim)
     return native_swiglu(x, dim)

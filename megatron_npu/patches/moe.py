@@ -97,7 +97,7 @@ def fused_permute_wrap(original: Callable) -> Callable:
 
     def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
                 drop_and_pad=False, **more):  # fmt: skip
-        kernels = npu_kernels() if fused else None
+        kernels = npu_kernels("npu_moe_token_permute_with_routing_map") if fused else None
         out_tokens = (
             None if kernels is None or not kernel_takes_probs(tokens, probs)
             else kernel_num_out_tokens(routing_map, num_out_tokens, drop_and_pad)
@@ -118,7 +118,7 @@ def fused_unpermute_wrap(original: Callable) -> Callable:
 
     def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
                   fused=False, drop_and_pad=False, **more):  # fmt: skip
-        kernels = npu_kernels() if fused else None
+        kernels = npu_kernels("npu_moe_token_unpermute_with_routing_map") if fused else None
         if kernels is not None and sorted_indices.dtype == KERNEL_INDEX_DTYPE:
             return unpermute_with_kernel(kernels, permuted_tokens, sorted_indices,
                                          restore_shape, probs, routing_map, drop_and_pad)  # fmt: skip
@@ -137,7 +137,9 @@ def fused_top_k_wrap(original: Callable) -> Callable:
                                          group_topk=None, scaling_factor=None,
                                          score_function="softmax", expert_bias=None, fused=False,
                                          **more):  # fmt: skip
-        kernels = npu_kernels() if fused else None
+        kernels = (
+            npu_kernels("npu_moe_gating_top_k", "npu_moe_gating_top_k_backward") if fused else None
+        )
         groups = None
         if kernels is not None and not any(v is not None and v is not False
                                            for v in more.values()):  # fmt: skip
