@@ -130,6 +130,16 @@ def _mib(nbytes: int | None) -> float | None:
     return nbytes / 2**20 if nbytes is not None else None
 
 
+def peak_memory(result: RunResult) -> rules.PeakMemory | None:
+    """The run's peak memory and what measured it (its metrics say; older ones by device)."""
+    summary = (result.metrics or {}).get("summary", {})
+    memory = summary.get("peak_memory_bytes")
+    measure = summary.get("peak_memory_measure") or MEMORY_MEASURE.get(result.device or "")
+    if memory is None or measure is None:
+        return None
+    return rules.PeakMemory(int(memory), measure)
+
+
 def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
     if not result.metrics:
         return None
@@ -149,9 +159,9 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         # the s/step interval's ends, turned around: a slower step is a lower MFU
         mfu_ci95 = [flops / stats.ci95[1] / peak_flops, flops / stats.ci95[0] / peak_flops]
     mfu = plausible(raw_mfu) if rules.mfu_shown(result.emulated) else None
-    memory = summary.get("peak_memory_bytes")
-    measure = summary.get("peak_memory_measure") or MEMORY_MEASURE.get(result.device or "")
-    memory_mib = memory / 2**20 if memory is not None else None
+    peak_mem = peak_memory(result)
+    measure = peak_mem.measure if peak_mem else None
+    memory_mib = peak_mem.nbytes / 2**20 if peak_mem else None
     return {
         "median_s_per_step": stats.median if stats else None,
         "ci95_s_per_step": list(stats.ci95) if stats else None,
@@ -194,6 +204,8 @@ def speed_verdict(cand: RunResult, other: RunResult, matrix: Matrix) -> rules.Ve
         rules.step_time_stats(other.curve().step_times, s.warmup_steps),
         rules.step_time_stats(cand.curve().step_times, s.warmup_steps),
         mismatch=mismatch, threshold=s.perf_threshold,
+        base_memory=peak_memory(other), cand_memory=peak_memory(cand),
+        memory_threshold=s.memory_threshold,
     )  # fmt: skip
 
 
@@ -242,6 +254,7 @@ def judge(
                 mean_rtol=s.mean_rtol,
                 late_window=s.late_window,
                 late_growth=s.late_growth,
+                grad_norm_rtol=s.grad_norm_rtol,
             )  # fmt: skip
         )
     if timed_against is not None and timed_against.ok and timed_against is not cand:

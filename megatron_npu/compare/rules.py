@@ -5,22 +5,27 @@
 * ``deterministic`` -- the same configuration run twice: losses and grad norms bitwise equal.
 * ``layout`` -- an fp32 run in another parallel layout of the same model: every step's loss within
   ``layout_tol`` (relative, default 1e-5) of the reference layout's.
-* ``approximate`` -- across devices or precisions: (a) *every* step within ``rtol`` (relative,
-  default 5 %, Megatron's functional-test tolerance -- every step, not "any" step: megatron-core
-  0.16's check passes a 50-step curve when one step is close); (b) the mean relative error below
-  ``mean_rtol`` (2 %, MindSpeed's acceptance bar); (c) no late divergence: over the last
-  ``late_window`` steps, the mean relative error stays below ``mean_rtol`` and its least-squares
-  trend, projected over the window, grows by less than ``late_growth`` (1 %).
+* ``approximate`` -- across devices or precisions, the field's GPU-vs-NPU alignment criteria:
+  (a) *every* step's loss within ``rtol`` (relative, default 2 %: MindSpeed-LLM's CI holds a
+  port's loss to 2 % at every step -- every step, not "any" step: megatron-core 0.16's own check
+  passes a 50-step curve when one step is close; Megatron's golden-value figure for its own
+  reruns is 5 %); (b) the mean relative loss error below ``mean_rtol`` (1 %: Huawei's porting
+  guide calls a mean relative error above 1 % "not aligned"); (c) no late divergence: over the
+  last ``late_window`` steps, the mean relative error stays below ``mean_rtol`` and its
+  least-squares trend, projected over the window, grows by less than ``late_growth`` (1 %);
+  (d) every step's grad norm within ``grad_norm_rtol`` (10 %, MindSpeed-LLM's CI).
 * ``performance`` -- like for like only (:func:`speed_mismatch`): a candidate is timed against a
   run of the same precision, parallel layout and sequence/batch shape on another device of the
   same class or another code path on the same device, or against the run the matrix names in
   ``speed_reference``; any other pair is ``not-applicable`` with the reason (a bf16 and an fp32
   run, a GPU and a CPU, a rerun of the very same configuration). Emulated figures are never
   judged (:data:`EMULATED_SPEED`). Median s/step after ``warmup_steps`` with a 95 % bootstrap
-  confidence interval; the candidate fails when it is slower by more than ``perf_threshold`` at
-  that confidence: the low end of its interval lies more than the threshold above the high end
-  of the reference's (a rerun of the same code on a busy VM can differ by 20 % in median with
-  narrow intervals; that is not called a slowdown).
+  confidence interval; the candidate fails when it is slower by more than ``perf_threshold``
+  (5 %, MindSpeed-LLM's CI) at that confidence: the low end of its interval lies more than the
+  threshold above the high end of the reference's (a rerun of the same code on a busy VM can
+  differ by 20 % in median with narrow intervals; that is not called a slowdown). The same pair
+  fails when the candidate's peak memory (the same measure on both: allocator or RSS) exceeds
+  the reference's by more than ``memory_threshold`` (10 %, MindSpeed-LLM's CI).
 
 Relative error of a step is ``|candidate - reference| / |reference|``.
 """
@@ -34,6 +39,10 @@ from typing import Any
 import numpy as np
 
 RULES = ("fingerprint", "deterministic", "layout", "approximate", "performance")
+#: the default thresholds (module docstring: where each comes from); a matrix sets its own
+RTOL, MEAN_RTOL, GRAD_NORM_RTOL = 0.02, 0.01, 0.10
+LATE_WINDOW, LATE_GROWTH = 10, 0.01
+PERF_THRESHOLD, MEMORY_THRESHOLD = 0.05, 0.10
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not-applicable"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -188,7 +197,8 @@ def late_trend(errors: np.ndarray, window: int) -> tuple[float, float]:
 
 def approximate(
     name: str, reference: str, ref: Curve, cand: Curve, *,
-    rtol: float = 0.05, mean_rtol: float = 0.02, late_window: int = 10, late_growth: float = 0.01,
+    rtol: float = RTOL, mean_rtol: float = MEAN_RTOL, late_window: int = LATE_WINDOW,
+    late_growth: float = LATE_GROWTH, grad_norm_rtol: float = GRAD_NORM_RTOL,
 ) -> Verdict:  # fmt: skip
     window = min(late_window, len(ref.iterations))
     tolerance = {
@@ -196,6 +206,7 @@ def approximate(
         "mean_rtol": mean_rtol,
         "late_window": window,
         "late_growth": late_growth,
+        "grad_norm_rtol": grad_norm_rtol,
     }
     lined = _aligned(ref, cand)
     if isinstance(lined, str):
@@ -218,7 +229,22 @@ def approximate(
             f"late divergence over the last {window} steps: mean {late_mean:.2%}, trend +{growth:.2%} "
             f"(limits {mean_rtol:.0%} and +{late_growth:.0%})"
         )
+    norms = [(i, a, b) for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms)
+             if a is not None and b is not None]  # fmt: skip
+    if norms:
+        norm_its = [i for i, _, _ in norms]
+        norm_err = relative_errors([a for _, a, _ in norms], [b for _, _, b in norms])
+        per_step["grad_norm_iteration"] = norm_its
+        per_step["grad_norm_rel_diff"] = norm_err.tolist()
+        over = np.flatnonzero(norm_err > grad_norm_rtol)
+        if len(over):
+            problems.append(
+                f"grad norm of {len(over)} of {len(norms)} steps beyond {grad_norm_rtol:.0%} "
+                f"(first at step {norm_its[over[0]]}: {norm_err[over[0]]:.2%})"
+            )
     summary = f"max {err.max():.2%}, mean {mean:.2%}, last {window} steps mean {late_mean:.2%} trend {growth:+.2%}"
+    if norms:
+        summary += f", grad norm max {float(norm_err.max()):.2%}"
     if problems:
         return Verdict(
             name,
@@ -326,12 +352,23 @@ def step_time_stats(
     return StepTimeStats(float(np.median(steady)), (float(lo), float(hi)), int(steady.size))
 
 
+@dataclass(frozen=True)
+class PeakMemory:
+    """A run's peak memory in bytes and what measured it (``allocator`` or ``rss``): two runs'
+    peaks are compared only when one measure took both."""
+
+    nbytes: int
+    measure: str
+
+
 def performance(
     name: str, reference: str, base: StepTimeStats | None, cand: StepTimeStats | None, *,
-    mismatch: str | None = None, threshold: float = 0.10,
+    mismatch: str | None = None, threshold: float = PERF_THRESHOLD,
+    base_memory: PeakMemory | None = None, cand_memory: PeakMemory | None = None,
+    memory_threshold: float = MEMORY_THRESHOLD,
 ) -> Verdict:  # fmt: skip
     """``mismatch``: :func:`speed_mismatch`'s reason the pair is not timed (None: it is)."""
-    tolerance = {"threshold": threshold, "ci": 0.95}
+    tolerance = {"threshold": threshold, "ci": 0.95, "memory_threshold": memory_threshold}
     if mismatch is not None:
         return Verdict(name, reference, "performance", NOT_APPLICABLE, mismatch, tolerance)
     if base is None or cand is None:
@@ -343,13 +380,23 @@ def performance(
         f"{cand.median:.4f} s/step [{cand.ci95[0]:.4f}, {cand.ci95[1]:.4f}] vs {base.median:.4f} "
         f"[{base.ci95[0]:.4f}, {base.ci95[1]:.4f}]: {ratio:.2f}x"
     )
+    problems = []
     if cand.ci95[0] > base.ci95[1] * (1 + threshold):
+        problems.append(f"slower than {reference} beyond {threshold:.0%}")
+    memory = (
+        base_memory is not None and cand_memory is not None
+        and base_memory.measure == cand_memory.measure and base_memory.nbytes > 0
+    )  # fmt: skip
+    if memory:
+        mem_ratio = cand_memory.nbytes / base_memory.nbytes
+        text += (
+            f"; peak memory ({cand_memory.measure}) {cand_memory.nbytes / 2**20:.1f} vs "
+            f"{base_memory.nbytes / 2**20:.1f} MiB: {mem_ratio:.2f}x"
+        )
+        if mem_ratio > 1 + memory_threshold:
+            problems.append(f"more peak memory than {reference} beyond {memory_threshold:.0%}")
+    if problems:
         return Verdict(
-            name,
-            reference,
-            "performance",
-            FAIL,
-            f"slower than {reference} beyond {threshold:.0%}: {text}",
-            tolerance,
+            name, reference, "performance", FAIL, f"{'; '.join(problems)}: {text}", tolerance
         )
     return Verdict(name, reference, "performance", PASS, text, tolerance)
