@@ -21,10 +21,29 @@ import os
 import runpy
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from megatron_npu.registry import NPU_EMULATED
 
 KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
+DEVICE_ENV = "MEGATRON_NPU_DEVICE"
+
+
+def environment(script: str | Path, device: str | None = None) -> dict[str, str]:
+    """What a run of ``script`` needs in its environment beyond the caller's: the device for
+    ``megatron_npu.auto`` (when given), the script's folder (the Megatron-LM checkout that holds
+    ``megatron/training``) on ``PYTHONPATH`` before what is there already, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set (Megatron-LM asserts it for tensor/sequence-
+    parallel overlap; its own examples set it)."""
+    folder = str(Path(script).resolve().parent)
+    paths = [folder, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+    }
+    if device is not None:
+        env[DEVICE_ENV] = device
+    return env
 
 
 @contextlib.contextmanager
@@ -45,21 +64,35 @@ def _kernel_counts(prefix: str) -> Iterator[None]:
                 json.dump(dict(counter), out, sort_keys=True)
 
 
+def prepare(argv: list[str]) -> str:
+    """Apply the adaptor (``megatron_npu.auto``) and make ``argv`` (the script, then its own
+    arguments) the script's ``sys.argv`` with its folder first on ``sys.path``; return the
+    script's absolute path. Exits 2 naming the script when there is none."""
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        print(f"megatron-npu run_script: no script {argv[0]!r}", file=sys.stderr)
+        raise SystemExit(2)
+    # the script's folder first, as ``python SCRIPT`` has it from the start: the adaptor then
+    # sees Megatron-LM's training layer when it is applied
+    sys.path.insert(0, os.path.dirname(script))
+    sys.argv = [script, *argv[1:]]
+    import megatron_npu.auto  # noqa: F401  (the one line)
+
+    return script
+
+
+def run(script: str) -> None:
+    """Run the prepared script as ``__main__`` (counting kernels when asked)."""
+    with _kernel_counts(os.environ.get(KERNEL_COUNTS_ENV, "")):
+        runpy.run_path(script, run_name="__main__")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
-    script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
-        print(f"megatron-npu run_script: no script {argv[0]!r}", file=sys.stderr)
-        raise SystemExit(2)
-    import megatron_npu.auto  # noqa: F401  (the one line)
-
-    sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(script))
-    with _kernel_counts(os.environ.get(KERNEL_COUNTS_ENV, "")):
-        runpy.run_path(script, run_name="__main__")
+    run(prepare(argv))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ MEMORY = re.compile(
 )
 #: The last field Megatron-LM writes on every iteration line: a line without it is cut short.
 LAST_FIELD = "number of skipped iterations"
+#: the absolute rounding of a logged value beyond what its float holds: Megatron-LM prints the
+#: grad norm as ``{:.3f}`` (the loss as ``{:.6E}``, relative 5e-7, below any tolerance here)
+PRINTED_RESOLUTION = {"grad_norm": 5e-4}
 FIELDS = {
     "elapsed time per iteration (ms)": "step_time_ms",
     "learning rate": "lr",

@@ -236,17 +236,10 @@ def script_command(spec: RunSpec, log_dir: Path | None = None) -> list[str]:
 
 
 def script_environment(spec: RunSpec, device: str) -> dict[str, str]:
-    """The device for ``megatron_npu.auto``, the script's folder (the Megatron-LM checkout that
-    holds ``megatron/training``) on ``PYTHONPATH`` before what is there already, and
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set."""
-    folder = str(Path(str(spec.path)).resolve().parent)
-    paths = [folder, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {
-        "MEGATRON_NPU_DEVICE": device,
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-        # Megatron-LM asserts it for tensor/sequence-parallel overlap; its own examples set it
-        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
-    }
+    """The environment of a script run (:func:`megatron_npu.run_script.environment`)."""
+    from megatron_npu.run_script import environment
+
+    return environment(str(spec.path), device)
 
 
 def execute_script(

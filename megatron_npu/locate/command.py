@@ -29,12 +29,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_npu.locate import curves, dump, modules, msprobe_dumps, result, worker
+from megatron_npu.locate import (
+    curves,
+    dump,
+    modules,
+    msprobe_dumps,
+    options,
+    result,
+    script_runs,
+    worker,
+)
 from megatron_npu.locate.culprit import search
 
 #: train options that locate sets itself (a compare run's command carries them)
 _DROPPED_WITH_VALUE = ("--metrics-out", "--progress", "--save", "--load", "--save-interval")
 _DROPPED_FLAGS = ("--no-save-optim", "--no-save-rng")
+
+
+#: a culprit-search item that serves a torch_npu kernel natively (the rest are patch ids)
+KERNEL_ITEM = "kernel:"
 
 
 class LocateError(ValueError):
@@ -43,19 +56,29 @@ class LocateError(ValueError):
 
 @dataclass
 class RunSide:
+    """One of the two runs: ``megatron-npu train`` options (``argv``, ``--device`` included,
+    without ``--nproc-per-node``), or with ``script`` a user's Megatron-LM script, ``argv`` then
+    being the script's own arguments and ``script_device`` the device it runs on."""
+
     label: str
-    argv: list[str]  # train options, --device included, without --nproc-per-node
+    argv: list[str]
     world: int = 1
     plant: str | None = None  # testing aid: a parity mutation planted in this run
     disable: list[str] = field(default_factory=list)
+    script: str | None = None
+    script_device: str | None = None
 
     @property
     def device(self) -> str:
+        if self.script:
+            return self.script_device or "auto"
         return _option(self.argv, "--device") or "auto"
 
     def as_dict(self) -> dict[str, Any]:
         out = {"label": self.label, "device": self.device, "argv": self.argv,
                "world": self.world, "disable": self.disable}  # fmt: skip
+        if self.script:
+            out["script"] = self.script
         if self.plant:
             out["plant"] = self.plant
         return out
@@ -72,27 +95,16 @@ def _option(argv: list[str], name: str) -> str | None:
 
 def clean_argv(argv: list[str]) -> tuple[list[str], int, list[str]]:
     """(train options, world size, disabled patches) from a train command line."""
-    out: list[str] = []
-    world, disable = 1, []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        name, eq, value = token.partition("=")
-        takes = name in _DROPPED_WITH_VALUE or name in ("--nproc-per-node", "--disable-patch")
-        if takes:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise LocateError(f"{name} needs a value")
-                value = argv[i + 1]
-                i += 1
-            if name == "--nproc-per-node":
-                world = int(value)
-            elif name == "--disable-patch":
-                disable.append(value)
-        elif token not in _DROPPED_FLAGS:
-            out.append(token)
-        i += 1
-    return out, world, disable
+    try:
+        out, taken = options.take(
+            argv, (*_DROPPED_WITH_VALUE, "--nproc-per-node", "--disable-patch"), _DROPPED_FLAGS
+        )
+        world = int(taken.get("--nproc-per-node", ["1"])[-1])
+    except ValueError as exc:
+        raise LocateError(
+            f"--nproc-per-node: {exc}" if "needs" not in str(exc) else str(exc)
+        ) from None
+    return out, world, taken.get("--disable-patch", [])
 
 
 def side_from_options(label: str, options: str, common: str, plant: str | None) -> RunSide:
@@ -104,8 +116,36 @@ def side_from_options(label: str, options: str, common: str, plant: str | None) 
     return RunSide(label, argv, world, plant, disable)
 
 
+def script_side(label: str, options: str, common: str, script: str) -> RunSide:
+    """A side of ``--script``: ``--device D`` (and ``--nproc-per-node N``) from its options, the
+    rest the script's own arguments."""
+    if not Path(script).is_file():
+        raise LocateError(f"--script: no script {script!r}")
+    try:
+        argv, device, world, disable = script_runs.split_options(
+            shlex.split(common) + shlex.split(options)
+        )
+    except ValueError as exc:
+        raise LocateError(f"--{label}: {exc}") from None
+    if device is None:
+        raise LocateError(f"--{label} options must name --device")
+    return RunSide(label, argv, world, None, disable, str(Path(script).resolve()), device)
+
+
+def _script_side_from_command(name: str, command: list[str], metrics: Path) -> RunSide:
+    """A compare script run (``torchrun ... -m megatron_npu.run_script SCRIPT ARGS``): its
+    device is the one its metrics name."""
+    at = command.index("megatron_npu.run_script")
+    launcher, script, script_args = command[:at], command[at + 1], command[at + 2 :]
+    world = int(_option(launcher, "--nproc-per-node") or 1)
+    config = json.loads(metrics.read_text(encoding="utf-8")).get("config") or {}
+    argv, _, _, disable = script_runs.split_options(script_args)
+    return RunSide(name, argv, world, None, disable, script, config.get("device") or "auto")
+
+
 def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
-    """A compare run's train options (from its ``run.json`` command) and its metrics file."""
+    """A compare run's options (from its ``run.json`` command: a train or a script run) and its
+    metrics file."""
     from megatron_npu.compare.runner import read_json
 
     run_dir = out_dir / "runs" / name
@@ -114,8 +154,12 @@ def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
     if record is None or not metrics.is_file():
         raise LocateError(f"{out_dir}: no finished compare run named {name!r} ({run_dir})")
     command = list(record.get("command") or [])
+    if "megatron_npu.run_script" in command:
+        return _script_side_from_command(name, command, metrics), metrics
     if "train" not in command:
-        raise LocateError(f"{run_dir / 'run.json'}: its command is not a train command")
+        raise LocateError(
+            f"{run_dir / 'run.json'}: its command is neither a train nor a script run"
+        )
     argv, world, disable = clean_argv(command[command.index("train") + 1 :])
     return RunSide(name, argv, world, None, disable), metrics
 
@@ -137,9 +181,18 @@ class Locator:
         self._trials = 0
 
     def _run(self, side: RunSide, spec: dict[str, Any], log: str, disable: list[str] = ()) -> None:
-        spec = {"argv": side.argv, "plant": side.plant,
-                "disable": sorted(set(side.disable) | set(disable)), **spec}  # fmt: skip
-        worker.run(spec, side.world, self.timeout_s, self.out / "logs" / f"{log}.log")
+        """One run of ``side``; ``disable`` holds the trial's items: patch ids to switch off and
+        ``kernel:NAME`` items, kernels to serve natively with their patches installed."""
+        patches = [d for d in disable if not d.startswith(KERNEL_ITEM)]
+        kernels = sorted(d.removeprefix(KERNEL_ITEM) for d in disable if d.startswith(KERNEL_ITEM))
+        spec = {"argv": side.argv, "plant": side.plant, "native_kernels": kernels,
+                "disable": sorted(set(side.disable) | set(patches)), **spec}  # fmt: skip
+        log_path = self.out / "logs" / f"{log}.log"
+        if side.script:
+            spec.update(script=side.script, script_args=side.argv, device=side.device)
+            script_runs.run(spec, side.world, self.timeout_s, log_path)
+        else:
+            worker.run(spec, side.world, self.timeout_s, log_path)
 
     def curves(self, ref_metrics: Path | None, cand_metrics: Path | None) -> curves.StepFinding:
         start = time.perf_counter()
@@ -148,20 +201,26 @@ class Locator:
             if given is None:
                 given = self.out / "curves" / f"{side.label}.json"
                 given.parent.mkdir(parents=True, exist_ok=True)
-                iters = int(_option(side.argv, "--train-iters"))
+                iters = _option(side.argv, "--train-iters")
                 self.echo(f" locate: training {side.label} ({side.device}) for {iters} steps")
                 name = "reference" if side is self.reference else "candidate"
                 # step 1 is dumped on the way: a bug in the first step needs no replay
-                spec = {"stop": iters, "curve": str(given), "hook_step": 1, "limit": self.limit,
+                spec = {"stop": int(iters) if iters else None, "curve": str(given),
+                        "hook_step": 1, "limit": self.limit,
                         "dump": str(self.out / "dumps" / name)}  # fmt: skip
                 jobs.append((side, spec, f"curve-{side.label}"))
             paths[side.label] = given
         with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs side by side
             for future in [pool.submit(self._run, *job) for job in jobs]:
                 future.result()
+        resolution = {
+            q: max(r.get(q, 0.0) for r in map(curves.printed_resolution, paths.values()))
+            for q in ("loss", "grad_norm")
+        }
         finding = curves.first_divergent_step(
             curves.read_curve(paths[self.reference.label]),
             curves.read_curve(paths[self.candidate.label]),
+            resolution=resolution,
         )
         self.timing["curves_s"] = round(time.perf_counter() - start, 2)
         return finding
@@ -229,12 +288,21 @@ class Locator:
                 full,
             )
         ]
+        # on a device with torch_npu kernels, first the kernels the module's patches call,
+        # served natively with the patches installed: the narrowest trial, and one that runs
+        # where switching the whole patch off leaves Megatron code the configuration cannot run
+        kernels = _declared_kernels()
+        if dump.read_meta(candidate_dump).get("npu_kernels"):
+            near = [own] if phase == "update" else [own, row.patches.get("total", [])]
+            sets = [
+                sorted({KERNEL_ITEM + k for p in full for k in kernels.get(p, ())}) for full in near
+            ] + sets
         start = time.perf_counter()
 
         def replay(disabled: list[str]) -> tuple[bool | None, str]:
             self._trials += 1
             name = f"trial-{self._trials}"
-            self.echo(f" locate: trial {self._trials}: {row.module} with {', '.join(disabled)} off")
+            self.echo(f" locate: trial {self._trials}: {row.module} with {_trial_words(disabled)}")
             try:
                 folder = self.dump_candidate(step, reference_dump, name, disabled)
                 trial = modules.compare_dumps(reference_dump, folder, comparison.rule, {row.module})
@@ -247,8 +315,32 @@ class Locator:
             return not err.diverges, f"{phase} error {err.output:.3g} (input {err.input:.3g})"
 
         found = search(sets, replay, self.max_trials)
+        if any(c.startswith(KERNEL_ITEM) for c in found.culprits):
+            # a kernel served natively fixed it: the culprit is the patch that calls it here
+            found.kernels = [c.removeprefix(KERNEL_ITEM) for c in found.culprits]
+            calling = [
+                sorted(p for p in reached if set(kernels.get(p, ())) & set(found.kernels))
+                for reached in (own, row.patches.get("total", []), all_reached)
+            ]
+            found.culprits = next((c for c in calling if c), [])
         self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
         return found
+
+
+def _trial_words(items: list[str]) -> str:
+    """What a trial changes, in words: patches off, kernels served natively."""
+    patches = [i for i in items if not i.startswith(KERNEL_ITEM)]
+    kernels = [i.removeprefix(KERNEL_ITEM) for i in items if i.startswith(KERNEL_ITEM)]
+    words = [f"{', '.join(patches)} off"] if patches else []
+    words += [f"kernel {', '.join(kernels)} served natively"] if kernels else []
+    return "; ".join(words)
+
+
+def _declared_kernels() -> dict[str, tuple[str, ...]]:
+    """Each patch's declared torch_npu kernels (the registry's ``npu_kernels``)."""
+    from megatron_npu.registry import all_patches
+
+    return {p.id: p.npu_kernels for p in all_patches() if p.npu_kernels}
 
 
 def _numeric_patches() -> set[str]:
@@ -294,9 +386,14 @@ def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
     if args.compare_dir:
         parts += ["--compare-dir", str(args.compare_dir), "--pair", *args.pair]
     else:
+        if args.script:
+            parts += ["--script", str(args.script)]
         parts += ["--reference", args.reference, "--candidate", args.candidate]
         if args.common:
             parts += ["--common", args.common]
+        if args.reference_curve:
+            parts += ["--reference-curve", str(args.reference_curve),
+                      "--candidate-curve", str(args.candidate_curve)]  # fmt: skip
     if step is not None:
         parts += ["--step", str(step)]
     if args.plant_candidate:
@@ -317,9 +414,23 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     else:
         if not (args.reference and args.candidate):
             raise LocateError("give --reference and --candidate options, or --compare-dir --pair")
-        reference = side_from_options("reference", args.reference, args.common or "", None)
-        candidate = side_from_options("candidate", args.candidate, args.common or "",
-                                      args.plant_candidate)  # fmt: skip
+        if args.script:
+            if args.plant_candidate:
+                raise LocateError(
+                    "--plant-candidate plants in megatron-npu train runs, not in a script"
+                )
+            reference = script_side("reference", args.reference, args.common or "", args.script)
+            candidate = script_side("candidate", args.candidate, args.common or "", args.script)
+        else:
+            reference = side_from_options("reference", args.reference, args.common or "", None)
+            candidate = side_from_options("candidate", args.candidate, args.common or "",
+                                          args.plant_candidate)  # fmt: skip
+    if args.reference_curve or args.candidate_curve:
+        if args.compare_dir:
+            raise LocateError("--reference-curve/--candidate-curve are for --reference/--candidate")
+        if not (args.reference_curve and args.candidate_curve):
+            raise LocateError("give both --reference-curve and --candidate-curve")
+        ref_metrics, cand_metrics = Path(args.reference_curve), Path(args.candidate_curve)
     _clear_dumps(out, args.reference_dump)
     loc = Locator(reference, candidate, out, limit=args.limit, rule_base=args.base_tolerance,
                   gain=args.gain, growth=args.depth_growth, timeout_s=args.timeout,
@@ -368,7 +479,9 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             if not args.no_culprit:
                 found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
-                named = ", ".join(found.culprits) or (
+                named = ", ".join(found.culprits) + (
+                    f" (its kernel {', '.join(found.kernels)})" if found.kernels else ""
+                ) if found.culprits else (
                     f"not found (suspects: {', '.join(found.suspects)})" if found.suspects
                     else "not found"
                 )  # fmt: skip
@@ -386,9 +499,23 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the two runs")
     g.add_argument("--reference", help="train options of the reference run (one quoted string, "
-                   "--device included)")  # fmt: skip
-    g.add_argument("--candidate", help="train options of the candidate run")
-    g.add_argument("--common", help="train options both runs share")
+                   "--device included; with --script: --device D [--nproc-per-node N] and the "
+                   "script's own arguments)")  # fmt: skip
+    g.add_argument("--candidate", help="options of the candidate run (as --reference)")
+    g.add_argument("--common", help="options both runs share")
+    g.add_argument(
+        "--script", metavar="PATH",
+        help="both runs are this Megatron-LM script (e.g. pretrain_gpt.py) through the adaptor; "
+        "replays use its own --save/--load/--exit-interval",
+    )  # fmt: skip
+    g.add_argument(
+        "--reference-curve", metavar="PATH",
+        help="the reference run's per-step record, already made: a Megatron-LM log, its "
+        "TensorBoard folder or a megatron-npu metrics.json (the step is read from it instead "
+        "of training the run)",
+    )  # fmt: skip
+    g.add_argument("--candidate-curve", metavar="PATH",
+                   help="the candidate run's record (as --reference-curve)")  # fmt: skip
     g.add_argument("--compare-dir", help="a compare output folder: take the runs from it")
     g.add_argument("--pair", nargs=2, metavar=("REFERENCE", "CANDIDATE"),
                    help="with --compare-dir: the two run names (e.g. the failing pair)")  # fmt: skip

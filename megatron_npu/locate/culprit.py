@@ -38,9 +38,11 @@ class Search:
     #: nothing fixed: the narrowest set tried whose switching-off could not even be replayed
     #: (the patches Megatron cannot run without in this configuration)
     suspects: list[str] = field(default_factory=list)
+    #: the torch_npu kernels whose native service fixed the module (the culprits call them)
+    kernels: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"culprits": self.culprits, "suspects": self.suspects,
+        return {"culprits": self.culprits, "kernels": self.kernels, "suspects": self.suspects,
                 "candidate_sets": self.candidate_sets,
                 "trials": [t.as_dict() for t in self.trials], "note": self.note}  # fmt: skip
 

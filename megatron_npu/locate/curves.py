@@ -2,8 +2,8 @@
 
 The tolerance is the ``approximate`` rule's (:func:`megatron_npu.compare.rules.approximate`,
 relative error ``|c - r| / |r|``, one implementation): the first divergent step is the first
-step whose loss *or* grad norm is beyond ``rtol`` (5 %). When no step is (a small error that the
-rule fails on its mean or its late trend), it is the first step beyond ``mean_rtol`` (2 %), and
+step whose loss *or* grad norm is beyond ``rtol`` (2 %). When no step is (a small error that the
+rule fails on its mean or its late trend), it is the first step beyond ``mean_rtol`` (1 %), and
 then the first beyond ``floor`` (1e-4: well above what two healthy fp32 paths differ by on the
 first steps, 1e-6). ``None``: the curves agree within ``floor`` at every step.
 """
@@ -38,35 +38,81 @@ class StepFinding:
                 "threshold": self.threshold, "approximate": self.approximate}  # fmt: skip
 
 
+def printed_resolution(path: str | Path) -> dict[str, float]:
+    """Absolute rounding per quantity of a curve read from ``path``: a Megatron-LM log's printed
+    digits (:data:`megatron_npu.compare.mlm_log.PRINTED_RESOLUTION`), none otherwise."""
+    from megatron_npu.compare import imports, mlm_log
+
+    path = Path(path)
+    if path.is_file() and path.suffix != ".json":
+        try:
+            if imports.load(path).provenance.get("kind") == "megatron-lm-log":
+                return dict(mlm_log.PRINTED_RESOLUTION)
+        except imports.ImportedRunError:
+            pass
+    return {}
+
+
 def read_curve(path: str | Path) -> rules.Curve:
-    """A curve from a worker's curve file or train's ``metrics.json`` (``steps`` records)."""
+    """A curve from a locate curve file, or from anything compare imports as a run
+    (:func:`megatron_npu.compare.imports.load`): train's ``metrics.json``, a Megatron-LM log, or
+    its TensorBoard event folder -- the runs a user already has."""
+    from megatron_npu.compare import imports
+
+    path = Path(path)
+    if not path.exists():
+        raise CurveError(f"{path}: no such file or folder")
+    if path.is_file() and path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise CurveError(f"{path}: cannot read ({exc.strerror})") from None
+        except ValueError as exc:
+            raise CurveError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(data, dict) and "iterations" in data:
+            return rules.Curve(list(data["iterations"]), list(data["losses"]),
+                               list(data["grad_norms"]), [0.0] * len(data["iterations"]))  # fmt: skip
+        steps = data.get("steps") if isinstance(data, dict) else None
+        if not isinstance(steps, list):
+            raise CurveError(f"{path}: neither a locate curve nor a metrics.json with 'steps'")
+        return _from_steps(steps)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CurveError(f"{path}: cannot read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise CurveError(f"{path}: not valid JSON ({exc})") from None
-    if isinstance(data, dict) and "iterations" in data:
-        return rules.Curve(list(data["iterations"]), list(data["losses"]),
-                           list(data["grad_norms"]), [0.0] * len(data["iterations"]))  # fmt: skip
-    steps = data.get("steps") if isinstance(data, dict) else None
-    if not isinstance(steps, list):
-        raise CurveError(f"{path}: neither a locate curve nor a metrics.json with 'steps'")
+        steps = imports.load(path).metrics["steps"]
+    except imports.ImportedRunError as exc:
+        raise CurveError(
+            f"neither a locate curve nor a run compare imports (metrics.json, Megatron-LM log, "
+            f"TensorBoard folder): {exc}"
+        ) from None
+    return _from_steps(steps)
+
+
+def _from_steps(steps: list[dict[str, Any]]) -> rules.Curve:
+    """A curve from the ``steps`` records of a metrics document."""
     return rules.Curve(
         [int(s["step"]) for s in steps], [s.get("lm_loss") for s in steps],
         [s.get("grad_norm") for s in steps], [float(s.get("step_time_s") or 0.0) for s in steps],
     )  # fmt: skip
 
 
-def _errors(ref: list, cand: list) -> list[float | None]:
+def _errors(ref: list, cand: list, rounding: float = 0.0) -> list[float | None]:
+    """Relative errors; a difference within both values' printed ``rounding`` is none."""
     out: list[float | None] = []
     for r, c in zip(ref, cand):
-        out.append(None if r is None or c is None else float(rules.relative_errors([r], [c])[0]))
+        if r is None or c is None:
+            out.append(None)
+        elif abs(c - r) <= 2 * rounding * (1 + 1e-9):  # one printed unit apart at most
+            out.append(0.0)
+        else:
+            out.append(float(rules.relative_errors([r], [c])[0]))
     return out
 
 
-def first_divergent_step(ref: rules.Curve, cand: rules.Curve, *, rtol: float = 0.05,
-                         mean_rtol: float = 0.02, floor: float = FLOOR) -> StepFinding:  # fmt: skip
+def first_divergent_step(ref: rules.Curve, cand: rules.Curve, *, rtol: float = rules.RTOL,
+                         mean_rtol: float = rules.MEAN_RTOL, floor: float = FLOOR,
+                         resolution: dict[str, float] | None = None) -> StepFinding:  # fmt: skip
+    """``resolution``: absolute rounding per quantity the curves' values carry (logged digits,
+    :func:`printed_resolution`); differences within it are not errors."""
+    resolution = resolution or {}
     verdict = rules.approximate("candidate", "reference", ref, cand, rtol=rtol, mean_rtol=mean_rtol)
     approx = {"status": verdict.status, "detail": verdict.detail, "tolerance": verdict.tolerance}
     if ref.iterations != cand.iterations:
@@ -75,8 +121,8 @@ def first_divergent_step(ref: rules.Curve, cand: rules.Curve, *, rtol: float = 0
             f"{cand.iterations[:1]}..{cand.iterations[-1:]})"
         )
     series = {
-        "loss": _errors(ref.losses, cand.losses),
-        "grad_norm": _errors(ref.grad_norms, cand.grad_norms),
+        "loss": _errors(ref.losses, cand.losses, resolution.get("loss", 0.0)),
+        "grad_norm": _errors(ref.grad_norms, cand.grad_norms, resolution.get("grad_norm", 0.0)),
     }
     for threshold in (rtol, mean_rtol, floor):
         for index, step in enumerate(ref.iterations):

@@ -74,32 +74,45 @@ def _own_object(obj: Any, itself: bool = False) -> bool:
     return type(obj).__module__.startswith("megatron_npu.")
 
 
-def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
-    """Code object -> the ids of the patches that installed it (two patches may install the
-    same replacement, e.g. a class and the factory that builds it), for every patch applied in
-    this process."""
+def _installed() -> Iterator[tuple[str, Any]]:
+    """(patch id, the object it installed) for every patch applied in this process."""
     from megatron_npu import patcher
 
-    out: dict[CodeType, tuple[str, ...]] = {}
     for result in patcher.results():
         if result.status != patcher.APPLIED:
             continue
         try:
             owner, name = patcher.resolve(result.target)
-            raw = inspect.getattr_static(owner, name)
+            yield result.id, inspect.getattr_static(owner, name)
         except (ImportError, AttributeError):
             continue
+
+
+def patch_classes() -> dict[str, type]:
+    """Patch id -> the class it installs, for every applied patch whose replacement is a class
+    (a method its instances run is its code only when ``self`` is one of them)."""
+    return {pid: raw for pid, raw in _installed() if isinstance(raw, type)}
+
+
+def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
+    """Code object -> the ids of the patches that installed it (two patches may install the
+    same replacement, e.g. a class and the factory that builds it), for every patch applied in
+    this process."""
+    out: dict[CodeType, tuple[str, ...]] = {}
+    for pid, raw in _installed():
         for code in _codes(raw):
-            if result.id not in out.get(code, ()):
-                out[code] = (*out.get(code, ()), result.id)
+            if pid not in out.get(code, ()):
+                out[code] = (*out.get(code, ()), pid)
     return out
 
 
 class Tracer:
     """Records the patches reached per module name (see the module docstring)."""
 
-    def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None) -> None:
+    def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None,
+                 classes: dict[str, type] | None = None) -> None:  # fmt: skip
         self.codes = patch_code_objects() if codes is None else codes
+        self.classes = patch_classes() if classes is None else classes
         self.stack: list[str] = []
         self.own: dict[str, set[str]] = defaultdict(set)
         self.total: dict[str, set[str]] = defaultdict(set)
@@ -110,6 +123,8 @@ class Tracer:
         if event == "call":
             pids = self.codes.get(frame.f_code)
             if pids is not None and self.stack:
+                if not self.classes.keys().isdisjoint(pids):
+                    pids = self._for_instance(pids, frame)
                 self.own[self.stack[-1]].update(pids)
                 for name in self.stack:
                     self.total[name].update(pids)
@@ -117,6 +132,17 @@ class Tracer:
             pids = self.codes.get(frame.f_code)
             if pids is not None and arg is not None and hasattr(arg, "named_modules"):
                 self.built.setdefault(id(arg), pids)
+
+    def _for_instance(self, pids: tuple[str, ...], frame) -> tuple[str, ...]:
+        """Of the patches whose code a method is, those it runs for here: a class patch only when
+        the running instance is of its installed class (the adaptor's local norm runs the
+        ``forward`` that the TE norm class inherits, and is no TE norm); patches that install
+        no class always. All of them when the call has no ``self``."""
+        owner = frame.f_locals.get("self")
+        if owner is None:
+            return pids
+        mro = type(owner).__mro__
+        return tuple(p for p in pids if p not in self.classes or self.classes[p] in mro)
 
     @contextlib.contextmanager
     def active(self, building: bool = False) -> Iterator[None]:
@@ -132,6 +158,25 @@ class Tracer:
         finally:
             sys.setprofile(previous)
             self._building = False
+
+    @contextlib.contextmanager
+    def attributed(self, owner: Any, attr: str, name: str) -> Iterator[None]:
+        """Inside the block, what ``owner.attr`` runs counts as module ``name``'s (e.g. the
+        optimizer's build and step as the pseudo-module ``optimizer``)."""
+        original = getattr(owner, attr)
+
+        def traced(*args, **kwargs):
+            self.enter(name)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.leave(name)
+
+        setattr(owner, attr, traced)
+        try:
+            yield
+        finally:
+            setattr(owner, attr, original)
 
     def enter(self, name: str) -> None:
         self.stack.append(name)

@@ -12,6 +12,8 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
   the other run then loads);
 * ``hook_step`` + ``dump``: record that step with :class:`~.dump.Recorder` into ``dump``;
 * ``curve``: write ``{"iterations", "losses", "grad_norms"}`` (rank 0);
+* ``native_kernels``: torch_npu kernels the op layer serves natively in this run
+  (:mod:`megatron_npu.ops.kernels`), the patches that call them staying installed;
 * ``trial``: a culprit trial -- ``--use-flash-attn`` with the ``attention.*`` patch switched off
   runs Megatron's unfused attention instead of being refused as ``train`` refuses it.
 
@@ -58,7 +60,6 @@ def _coords() -> dict[str, int]:
     return coords
 
 
-@contextlib.contextmanager
 def _optimizer_build_traced(tracer):
     """The patches that run while the optimizer is built count as the optimizer's (e.g. the
     factory patch that makes Megatron build the adaptor's AdamW)."""
@@ -66,22 +67,8 @@ def _optimizer_build_traced(tracer):
     from megatron_npu.training import optimizer as optim_mod
 
     if tracer is None:
-        yield
-        return
-    build = optim_mod.build
-
-    def traced(*args, **kwargs):
-        tracer.enter(OPTIMIZER)
-        try:
-            return build(*args, **kwargs)
-        finally:
-            tracer.leave(OPTIMIZER)
-
-    optim_mod.build = traced
-    try:
-        yield
-    finally:
-        optim_mod.build = build
+        return contextlib.nullcontext()
+    return tracer.attributed(optim_mod, "build", OPTIMIZER)
 
 
 def _run_rank(spec: dict[str, Any]) -> None:
@@ -91,6 +78,7 @@ def _run_rank(spec: dict[str, Any]) -> None:
     from megatron_npu import devices, patcher
     from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
     from megatron_npu.locate.trace import Tracer
+    from megatron_npu.ops.kernels import NATIVE_ENV, served_natively
     from megatron_npu.ops.settings import set_fused_attention
     from megatron_npu.training import (
         arguments,
@@ -105,6 +93,7 @@ def _run_rank(spec: dict[str, Any]) -> None:
     quiet_expected_warnings()
     args = arguments.parse_args(list(spec["argv"]))
     env = launch.dist_env(args.master_addr, args.master_port)
+    os.environ[NATIVE_ENV] = ",".join(spec.get("native_kernels", ()))
     megatron_npu.apply(args.device, disable=tuple(spec.get("disable", ())))
     try:
         device = devices.require_active()
@@ -140,21 +129,9 @@ def _run_rank(spec: dict[str, Any]) -> None:
                         chunks = [model_mod.unwrap(c) for c in model]
                         recorder = Recorder(chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)),
                                             args.num_layers)  # fmt: skip
-                        step_fn = optimizer.step
-
-                        def traced_step(*a, _step=step_fn, **kw):
-                            tracer.enter(OPTIMIZER)
-                            try:
-                                return _step(*a, **kw)
-                            finally:
-                                tracer.leave(OPTIMIZER)
-
-                        optimizer.step = traced_step
-                        try:
+                        with tracer.attributed(optimizer, "step", OPTIMIZER):
                             with recorder, tracer.active():
                                 loss, grad_norm, _, _ = trainer.step(step, iterators)
-                        finally:
-                            optimizer.step = step_fn
                         recorder.record_parameters()
                         rank = torch.distributed.get_rank()
                         recorder.write(spec["dump"], rank, _coords())
@@ -164,6 +141,8 @@ def _run_rank(spec: dict[str, Any]) -> None:
                                 "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
                                 "argv": list(spec["argv"]), "disabled": list(spec.get("disable", ())),
                                 "plant": spec.get("plant"), "loss": loss, "grad_norm": grad_norm,
+                                "npu_kernels": device.kernels is not None,
+                                "native_kernels": sorted(served_natively()),
                                 "applied": [r.id for r in patcher.results()
                                             if r.status == patcher.APPLIED],
                             })  # fmt: skip
@@ -190,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _environment() -> dict[str, str]:
+    from megatron_npu.ops.kernels import NATIVE_ENV
+
     env = dict(os.environ)
     env.pop("MEGATRON_NPU_DISABLE", None)  # the spec's list is the whole disabled set
     env.pop("MEGATRON_NPU_DISABLE_FLAG", None)
+    env.pop(NATIVE_ENV, None)  # and its native_kernels the whole natively served set
     return env
 
 

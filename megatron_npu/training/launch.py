@@ -393,11 +393,10 @@ def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
     with tempfile.TemporaryDirectory(prefix="megatron-npu-ranks-") as tmp:
         procs, logs = [], []
         for rank in range(world):
-            rank_env = dict(base)
-            if world > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(port))  # fmt: skip
+            rank_env = dict(base)  # torchrun's variables, one rank too (as torchrun sets them)
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))  # fmt: skip
             logs.append(Path(tmp) / f"rank{rank}.log")
             proc = ctx.Process(target=_warm_rank, args=(target, payload, rank_env, str(logs[-1])))
             proc.start()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_npu.compare import rules
-from megatron_npu.locate import curves, dump, modules, result
+from megatron_npu.locate import command, curves, dump, modules, result
 from megatron_npu.locate.culprit import ddmin, search
 
 # ------------------------------------------------------------------ first divergent step
@@ -345,6 +345,41 @@ def test_the_tracer_attributes_patch_code_to_the_modules_on_the_stack():
     assert tracer.reached("lin", built) == {"own": ["ops.build"], "total": ["ops.build"]}
 
 
+def test_a_method_shared_with_a_class_patch_counts_only_for_its_instances():
+    """The adaptor's local norm is the base of the TE norm class a TE patch installs: a local
+    norm running the shared ``forward`` reaches the patch that built it, not the TE patch."""
+    from megatron_npu.locate.trace import Tracer
+
+    class Base(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Installed(Base):
+        pass
+
+    def helper(x):
+        return x
+
+    tracer = Tracer(
+        {Base.forward.__code__: ("te.norm",), helper.__code__: ("te.norm", "local.norm")},
+        classes={"te.norm": Installed},
+    )
+    with tracer.active():
+        for name, module in (("local", Base()), ("te", Installed())):
+            tracer.enter(name)
+            module(1)
+            helper(1)  # no self: every patch whose code it is
+            tracer.leave(name)
+    assert tracer.reached("local")["own"] == ["local.norm", "te.norm"]
+    tracer_local = Tracer({Base.forward.__code__: ("te.norm",)}, classes={"te.norm": Installed})
+    with tracer_local.active():
+        tracer_local.enter("local")
+        Base()(1)
+        tracer_local.leave("local")
+    assert tracer_local.reached("local")["own"] == []
+    assert tracer.reached("te")["own"] == ["local.norm", "te.norm"]
+
+
 def test_patch_code_objects_cover_the_applied_patches():
     import megatron_npu
     from megatron_npu.locate.trace import patch_code_objects
@@ -432,3 +467,88 @@ def test_a_rerun_into_the_same_folder_drops_the_old_dumps_but_keeps_a_given_refe
     assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["reference"]
     _clear_dumps(tmp_path, None)
     assert list((tmp_path / "dumps").iterdir()) == []
+
+
+def test_read_curve_takes_a_megatron_lm_log_and_its_printed_digits(tmp_path):
+    """A user's own Megatron-LM log stands in for a curve run; its grad norm's three printed
+    decimals are rounding, not error."""
+    line = (
+        " [2026-11-27 04:48:54] iteration {i:8d}/       2 | consumed samples: {s:12d} | elapsed "
+        "time per iteration (ms): 50.0 | learning rate: 1.000000E-03 | global batch size:     4 | "
+        "lm loss: {loss} | loss scale: 1.0 | grad norm: {norm} | number of skipped iterations:   "
+        "0 | number of nan iterations:   0 |\n"
+    )
+    # torchrun --tee prefixes every line with its rank: the log starts with "[", not JSON
+    head = (
+        "[rank0]: ------------------------ arguments ------------------------\n"
+        "[rank0]:   num_layers ...................................... 2\n"
+        "[rank0]:   seq_length ...................................... 128\n"
+        "[rank0]: -------------------- end of arguments ---------------------\n"
+    )
+    ref, cand = tmp_path / "gpu.log", tmp_path / "npu.log"
+    ref.write_text(head + line.format(i=1, s=4, loss="7.060161E+00", norm="0.543")
+                   + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527"))  # fmt: skip
+    cand.write_text(head + line.format(i=1, s=4, loss="7.060161E+00", norm="0.544")
+                    + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527"))  # fmt: skip
+    curve = curves.read_curve(ref)
+    assert (curve.iterations, curve.losses, curve.grad_norms) == (
+        [1, 2], [7.060161, 7.033757], [0.543, 0.527],
+    )  # fmt: skip
+    assert curves.printed_resolution(ref) == {"grad_norm": 5e-4}
+    assert curves.printed_resolution(tmp_path / "x.json") == {}
+    resolution = curves.printed_resolution(ref)
+    # one unit in the last printed digit is within both values' rounding
+    assert (
+        curves.first_divergent_step(curve, curves.read_curve(cand), resolution=resolution).step
+        is None
+    )
+    # without it, 0.543 vs 0.544 (0.18 %) is beyond the 1e-4 floor
+    assert curves.first_divergent_step(curve, curves.read_curve(cand)).step == 1
+    with pytest.raises(curves.CurveError, match="no such file"):
+        curves.read_curve(tmp_path / "missing.log")
+
+
+def test_script_sides_keep_the_users_arguments_and_replays_add_megatron_lms_own():
+    from megatron_npu.locate import script_runs
+
+    argv, device, world, disable = script_runs.split_options([
+        "--device", "npu", "--nproc-per-node=2", "--disable-patch", "softmax.fused",
+        "--num-layers", "2", "--save", "/ckpt", "--save-interval=5", "--no-save-optim", "--bf16",
+    ])  # fmt: skip
+    assert (argv, device, world, disable) == (
+        ["--num-layers", "2", "--bf16"], "npu", 2, ["softmax.fused"],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--device needs a value"):
+        script_runs.split_options(["--bf16", "--device"])
+    base = {"script_args": ["--train-iters", "10"], "stop": 7, "hook_step": 7}
+    assert script_runs.replay_arguments({**base, "save_before": "/d/ckpt"}) == [
+        [
+            "--train-iters",
+            "10",
+            "--save",
+            "/d/ckpt",
+            "--save-interval",
+            "6",
+            "--exit-interval",
+            "6",
+        ],
+        ["--train-iters", "10", "--load", "/d/ckpt", "--exit-interval", "7"],
+    ]
+    assert script_runs.replay_arguments({**base, "load": "/d/ckpt"}) == [
+        ["--train-iters", "10", "--load", "/d/ckpt", "--exit-interval", "7"],
+    ]
+    curve = {"script_args": ["--train-iters", "10"], "stop": 10, "hook_step": 1, "curve": "c.json"}
+    assert script_runs.replay_arguments(curve) == [["--train-iters", "10"]]
+
+
+def test_script_side_errors_are_named(tmp_path):
+    with pytest.raises(command.LocateError, match="--script: no script"):
+        command.script_side("reference", "--device cpu", "", str(tmp_path / "nope.py"))
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    with pytest.raises(command.LocateError, match="--candidate options must name --device"):
+        command.script_side("candidate", "--bf16", "", str(script))
+    side = command.script_side(
+        "reference", "--device cpu", "--nproc-per-node 2 --bf16", str(script)
+    )
+    assert (side.device, side.world, side.argv, side.script) == ("cpu", 2, ["--bf16"], str(script))

@@ -6,7 +6,9 @@
   (``megatron_npu.ops.attention.native_fused_attention``, what ``--use-flash-attn`` runs on cpu)
   sleeps 100 ms per call -- a slowdown with right results;
 * ``wrong-adamw``: the emulated NPU kernel ``npu_apply_adam_w`` steps with 1.5x the learning
-  rate -- an accuracy bug on the NPU code path only.
+  rate -- an accuracy bug on the NPU code path only;
+* ``rms-norm-2pct``: the emulated NPU kernel ``npu_rms_norm`` returns its output 2 % too large --
+  a fused-kernel bug that a row-by-row threshold lets through.
 """
 
 import os
@@ -34,5 +36,15 @@ elif _PLANT == "wrong-adamw":
         return _original_adamw(beta1_power, beta2_power, lr * 1.5, *args, **kwargs)
 
     _emulation.npu_apply_adam_w = _wrong_adamw
+elif _PLANT == "rms-norm-2pct":
+    from megatron_npu.testing import torch_npu_emulation as _emulation
+
+    _original_rms_norm = _emulation.npu_rms_norm
+
+    def _wrong_rms_norm(*args, **kwargs):
+        out, rstd = _original_rms_norm(*args, **kwargs)
+        return out * 1.02, rstd
+
+    _emulation.npu_rms_norm = _wrong_rms_norm
 elif _PLANT:
     raise RuntimeError(f"unknown MEGATRON_NPU_TEST_PLANT {_PLANT!r}")
