@@ -113,7 +113,11 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         "position_embedding_type": args.get("position_embedding_type"),
         "normalization": args.get("normalization"),
         "swiglu": bool(args.get("swiglu")),
-        "bias_linear": not args.get("disable_bias_linear"),
+        # Megatron-LM's argument dump names it by its destination, add_bias_linear (its
+        # --disable-bias-linear stores False there); megatron-npu train's by the flag
+        "bias_linear": bool(args["add_bias_linear"])
+        if "add_bias_linear" in args
+        else not args.get("disable_bias_linear"),
         "tied_embeddings": not args.get("untie_embeddings_and_output_weights"),
         "init_method_std": args.get("init_method_std"),
         "padded_vocab_size": config.get("padded_vocab_size"),

@@ -94,3 +94,12 @@ def test_locate_on_a_healthy_pretrain_gpt_pair_names_nothing(tmp_path, monkeypat
         resolution=curves.printed_resolution(logs / "curve-reference.log"),
     )  # fmt: skip
     assert finding.step is None, finding
+    # the Llama-style fingerprint fields, read off Megatron-LM's own argument dump
+    from megatron_npu.compare import fingerprint, imports
+
+    print_ = fingerprint.fingerprint(imports.load(logs / "curve-reference.log").metrics["config"])
+    assert {k: print_[k] for k in ("bias_linear", "tied_embeddings", "swiglu", "normalization",
+                                   "position_embedding_type", "num_query_groups")} == {
+        "bias_linear": False, "tied_embeddings": False, "swiglu": True,
+        "normalization": "RMSNorm", "position_embedding_type": "rope", "num_query_groups": 2,
+    }  # fmt: skip

@@ -1,0 +1,54 @@
+"""Every fingerprint field read off a real Megatron-LM log as Megatron-LM names it: the H100's
+native ``pretrain_gpt.py`` run of ``../shared/gpu-logs/h100-tiny`` (its ``ARGS.txt`` holds the
+options), field by field against what those options mean. The Llama-style fields (no linear
+bias, untied embeddings, GQA, SwiGLU, RMSNorm, RoPE) are held on a Megatron-LM log of the
+adaptor's own making in ``tests/locate/test_locate_script.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_npu.compare import fingerprint as fp
+from megatron_npu.compare import imports
+
+GPU_LOGS = Path(__file__).resolve().parents[3] / "shared" / "gpu-logs"
+H100_TINY = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
+
+#: what ARGS.txt's options mean, field by field (Megatron-LM's derivations: ffn 4h, kv h/heads,
+#: one query group per head without --group-query-attention, the NullTokenizer's N + 1 tokens
+#: padded to a multiple of 128)
+EXPECTED = {
+    "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024, "num_attention_heads": 8,
+    "num_query_groups": 8, "kv_channels": 32, "seq_length": 256, "max_position_embeddings": 256,
+    "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+    "swiglu": False, "bias_linear": True, "tied_embeddings": True, "init_method_std": 0.02,
+    "attention_window": "causal, pre full, next full", "experts": "dense",
+    "padded_vocab_size": 1024, "seed": 1234, "tokenizer": "NullTokenizer",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def h100_fingerprint() -> dict:
+    if not H100_TINY.is_file():
+        raise AssertionError(f"{H100_TINY}: the shared GPU logs are missing")
+    return fp.fingerprint(imports.load(H100_TINY).metrics["config"])
+
+
+@pytest.mark.parametrize("field", sorted(EXPECTED))
+def test_each_field_of_a_gpu_log_means_what_its_options_say(h100_fingerprint, field):
+    assert h100_fingerprint[field] == EXPECTED[field]
+
+
+def test_the_fields_cover_the_fingerprint(h100_fingerprint):
+    assert set(EXPECTED) | {"data"} == set(fp.FIELDS) == set(h100_fingerprint)
+    assert h100_fingerprint["data"].startswith("mock: vocab 1024")
+
+
+def test_bias_is_read_under_either_trainers_name():
+    """Megatron-LM dumps ``add_bias_linear`` (False with --disable-bias-linear); megatron-npu
+    train keeps ``disable_bias_linear``."""
+    for args, bias in (({"add_bias_linear": False}, False), ({"add_bias_linear": True}, True),
+                       ({"disable_bias_linear": True}, False), ({}, True)):  # fmt: skip
+        assert fp.fingerprint({"arguments": args})["bias_linear"] is bias
