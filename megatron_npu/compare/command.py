@@ -193,6 +193,10 @@ def speed_verdict(cand: RunResult, other: RunResult, matrix: Matrix) -> rules.Ve
         and not cand.emulated and not other.emulated
         else None
     )  # fmt: skip
+    models = fp.differences(other.fingerprint(), cand.fingerprint(), s.vary)
+    if models and not mismatch:  # two different models are never timed against each other
+        fields = ", ".join(f"{f} ({a!r} vs {b!r})" for f, a, b in models)
+        mismatch = f"not like for like: another model than {other.spec.name} ({fields})"
     mismatch = mismatch or rules.speed_mismatch(
         cand.speed_setup(), other.speed_setup(),
         same_configuration=cand.spec.kind == other.spec.kind == "train"

@@ -212,3 +212,34 @@ def test_the_memory_profiled_step_is_never_timed():
     assert record["median_s_per_step"] == pytest.approx(0.1)
     unprofiled = command.perf_record(command.RunResult(spec, "cpu", outcome, metrics=metrics), 0)
     assert unprofiled["ci95_s_per_step"][1] > 0.1  # the slow first step is in the statistics
+
+
+def test_a_pair_of_two_models_gets_no_speed_verdict(tmp_path, monkeypatch):
+    """A candidate timed against another model (here another depth) is not timed at all: its
+    fingerprint is refused against its reference, and its speed against its speed reference is
+    not like for like (two dense runs of one precision would otherwise be timed)."""
+
+    def execute(spec, device, run_dir, **kwargs):
+        metrics = _metrics(spec, device, list(np.linspace(6, 3, 12)))
+        metrics["config"]["arguments"]["num_layers"] = spec.options.get("num-layers", 2)
+        if spec.name == "deep":
+            for step in metrics["steps"]:
+                step["step_time_s"] = 0.3  # three times slower: a verdict would fail it
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        return runner.Outcome("ok", None, 1.0, ["train", spec.name], "h", session=kwargs["session"])
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "device_available", lambda name: name == "cpu")
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[compare]\nbaseline = "ref"\n[[run]]\nname = "ref"\ndevice = "cpu"\n[[run]]\n'
+        'name = "deep"\ndevice = "cpu"\nspeed_reference = "ref"\noptions = { num-layers = 4 }\n'
+    )
+    document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
+    verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
+    assert verdicts[("deep", "fingerprint")]["status"] == "refused"
+    perf = verdicts[("deep", "performance")]
+    assert perf["status"] == "not-applicable", perf
+    assert "another model than ref" in perf["detail"] and "num_layers (2 vs 4)" in perf["detail"]
