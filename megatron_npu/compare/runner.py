@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,13 +164,39 @@ def stream(
     return code, list(tail), time.perf_counter() - start
 
 
-def _failure(code: int | None, tail: list[str], timeout_s: float) -> str:
+#: a line where a run says why it stopped: the adaptor's named refusal, or a Python exception
+#: (a rank's, behind torchrun's ``[rankN]:`` prefix)
+_STOP_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?((?:megatron-npu[\w -]*: |[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b:?).*)$"
+)
+#: lines torchrun's elastic agent writes about a child's failure (its footer, its own traceback)
+_LAUNCHER_LINE = re.compile(r"torch\.distributed\.elastic|ChildFailedError|To enable traceback")
+
+
+def script_error(log: Path) -> str | None:
+    """The last line in which the script (not torchrun) says why it stopped, rank prefix off."""
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        match = _STOP_LINE.match(line.strip())
+        if match and not _LAUNCHER_LINE.search(line):
+            found = match.group(1).strip()
+    return found
+
+
+def _failure(code: int | None, tail: list[str], timeout_s: float, log: Path | None = None) -> str:
     if code is None:
         reason = f"killed after the {timeout_s:g} s timeout"
     elif code < 0:
         reason = f"killed by signal {-code}"
     else:
         reason = f"exit code {code}"
+    own = script_error(log) if log is not None else None
+    if own:
+        return f"{reason}: {own}"
     lines = [line.strip() for line in tail if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
     shown = errors[-3:] or lines[-5:]
@@ -206,7 +233,7 @@ def execute(
     error = (
         None
         if ok
-        else _failure(code, tail, timeout_s)
+        else _failure(code, tail, timeout_s, run_dir / "train.log")
         if code != 0
         else "no metrics.json was written"
     )
@@ -278,7 +305,7 @@ def execute_script(
         stale.unlink(missing_ok=True)
     echo.write(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}\n")
     code, tail, wall = stream(command, log_path, timeout_s, echo, script_environment(spec, device))
-    error = _failure(code, tail, timeout_s) if code != 0 else None
+    error = _failure(code, tail, timeout_s, log_path) if code != 0 else None
     if error is None:
         try:
             metrics = mlm_log.to_metrics(mlm_log.parse(log_path), str(log_path))

@@ -65,3 +65,52 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
     assert verdicts[("mlm-script", "performance")]["status"] == "not-applicable"
     assert (tmp_path / "out" / "runs" / "mlm-script" / "metrics.json").is_file()
     assert status == 0, echo.getvalue()[-3000:]
+
+
+#: the end of a failed two-rank pretrain_gpt.py run under torchrun (Megatron's exception on each
+#: rank, then the elastic agent's own traceback and footer)
+TORCHRUN_FAILURE = """\
+[rank1]:   File "/m/megatron/core/transformer/torch_norm.py", line 30, in __new__
+[rank1]: AssertionError: persist_layer_norm not supported by torch LayerNorm
+[rank0]:   File "/m/megatron/core/transformer/torch_norm.py", line 30, in __new__
+[rank0]: AssertionError: persist_layer_norm not supported by torch LayerNorm
+E1127 05:01:02.000000 123 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: /usr/bin/python
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/site-packages/torch/distributed/run.py", line 900, in main
+    run(args)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+megatron_npu.run_script FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_05:01:02
+  host      : vm
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 7)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_failed_runs_reason_is_the_scripts_own_last_error_line(tmp_path):
+    from megatron_npu.compare import runner
+
+    log = tmp_path / "script.log"
+    log.write_text(TORCHRUN_FAILURE)
+    reason = runner._failure(1, TORCHRUN_FAILURE.splitlines()[-15:], 600, log)
+    assert (
+        reason == "exit code 1: AssertionError: persist_layer_norm not supported by torch LayerNorm"
+    )
+    refused = "[rank0]: something\nmegatron-npu: --context-parallel-size 2 needs ... (one line)\n"
+    log.write_text(refused + TORCHRUN_FAILURE.split("E1127", 1)[1])
+    assert runner._failure(2, [], 600, log) == (
+        "exit code 2: megatron-npu: --context-parallel-size 2 needs ... (one line)"
+    )
+    # without a line of its own, the tail as before
+    log.write_text("Killed\n")
+    assert runner._failure(137, ["Killed"], 600, log) == "exit code 137: Killed"
