@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from megatron_npu.compare import datasheet, imports, rules, runner, table2
 from megatron_npu.compare import fingerprint as fp
-from megatron_npu.compare import imports, rules, runner, table2
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
 from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
@@ -417,6 +417,24 @@ def confirm_slowdown(
     return verdict
 
 
+def _datasheet_peak(result: RunResult) -> None:
+    """An imported run without a peak of its own (a Megatron-LM log or event folder) gets the
+    datasheet peak of the GPU its ``hardware`` label names (:mod:`.datasheet`), per device,
+    times its world size; the MFU column then reads against it."""
+    summary = result.metrics.setdefault("summary", {})
+    if summary.get("peak") or result.emulated:
+        return
+    args = result.arguments
+    precision = "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
+    found = datasheet.peak(result.spec.hardware, precision)
+    if found is None:
+        return
+    tflops, detail = found
+    world = result.metrics.get("config", {}).get("world_size") or args.get("world_size") or 1
+    summary["peak"] = {"tflops": tflops, "source": "datasheet", "detail": detail}
+    summary["peak_devices"] = int(world)
+
+
 def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
     """An imported run (:mod:`.imports`), or a failed one whose error names the file and line."""
     try:
@@ -434,6 +452,7 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
         spec, device, runner.Outcome("imported", None, 0.0, [], imported.provenance.get("sha256") or ""),
         metrics=imported.metrics, provenance=imported.provenance,
     )  # fmt: skip
+    _datasheet_peak(result)
     if imported.device and imported.device != device:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
     if imported.emulated and device != NPU_EMULATED:

@@ -43,7 +43,8 @@ hardware = "8x H200"           # a label for Table 2 (default: the device)
 name = "gpu-8p"
 import = "logs/gpu-8p.log"     # a Megatron-LM log, a TensorBoard event folder, or a megatron-npu
 device = "cuda"                # metrics.json / compare results.json (+ run = "NAME" for the latter);
-hardware = "8x H200"           # relative paths are relative to the matrix file
+hardware = "8x H200"           # relative paths are relative to the matrix file; a log's MFU reads
+                               # against the datasheet peak of the GPU this names (compare/datasheet.py)
 
 [[run]]                        # a user's Megatron-LM script, run through the adaptor
 name = "mlm-script"

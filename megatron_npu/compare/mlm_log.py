@@ -174,6 +174,27 @@ def _data_description(args: dict[str, Any], what: str, source: str) -> str:
     return f"{what} {source}"
 
 
+def _model_flops(records: list[dict[str, Any]], args: dict[str, Any], vocab: Any,
+                 world: Any) -> float | None:  # fmt: skip
+    """The model FLOPs of one step: from the log's own ``throughput per GPU (TFLOP/s/GPU)``
+    (Megatron-LM's count over the step time and the world) when it logged it (the median over
+    its lines), else Megatron-LM's formula over the argument dump; None when neither can be
+    had."""
+    logged = [
+        r["tflops_per_gpu"] * 1e12 * world * r["step_time_ms"] / 1000.0
+        for r in records
+        if r.get("tflops_per_gpu") and r.get("step_time_ms") and isinstance(world, int)
+    ]
+    if logged:
+        return float(sorted(logged)[len(logged) // 2])
+    from megatron_npu.training import flops
+
+    try:
+        return flops.model_flops_per_step(args, int(vocab))
+    except (TypeError, ValueError):  # an argument the formula needs is not in the dump
+        return None
+
+
 def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
     """The parsed log in the shape of ``megatron-npu train --metrics-out`` (config, steps,
     summary), so that compare's rules read it like a local run."""
@@ -193,6 +214,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
     dp = args.get("data_parallel_size") or (world // (tp * pp) if isinstance(world, int) else None)
     data_source = "mock" if args.get("mock_data") else "data-path"
     peak = parsed.get("peak_allocated_mb")
+    vocab = parsed.get("padded_vocab_size") or args.get("padded_vocab_size")
     return {
         "config": {
             "arguments": args,
@@ -214,5 +236,6 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             # MEMORY_MEASURE of the run's device says which column it belongs to
             "peak_memory_bytes": int(peak * 2**20) if peak is not None else None,
             "log_interval": args.get("log_interval"),
+            "model_flops_per_step": _model_flops(parsed["iterations"], args, vocab, world),
         },
     }

@@ -34,6 +34,9 @@ optimizer step, and recomputation. The result is the work of the *whole model* f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 def active_ffn_hidden_size(
     ffn_hidden_size: int,
@@ -103,3 +106,45 @@ def gpt_model_flops_per_iteration(
     mlp = mlp_forward_flops(1, hidden_size, ffn_hidden_size, swiglu=swiglu) / (4.0 * h * h)
     logits = padded_vocab_size / (2.0 * num_layers * h)
     return 12.0 * global_batch_size * seq_length * num_layers * h * h * (attention + mlp + logits)
+
+
+def moe_layer_share(num_experts: int | None, moe_layer_freq: Any, num_layers: int) -> float:
+    """The share of the layers that are MoE layers (``--moe-layer-freq``); 0 for a dense model."""
+    from megatron_npu.moe_options import moe_layer_pattern
+
+    if not num_experts:
+        return 0.0
+    pattern = moe_layer_pattern(moe_layer_freq if moe_layer_freq is not None else 1, num_layers)
+    return sum(pattern) / len(pattern)
+
+
+def model_flops_per_step(args: Any, padded_vocab_size: int) -> float:
+    """Megatron-LM's count for one training iteration from its arguments by their Megatron
+    names (an argparse namespace, or the mapping of a Megatron-LM log's argument dump): causal
+    attention (a pre/next window is not credited, as in Megatron), the query groups only with
+    ``group_query_attention``, MoE layers counting their active experts only."""
+    get = args.get if isinstance(args, Mapping) else (lambda name: getattr(args, name, None))
+    heads = get("num_attention_heads")
+    num_experts = get("num_experts")
+    return gpt_model_flops_per_iteration(
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
+        ffn_hidden_size=active_ffn_hidden_size(
+            get("ffn_hidden_size"),
+            num_experts=num_experts,
+            moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+            moe_router_topk=get("moe_router_topk") or 2,
+            moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+            moe_layer_share=moe_layer_share(num_experts, get("moe_layer_freq"), get("num_layers")),
+        ),
+        num_attention_heads=heads,
+        num_query_groups=(get("num_query_groups") or heads)
+        if get("group_query_attention") in (None, True)
+        else heads,
+        seq_length=get("seq_length"),
+        padded_vocab_size=padded_vocab_size,
+        global_batch_size=get("global_batch_size"),
+        swiglu=bool(get("swiglu")),
+        causal=True,
+        kv_channels=get("kv_channels"),
+    )

@@ -38,7 +38,6 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices, patcher
-from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.ops.attention import causal_mask
 from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
@@ -275,38 +274,11 @@ def _describe_layout(args, device) -> str:
     )
 
 
-def moe_layer_share(args) -> float:
-    """The share of the layers that are MoE layers (``--moe-layer-freq``)."""
-    if args.num_experts is None:
-        return 0.0
-    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
-    return sum(pattern) / len(pattern)
-
-
 def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) -> None:
     """Model FLOPs per step (Megatron-LM's formula; causal attention, a pre/next window is not
     credited, as in Megatron; MoE layers count their active experts only) and, on rank 0, the
     peak MFU is measured against."""
-    run_metrics.model_flops_per_step = flops.gpt_model_flops_per_iteration(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=flops.active_ffn_hidden_size(
-            args.ffn_hidden_size,
-            num_experts=args.num_experts,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-            moe_router_topk=args.moe_router_topk,
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            moe_layer_share=moe_layer_share(args),
-        ),
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
-        padded_vocab_size=vocab,
-        global_batch_size=args.global_batch_size,
-        swiglu=args.swiglu,
-        causal=True,
-        kv_channels=args.kv_channels,
-    )
+    run_metrics.model_flops_per_step = flops.model_flops_per_step(args, vocab)
     if rank0:
         try:
             figure = peak.resolve_peak(device.name, model_mod.params_dtype(args), args.peak_tflops)

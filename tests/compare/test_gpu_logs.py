@@ -1,0 +1,72 @@
+"""The native H100 runs of ``../shared/gpu-logs`` (Megatron-LM core_v0.16.1's ``pretrain_gpt.py``,
+unmodified) imported as compare runs: model FLOPs from the log's own throughput field agree with
+Megatron-LM's formula over its argument dump, and the MFU reads against the datasheet peak of the
+GPU the matrix's ``hardware`` label names."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_npu.compare import command, datasheet, imports, mlm_log
+from megatron_npu.compare import matrix as m
+from megatron_npu.training import flops
+
+GPU_LOGS = Path(__file__).resolve().parents[3] / "shared" / "gpu-logs"
+GPT345M = GPU_LOGS / "h100-gpt345m"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_logged_throughput_and_the_formula_count_the_same_flops(precision):
+    log = GPT345M / f"mlm-native-{precision}.log"
+    parsed = mlm_log.parse(log)
+    assert any(r.get("tflops_per_gpu") for r in parsed["iterations"])
+    logged = imports.load(log).metrics["summary"]["model_flops_per_step"]
+    formula = flops.model_flops_per_step(parsed["arguments"], parsed["padded_vocab_size"])
+    # the log prints TFLOP/s with one decimal: about 0.1 % at 30-90 TFLOP/s
+    assert logged == pytest.approx(formula, rel=2e-3)
+    assert formula == pytest.approx(3.72e13, rel=1e-3)  # 345M, 16 x 1024 tokens
+
+
+def test_a_log_without_throughput_counts_by_the_formula():
+    log = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
+    parsed = mlm_log.parse(log)
+    assert not any(r.get("tflops_per_gpu") for r in parsed["iterations"])
+    summary = imports.load(log).metrics["summary"]
+    # 4 layers, h 256, s 256, vocab 1024, batch 8: 12 B s L h^2 (1 + 1 + s/2h + 4 + V/2Lh)
+    expected = 12 * 8 * 256 * 4 * 256**2 * (1 + 1 + 256 / 256 * 0.5 + 4 + 1024 / (2 * 4 * 256))
+    assert summary["model_flops_per_step"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_datasheet_peaks_follow_the_label_and_the_precision():
+    assert datasheet.peak("H100 SXM", "bf16") == (989.0, "H100 SXM datasheet, dense bf16")
+    assert datasheet.peak("8x h100", "fp32")[0] == 67.0
+    assert datasheet.peak("H100 PCIe 80GB", "fp16")[0] == 756.0
+    assert datasheet.peak("A100-SXM4-80GB", "fp32")[0] == 19.5
+    assert datasheet.peak("Ascend 910B", "bf16") is None and datasheet.peak(None, "bf16") is None
+
+
+def test_imported_h100_runs_get_their_mfu_against_the_datasheet(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
+    matrix = tmp_path / "m.toml"
+    matrix.write_text(
+        '[compare]\nbaseline = "fp32"\n'
+        f'[[run]]\nname = "fp32"\nimport = "{GPT345M / "mlm-native-fp32.log"}"\ndevice = "cuda"\n'
+        'hardware = "H100 SXM"\n'
+        f'[[run]]\nname = "bf16"\nimport = "{GPT345M / "mlm-native-bf16.log"}"\ndevice = "cuda"\n'
+        'hardware = "H100 SXM"\n'
+    )
+    document, _ = command.run_compare(m.load(matrix), tmp_path / "out", echo=io.StringIO())
+    runs = {r["name"]: r for r in document["runs"]}
+    for name, peak in (("fp32", 67.0), ("bf16", 989.0)):
+        perf = runs[name]["perf"]
+        assert perf["peak_tflops"] == peak and perf["peak_source"] == "datasheet"
+        expected = perf["model_flops_per_step"] / perf["median_s_per_step"] / (peak * 1e12)
+        assert perf["mfu"] == pytest.approx(expected, rel=1e-9)
+    # the README's figures: bf16 0.389 s/step (about 96 TFLOP/s, ~10 % of 989), fp32 1.181 s/step
+    assert runs["bf16"]["perf"]["median_s_per_step"] == pytest.approx(0.389, rel=0.05)
+    assert runs["bf16"]["perf"]["mfu"] == pytest.approx(96 / 989, rel=0.05)
+    assert runs["fp32"]["perf"]["mfu"] == pytest.approx(31.5 / 67, rel=0.05)
