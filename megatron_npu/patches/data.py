@@ -19,11 +19,12 @@ import functools
 import importlib
 import inspect
 import logging
+import os
 import sys
 import types
 
 from megatron_npu.data import index_helpers
-from megatron_npu.registry import Patch
+from megatron_npu.registry import CUDA, Patch
 
 _HELPERS = "megatron.core.datasets.helpers"
 #: every function megatron-core's ``helpers`` module offers (the compiled ones and the wrapper)
@@ -84,6 +85,35 @@ def compile_helpers() -> None:
     _logger.info("megatron-npu: dataset index helpers are numpy; nothing to compile")
 
 
+def _compile_where_possible(original):
+    """On ``cuda``, Megatron's own ``compile_helpers`` wherever it can build; where it cannot (an
+    installed wheel ships no Makefile: ``make`` stops and Megatron exits), nothing is run and one
+    line says what serves instead: the wheel's prebuilt ``helpers_cpp``, or, where that is
+    missing too, the adaptor's byte-identical numpy helpers
+    (:func:`megatron_npu.data.index_helpers.install_numpy_helpers`)."""
+
+    @functools.wraps(original)
+    def compile_helpers():
+        folder = os.path.dirname(os.path.abspath(inspect.getfile(original)))
+        if os.path.isfile(os.path.join(folder, "Makefile")):
+            return original()
+        built = importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+        if not built:
+            index_helpers.install_numpy_helpers()
+        serving = (
+            "its prebuilt helpers_cpp serves"
+            if built
+            else "the adaptor's numpy index helpers serve (byte-identical)"
+        )
+        print(
+            f"megatron-npu: megatron-core's dataset helpers cannot be built here (no Makefile in "
+            f"{folder}): {serving}",
+            file=sys.stderr,
+        )
+
+    return compile_helpers
+
+
 helpers_module()
 
 PATCHES = [
@@ -107,6 +137,19 @@ PATCHES = [
         versions=">=0.13",
         parity_exempt="build step, no numerics: the helpers it stands for have parity cases",
         exempt_test="tests/test_patcher.py::test_compile_helpers_needs_no_make",
+        benchmark_exempt="a build step run once, not a per-step cost",
+    ),
+    Patch(
+        id="data.compile-helpers-cuda",
+        target="megatron.core.datasets.utils.compile_helpers",
+        replacement=_compile_where_possible,
+        kind="wrap",
+        devices=frozenset({CUDA}),
+        reason="pip's megatron-core ships no Makefile: Megatron-LM's compile_helpers exits; build "
+        "where it can, else the prebuilt or numpy helpers serve, said in one line",
+        versions=">=0.13",
+        parity_exempt="build step, no numerics: the helpers it may stand for have parity cases",
+        exempt_test="tests/patches/test_compile_helpers_cuda.py::test_no_makefile_is_one_line_not_an_exit",
         benchmark_exempt="a build step run once, not a per-step cost",
     ),
     Patch(
