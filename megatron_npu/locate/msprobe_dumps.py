@@ -64,7 +64,15 @@ class TensorInfo:
 
     def load(self) -> torch.Tensor:
         assert self.file is not None
-        return torch.load(self.file, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(self.file, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise MsprobeDumpError(
+                f"{self.file}: a tensor file its dump.json names is missing (copy the whole dump "
+                "folder, dump_tensor_data/ included)"
+            ) from None
+        except Exception as exc:  # noqa: BLE001  (torch.load raises many kinds on a bad file)
+            raise MsprobeDumpError(f"{self.file}: not a readable tensor file ({exc})") from None
 
 
 @dataclass
@@ -113,6 +121,17 @@ def _info(record: dict[str, Any], data_dir: Path) -> TensorInfo:
     )  # fmt: skip
 
 
+def match_key(name: str) -> str:
+    """What pairs a row of one dump with the other's: a module row by its path, phase and call
+    index without its class (``Module.decoder.layers.0.input_layernorm.forward.0``: a port may
+    serve a module with another class, e.g. the adaptor's norm where a GPU ran apex's); an API
+    row by its name."""
+    module = _MODULE_ROW.match(name)
+    if module is None:
+        return name
+    return f"Module.{module['path']}.{module['phase']}.{name.rsplit('.', 1)[1]}"
+
+
 def _row(name: str, data: dict[str, Any], order: int, data_dir: Path) -> Row | None:
     module, api = _MODULE_ROW.match(name), _API_ROW.match(name)
     if module is None and api is None:
@@ -153,7 +172,7 @@ def _read_rank(dump_json: Path) -> RankDump:
     for order, (name, data) in enumerate(document["data"].items()):
         row = _row(name, data if isinstance(data, dict) else {}, order, data_dir)
         if row is not None:
-            rows[name] = row
+            rows[match_key(name)] = row
     parents: dict[str, str | None] = {}
     construct = dump_json.with_name("construct.json")
     if construct.is_file():
@@ -271,6 +290,52 @@ class RowVerdict:
                 "tolerance": self.tolerance, "diverges": self.diverges, "worst": self.worst}  # fmt: skip
 
 
+def _check_comparable(reference: dict[str, RankDump], candidate: dict[str, RankDump]) -> None:
+    """Two dumps of one model, step and task, with their tensor files; else one named error.
+
+    API rows may differ (another device calls other APIs: ``NPU.npu_rms_norm`` on an NPU where a
+    GPU calls ``Functional.rms_norm``); module rows may not: a module one side has and the
+    other lacks, or a tensor of another shape, is another model."""
+    ref_tasks = {d.task for d in reference.values()}
+    cand_tasks = {d.task for d in candidate.values()}
+    if ref_tasks != cand_tasks:
+        raise MsprobeDumpError(
+            f"the reference is a {'/'.join(sorted(ref_tasks))} dump and the candidate a "
+            f"{'/'.join(sorted(cand_tasks))} dump: dump both with the same task (tensor, to "
+            "decide; statistics give lower bounds only)"
+        )
+    for key in sorted(reference):
+        ref, cand = reference[key].rows, candidate[key].rows
+        modules = {k for k, r in ref.items() if r.kind == "module"}
+        cand_modules = {k for k, r in cand.items() if r.kind == "module"}
+        if modules != cand_modules:
+            only = sorted(modules - cand_modules)[:1] or sorted(cand_modules - modules)[:1]
+            side = "reference" if only[0] in modules else "candidate"
+            raise MsprobeDumpError(
+                f"{key}: the dumps are of other models: {only[0]} is only in the {side} "
+                f"({len(modules ^ cand_modules)} module rows differ)"
+            )
+        for name in sorted(set(ref) & set(cand), key=lambda n: cand[n].order):
+            for side_name in ("inputs", "outputs"):
+                r_side, c_side = getattr(ref[name], side_name), getattr(cand[name], side_name)
+                for position in sorted(set(r_side) & set(c_side)):
+                    if r_side[position].shape != c_side[position].shape:
+                        raise MsprobeDumpError(
+                            f"{key}: the dumps are of other models: {cand[name].name} {position} has shape "
+                            f"{list(r_side[position].shape)} in the reference and "
+                            f"{list(c_side[position].shape)} in the candidate"
+                        )
+        if TENSOR_TASK in ref_tasks:
+            for dump in (reference[key], candidate[key]):
+                for row in dump.rows.values():
+                    for info in (*row.inputs.values(), *row.outputs.values()):
+                        if info.file is not None and not info.file.is_file():
+                            raise MsprobeDumpError(
+                                f"{info.file}: a tensor file its dump.json names is missing "
+                                "(copy the whole dump folder, dump_tensor_data/ included)"
+                            )
+
+
 def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
             rule: Rule | None = None) -> dict[str, Any]:  # fmt: skip
     """Both dumps row by row with the input-explained rule; the first divergent row."""
@@ -279,6 +344,7 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
             f"the dumps hold other steps or ranks: reference {sorted(reference)}, candidate "
             f"{sorted(candidate)}"
         )
+    _check_comparable(reference, candidate)
     tasks = {d.task for d in (*reference.values(), *candidate.values())}
     task = TENSOR_TASK if tasks == {TENSOR_TASK} else STATISTICS_TASK
     verdicts: list[RowVerdict] = []
@@ -301,6 +367,7 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
             if row.phase == "backward" and row.kind == "module":
                 backward_inputs[name.rsplit(".backward.", 1)[0]] = name
         rows = []
+        row_keys: dict[str, str] = {}  # the candidate's row name -> its match key
         for name in sorted(set(ref.rows) & set(cand.rows), key=lambda n: cand.rows[n].order):
             crow, rrow = cand.rows[name], ref.rows[name]
             c_in, r_in = crow.inputs, rrow.inputs
@@ -310,10 +377,11 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
                     c_in, r_in = cand.rows[owner].inputs, ref.rows[owner].inputs
             out_err, worst = _error(crow.outputs, rrow.outputs, task)
             in_err, _ = _error(c_in, r_in, task)
-            verdict = RowVerdict(key, name, crow.phase, crow.kind, crow.depth, out_err, in_err,
-                                 active.tolerance(crow.depth),
+            verdict = RowVerdict(key, crow.name, crow.phase, crow.kind, crow.depth, out_err,
+                                 in_err, active.tolerance(crow.depth),
                                  active.diverges(out_err, in_err, crow.depth), worst,
-                                 _enclosing_module(name, cand.parents))  # fmt: skip
+                                 _enclosing_module(crow.name, cand.parents))  # fmt: skip
+            row_keys[crow.name] = name
             rows.append(verdict)
         verdicts += rows
         divergent = {v.name for v in rows if v.diverges}
@@ -324,14 +392,14 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
                 for v in rows
                 if v.diverges and not _has_descendant_in(v.name, divergent, cand.parents)
             ),
-            key=lambda v: (PHASE_ORDER[v.phase], cand.rows[v.name].order),
+            key=lambda v: (PHASE_ORDER[v.phase], cand.rows[row_keys[v.name]].order),
         )
         if ranked and first is None:
-            first = ranked[0]
+            first, first_key = ranked[0], row_keys[ranked[0].name]
     if first is not None:  # what a dump can say about the adaptor: the patches the row reaches
         first_row = first.as_dict()
-        cand_row = candidate[first.rank].rows[first.name]
-        ref_row = reference[first.rank].rows[first.name]
+        cand_row = candidate[first.rank].rows[first_key]
+        ref_row = reference[first.rank].rows[first_key]
         worst = first.worst
         if (task == TENSOR_TASK and worst in cand_row.outputs and worst in ref_row.outputs
                 and cand_row.outputs[worst].file is not None):  # fmt: skip

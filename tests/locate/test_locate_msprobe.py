@@ -128,3 +128,82 @@ def test_statistics_give_a_lower_bound_of_the_error(seed):
 
     bound = msprobe_dumps.statistics_bound(info(cand), info(ref))
     assert 0 < bound <= tensor_error(cand, ref) * (1 + 1e-6)
+
+
+def _main(ref: Path, cand: Path, out: Path, capsys) -> tuple[int, list[str]]:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    status = command.main(parser.parse_args(["--msprobe", str(ref), str(cand), "--out", str(out)]))
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def _copy(dumps: Path, name: str, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of dump ``name`` and the dump.json of its one rank."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(dumps / name / "dump", copy)
+    return copy, next(copy.rglob("dump.json"))
+
+
+def _edit(dump_json: Path, change) -> None:
+    document = json.loads(dump_json.read_text())
+    change(document["data"])
+    dump_json.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("mismatch", ["statistics-side", "missing-file", "other-step",
+                                      "other-model-rows", "other-model-shape"])  # fmt: skip
+def test_mismatched_dumps_are_one_named_error(dumps, tmp_path, capsys, mismatch):
+    ref = dumps / "ref-L0-tensor" / "dump"
+    cand, dump_json = _copy(dumps, "cand-L0-tensor", tmp_path)
+    if mismatch == "statistics-side":
+        cand = dumps / "cand-L0-statistics" / "dump"
+        expected = "the reference is a tensor dump and the candidate a statistics dump"
+    elif mismatch == "missing-file":
+        victim = sorted((dump_json.parent / "dump_tensor_data").iterdir())[3]
+        victim.unlink()
+        expected = f"{victim}: a tensor file its dump.json names is missing"
+    elif mismatch == "other-step":
+        step = next(cand.rglob("step0"))
+        step.rename(step.with_name("step1"))
+        expected = "the dumps hold other steps or ranks"
+    elif mismatch == "other-model-rows":  # a model without layer 1's norm
+        _edit(dump_json, lambda data: [data.pop(k) for k in list(data) if ".layers.1.norm." in k])
+        expected = "the dumps are of other models: Module.layers.1.norm."
+    else:  # a wider layer 0 norm weight in the candidate
+
+        def widen(data):
+            row = next(v for k, v in data.items() if k.startswith("Module.layers.0.norm.")
+                       and k.endswith("forward.0"))  # fmt: skip
+            next(t for t in row["output"] if isinstance(t, dict))["shape"][-1] += 1
+
+        _edit(dump_json, widen)
+        expected = "the dumps are of other models: Module.layers.0.norm."
+    status, err = _main(ref, cand, tmp_path / "out", capsys)
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("megatron-npu locate: ") and expected in err[0], err[0]
+
+
+def test_a_module_served_by_another_class_is_still_paired(dumps, tmp_path):
+    """A port may serve a module with another class (the adaptor's norm where a GPU ran apex's):
+    rows pair by module path, phase and call, and the planted norm is named under its new
+    class."""
+    cand, dump_json = _copy(dumps, "cand-L0-tensor", tmp_path)
+    renamed = {}
+
+    def rename(data):
+        for key in list(data):
+            if ".RMSNorm." in key:
+                renamed[key] = key.replace(".RMSNorm.", ".NpuRMSNorm.")
+                data[renamed[key]] = data.pop(key)
+
+    _edit(dump_json, rename)
+    construct = dump_json.with_name("construct.json")
+    if construct.is_file():
+        parents = json.loads(construct.read_text())
+        construct.write_text(json.dumps({renamed.get(k, k): renamed.get(v, v)
+                                         for k, v in parents.items()}))  # fmt: skip
+    data = _locate(tmp_path / "out", dumps / "ref-L0-tensor" / "dump", cand)
+    assert data["divergent"]["name"] == PLANTED.replace(".RMSNorm.", ".NpuRMSNorm.")
+    assert not data["unmatched"]
