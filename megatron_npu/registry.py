@@ -54,6 +54,9 @@ class Patch:
     ``creates`` marks a target Megatron binds only when an optional CUDA extension imports (a
     module global such as ``fused_weight_gradient_mlp_cuda``): the patch installs it whether or
     not it exists, and restore removes what it created. Nothing else is ever created.
+    ``builds`` names (dotted) the adaptor classes a factory replacement returns in place of the
+    target's (``WrappedTorchNorm.__new__`` returns megatron-npu's ``Norm``): a module of such a
+    class reaches this patch, which a dump that names modules by their class needs to know.
     """
 
     id: str
@@ -73,6 +76,7 @@ class Patch:
     rebind_copies: bool = True
     requires: str = ""
     creates: bool = False
+    builds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

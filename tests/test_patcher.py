@@ -414,3 +414,17 @@ def test_disable_patch_flag_on_train_reaches_the_ranks_environment(monkeypatch):
     assert seen["env"] == patch_id
     assert seen["reasons"] == {patch_id: "disabled by --disable-patch"}
     assert os.environ[patcher.DISABLE_FLAG_ENV] == ""  # the command's run only
+
+
+def test_what_a_factory_patch_builds_is_a_class_of_the_adaptor():
+    import importlib
+
+    from megatron_npu.registry import all_patches
+
+    built = {b for p in all_patches() for b in p.builds}
+    assert "megatron_npu.modules.norm.Norm" in built
+    for dotted in built:
+        module, name = dotted.rsplit(".", 1)
+        assert dotted.startswith("megatron_npu.") and isinstance(
+            getattr(importlib.import_module(module), name), type
+        )

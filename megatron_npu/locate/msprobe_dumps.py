@@ -454,7 +454,9 @@ def msprobe_metrics(cand: TensorInfo, ref: TensorInfo) -> dict[str, Any]:
 
 def patches_reaching(row_name: str) -> list[str]:
     """The adaptor patches a dump row reaches, by the registry: for a module row, the patches
-    whose target is its class or a method of it (``...TENorm``, ``...DotProductAttention.forward``);
+    whose target is its class or a method of it (``...TENorm``, ``...DotProductAttention.forward``)
+    or that build modules of its class (``builds``: the local spec's norm is megatron-npu's
+    ``Norm``, built by ``norm.wrapped-torch-norm``);
     for an API row, the patches whose target is that function or that declare it as their
     torch_npu kernel (``NPU.npu_rms_norm``). Device plumbing (whole-module ``torch`` routing) is
     left out: it reaches everything."""
@@ -471,8 +473,10 @@ def patches_reaching(row_name: str) -> list[str]:
     found = []
     for patch in all_patches():
         segments = patch.target.split(".")
-        if (name in segments[-2:] and not patch.target.endswith(".torch")) or (
-            kernel is not None and kernel in (patch.npu_kernels or ())
+        if (
+            (name in segments[-2:] and not patch.target.endswith(".torch"))
+            or (kernel is not None and kernel in (patch.npu_kernels or ()))
+            or (kernel is None and name in {b.rsplit(".", 1)[-1] for b in patch.builds})
         ):
             found.append(patch.id)
     return sorted(found)

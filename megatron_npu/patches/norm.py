@@ -34,5 +34,6 @@ PATCHES = [
         parity="megatron_npu.parity.cases.norm:WRAPPED_TORCH_NORM",
         benchmark="perf.cases.layers:RMS_NORM",
         npu_kernels=("npu_rms_norm",),
+        builds=("megatron_npu.modules.norm.Norm",),
     ),
 ]

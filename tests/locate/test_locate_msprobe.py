@@ -207,3 +207,75 @@ def test_a_module_served_by_another_class_is_still_paired(dumps, tmp_path):
     data = _locate(tmp_path / "out", dumps / "ref-L0-tensor" / "dump", cand)
     assert data["divergent"]["name"] == PLANTED.replace(".RMSNorm.", ".NpuRMSNorm.")
     assert not data["unmatched"]
+
+
+def msprobe_compare(target: Path, golden: Path, out: Path) -> dict[str, dict[str, str]]:
+    """Run msprobe's own ``msprobe compare -tp TARGET -gp GOLDEN`` (each a ``step<N>`` folder)
+    and read its result table: tensor name -> its row (``Cosine``, ``MaxAbsErr``,
+    ``MaxRelativeErr``, ``Result``, ...)."""
+    import csv
+    import shutil
+
+    binary = shutil.which("msprobe") or str(Path(sys.executable).with_name("msprobe"))
+    done = subprocess.run([binary, "compare", "-tp", str(target), "-gp", str(golden), "-o",
+                           str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [table] = out.glob("compare_result_*.csv")
+    with table.open(newline="") as f:
+        return {row["NPU Name"]: row for row in csv.DictReader(f)}
+
+
+def test_msprobe_compare_passes_every_row_that_locate_names(dumps, tmp_path):
+    """msprobe's own comparison of the planted pair marks every row ``pass``, the planted norm's
+    output included (cosine 0.99995, the 2 % only in its max relative error), while locate names
+    that norm."""
+    ref, cand = dumps / "ref-L0-tensor" / "dump", dumps / "cand-L0-tensor" / "dump"
+    table = msprobe_compare(cand / "step0", ref / "step0", tmp_path / "compare")
+    assert table and {row["Result"] for row in table.values()} == {"pass"}
+    planted = table[f"{PLANTED}.output.0"]
+    assert float(planted["Cosine"]) > 0.9999 and math.isclose(
+        float(planted["MaxRelativeErr"]), 0.02, rel_tol=1e-3
+    )
+    assert _locate(tmp_path / "locate", ref, cand)["divergent"]["name"] == PLANTED
+
+
+MEGATRON_MAKE = Path(__file__).with_name("_msprobe_megatron_dump.py")
+PLANTS = Path(__file__).resolve().parents[1] / "compare" / "plants"
+MEGATRON_NORM = "Module.decoder.layers.0.input_layernorm.Norm.forward.0"
+
+
+@pytest.fixture(scope="module")
+def megatron_dumps(xdist_shared) -> Path:
+    """A Megatron-Core GPT's step dumped by msprobe on cpu (reference) and through the adaptor's
+    NPU path on npu-emulated with the emulated ``npu_rms_norm`` kernel 2 % off (candidate)."""
+    import os
+
+    def build(root: Path) -> None:
+        for device, plant in (("cpu", None), ("npu-emulated", "rms-norm-2pct")):
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            if plant:
+                env.update(MEGATRON_NPU_TEST_PLANT=plant, PYTHONPATH=os.pathsep.join(
+                    filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")])))  # fmt: skip
+            done = subprocess.run([sys.executable, str(MEGATRON_MAKE), device, str(root / device)],
+                                  capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    return built_once(xdist_shared, "msprobe-megatron-dumps", build)
+
+
+def test_a_planted_kernel_on_the_npu_path_is_named_with_its_patch(megatron_dumps, tmp_path):
+    """cpu against npu-emulated, a Megatron-Core GPT through the adaptor, the NPU norm kernel 2 %
+    off: locate names the first layer's input norm (every later row inherits the error) and the
+    patch that builds it and calls the kernel; msprobe's own cosine for that row passes its 0.99
+    threshold."""
+    ref, cand = megatron_dumps / "cpu" / "dump", megatron_dumps / "npu-emulated" / "dump"
+    data = _locate(tmp_path / "locate", ref, cand)
+    row = data["divergent"]
+    assert (row["name"], row["phase"]) == (MEGATRON_NORM, "forward"), row
+    assert row["input"] == 0 and math.isclose(row["output"], 0.02, rel_tol=0.05)
+    assert row["patches"] == ["norm.wrapped-torch-norm"]
+    assert row["msprobe_metrics"]["cosine"] > msprobe_dumps.MSPROBE_COSINE
+    later = [r for r in data["rows"] if ".layers.1." in r["name"]]
+    assert later and not any(r["diverges"] for r in later)
+    table = msprobe_compare(cand / "step0", ref / "step0", tmp_path / "compare")
+    assert float(table[f"{MEGATRON_NORM}.output.0"]["Cosine"]) > 0.9999
