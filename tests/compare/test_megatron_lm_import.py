@@ -163,6 +163,10 @@ def test_imported_megatron_lm_runs_against_a_local_emulated_run(tmp_path, monkey
     (tmp_path / "m.toml").write_text(f"""
 [compare]
 baseline = "mlm-cpu"
+# megatron-npu train is another program than pretrain_gpt.py (its weights and dropout draws are
+# its own): its loss stays within 0.3 % of Megatron-LM's, its grad norm wanders 12 % off at a
+# late step, beyond the field's 10 %
+grad_norm_rtol = 0.2
 
 [defaults]   # the runs' pretrain_gpt.py arguments (fixtures/megatron-lm/README.md); megatron-npu's
 num-layers = 2          # --vocab-size is the tokenizer's whole vocabulary (Megatron-LM's + 1 EOD)
