@@ -425,8 +425,7 @@ def _datasheet_peak(result: RunResult) -> None:
     if summary.get("peak") or result.emulated:
         return
     args = result.arguments
-    precision = "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
-    found = datasheet.peak(result.spec.hardware, precision)
+    found = datasheet.peak(result.spec.hardware, _precision(args))
     if found is None:
         return
     tflops, detail = found

@@ -132,9 +132,8 @@ def load(path: str | Path, run: str | None = None) -> Imported:
     digest = _sha256(path)
     # JSON by its first character, unless the text is a Megatron-LM log: its lines start with a
     # "[date time]" stamp, so a log cut down to its iteration lines starts with "[" too
-    if text.lstrip().startswith(("{", "[")) and not (
-        text.lstrip().startswith("[") and mlm_log.looks_like_log(text)
-    ):
+    start = text.lstrip()[:1]
+    if start == "{" or (start == "[" and not mlm_log.looks_like_log(text)):
         data = _read_json(path, text)
         if isinstance(data, dict) and data.get("schema") == COMPARE_SCHEMA:
             metrics, origin = _from_results(data, path, run)

@@ -34,12 +34,12 @@ from megatron_npu.locate import (
     dump,
     modules,
     msprobe_dumps,
-    options,
     result,
     script_runs,
     worker,
 )
 from megatron_npu.locate.culprit import search
+from megatron_npu.locate.options import take
 
 #: train options that locate sets itself (a compare run's command carries them)
 _DROPPED_WITH_VALUE = ("--metrics-out", "--progress", "--save", "--load", "--save-interval")
@@ -96,15 +96,15 @@ def _option(argv: list[str], name: str) -> str | None:
 def clean_argv(argv: list[str]) -> tuple[list[str], int, list[str]]:
     """(train options, world size, disabled patches) from a train command line."""
     try:
-        out, taken = options.take(
+        out, taken = take(
             argv, (*_DROPPED_WITH_VALUE, "--nproc-per-node", "--disable-patch"), _DROPPED_FLAGS
         )
-        world = int(taken.get("--nproc-per-node", ["1"])[-1])
     except ValueError as exc:
-        raise LocateError(
-            f"--nproc-per-node: {exc}" if "needs" not in str(exc) else str(exc)
-        ) from None
-    return out, world, taken.get("--disable-patch", [])
+        raise LocateError(str(exc)) from None
+    ranks = taken.get("--nproc-per-node", ["1"])[-1]
+    if not ranks.isdigit():
+        raise LocateError(f"--nproc-per-node: {ranks!r} is not a number of ranks")
+    return out, int(ranks), taken.get("--disable-patch", [])
 
 
 def side_from_options(label: str, options: str, common: str, plant: str | None) -> RunSide:
@@ -138,7 +138,9 @@ def _script_side_from_command(name: str, command: list[str], metrics: Path) -> R
     at = command.index("megatron_npu.run_script")
     launcher, script, script_args = command[:at], command[at + 1], command[at + 2 :]
     world = int(_option(launcher, "--nproc-per-node") or 1)
-    config = json.loads(metrics.read_text(encoding="utf-8")).get("config") or {}
+    from megatron_npu.compare.runner import read_json
+
+    config = (read_json(metrics) or {}).get("config") or {}
     argv, _, _, disable = script_runs.split_options(script_args)
     return RunSide(name, argv, world, None, disable, script, config.get("device") or "auto")
 
@@ -213,15 +215,13 @@ class Locator:
         with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs side by side
             for future in [pool.submit(self._run, *job) for job in jobs]:
                 future.result()
+        ref = curves.read_record(paths[self.reference.label])
+        cand = curves.read_record(paths[self.candidate.label])
         resolution = {
-            q: max(r.get(q, 0.0) for r in map(curves.printed_resolution, paths.values()))
+            q: max(ref.resolution.get(q, 0.0), cand.resolution.get(q, 0.0))
             for q in ("loss", "grad_norm")
         }
-        finding = curves.first_divergent_step(
-            curves.read_curve(paths[self.reference.label]),
-            curves.read_curve(paths[self.candidate.label]),
-            resolution=resolution,
-        )
+        finding = curves.first_divergent_step(ref.curve, cand.curve, resolution=resolution)
         self.timing["curves_s"] = round(time.perf_counter() - start, 2)
         return finding
 

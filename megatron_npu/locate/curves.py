@@ -43,26 +43,20 @@ class StepFinding:
                 "threshold": self.threshold, "approximate": self.approximate}  # fmt: skip
 
 
-def printed_resolution(path: str | Path) -> dict[str, float]:
-    """Absolute rounding per quantity of a curve read from ``path``: a Megatron-LM log's printed
-    digits (:data:`megatron_npu.compare.mlm_log.PRINTED_RESOLUTION`), none otherwise."""
-    from megatron_npu.compare import imports, mlm_log
+@dataclass(frozen=True)
+class Record:
+    """A run's curve and the absolute rounding per quantity its values carry (a Megatron-LM
+    log's printed digits, :data:`megatron_npu.compare.mlm_log.PRINTED_RESOLUTION`)."""
 
-    path = Path(path)
-    if path.is_file() and path.suffix != ".json":
-        try:
-            if imports.load(path).provenance.get("kind") == "megatron-lm-log":
-                return dict(mlm_log.PRINTED_RESOLUTION)
-        except imports.ImportedRunError:
-            pass
-    return {}
+    curve: rules.Curve
+    resolution: dict[str, float]
 
 
-def read_curve(path: str | Path) -> rules.Curve:
-    """A curve from a locate curve file, or from anything compare imports as a run
+def read_record(path: str | Path) -> Record:
+    """A run's record from a locate curve file, or from anything compare imports as a run
     (:func:`megatron_npu.compare.imports.load`): train's ``metrics.json``, a Megatron-LM log, or
-    its TensorBoard event folder -- the runs a user already has."""
-    from megatron_npu.compare import imports
+    its TensorBoard event folder -- the runs a user already has. Read once."""
+    from megatron_npu.compare import imports, mlm_log
 
     path = Path(path)
     if not path.exists():
@@ -75,20 +69,36 @@ def read_curve(path: str | Path) -> rules.Curve:
         except ValueError as exc:
             raise CurveError(f"{path}: not valid JSON ({exc})") from None
         if isinstance(data, dict) and "iterations" in data:
-            return rules.Curve(list(data["iterations"]), list(data["losses"]),
-                               list(data["grad_norms"]), [0.0] * len(data["iterations"]))  # fmt: skip
+            curve = rules.Curve(list(data["iterations"]), list(data["losses"]),
+                                list(data["grad_norms"]), [0.0] * len(data["iterations"]))  # fmt: skip
+            return Record(curve, {})
         steps = data.get("steps") if isinstance(data, dict) else None
         if not isinstance(steps, list):
             raise CurveError(f"{path}: neither a locate curve nor a metrics.json with 'steps'")
-        return _from_steps(steps)
+        return Record(_from_steps(steps), {})
     try:
-        steps = imports.load(path).metrics["steps"]
+        imported = imports.load(path)
     except imports.ImportedRunError as exc:
         raise CurveError(
             f"neither a locate curve nor a run compare imports (metrics.json, Megatron-LM log, "
             f"TensorBoard folder): {exc}"
         ) from None
-    return _from_steps(steps)
+    logged = imported.provenance.get("kind") == "megatron-lm-log"
+    return Record(_from_steps(imported.metrics["steps"]),
+                  dict(mlm_log.PRINTED_RESOLUTION) if logged else {})  # fmt: skip
+
+
+def read_curve(path: str | Path) -> rules.Curve:
+    """The curve of :func:`read_record`."""
+    return read_record(path).curve
+
+
+def printed_resolution(path: str | Path) -> dict[str, float]:
+    """The rounding of :func:`read_record` (none for what cannot be read)."""
+    try:
+        return read_record(path).resolution
+    except CurveError:
+        return {}
 
 
 def _from_steps(steps: list[dict[str, Any]]) -> rules.Curve:

@@ -66,11 +66,6 @@ class TensorInfo:
         assert self.file is not None
         try:
             return torch.load(self.file, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise MsprobeDumpError(
-                f"{self.file}: a tensor file its dump.json names is missing (copy the whole dump "
-                "folder, dump_tensor_data/ included)"
-            ) from None
         except Exception as exc:  # noqa: BLE001  (torch.load raises many kinds on a bad file)
             raise MsprobeDumpError(f"{self.file}: not a readable tensor file ({exc})") from None
 

@@ -101,11 +101,11 @@ def _hooks(spec: dict[str, Any]):
     from megatron.training.global_vars import get_args
     from megatron.training.utils import unwrap_model
 
-    from megatron_npu import active_device, patcher
+    from megatron_npu import devices, patcher
     from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
     from megatron_npu.locate.trace import Tracer
     from megatron_npu.locate.worker import _coords
-    from megatron_npu.ops.kernels import npu_kernels, served_natively
+    from megatron_npu.ops.kernels import served_natively
 
     hook_step = spec.get("hook_step")
     tracer = Tracer() if hook_step else None
@@ -122,6 +122,7 @@ def _hooks(spec: dict[str, Any]):
         step = int(margs.curr_iteration) + 1
         if step != hook_step:
             result = originals["train_step"](*args, **kwargs)
+            loss, grad_norm = _loss(result[0]), _scalar(result[5])
         else:
             model = kwargs["model"] if "model" in kwargs else args[2]
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[3]
@@ -131,25 +132,27 @@ def _hooks(spec: dict[str, Any]):
             with tracer.attributed(optimizer, "step", OPTIMIZER):
                 with recorder, tracer.active():
                     result = originals["train_step"](*args, **kwargs)
+            loss, grad_norm = _loss(result[0]), _scalar(result[5])
             recorder.record_parameters()
             rank = torch.distributed.get_rank()
             recorder.write(spec["dump"], rank, _coords())
             last = rank == torch.distributed.get_world_size() - 1  # the last pipeline stage
             if last:
+                device = devices.require_active()
                 write_meta(spec["dump"], {
                     "step": step, "world": torch.distributed.get_world_size(),
-                    "device": active_device(),
+                    "device": device.name,
                     "dtype": str(margs.params_dtype).removeprefix("torch."),
                     "script": spec["script"], "argv": list(spec["script_args"]),
                     "disabled": list(spec.get("disable", ())), "plant": None,
-                    "npu_kernels": npu_kernels() is not None,
+                    "npu_kernels": device.kernels is not None,
                     "native_kernels": sorted(served_natively()),
-                    "loss": _loss(result[0]), "grad_norm": _scalar(result[5]),
+                    "loss": loss, "grad_norm": grad_norm,
                     "applied": [r.id for r in patcher.results() if r.status == patcher.APPLIED],
                 })  # fmt: skip
         curve["iterations"].append(step)
-        curve["losses"].append(_loss(result[0]))
-        curve["grad_norms"].append(_scalar(result[5]))
+        curve["losses"].append(loss)
+        curve["grad_norms"].append(grad_norm)
         return result
 
     local = {"setup_model_and_optimizer": setup_model_and_optimizer, "train_step": train_step}
@@ -193,12 +196,11 @@ def run(spec: dict[str, Any], world: int, timeout_s: float, log: Path) -> None:
     """The runs of one locate ``spec`` (``script``, ``script_args``, ``device``, ``disable`` and
     the step fields of :func:`replay_arguments`), one after another; raises
     :class:`~.worker.WorkerError` naming the failed run with its log's tail."""
-    from megatron_npu.locate.worker import WorkerError
+    from megatron_npu.locate.worker import WorkerError, replay_environment
     from megatron_npu.run_script import environment
     from megatron_npu.training.launch import RankFailure, run_warm
 
-    env = {**os.environ, **environment(spec["script"])}
-    env.pop("MEGATRON_NPU_DISABLE_FLAG", None)
+    env = {**replay_environment(), **environment(spec["script"])}
     runs = replay_arguments(spec)
     for index, argv in enumerate(runs):
         last = index == len(runs) - 1

@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _environment() -> dict[str, str]:
+def replay_environment() -> dict[str, str]:
+    """The caller's environment without the switches a replay sets itself per rank (its spec's
+    disabled patches and natively served kernels are the whole sets)."""
     from megatron_npu.ops.kernels import NATIVE_ENV
 
     env = dict(os.environ)
@@ -187,7 +189,7 @@ def run(
     from megatron_npu.training.launch import RankFailure, run_warm
 
     try:
-        run_warm(_run_rank, spec, world, timeout_s=timeout_s, log=log, env=_environment())
+        run_warm(_run_rank, spec, world, timeout_s=timeout_s, log=log, env=replay_environment())
     except RankFailure as exc:
         raise WorkerError(f"locate worker {exc}") from None
 

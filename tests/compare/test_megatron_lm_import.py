@@ -209,6 +209,7 @@ options = {{ nproc-per-node = 2, tensor-model-parallel-size = 2 }}
     document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out", echo=echo)
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     for name in ("mlm-npu-emulated", "mlm-events", "npu-tp2"):
+        assert (name, "fingerprint") in verdicts, echo.getvalue()
         assert verdicts[(name, "fingerprint")]["status"] == "pass", verdicts[(name, "fingerprint")]
         assert verdicts[(name, "approximate")]["status"] == "pass", verdicts[(name, "approximate")]
     for name in ("mlm-npu-emulated", "npu-tp2"):
