@@ -14,9 +14,12 @@ spent inside the device routing (``megatron_npu/devices``) over the step's profi
 under 1 %). The profiler taxes every Python call, the routing is all Python calls, so the share
 is an upper bound.
 
-Size: 8 layers, hidden 1024, 16 heads, sequence 1024, vocab 32000, micro-batch 1. dtype fp32:
-this CPU has no bf16 matrix units (a bf16 GEMM runs about 100x slower than fp32 here), so a
-bf16 step would time the emulation of bf16 arithmetic, not the adaptor.
+Size: 8 layers, hidden 1024, 16 heads, sequence 1024, vocab 32000, micro-batch 1, fp32.
+
+``test_gpt_train_step_by_precision`` runs one ``megatron-npu train`` step of a 4-layer model on
+``cpu`` in fp32, bf16 and fp16 (group ``gpt-train-step-precision``). Target: each 16-bit step
+within 1.3x of the fp32 step, which the ``matmul.*`` patches make possible (16-bit products as
+one fp32 product rounded once; ``perf/README.md`` has the figures with and without them).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ GROUP = "gpt-train-step"
 _ROUTING = os.path.join("megatron_npu", "devices", "")
 
 
-def _argv(shape: GPTShape) -> list[str]:
-    return [
+def _argv(shape: GPTShape, precision: str = "fp32") -> list[str]:
+    flag = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--loss-scale", "4096"]}[precision]
+    return [*flag,
         "--device", "cpu", "--mock-data", "--vocab-size", str(shape.vocab_size),
         "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
         "--num-attention-heads", str(shape.num_attention_heads),
@@ -71,8 +75,8 @@ def _model_flops(shape: GPTShape) -> float:
 class _MegatronStep:
     """An in-process, one-rank ``megatron-npu train`` set up to its first step."""
 
-    def __init__(self, shape: GPTShape) -> None:
-        self.args = arguments.parse_args(_argv(shape))
+    def __init__(self, shape: GPTShape, precision: str = "fp32") -> None:
+        self.args = arguments.parse_args(_argv(shape, precision))
         megatron_npu.apply("cpu")
         self.device = devices.require_active()
         set_fused_attention(use_flash_attn=True, shape_order="SBH")
@@ -133,4 +137,39 @@ def test_gpt_train_step(benchmark, perf_size, path):
         if isinstance(runner, _MegatronStep):
             runner.close()
     record_mfu(benchmark, model_flops, "cpu", DTYPE)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+#: the 4-layer model of the precision group (hidden 256, 8 heads, sequence 256, micro-batch 4)
+PRECISION_SHAPES = {
+    "full": GPTShape(4, 256, 8, 256, 1024, 4),
+    "quick": GPTShape(2, 128, 4, 128, 1024, 1),
+}
+PRECISION_GROUP = "gpt-train-step-precision"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_gpt_train_step_by_precision(benchmark, perf_size, precision):
+    """The same ``megatron-npu train`` step on ``cpu`` in fp32, bf16 and fp16 (a static loss
+    scale, so no step is skipped). Target: the 16-bit steps within 1.3x of the fp32 step; their
+    matrix products are fp32 products rounded once (the ``matmul.*`` patches), so the 16-bit
+    steps pay only for the casts and the mixed-precision optimizer's copies."""
+    shape = PRECISION_SHAPES[perf_size]
+    torch.manual_seed(0)
+    runner = _MegatronStep(shape, precision)
+    benchmark.group = PRECISION_GROUP
+    benchmark.extra_info.update(
+        patch_id=None, op=PRECISION_GROUP, path="native", device="cpu", emulated=False,
+        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision],
+        direction="step", peak_memory_bytes=None, torch_threads=torch.get_num_threads(),
+        shape=f"L={shape.num_layers},h={shape.hidden_size},n={shape.num_attention_heads},"
+        f"s={shape.seq_length},V={shape.vocab_size},b={shape.micro_batch_size}",
+        case=precision,
+    )  # fmt: skip
+    losses: list[float] = []
+    try:
+        benchmark.pedantic(lambda: losses.append(runner.step()), rounds=3, iterations=1,
+                           warmup_rounds=1)  # fmt: skip
+    finally:
+        runner.close()
     assert all(torch.isfinite(torch.tensor(losses)))
