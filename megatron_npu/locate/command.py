@@ -476,6 +476,9 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         if comparison.first is not None:
             row, phase = comparison.first
             echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
+            measured = comparison.first_msprobe
+            if measured:
+                echo(msprobe_line(measured, f"its worst tensor ({measured['data_name']})"))
             if not args.no_culprit:
                 found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
@@ -560,6 +563,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (locate.json, dumps, logs)")
 
 
+def msprobe_line(metrics: dict[str, Any], what: str) -> str:
+    """msprobe compare's metrics of the named row, beside locate's verdict."""
+    verdict = "pass" if metrics["passes_msprobe_thresholds"] else "fail"
+    cosine = "n/a" if metrics["cosine"] is None else f"{metrics['cosine']:.6f}"
+    return (
+        f" locate: msprobe's own metrics for {what}: cosine {cosine}, max abs error "
+        f"{metrics['max_abs_error']:.3g}, max rel error {metrics['max_rel_error']:.3g} "
+        f"(cosine > {modules.MSPROBE_COSINE} and max abs error < {modules.MSPROBE_MAX_ABS}: "
+        f"{verdict})"
+    )
+
+
 def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     """``--msprobe REF CAND``: compare two msprobe dumps row by row with the input-explained
     rule (:mod:`.msprobe_dumps`); write and return ``locate-msprobe.json``."""
@@ -588,9 +603,7 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             echo(f" locate: inside {row['module']}")
         metrics = row.get("msprobe_metrics")
         if metrics:
-            verdict = "pass" if metrics["passes_msprobe_thresholds"] else "fail"
-            echo(f" locate: msprobe's own metrics for it: cosine {metrics['cosine']:.6f}, max abs "
-                 f"error {metrics['max_abs_error']:.3g} (its row thresholds: {verdict})")  # fmt: skip
+            echo(msprobe_line(metrics, "it"))
         reached = row["patches"] or row.get("module_patches") or []
         echo(" locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
              f"locate on the runs to decide): {', '.join(reached) or 'none'}")  # fmt: skip

@@ -21,13 +21,28 @@ seeded with the element count, sorted: the same on both runs, so samples compare
 position; random rather than strided, so a bug confined to some columns or heads is not stepped
 over).
 
-Dump folder (docs/locate.md)::
+Dump folder (docs/locate.md): each rank folder is an msprobe dump (``mindstudio-probe``'s layout,
+level ``L0``, task ``tensor``), so ``msprobe compare -tp CAND_DUMP -gp REF_DUMP`` and
+``megatron-npu locate --msprobe`` read it as they read a dump msprobe made; locate's own index
+sits beside it::
 
-    <dump>/dump.json            {"format": "megatron-npu-locate-dump", "version": 1, step, world,
+    <dump>/locate-dump.json     {"format": "megatron-npu-locate-dump", "version": 2, step, world,
                                  device, dtype, argv, disabled, ranks: [...]}
     <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"[, "cp"]}, "entries": [...],
                                  "modules": {name: {"kind", "depth", "patches": {own, total}}}}
-    <dump>/rank<R>/tensors.pt   {key: tensor} (torch.save; read back with weights_only=True)
+    <dump>/rank<R>/dump.json    msprobe's rows: ``Module.<name>.<Class>.forward.<call>``
+                                 (``input_args``, ``output``), ``...backward.<call>`` (``input``: the
+                                 gradient reaching the outputs, ``output``: the one sent to the
+                                 inputs), ``...parameters_grad.0`` ({parameter: [gradient]})
+    <dump>/rank<R>/construct.json  each row's parent row (msprobe's module tree)
+    <dump>/rank<R>/stack.json   {} (no call stacks are recorded)
+    <dump>/rank<R>/dump_tensor_data/<row>.<slot>.<i>.pt   one tensor per file (torch.save; read
+                                 back with weights_only=True); a sampled tensor is stored as its
+                                 sample, the same positions on both runs, while ``shape`` and the
+                                 statistics describe the whole tensor
+
+The parameters' updates (pseudo-module ``optimizer``) have no msprobe row: their files are
+``optimizer.update.<parameter>.pt``, named by ``index.json`` only.
 """
 
 from __future__ import annotations
@@ -35,13 +50,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 DUMP_FORMAT = "megatron-npu-locate-dump"
-DUMP_VERSION = 1
+DUMP_VERSION = 2
+#: the dump folder's own description (the rank folders hold msprobe's ``dump.json``)
+META_FILE = "locate-dump.json"
+TENSOR_DIR = "dump_tensor_data"
 DEFAULT_LIMIT = 4096
 ROOT = "model"
 OPTIMIZER = "optimizer"
@@ -169,6 +188,8 @@ class Recorder:
         self._calls: dict[str, int] = {}
         self._by_name: dict[str, torch.nn.Module] = {}
         self._params_before: dict[str, torch.Tensor] = {}
+        self._open: list[tuple[str, int]] = []  # the module calls now running, innermost last
+        self.parents: dict[tuple[str, int], tuple[str, int] | None] = {}
 
     # -- naming
     def _named(self) -> list[tuple[str, torch.nn.Module]]:
@@ -216,6 +237,8 @@ class Recorder:
         def hook(module, args, kwargs):
             call = self._calls.get(name, -1) + 1
             self._calls[name] = call
+            self.parents[(name, call)] = self._open[-1] if self._open else None
+            self._open.append((name, call))
             for i, t in enumerate(self._floats(list(args) + list(kwargs.values()))):
                 self._record(name, "forward.input", call, i, t)
             if self.tracer is not None:
@@ -233,6 +256,8 @@ class Recorder:
     def _post_hook(self, name: str):
         def hook(module, args, kwargs, output):
             call = self._calls.get(name, 0)
+            if self._open and self._open[-1] == (name, call):
+                self._open.pop()
             if self.tracer is not None:
                 self.tracer.leave(name)
             for i, t in enumerate(self._floats(output)):
@@ -308,23 +333,128 @@ class Recorder:
 
     def write(self, dump_dir: str | Path, rank: int, coords: dict[str, int]) -> Path:
         folder = Path(dump_dir) / f"rank{rank}"
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save(self.tensors, folder / "tensors.pt")
+        (folder / TENSOR_DIR).mkdir(parents=True, exist_ok=True)
+        table = self.module_table()
+        classes = {name: info["class"] for name, info in table.items()}
+        rows: dict[str, dict[str, Any]] = {}
+        last: dict[str, int] = {}
+        for entry in self.entries:
+            place = msprobe_place(entry, classes)
+            entry["data_name"] = place.data_name
+            torch.save(self.tensors[entry["key"]], folder / TENSOR_DIR / place.data_name)
+            if place.row is None:
+                continue
+            row = rows.setdefault(place.row, {})
+            last[place.row] = entry["order"]
+            slot = row.setdefault(place.slot, {} if place.slot == "parameters_grad" else [])
+            tensor = _msprobe_tensor(entry, place.data_name)
+            if isinstance(slot, dict):
+                slot.setdefault(place.parameter, []).append(tensor)
+            else:
+                slot.append(tensor)
+        data = {}
+        for name in sorted(rows, key=last.__getitem__):  # msprobe writes a row when it returns
+            row = rows[name]
+            if ".parameters_grad." in name:
+                data[name] = row.get("parameters_grad", {})
+            elif ".forward." in name:
+                data[name] = {"input_args": row.get("input_args", []), "input_kwargs": {},
+                              "output": row.get("output", []), "parameters": {}}  # fmt: skip
+            else:
+                data[name] = {"input": row.get("input", []), "output": row.get("output", [])}
+        msprobe = {"task": "tensor", "level": "L0", "framework": "pytorch",
+                   "dump_data_dir": str((folder / TENSOR_DIR).resolve()), "data": data}  # fmt: skip
+        _write_json(folder / "dump.json", msprobe)
+        _write_json(folder / "construct.json", self._construct(data, classes))
+        _write_json(folder / "stack.json", {})
         index = {"rank": rank, "coords": coords, "limit": self.limit,
-                 "entries": self.entries, "modules": self.module_table()}  # fmt: skip
-        (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+                 "entries": self.entries, "modules": table}  # fmt: skip
+        _write_json(folder / "index.json", index)
         return folder
+
+    def _construct(self, data: dict[str, Any], classes: dict[str, str]) -> dict[str, str | None]:
+        """msprobe's module tree: each row's parent, the call of the module it ran inside."""
+        out: dict[str, str | None] = {}
+        for name in data:
+            match = _MSPROBE_ROW.match(name)
+            if match is None:
+                continue
+            module, phase, call = match["module"], match["phase"], int(match["call"])
+            if phase == "parameters_grad":
+                out[name] = None
+                continue
+            parent = self.parents.get((module, call))
+            out[name] = (None if parent is None else
+                         msprobe_row(parent[0], classes.get(parent[0], "Module"), phase, parent[1]))  # fmt: skip
+        return out
+
+
+_MSPROBE_ROW = re.compile(
+    r"^Module\.(?P<module>.+)\.[^.]+\.(?P<phase>forward|backward|parameters_grad)\.(?P<call>\d+)$"
+)
+
+
+def msprobe_row(module: str, cls: str, phase: str, call: int) -> str:
+    """msprobe's name of a module call's row: ``Module.<path>.<Class>.<phase>.<call>``."""
+    return f"Module.{module}.{cls}.{phase}.{call}"
+
+
+@dataclass(frozen=True)
+class MsprobePlace:
+    """Where one recorded tensor goes in an msprobe dump: its row, the slot in that row
+    (``input_args``/``output`` of a forward row, ``input``/``output`` of a backward row,
+    ``parameters_grad``), the parameter's name for a gradient, and its file's name."""
+
+    row: str | None
+    slot: str
+    data_name: str
+    parameter: str = ""
+
+
+#: locate's forward/backward quantities -> (msprobe phase, slot, file part)
+_SLOTS = {
+    "forward.input": ("forward", "input_args", "input"),
+    "forward.output": ("forward", "output", "output"),
+    "backward.grad_output": ("backward", "input", "input"),
+    "backward.grad_input": ("backward", "output", "output"),
+}
+
+
+def msprobe_place(entry: dict[str, Any], classes: dict[str, str]) -> MsprobePlace:
+    """The msprobe row, slot and file name of one index entry."""
+    module, quantity, call, i = entry["module"], entry["quantity"], entry["call"], entry["index"]
+    cls = classes.get(module, "Module")
+    if quantity in _SLOTS:
+        phase, slot, part = _SLOTS[quantity]
+        row = msprobe_row(module, cls, phase, call)
+        return MsprobePlace(row, slot, f"{row}.{part}.{i}.pt")
+    kind, _, parameter = quantity.partition(":")
+    if kind == "param.grad":
+        row = msprobe_row(module, cls, "parameters_grad", 0)
+        return MsprobePlace(row, "parameters_grad", f"{row}.{parameter}.pt", parameter)
+    return MsprobePlace(None, "", f"{OPTIMIZER}.update.{parameter}.pt")
+
+
+def _msprobe_tensor(entry: dict[str, Any], data_name: str) -> dict[str, Any]:
+    stats = entry.get("stats", {})
+    return {"type": "torch.Tensor", "dtype": f"torch.{entry['dtype']}", "shape": entry["shape"],
+            "Max": stats.get("max"), "Min": stats.get("min"), "Mean": stats.get("mean"),
+            "Norm": stats.get("l2"), "requires_grad": False, "data_name": data_name}  # fmt: skip
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 def write_meta(dump_dir: str | Path, meta: dict[str, Any]) -> None:
     data = {"format": DUMP_FORMAT, "version": DUMP_VERSION, **meta}
-    path = Path(dump_dir) / "dump.json"
+    path = Path(dump_dir) / META_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def read_meta(dump_dir: str | Path) -> dict[str, Any]:
-    path = Path(dump_dir) / "dump.json"
+    path = Path(dump_dir) / META_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -339,16 +469,42 @@ def read_meta(dump_dir: str | Path) -> dict[str, Any]:
 
 
 def read_rank(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """One rank's index and tensors (``torch.load(weights_only=True)``: no code is unpickled)."""
+    """One rank's index and its tensors by entry key (each ``torch.load(weights_only=True)``:
+    no code is unpickled)."""
+    index, folder = _read_index(dump_dir, rank)
+    try:
+        tensors = {}
+        for entry in index["entries"]:
+            path = folder / TENSOR_DIR / entry["data_name"]
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(tensor, torch.Tensor):
+                raise DumpError(f"{path}: not a tensor")
+            tensors[entry["key"]] = tensor
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
+    return index, tensors
+
+
+def read_entry(dump_dir: str | Path, rank: int,
+               key: str) -> tuple[dict[str, Any], torch.Tensor] | None:  # fmt: skip
+    """One recorded tensor of a rank (its index entry and the tensor), None when absent."""
+    index, _ = _read_index(dump_dir, rank)
+    entry = next((e for e in index["entries"] if e["key"] == key), None)
+    if entry is None:
+        return None
+    path = Path(dump_dir) / f"rank{rank}" / TENSOR_DIR / entry["data_name"]
+    try:
+        return entry, torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise DumpError(f"{path}: unreadable tensor file ({exc})") from None
+
+
+def _read_index(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], Path]:
     folder = Path(dump_dir) / f"rank{rank}"
     try:
-        index = json.loads((folder / "index.json").read_text(encoding="utf-8"))
-        tensors = torch.load(folder / "tensors.pt", map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as exc:
+        return json.loads((folder / "index.json").read_text(encoding="utf-8")), folder
+    except (OSError, ValueError) as exc:
         raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
-    if not isinstance(tensors, dict):
-        raise DumpError(f"{folder / 'tensors.pt'}: not a dict of tensors")
-    return index, tensors
 
 
 def rank_count(meta: dict[str, Any]) -> int:
@@ -356,4 +512,4 @@ def rank_count(meta: dict[str, Any]) -> int:
 
 
 def dump_exists(dump_dir: str | Path) -> bool:
-    return os.path.isfile(Path(dump_dir) / "dump.json")
+    return os.path.isfile(Path(dump_dir) / META_FILE)

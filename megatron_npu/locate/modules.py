@@ -157,6 +157,31 @@ def tensor_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return float(result.rel_l2 or 0.0)
 
 
+#: the row thresholds users hold an msprobe comparison to (cosine, max absolute error: the first
+#: rules of msprobe's API accuracy checker; ``msprobe compare``'s own Result column weighs a row
+#: against its inputs instead)
+MSPROBE_COSINE, MSPROBE_MAX_ABS = 0.99, 1e-3
+
+
+def msprobe_metrics(actual: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+    """The metrics ``msprobe compare`` shows for one tensor pair (cosine, max absolute and
+    relative error; the parity harness's implementation of msprobe's definitions), and whether
+    they pass the thresholds users hold a row to (:data:`MSPROBE_COSINE`,
+    :data:`MSPROBE_MAX_ABS`), shown beside the rule's verdict."""
+    from megatron_npu.parity.metrics import compare as measure
+
+    rule = actual.dtype if actual.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    result = measure(actual.to(rule), reference.double(), rule)
+    cosine, max_abs = result.cosine, result.max_abs_error
+    return {
+        "cosine": cosine, "max_abs_error": max_abs, "max_rel_error": result.max_rel_error,
+        "passes_msprobe_thresholds": bool(
+            cosine is not None and cosine > MSPROBE_COSINE
+            and max_abs is not None and max_abs < MSPROBE_MAX_ABS
+        ),
+    }  # fmt: skip
+
+
 def _shard(coords: dict[str, int], world: int) -> str:
     if world <= 1:
         return ""
@@ -276,15 +301,18 @@ class Comparison:
     rows: list[ModuleRow]
     first: tuple[ModuleRow, str] | None  # (row, phase)
     rule: Rule
+    #: msprobe's metrics of the first divergent module's worst tensor, with its msprobe row
+    first_msprobe: dict[str, Any] | None = None
 
     def first_dict(self) -> dict[str, Any] | None:
         if self.first is None:
             return None
         row, phase = self.first
         kind = "optimizer" if phase == "update" else row.kind  # the update is the optimizer's
+        extra = {"msprobe": self.first_msprobe} if self.first_msprobe else {}
         return {"module": row.module, "name": row.name, "shard": row.shard, "rank": row.rank,
                 "kind": kind, "module_kind": row.kind, "phase": phase,
-                **row.phases[phase].as_dict()}  # fmt: skip
+                **row.phases[phase].as_dict(), **extra}  # fmt: skip
 
 
 def first_divergent(rows: list[ModuleRow]) -> tuple[ModuleRow, str] | None:
@@ -316,4 +344,22 @@ def compare_dumps(reference: str | Path, candidate: str | Path, rule: Rule | Non
         rank_rows = compare_rank(ref_index, ref_tensors, cand_index, cand_tensors, rule, world,
                                  only)  # fmt: skip
         rows += [r for r in rank_rows if only is None or r.module in only]
-    return Comparison(rows, first_divergent(rows), rule)
+    first = first_divergent(rows)
+    return Comparison(rows, first, rule, _first_msprobe(reference, candidate, first))
+
+
+def _first_msprobe(reference: str | Path, candidate: str | Path,
+                   first: tuple[ModuleRow, str] | None) -> dict[str, Any] | None:  # fmt: skip
+    """msprobe's metrics of the tensor that gave the first divergent module its error, and the
+    file (``dump_tensor_data/<name>``, the ``Data_name`` of msprobe compare's table) it is in."""
+    if first is None:
+        return None
+    row, phase = first
+    key = row.phases[phase].worst
+    if key is None:
+        return None
+    ref = dump_mod.read_entry(reference, row.rank, key)
+    cand = dump_mod.read_entry(candidate, row.rank, key)
+    if ref is None or cand is None or ref[1].shape != cand[1].shape:
+        return None
+    return {"data_name": cand[0]["data_name"], **msprobe_metrics(cand[1], ref[1])}

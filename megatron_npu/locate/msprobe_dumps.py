@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from megatron_npu.locate.modules import Rule, rule_for, tensor_error
+from megatron_npu.locate.modules import Rule, msprobe_metrics, rule_for, tensor_error
 
 TENSOR_TASK, STATISTICS_TASK = "tensor", "statistics"
 #: what ``megatron-npu locate --msprobe`` writes into ``--out`` (docs/locate.md)
@@ -399,7 +399,7 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         if (task == TENSOR_TASK and worst in cand_row.outputs and worst in ref_row.outputs
                 and cand_row.outputs[worst].file is not None):  # fmt: skip
             first_row["msprobe_metrics"] = msprobe_metrics(
-                cand_row.outputs[worst], ref_row.outputs[worst]
+                cand_row.outputs[worst].load(), ref_row.outputs[worst].load()
             )
         first_row["patches"] = patches_reaching(first.name)
         if first.module != first.name:
@@ -422,29 +422,6 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         "rows": [v.as_dict() for v in verdicts],
         "unmatched": {k: v for k, v in unmatched.items() if v},
     }
-
-
-#: ``msprobe compare``'s row thresholds as users read them (cosine, max absolute error)
-MSPROBE_COSINE, MSPROBE_MAX_ABS = 0.99, 1e-3
-
-
-def msprobe_metrics(cand: TensorInfo, ref: TensorInfo) -> dict[str, Any]:
-    """The metrics ``msprobe compare`` shows for one tensor pair (cosine, max absolute and
-    relative error; the parity harness's implementation of msprobe's definitions), and whether
-    they pass its row thresholds: the yardstick users hold the named row to."""
-    from megatron_npu.parity.metrics import compare as measure
-
-    actual, reference = cand.load(), ref.load()
-    rule = actual.dtype if actual.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    result = measure(actual.to(rule), reference.double(), rule)
-    cosine, max_abs = result.cosine, result.max_abs_error
-    return {
-        "cosine": cosine, "max_abs_error": max_abs, "max_rel_error": result.max_rel_error,
-        "passes_msprobe_thresholds": bool(
-            cosine is not None and cosine > MSPROBE_COSINE
-            and max_abs is not None and max_abs < MSPROBE_MAX_ABS
-        ),
-    }  # fmt: skip
 
 
 def patches_reaching(row_name: str) -> list[str]:

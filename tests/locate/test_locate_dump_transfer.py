@@ -25,7 +25,7 @@ def test_a_reference_dump_taken_elsewhere_locates_the_bug(tmp_path):
     code = main(["locate", "--common", common, "--reference", "--device cpu", "--candidate",
                  "--device npu-emulated", "--step", "2", "--dump-only", "--out", str(there)])  # fmt: skip
     assert code == 0
-    meta = json.loads((there / "dumps" / "reference" / "dump.json").read_text())
+    meta = json.loads((there / "dumps" / "reference" / "locate-dump.json").read_text())
     assert meta["format"] == "megatron-npu-locate-dump" and meta["step"] == 2
     assert (there / "dumps" / "reference" / "checkpoint").is_dir()
     located = json.loads((there / "locate.json").read_text())

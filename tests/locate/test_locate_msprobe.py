@@ -18,7 +18,7 @@ import pytest
 import torch
 from once_per_run import built_once
 
-from megatron_npu.locate import command, msprobe_dumps
+from megatron_npu.locate import command, modules, msprobe_dumps
 from megatron_npu.locate.modules import tensor_error
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
         assert math.isclose(rows[PLANTED]["output"], 0.01396, rel_tol=0.05)
         # what msprobe compare shows for that row: its cosine passes, the 2 % is in max rel err
         metrics = row["msprobe_metrics"]
-        assert metrics["cosine"] > msprobe_dumps.MSPROBE_COSINE
+        assert metrics["cosine"] > modules.MSPROBE_COSINE
         assert math.isclose(metrics["max_rel_error"], 0.02, rel_tol=1e-3)
     if kind.startswith("mix"):  # the APIs inside the module were compared too
         assert any(r["kind"] == "api" and r["module"] == PLANTED for r in data["rows"])
@@ -278,8 +278,33 @@ def test_a_planted_kernel_on_the_npu_path_is_named_with_its_patch(megatron_dumps
     assert (row["name"], row["phase"]) == (MEGATRON_NORM, "forward"), row
     assert row["input"] == 0 and math.isclose(row["output"], 0.02, rel_tol=0.05)
     assert row["patches"] == ["norm.wrapped-torch-norm"]
-    assert row["msprobe_metrics"]["cosine"] > msprobe_dumps.MSPROBE_COSINE
+    assert row["msprobe_metrics"]["cosine"] > modules.MSPROBE_COSINE
     later = [r for r in data["rows"] if ".layers.1." in r["name"]]
     assert later and not any(r["diverges"] for r in later)
     table = msprobe_compare(cand / "step0", ref / "step0", tmp_path / "compare")
     assert float(table[f"{MEGATRON_NORM}.output.0"]["Cosine"]) > 0.9999
+
+
+def test_msprobe_compare_reads_locates_own_dumps_and_agrees_on_the_named_module(tmp_path):
+    """locate's dump folders are msprobe dumps: ``msprobe compare`` reads a pair of them and
+    shows, for the tensor that gave locate's first divergent module its error, the cosine and
+    max absolute and relative errors locate reports beside its verdict."""
+    from test_locate_units import _dump
+
+    from megatron_npu.locate import dump
+
+    ref, bad = _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    first = modules.compare_dumps(ref, bad).first_dict()
+    assert first["module"] == "decoder.layers.1" and first["phase"] == "forward"
+    measured = first["msprobe"]
+    table = msprobe_compare(bad, ref, tmp_path / "compare")
+    index, _ = dump.read_rank(bad, 0)
+    assert len(table) == sum(e["module"] != dump.OPTIMIZER for e in index["entries"])
+    row = table[measured["data_name"].removesuffix(".pt")]
+    assert float(row["Cosine"]) == pytest.approx(measured["cosine"], abs=1e-6)
+    assert float(row["MaxAbsErr"]) == pytest.approx(measured["max_abs_error"], rel=1e-4)
+    assert float(row["MaxRelativeErr"].rstrip("%")) / (
+        100 if "%" in row["MaxRelativeErr"] else 1
+    ) == pytest.approx(measured["max_rel_error"], rel=1e-3)
+    # msprobe compare passes the row that locate names (its inputs do not explain its error)
+    assert row["Result"] == "pass"

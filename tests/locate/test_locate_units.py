@@ -180,7 +180,7 @@ def test_dump_reads_back_with_weights_only_and_rejects_other_folders(tmp_path):
     with pytest.raises(dump.DumpError, match="not a locate dump"):
         dump.read_meta(tmp_path / "nowhere")
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "dump.json").write_text('{"format": "x"}')
+    (tmp_path / "other" / dump.META_FILE).write_text('{"format": "x"}')
     with pytest.raises(dump.DumpError, match="not a megatron-npu-locate-dump"):
         dump.read_meta(tmp_path / "other")
 
@@ -552,3 +552,36 @@ def test_script_side_errors_are_named(tmp_path):
         "reference", "--device cpu", "--nproc-per-node 2 --bf16", str(script)
     )
     assert (side.device, side.world, side.argv, side.script) == ("cpu", 2, ["--bf16"], str(script))
+
+
+def test_a_rank_folder_is_an_msprobe_dump_that_msprobe_and_locate_msprobe_read(tmp_path):
+    """Each rank folder of locate's dump is in msprobe's layout: its rows carry every recorded
+    tensor (forward inputs and outputs, the backward's gradients, parameter gradients) under
+    msprobe's names, the files load to the tensors locate compares, construct.json holds the
+    module tree, and ``locate --msprobe`` on two locate dumps names the module ``compare_dumps``
+    names."""
+    from megatron_npu.locate import msprobe_dumps
+
+    ref, bad = _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    index, tensors = dump.read_rank(bad, 0)
+    msprobe = json.loads((bad / "rank0" / "dump.json").read_text())
+    assert (msprobe["task"], msprobe["level"], msprobe["framework"]) == ("tensor", "L0", "pytorch")
+    rows = msprobe["data"]
+    files = {t["data_name"] for row in rows.values() for slot in row.values()
+             for t in (slot if isinstance(slot, list) else
+                       [x for v in slot.values() for x in v] if isinstance(slot, dict) else [])}  # fmt: skip
+    placed = {e["data_name"] for e in index["entries"] if e["module"] != dump.OPTIMIZER}
+    assert files == placed and len(files) == len(placed)
+    for entry in index["entries"]:
+        stored = torch.load(bad / "rank0" / dump.TENSOR_DIR / entry["data_name"], weights_only=True)
+        assert torch.equal(stored, tensors[entry["key"]])
+    layer = "Module.decoder.layers.1.Block"
+    assert {f"{layer}.forward.0", f"{layer}.backward.0"} <= rows.keys()
+    assert rows[f"{layer}.forward.0"]["output"][0]["data_name"] == f"{layer}.forward.0.output.0.pt"
+    grads = [name for name in rows if name.endswith(".parameters_grad.0")]
+    assert grads and all(isinstance(rows[name], dict) for name in grads)
+    construct = json.loads((bad / "rank0" / "construct.json").read_text())
+    assert construct[f"{layer}.forward.0"].startswith("Module.model.")
+    found = msprobe_dumps.compare(msprobe_dumps.read_dump(ref), msprobe_dumps.read_dump(bad),
+                                  modules.rule_for("float32"))  # fmt: skip
+    assert found["divergent"]["name"] == f"{layer}.forward.0"
