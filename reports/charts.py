@@ -24,55 +24,48 @@ def to_div(fig: go.Figure, div_id: str) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG)
 
 
-def loss_curves(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
-    """One trace per run: loss against iteration; hover shows every run's value at a step."""
+def _lines(series: list[dict[str, Any]], y: str, label: str, fmt: str) -> go.Figure:
+    """One trace per entry of ``series`` (``legend``, ``iterations`` and the values at ``y``),
+    against iteration; the hover names the entry."""
     fig = go.Figure()
-    for run in runs:
+    for line in series:
         fig.add_trace(
             go.Scatter(
-                x=run["iterations"], y=run["losses"], mode="lines+markers", name=run["legend"],
-                marker={"size": 4}, hovertemplate="step %{x}<br>loss %{y:.6g}<extra>%{fullData.name}</extra>",
+                x=line["iterations"], y=line[y], mode="lines+markers", name=line["legend"],
+                marker={"size": 4},
+                hovertemplate=f"step %{{x}}<br>{label} %{{y:{fmt}}}<extra>%{{fullData.name}}</extra>",
             )
         )  # fmt: skip
+    return fig
+
+
+def loss_curves(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
+    """One trace per run: loss against iteration; hover shows every run's value at a step."""
+    fig = _lines(runs, "losses", "loss", ".6g")
     fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="lm loss",
                       hovermode="x unified", height=360)  # fmt: skip
     return to_div(fig, div_id)
 
 
 def grad_norms(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
-    """Grad norm per step of a candidate and its baseline (one trace each)."""
-    fig = go.Figure()
-    for run in runs:
-        fig.add_trace(
-            go.Scatter(
-                x=run["iterations"], y=run["grad_norms"], mode="lines+markers", name=run["legend"],
-                marker={"size": 4}, hovertemplate="step %{x}<br>grad norm %{y:.6g}<extra>%{fullData.name}</extra>",
-            )
-        )  # fmt: skip
+    """Grad norm per step, one trace per run."""
+    fig = _lines(runs, "grad_norms", "grad norm", ".6g")
     fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="grad norm",
                       hovermode="x unified", height=300, legend={"orientation": "h", "y": -0.3})  # fmt: skip
     return to_div(fig, div_id)
 
 
-def relative_difference(
-    title: str,
-    iterations: list[int],
-    rel_diff: list[float | None],
-    band: float | None,
-    div_id: str,
+def relative_differences(
+    title: str, series: list[dict[str, Any]], band: float | None, div_id: str
 ) -> str:
-    """Per-step relative difference candidate vs baseline, the tolerance band shaded."""
-    fig = go.Figure(
-        go.Scatter(
-            x=iterations, y=rel_diff, mode="lines+markers", name="relative difference",
-            marker={"size": 4}, hovertemplate="step %{x}<br>rel. diff %{y:.3e}<extra></extra>",
-        )
-    )  # fmt: skip
+    """Per-step relative difference of several candidates against their baseline, one trace
+    each (``legend``, ``iterations``, ``rel_diff``), the tolerance band shaded."""
+    fig = _lines(series, "rel_diff", "rel. diff", ".3e")
     if band is not None:
         fig.add_hrect(y0=-band, y1=band, fillcolor="green", opacity=0.12, line_width=0,
                       annotation_text=f"tolerance ±{band:g}", annotation_position="top left")  # fmt: skip
     fig.update_layout(title=title, xaxis_title="iteration", yaxis_title="(candidate - baseline) / |baseline|",
-                      height=300, showlegend=False)  # fmt: skip
+                      height=320, legend={"orientation": "h", "y": -0.3})  # fmt: skip
     return to_div(fig, div_id)
 
 

@@ -1,5 +1,6 @@
-"""The end-to-end sections of a ``compare`` result: loss curves with every rule's verdict, the
-per-step relative difference with its tolerance band, and Table 2."""
+"""The end-to-end sections of a ``compare`` result: the loss and grad-norm curves of every run,
+the verdict matrix (candidates x rules), each curve rule's per-step relative differences of all
+candidates overlaid with the tolerance band, and Table 2."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from megatron_npu.reports.formatting import command_line, device_label, number
 
 from megatron_npu.compare import table2 as compare_table
 
-#: Rules whose verdicts compare two training curves (a grad-norm plot is drawn for each pair).
-CURVE_RULES = ("deterministic", "layout", "approximate")
 FAILING = ("fail", "refused")
 
 #: Tolerance keys (docs/compare-results.md) that bound every step's relative loss difference:
@@ -51,39 +50,83 @@ def _legend(run: Any) -> str:
     return text
 
 
+def _tolerance_text(tolerance: Any) -> str:
+    if not isinstance(tolerance, dict):
+        return ""
+    return " ".join(f"{k}={number(v)}" for k, v in sorted(tolerance.items()))
+
+
+def verdict_matrix(comp: Comparison) -> dict[str, Any]:
+    """Candidates x rules: one row per (candidate, baseline) pair, one cell per rule with its
+    status (the badge) and its detail and tolerance (shown on hover and on expanding the cell);
+    a rule that did not judge a pair leaves its cell empty."""
+    rules: list[str] = []
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for v in comp.verdicts:
+        if v["rule"] not in rules:
+            rules.append(v["rule"])
+        key = (v["candidate"], v["baseline"])
+        row = rows.setdefault(key, {"candidate": key[0], "baseline": key[1], "cells": {}})
+        row["cells"][v["rule"]] = {
+            "status": v["status"], "detail": v.get("detail") or "",
+            "tolerance": _tolerance_text(v.get("tolerance")),
+        }  # fmt: skip
+    return {"rules": rules, "rows": list(rows.values())}
+
+
+def overlays(comp: Comparison, index: int) -> list[dict[str, Any]]:
+    """One chart per curve rule: every candidate's per-step relative difference against its
+    baseline, overlaid, with the rule's tolerance band (drawn when the pairs share one)."""
+    by_rule: dict[str, list[dict[str, Any]]] = {}
+    for v in comp.verdicts:
+        per_step = v.get("per_step")
+        if isinstance(per_step, dict) and per_step.get("iteration"):
+            by_rule.setdefault(v["rule"], []).append(v)
+    out = []
+    for j, (rule, verdicts) in enumerate(by_rule.items()):
+        bands = {band(v.get("tolerance")) for v in verdicts}
+        shared = next(iter(bands)) if len(bands) == 1 else None
+        series = [
+            {"legend": f"{v['candidate']} vs {v['baseline']}",
+             "iterations": v["per_step"].get("iteration", []),
+             "rel_diff": _finite_or_none(v["per_step"].get("rel_diff"))}
+            for v in verdicts
+        ]  # fmt: skip
+        plot = charts.relative_differences(
+            f"{rule}: relative loss difference per step", series, shared, f"reldiff-{index}-{j}"
+        )
+        out.append({
+            "rule": rule, "band": shared, "bands_differ": len(bands) > 1, "plot": plot,
+            "pairs": [{"candidate": v["candidate"], "baseline": v["baseline"],
+                       "status": v["status"], "detail": v.get("detail") or ""} for v in verdicts],
+        })  # fmt: skip
+    return out
+
+
 def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
     runs = [
         {"iterations": r.iterations, "losses": r.losses, "legend": _legend(r)} for r in comp.runs
     ]
     loss_div = charts.loss_curves(f"{comp.title}: loss per step", runs, f"loss-{index}")
-    verdicts = []
-    by_name = {r.name: r for r in comp.runs}
-    for j, v in enumerate(comp.verdicts):
-        per_step = v.get("per_step") or None
-        plot = None
-        if isinstance(per_step, dict) and per_step.get("iteration"):
-            plot = charts.relative_difference(
-                f"{v['candidate']} vs {v['baseline']}: {v['rule']}",
-                per_step.get("iteration", []), _finite_or_none(per_step.get("rel_diff")),
-                band(v.get("tolerance")), f"reldiff-{index}-{j}",
-            )  # fmt: skip
-        pair = [by_name.get(v["candidate"]), by_name.get(v["baseline"])]
-        grad_plot = None
-        if v["rule"] in CURVE_RULES and all(r is not None and r.iterations for r in pair):
-            grad_plot = charts.grad_norms(
-                f"{v['candidate']} vs {v['baseline']}: grad norm per step",
-                [{"iterations": r.iterations, "grad_norms": r.grad_norms, "legend": _legend(r)}
-                 for r in pair],
-                f"gradnorm-{index}-{j}",
-            )  # fmt: skip
-        verdicts.append(
-            {
-                "candidate": v["candidate"], "baseline": v["baseline"], "rule": v["rule"],
-                "status": v["status"], "detail": v.get("detail") or "",
-                "tolerance": v.get("tolerance") or {}, "band": band(v.get("tolerance")),
-                "plot": plot, "grad_plot": grad_plot,
-            }
+    with_norms = [r for r in comp.runs if r.iterations and any(g is not None for g in r.grad_norms)]
+    grad_div = (
+        charts.grad_norms(
+            f"{comp.title}: grad norm per step",
+            [
+                {"iterations": r.iterations, "grad_norms": r.grad_norms, "legend": _legend(r)}
+                for r in with_norms
+            ],
+            f"gradnorm-{index}",
         )  # fmt: skip
+        if with_norms
+        else None
+    )
+    verdicts = [
+        {"candidate": v["candidate"], "baseline": v["baseline"], "rule": v["rule"],
+         "status": v["status"], "detail": v.get("detail") or "",
+         "tolerance": v.get("tolerance") or {}, "band": band(v.get("tolerance"))}
+        for v in comp.verdicts
+    ]  # fmt: skip
     return {
         "title": comp.title,
         "source": comp.source,
@@ -92,7 +135,10 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
         "run_count": len(comp.runs),
         "run_names": [r.name for r in comp.runs],
         "loss_div": loss_div,
+        "grad_div": grad_div,
         "verdicts": verdicts,
+        "verdict_matrix": verdict_matrix(comp),
+        "overlays": overlays(comp, index),
         "failed_runs": [
             {"name": r.name, "status": r.status, "error": r.error} for r in comp.runs if r.error
         ],

@@ -118,9 +118,11 @@ def _parity_runs(directory: Path) -> list[Path]:
 
 
 def _add_folder(directory: Path, out: ResultSet) -> None:
-    located = directory / locate_view.LOCATE_FILE
-    if located.is_file():
-        _add_json_file(located, out)
+    found = [directory / name for name in (locate_view.LOCATE_FILE, locate_view.MSPROBE_FILE)]
+    if any(path.is_file() for path in found):
+        for path in found:
+            if path.is_file():
+                _add_json_file(path, out)
         return
     results = directory / compare_results.RESULTS_FILE
     if results.is_file():

@@ -1,10 +1,14 @@
-"""The report section of a ``megatron-npu locate`` result (``locate.json``, docs/locate.md).
+"""The report section of a ``megatron-npu locate`` result: ``locate.json`` of runs of ``train``
+or of the user's own script (``--script``), and ``locate-msprobe.json`` of two msprobe dumps
+(``--msprobe``); schemas in docs/locate.md.
 
-The model's module tree (indented by the dotted name; one row per module and shard), each row a
+For ``locate.json``: the model's module tree (indented by the dotted name; one row per module and shard), each row a
 heat strip of three cells -- forward, backward, update -- coloured by the module's error relative
 to its tolerance (``log10(error / tolerance)``: green well below, amber near, red beyond), with the
 error, its inputs' error and the ratio in the cell's tooltip; the named step, module and patch;
-the command that reproduces the search.
+the command that reproduces the search; msprobe's metrics of the named module's worst tensor.
+For ``locate-msprobe.json``: the first divergent row with msprobe's metrics and the patches it
+reaches, what statistics can conclude, and every compared row in dump order as a heat cell.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_npu.locate.msprobe_dumps import RESULT_FILE as MSPROBE_FILE
+from megatron_npu.locate.msprobe_dumps import RESULT_FORMAT as MSPROBE_FORMAT
 from megatron_npu.locate.result import FILENAME as LOCATE_FILE
 from megatron_npu.locate.result import LocateResultError, is_locate, validate
 
 PHASES = ("forward", "backward", "update")
 __all__ = [
     "LOCATE_FILE",
+    "MSPROBE_FILE",
     "BadLocateResult",
     "LocateResult",
     "looks_like_locate",
@@ -38,10 +45,26 @@ class LocateResult:
 
 
 def looks_like_locate(data: Any) -> bool:
-    return is_locate(data)
+    return is_locate(data) or _is_msprobe(data)
+
+
+def _is_msprobe(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("format") == MSPROBE_FORMAT
+
+
+#: the fields a ``locate --msprobe`` result (``locate-msprobe.json``) must have
+_MSPROBE_REQUIRED = ("reference", "candidate", "task", "rows", "divergent")
 
 
 def parse(data: Any, source: str) -> LocateResult:
+    if _is_msprobe(data):
+        missing = [k for k in _MSPROBE_REQUIRED if k not in data]
+        if missing or not isinstance(data.get("rows"), list):
+            raise BadLocateResult(
+                f"{source}: not a usable {MSPROBE_FORMAT} result (missing or bad: "
+                f"{', '.join(missing) or 'rows'})"
+            )
+        return LocateResult(source, data)
     try:
         return LocateResult(source, validate(data, source))
     except LocateResultError as exc:
@@ -106,16 +129,59 @@ def tree_rows(modules: list[dict[str, Any]], divergent: dict | None) -> list[dic
     return out
 
 
+def _side(side: Any) -> dict[str, Any]:
+    """A run side as the page names it: its label and device, and the user's script if any."""
+    side = side if isinstance(side, dict) else {}
+    return {**side, "label": side.get("label", "?"), "device": side.get("device", "?"),
+            "script": side.get("script")}  # fmt: skip
+
+
+def msprobe_rows(rows: list[dict[str, Any]], divergent: dict | None) -> list[dict[str, Any]]:
+    """The rows of a ``locate --msprobe`` result in dump order, each with one heat cell."""
+    named = ((divergent or {}).get("name"), (divergent or {}).get("rank"))
+    out = []
+    for row in rows:
+        cell = heat(row.get("output"), row.get("tolerance"))
+        out.append({
+            "rank": row.get("rank", ""), "name": row.get("name", ""),
+            "phase": row.get("phase", ""), "kind": row.get("kind", ""),
+            "cell": cell, "input": row.get("input"), "diverges": bool(row.get("diverges")),
+            "named": (row.get("name"), row.get("rank")) == named,
+        })  # fmt: skip
+    return out
+
+
+def msprobe_section(result: LocateResult, index: int) -> dict[str, Any]:
+    data = result.data
+    divergent = data.get("divergent")
+    return {
+        "id": f"locate-msprobe-{index}", "mode": "msprobe", "source": result.source,
+        "reference": data.get("reference"), "candidate": data.get("candidate"),
+        "task": data.get("task"), "levels": data.get("levels", []),
+        "ranks": data.get("ranks", []), "statement": data.get("statement"),
+        "divergent": divergent,
+        "metrics": (divergent or {}).get("msprobe_metrics"),
+        "patches": (divergent or {}).get("patches") or (divergent or {}).get("module_patches")
+        or [],
+        "rows": msprobe_rows(data.get("rows", []), divergent),
+        "unmatched": data.get("unmatched", {}),
+    }  # fmt: skip
+
+
 def section(result: LocateResult, index: int) -> dict[str, Any]:
+    if _is_msprobe(result.data):
+        return msprobe_section(result, index)
     data = result.data
     step = data.get("step") or {}
     culprit = data.get("culprit") or {}
     divergent = data.get("divergent")
     return {
         "id": f"locate-{index}",
+        "mode": "script" if _side(data.get("reference")).get("script") else "runs",
         "source": result.source,
-        "reference": data.get("reference", {}),
-        "candidate": data.get("candidate", {}),
+        "reference": _side(data.get("reference")),
+        "candidate": _side(data.get("candidate")),
+        "metrics": (divergent or {}).get("msprobe"),
         "step": step.get("step"),
         "step_quantity": step.get("quantity"),
         "step_error": step.get("rel_error"),

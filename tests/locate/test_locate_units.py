@@ -3,6 +3,7 @@ delta debugging -> patch, locate.json and its report section. No training run, n
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -317,6 +318,40 @@ def test_the_report_renders_the_module_tree_step_module_patch_and_command(tmp_pa
     # one heat cell per phase and module; the named one is marked
     assert html.count('class="heat"') == 3 * len(comp.rows)
     assert "error 0.00e+00" in html  # an agreeing module's cell shows its error
+    # msprobe's metrics of the named module's worst tensor, beside the rule's verdict
+    measured = comp.first_dict()["msprobe"]
+    assert 'class="locate-msprobe-metrics"' in html and measured["data_name"] in html
+    assert f"cosine {measured['cosine']:.4g}" in html
+
+
+def test_the_report_renders_a_locate_msprobe_result(tmp_path):
+    """``locate --msprobe``'s result as the page shows it: the named row with msprobe's metrics
+    and the patches it reaches, and every compared row in dump order, the named one marked."""
+    from megatron_npu.reports import locate_view
+    from megatron_npu.reports.build import build_report
+    from megatron_npu.reports.inputs import load
+
+    from megatron_npu.locate import msprobe_dumps
+
+    ref, bad = _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
+    out = tmp_path / "located"
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--msprobe", str(ref), str(bad), "--out", str(out)])
+    data = command.locate_msprobe(args, echo=lambda s: None)
+    [located] = load([out]).locates
+    view = locate_view.section(located, 0)
+    assert view["mode"] == "msprobe" and view["divergent"] == data["divergent"]
+    assert len(view["rows"]) == len(data["rows"])
+    assert [r["name"] for r in view["rows"] if r["named"]] == [data["divergent"]["name"]]
+    html = build_report([str(out)], tmp_path / "r.html").read_text()
+    assert 'class="locate locate-msprobe"' in html and data["divergent"]["name"] in html
+    assert html.count('<td class="heat"') == len(data["rows"])
+    assert 'class="locate-msprobe-metrics"' in html
+    (out / msprobe_dumps.RESULT_FILE).write_text(
+        json.dumps({"format": msprobe_dumps.RESULT_FORMAT})
+    )
+    assert load([out]).locates == []
 
 
 # ------------------------------------------------------------------ which patches a module reaches

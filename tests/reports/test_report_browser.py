@@ -92,13 +92,38 @@ def test_report_in_chromium(browser, report, tmp_path):
     assert len(traces) == 1
     assert [name.split(" ")[0] for name in traces[0]] == [r[0] for r in fx.RUNS]
     assert all(("[emulated]" in n) == r[2] for n, r in zip(traces[0], fx.RUNS))
-    # per candidate: its relative difference with the tolerance band, and both grad-norm curves
-    assert page.locator(".reldiff-plot .js-plotly-plot").count() == len(fx.RUNS) - 1
+    # per curve rule: every candidate's relative difference overlaid in one chart; one chart
+    # of every run's grad norms
+    overlays = page.eval_on_selector_all(
+        ".reldiff-plot",
+        "divs => divs.map(d => [d.dataset.rule, "
+        "d.querySelector('.js-plotly-plot').data.map(t => t.name)])",
+    )
+    assert sorted(rule for rule, _ in overlays) == ["approximate", "layout"]
+    assert all(names and all(" vs " in n for n in names) for _, names in overlays)
+    assert sum(len(names) for _, names in overlays) >= len(fx.RUNS) - 1
     grad = page.eval_on_selector_all(
         ".gradnorm-plot .js-plotly-plot", "plots => plots.map(p => p.data.map(t => t.name))"
     )
-    assert len(grad) == len(fx.RUNS) - 1 and all(len(names) == 2 for names in grad)
+    assert len(grad) == 1 and [n.split(" ")[0] for n in grad[0]] == [r[0] for r in fx.RUNS]
     assert page.inner_text("#headline").startswith("Comparison passed")
+
+    # the verdict matrix: a badge per cell, its detail on hover (title) and on a click, and no
+    # cell cut off at 1280 px
+    matrix = page.locator(".verdict-matrix")
+    box = matrix.bounding_box()
+    assert box["x"] + box["width"] <= PAGE_WIDTH
+    clipped = page.eval_on_selector_all(
+        ".verdict-matrix td, .verdict-matrix th",
+        "cells => cells.filter(c => c.scrollWidth > c.clientWidth + 1).length",
+    )
+    assert clipped == 0
+    cell = page.locator(".verdict-matrix td.verdict-cell:not(.empty)").first
+    assert cell.get_attribute("title")
+    detail = cell.locator(".verdict-detail")
+    assert detail.is_hidden()
+    cell.locator("summary").click()
+    assert detail.is_visible() and detail.inner_text().strip()
 
     # Table 2: human column names with units, MFU in %, and no horizontal scroll at 1280 px
     headers = page.eval_on_selector_all(".table2 th", "ths => ths.map(t => t.innerText.trim())")

@@ -111,10 +111,25 @@ def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
     assert comp["run_names"] == [r[0] for r in fx.RUNS]
     for name, device, _ in fx.RUNS:  # one trace each; the browser test counts them on the page
         assert f'"name":"{name} ({device})' in comp["loss_div"]
-    curve_verdicts = [v for v in comp["verdicts"] if v["rule"] in ("layout", "approximate")]
-    assert {v["rule"] for v in curve_verdicts} == {"layout", "approximate"}
-    assert all(v["plot"] and v["grad_plot"] for v in curve_verdicts)
-    assert {v["band"] for v in curve_verdicts} == {1e-5, 0.02}
+    for name, device, _ in fx.RUNS:  # every run's grad norms in one chart
+        assert f'"name":"{name} ({device})' in comp["grad_div"]
+    # the verdict matrix: one row per pair, one cell per rule, each the verdict compare wrote
+    results = json.loads((compare_dir / "results.json").read_text())
+    matrix = comp["verdict_matrix"]
+    assert set(matrix["rules"]) == {v["rule"] for v in results["verdicts"]}
+    cells = {(r["candidate"], r["baseline"], rule): cell
+             for r in matrix["rows"] for rule, cell in r["cells"].items()}  # fmt: skip
+    assert len(cells) == len(results["verdicts"])
+    for v in results["verdicts"]:
+        cell = cells[(v["candidate"], v["baseline"], v["rule"])]
+        assert (cell["status"], cell["detail"]) == (v["status"], v["detail"])
+    # one overlay per curve rule: every judged pair a trace, the rule's band shaded
+    curve = [v for v in results["verdicts"] if (v.get("per_step") or {}).get("iteration")]
+    overlays = {o["rule"]: o for o in comp["overlays"]}
+    assert set(overlays) == {v["rule"] for v in curve} == {"layout", "approximate"}
+    for v in curve:
+        assert f'"name":"{v["candidate"]} vs {v["baseline"]}"' in overlays[v["rule"]]["plot"]
+    assert {o["band"] for o in overlays.values()} == {1e-5, 0.02}
     table = comp["table2"]
     # compare's own column labels, with units, in compare's order
     assert [table["labels"][k] for k in table["columns"]] == [
@@ -125,7 +140,6 @@ def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
     assert [row["device"]["emulated"] for row in table["rows"]] == [r[2] for r in fx.RUNS]
     # every cell is what compare's table2.md shows for that run
     written = (compare_dir / "table2.md").read_text()
-    results = json.loads((compare_dir / "results.json").read_text())
     for row, cells in zip(results["table2"], table["rows"]):
         shown = [cells[k]["text"] for k in table["columns"] if k != "device"]
         line = next(x for x in written.splitlines() if x.startswith(f"| {row['name']} |"))
