@@ -327,6 +327,10 @@ class Locator:
         return found
 
 
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value if value is not None else "-")
+
+
 def _trial_words(items: list[str]) -> str:
     """What a trial changes, in words: patches off, kernels served natively."""
     patches = [i for i in items if not i.startswith(KERNEL_ITEM)]
@@ -473,6 +477,12 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         data["rule"] = comparison.rule.as_dict()
         data["modules"] = [r.as_dict() for r in comparison.rows]
         data["divergent"] = comparison.first_dict()
+        bound = comparison.gradient_bound(dump.read_meta(cand_dump).get("dtype", "float32"))
+        data["gradient_bound"] = bound
+        worst = bound["worst"] or {}
+        echo(f" locate: TTrace's gradient bound: {len(bound['exceeding'])} of "
+             f"{bound['parameters']} gradients beyond it (worst {worst.get('parameter', '-')}: "
+             f"{_short(worst.get('error'))} against {_short(worst.get('bound'))})")  # fmt: skip
         if comparison.first is not None:
             row, phase = comparison.first
             echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")

@@ -114,6 +114,8 @@ class ModuleRow:
     depth: int
     patches: dict[str, list[str]] = field(default_factory=dict)
     phases: dict[str, PhaseError] = field(default_factory=dict)
+    #: the relative error of each of its parameters' gradients (by parameter name)
+    param_grads: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -256,6 +258,7 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
         _loss_share(row, entry, err)
         if quantity.startswith("param.grad:"):
             param_grad[f"{entry['module']}.{quantity.partition(':')[2]}"] = err
+            row(entry["module"]).param_grads[quantity.partition(":")[2]] = err
         target = row(entry["module"]).phases.setdefault(phase_name, PhaseError())
         if side == "in":
             target.input = max(target.input, err)
@@ -303,6 +306,18 @@ class Comparison:
     rule: Rule
     #: msprobe's metrics of the first divergent module's worst tensor, with its msprobe row
     first_msprobe: dict[str, Any] | None = None
+
+    def gradient_bound(self, dtype: str) -> dict[str, Any]:
+        """TTrace's gradient bound on this step (:mod:`.gradient_bound`): every parameter
+        gradient's relative error against ``k * C**(L + 1 - l) * eps``, ``l`` its layer."""
+        from megatron_npu.locate import gradient_bound
+
+        modules = [r for r in self.rows if r.module != dump_mod.OPTIMIZER]
+        num_layers = max((r.depth for r in modules), default=1) - 1
+        grads = [
+            (f"{r.name}.{p}", r.depth, err) for r in modules for p, err in r.param_grads.items()
+        ]
+        return gradient_bound.judge(grads, num_layers, dtype)
 
     def first_dict(self) -> dict[str, Any] | None:
         if self.first is None:

@@ -620,3 +620,30 @@ def test_a_rank_folder_is_an_msprobe_dump_that_msprobe_and_locate_msprobe_read(t
     found = msprobe_dumps.compare(msprobe_dumps.read_dump(ref), msprobe_dumps.read_dump(bad),
                                   modules.rule_for("float32"))  # fmt: skip
     assert found["divergent"]["name"] == f"{layer}.forward.0"
+
+
+def test_ttraces_gradient_bound_as_megatron_states_it():
+    """The bound Megatron's checkpoint-consistency test applies: 4 * 1.03**33 * 2**-7 = 8.29 %
+    for a 32-layer bf16 model at l = 0 (its gate's choice), tighter for later layers."""
+    from megatron_npu.locate import gradient_bound
+
+    assert gradient_bound.bound("bfloat16", 0, 32) == pytest.approx(0.08288547619861457)
+    assert gradient_bound.bound("float32", 33, 32) == pytest.approx(4 * 2.0**-23)
+    assert gradient_bound.bound("float16", 5, 32) < gradient_bound.bound("float16", 4, 32)
+    verdict = gradient_bound.judge(
+        [("w", 1, 0.5), ("b", 1, math.inf), ("c", 2, 0.0)], 2, "bfloat16"
+    )
+    assert verdict["caught"] and [e["parameter"] for e in verdict["exceeding"]] == ["w", "b"]
+
+
+def test_the_gradient_bound_on_a_located_step(tmp_path):
+    """On the same dumps: a healthy pair leaves every gradient within TTrace's bound, a planted
+    forward bug in layer 1 puts gradients beyond it, the embedding's included."""
+    ref = _dump(tmp_path, "ref")
+    healthy = modules.compare_dumps(ref, _dump(tmp_path, "same")).gradient_bound("float32")
+    assert not healthy["caught"] and healthy["parameters"] == 16 and healthy["num_layers"] == 3
+    planted = modules.compare_dumps(ref, _dump(tmp_path, "bad", "norm-forward", bug_layer=1))
+    verdict = planted.gradient_bound("float32")
+    assert verdict["caught"]
+    assert {e["parameter"].split(".")[0] for e in verdict["exceeding"]} >= {"embedding"}
+    assert all(e["error"] > e["bound"] for e in verdict["exceeding"])
