@@ -17,7 +17,7 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
 * ``trial``: a culprit trial -- ``--use-flash-attn`` with the ``attention.*`` patch switched off
   runs Megatron's unfused attention instead of being refused as ``train`` refuses it.
 
-``plant`` (testing aid, like train's ``--force-overflow-step``) puts one of the parity harness's
+``plant`` (testing aid: locate's hidden ``--plant-candidate``) puts one of the parity harness's
 planted bugs (:mod:`megatron_npu.parity.mutations`) in place in this process for the whole run.
 
 :func:`run` starts the ranks (``world`` processes with torchrun's environment variables, forked

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Sequence
 
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
@@ -24,9 +23,6 @@ from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW
 from megatron_npu.training.errors import TrainingInputError
-
-#: The env variable behind the hidden ``--force-overflow-step`` testing aid.
-FORCE_OVERFLOW_ENV = "MEGATRON_NPU_FORCE_OVERFLOW_STEP"
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 #: ``--tokenizer-type`` values: megatron_npu.data's tokenizers, plus Megatron's NullTokenizer
@@ -330,12 +326,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="(always on with --bf16, as in Megatron)",
     )
-    g.add_argument(
-        "--force-overflow-step",
-        type=_positive,
-        default=None,
-        help=argparse.SUPPRESS,  # testing aid, see loop.force_overflow
-    )
 
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive, required=True)
@@ -514,19 +504,6 @@ def check_fused_attention(args: argparse.Namespace) -> None:
         )
 
 
-def _env_overflow_step() -> int | None:
-    raw = os.environ.get(FORCE_OVERFLOW_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        step = int(raw)
-    except ValueError as exc:
-        raise ArgumentError(f"${FORCE_OVERFLOW_ENV}={raw!r} is not a step number") from exc
-    if step < 1:
-        raise ArgumentError(f"${FORCE_OVERFLOW_ENV} must be >= 1, got {step}")
-    return step
-
-
 def check(args: argparse.Namespace) -> None:
     """World-size-independent rules (Megatron's ``validate_args`` where it applies)."""
     _check_ranges(args)
@@ -615,14 +592,6 @@ def check(args: argparse.Namespace) -> None:
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.loss_scale is not None and not args.fp16:
         raise ArgumentError("--loss-scale applies to --fp16 only")
-    env_step = _env_overflow_step()
-    if args.force_overflow_step is None:
-        args.force_overflow_step = env_step
-    if args.force_overflow_step is not None and not args.fp16:
-        raise ArgumentError(
-            "--force-overflow-step / $MEGATRON_NPU_FORCE_OVERFLOW_STEP is an fp16 loss-scaling "
-            "test aid: it needs --fp16"
-        )
     if args.data_path and args.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
     if args.data_path and args.tokenizer_type in (None, "NullTokenizer"):

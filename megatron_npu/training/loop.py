@@ -14,11 +14,6 @@ Loss reporting: the loss only exists on the last pipeline stage. Each last-stage
 the world gives every rank -- global rank 0 included, which writes the metrics -- the
 token-weighted mean over the whole global batch.
 
-Testing aid: ``--force-overflow-step N`` (hidden) or ``$MEGATRON_NPU_FORCE_OVERFLOW_STEP=N`` puts
-``inf`` into the first gradient element of every grad buffer on every rank after step ``N``'s
-backward, before ``optimizer.step()``. With ``--fp16`` the dynamic loss scaler must then skip the
-step (no parameter change, no scheduler step), back off the scale and report ``skipped: true``.
-It exists only to test that path; never use it in a real run.
 """
 
 from __future__ import annotations
@@ -140,15 +135,6 @@ def forward_step(device_type, data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def force_overflow(model) -> None:
-    """Testing aid (see the module docstring): ``inf`` into every grad buffer's first element."""
-    for chunk in model:
-        for buffer in list(getattr(chunk, "buffers", [])) + list(
-            getattr(chunk, "expert_parallel_buffers", [])
-        ):
-            buffer.grad_data.view(-1)[0] = float("inf")
-
-
 def reduce_loss(losses_reduced: list[dict]) -> float | None:
     """Token-weighted mean lm loss of the global batch, on every rank (one world all-reduce)."""
     from megatron.core import parallel_state
@@ -197,8 +183,6 @@ def train_step(args, step, forward_backward, data_iterators, model, optimizer, s
         decoder_seq_length=args.seq_length,
         forward_only=False,
     )
-    if args.force_overflow_step == step:
-        force_overflow(model)
     lr = optim_mod.current_lr(optimizer)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:

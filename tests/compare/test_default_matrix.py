@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 from pathlib import Path
 
 import pytest
+from planting import plant_env
 
 from megatron_npu.compare import command
 from megatron_npu.compare import matrix as m
 
 pytestmark = pytest.mark.slow
-
-PLANTS = Path(__file__).with_name("plants")
 
 
 def _default_rows(*names: str) -> m.Matrix:
@@ -35,10 +33,8 @@ def _default_rows(*names: str) -> m.Matrix:
 def _compare(tmp_path: Path, monkeypatch, plant: str | None, *names: str):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if plant:
-        monkeypatch.setenv("MEGATRON_NPU_TEST_PLANT", plant)
-        monkeypatch.setenv(
-            "PYTHONPATH", os.pathsep.join(filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")]))
-        )
+        for key, value in plant_env(plant).items():
+            monkeypatch.setenv(key, value)
     monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
     return command.run_compare(_default_rows(*names), tmp_path / "out", echo=io.StringIO())
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
+from planting import plant_env
 
 from megatron_npu.compare import command as compare_command
 from megatron_npu.compare import matrix as m
@@ -21,7 +20,6 @@ from megatron_npu.locate import command
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-PLANTS = Path(__file__).resolve().parents[1] / "compare" / "plants"
 MATRIX = """
 [compare]
 baseline = "ref"
@@ -55,10 +53,8 @@ ADAMW = {"optimizer.adam", "optimizer.factory-torch-adamw"}
 
 def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MEGATRON_NPU_TEST_PLANT", "wrong-adamw")
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")]))
-    )
+    for key, value in plant_env("wrong-adamw").items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     (tmp_path / "m.toml").write_text(MATRIX)
     document, status = compare_command.run_compare(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from once_per_run import built_once
+from planting import plant_env
 
 from megatron_npu.locate import command, modules, msprobe_dumps
 from megatron_npu.locate.modules import tensor_error
@@ -244,7 +245,6 @@ def test_msprobe_compare_passes_every_row_that_locate_names(dumps, tmp_path):
 
 
 MEGATRON_MAKE = Path(__file__).with_name("_msprobe_megatron_dump.py")
-PLANTS = Path(__file__).resolve().parents[1] / "compare" / "plants"
 MEGATRON_NORM = "Module.decoder.layers.0.input_layernorm.Norm.forward.0"
 
 
@@ -258,8 +258,7 @@ def megatron_dumps(xdist_shared) -> Path:
         for device, plant in (("cpu", None), ("npu-emulated", "rms-norm-2pct")):
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             if plant:
-                env.update(MEGATRON_NPU_TEST_PLANT=plant, PYTHONPATH=os.pathsep.join(
-                    filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")])))  # fmt: skip
+                env.update(plant_env(plant))
             done = subprocess.run([sys.executable, str(MEGATRON_MAKE), device, str(root / device)],
                                   capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

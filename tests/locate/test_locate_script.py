@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 from pathlib import Path
 
 import pytest
+from planting import plant_env
 
 from megatron_npu.locate import command, curves, dump
 from tests.megatron_lm._client import TINY, megatron_lm_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-PLANTS = Path(__file__).resolve().parents[1] / "compare" / "plants"
 LLAMA = (
     "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -36,9 +35,8 @@ def _locate(tmp_path: Path, monkeypatch, plant: str | None) -> tuple[int, dict]:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     if plant:
-        monkeypatch.setenv("MEGATRON_NPU_TEST_PLANT", plant)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-            filter(None, [str(PLANTS), os.environ.get("PYTHONPATH")])))  # fmt: skip
+        for key, value in plant_env(plant).items():
+            monkeypatch.setenv(key, value)
     else:
         monkeypatch.delenv("MEGATRON_NPU_TEST_PLANT", raising=False)
     parser = argparse.ArgumentParser()

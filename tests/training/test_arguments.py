@@ -60,7 +60,6 @@ def test_sequence_parallel_is_dropped_without_tp():
         (["--fp16", "--bf16"], "not allowed with argument"),
         (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
         (["--tensor-model-parallel-size", "3"], "divisible by the TP size"),
-        (["--force-overflow-step", "2"], "needs --fp16"),
         (["--data-path", "x"], "exclude each other"),
         (["--save-interval", "5"], "--save-interval needs --save"),
         # context parallelism: the named problems Megatron-LM's scripts get too
@@ -90,14 +89,6 @@ def test_batch_must_divide_into_micro_batches():
     args = parse("--global-batch-size", "6")
     with pytest.raises(arguments.ArgumentError, match="not divisible"):
         arguments.finalize(args, world_size=2)
-
-
-def test_force_overflow_env_and_hidden_argument(monkeypatch):
-    monkeypatch.setenv(arguments.FORCE_OVERFLOW_ENV, "3")
-    assert parse("--fp16").force_overflow_step == 3
-    monkeypatch.delenv(arguments.FORCE_OVERFLOW_ENV)
-    assert parse("--fp16", "--force-overflow-step", "5").force_overflow_step == 5
-    assert "--force-overflow-step" not in arguments.build_parser().format_help()
 
 
 def test_fused_attention_options_need_an_attention_patch(capsys, monkeypatch):

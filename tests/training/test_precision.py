@@ -4,6 +4,7 @@ a forced fp16 overflow step is skipped, counted and reported, and leaves the par
 from __future__ import annotations
 
 import pytest
+from planting import plant_env
 
 from ._runner import TINY, train
 
@@ -41,7 +42,7 @@ def test_fp16_trains_and_a_forced_overflow_is_skipped(train_tmp):
     run = train(
         train_tmp, *TINY, "--fp16", "--train-iters", "20", "--tensor-model-parallel-size", "2",
         "--initial-loss-scale", "4096", "--hysteresis", "1", "--log-params-norm",
-        nproc=2, name="fp16", env={"MEGATRON_NPU_FORCE_OVERFLOW_STEP": "3"},
+        nproc=2, name="fp16", env=plant_env("overflow-at-step-3"),
     )  # fmt: skip
     steps = {s["step"]: s for s in run.steps}
     assert len(steps) == 20

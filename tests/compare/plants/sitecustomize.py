@@ -8,7 +8,10 @@
 * ``wrong-adamw``: the emulated NPU kernel ``npu_apply_adam_w`` steps with 1.5x the learning
   rate -- an accuracy bug on the NPU code path only;
 * ``rms-norm-2pct``: the emulated NPU kernel ``npu_rms_norm`` returns its output 2 % too large --
-  a fused-kernel bug that a row-by-row threshold lets through.
+  a fused-kernel bug that a row-by-row threshold lets through;
+* ``overflow-at-step-N``: ``megatron-npu train`` puts ``inf`` into the first gradient element of
+  every grad buffer on every rank after step ``N``'s backward, before ``optimizer.step()`` -- an
+  fp16 overflow, which the dynamic loss scaler must skip.
 """
 
 import os
@@ -46,5 +49,34 @@ elif _PLANT == "rms-norm-2pct":
         return out * 1.02, rstd
 
     _emulation.npu_rms_norm = _wrong_rms_norm
+elif _PLANT.startswith("overflow-at-step-"):
+    from megatron_npu.training import loop as _loop
+
+    _overflow_step = int(_PLANT.rpartition("-")[2])
+    _original_train_step = _loop.train_step
+
+    def _overflowing_train_step(args, step, forward_backward, data_iterators, model, optimizer,
+                                *rest):  # fmt: skip
+        if step != _overflow_step:
+            return _original_train_step(args, step, forward_backward, data_iterators, model,
+                                        optimizer, *rest)  # fmt: skip
+        original_step = optimizer.step
+
+        def step_after_overflow(*args, **kwargs):
+            for chunk in model:
+                buffers = [*getattr(chunk, "buffers", []),
+                           *getattr(chunk, "expert_parallel_buffers", [])]  # fmt: skip
+                for buffer in buffers:
+                    buffer.grad_data.view(-1)[0] = float("inf")
+            return original_step(*args, **kwargs)
+
+        optimizer.step = step_after_overflow
+        try:
+            return _original_train_step(args, step, forward_backward, data_iterators, model,
+                                        optimizer, *rest)  # fmt: skip
+        finally:
+            del optimizer.step
+
+    _loop.train_step = _overflowing_train_step
 elif _PLANT:
     raise RuntimeError(f"unknown MEGATRON_NPU_TEST_PLANT {_PLANT!r}")
