@@ -1,5 +1,5 @@
 """HTML accuracy and performance reports: one self-contained page from parity records,
-``compare`` results, pytest-benchmark JSON and ``info --json`` output (issue 11).
+``compare`` results, pytest-benchmark JSON and ``info --json`` output.
 
 ``build_report(inputs, output, *, diff_base=None) -> Path`` is the API; ``megatron-npu report``
 the command (:mod:`megatron_npu.reports.cli`).

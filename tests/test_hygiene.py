@@ -23,7 +23,7 @@ CITATION = re.compile(r"(?<![\w/.-])([\w./-]*\w\.md)\b")
 #: (citing file, cited name) outside this branch's area, with the owner to fix them
 KNOWN_MISSING: set[tuple[str, str]] = set()
 
-#: modules outside this branch's area that still spell "npu-emulated" (issue 21 item 9)
+#: modules allowed to spell "npu-emulated" themselves instead of using the device constant
 KNOWN_SPELLINGS: set[str] = set()
 
 

@@ -154,10 +154,10 @@ def test_damaged_event_files_are_named(tmp_path):
 
 @pytest.mark.slow
 def test_imported_megatron_lm_runs_against_a_local_emulated_run(tmp_path, monkeypatch):
-    """Done-when of issue 18, with the logs that exist (no GPU was lent): Megatron-LM's own
-    TP2 log (cpu) as the baseline, its npu-emulated log, its event folder, and the same
-    configuration trained here on the NPU code path: one Table 2 with every row, approximate
-    verdicts, and no speed verdict on emulated rows."""
+    """Megatron-LM's own runs imported beside one trained here: its TP2 log (cpu) as the
+    baseline, its npu-emulated log, its event folder, and the same configuration trained here on
+    the NPU code path: one Table 2 with every row, approximate verdicts, and no speed verdict on
+    emulated rows."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     (tmp_path / "m.toml").write_text(f"""

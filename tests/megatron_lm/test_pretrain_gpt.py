@@ -89,7 +89,7 @@ def test_flash_attn_routes_to_the_npu_kernel(tmp_path):
 
 
 def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
-    """Item 3 of the Megatron-LM issue, the layout form: the same model (vocab padded to 1280 in
+    """The layout rule on Megatron-LM's own script: the same model (vocab padded to 1280 in
     both layouts), weights initialised on the host (``--use-cpu-initialization``: Megatron draws
     each master weight whole and slices it), no dropout: TP1 and TP2 losses agree per step within
     the layout rule's 1e-5 (``megatron_npu.compare.rules.layout``)."""
