@@ -94,6 +94,22 @@ def patch_classes() -> dict[str, type]:
     return {pid: raw for pid, raw in _installed() if isinstance(raw, type)}
 
 
+def patch_closures() -> dict[str, dict[str, int]]:
+    """Patch id -> the identity of each value its installed function closes over, for every
+    applied patch whose replacement is a closure: wrap patches built by one factory share one
+    code object (the seven ``matmul.*`` wrappers), and the value each closes over (its
+    ``original``) tells which of them a call runs."""
+    out: dict[str, dict[str, int]] = {}
+    for pid, raw in _installed():
+        if inspect.isfunction(raw) and raw.__closure__:
+            try:
+                out[pid] = {name: id(cell.cell_contents)
+                            for name, cell in zip(raw.__code__.co_freevars, raw.__closure__)}  # fmt: skip
+            except ValueError:  # an empty cell: nothing to tell the calls apart by
+                continue
+    return out
+
+
 def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
     """Code object -> the ids of the patches that installed it (two patches may install the
     same replacement, e.g. a class and the factory that builds it), for every patch applied in
@@ -110,9 +126,11 @@ class Tracer:
     """Records the patches reached per module name (see the module docstring)."""
 
     def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None,
-                 classes: dict[str, type] | None = None) -> None:  # fmt: skip
+                 classes: dict[str, type] | None = None,
+                 closures: dict[str, dict[str, int]] | None = None) -> None:  # fmt: skip
         self.codes = patch_code_objects() if codes is None else codes
         self.classes = patch_classes() if classes is None else classes
+        self.closures = patch_closures() if closures is None else closures
         self.stack: list[str] = []
         self.own: dict[str, set[str]] = defaultdict(set)
         self.total: dict[str, set[str]] = defaultdict(set)
@@ -125,6 +143,8 @@ class Tracer:
             if pids is not None and self.stack:
                 if not self.classes.keys().isdisjoint(pids):
                     pids = self._for_instance(pids, frame)
+                if len(pids) > 1 and not self.closures.keys().isdisjoint(pids):
+                    pids = self._for_closure(pids, frame)
                 self.own[self.stack[-1]].update(pids)
                 for name in self.stack:
                     self.total[name].update(pids)
@@ -143,6 +163,18 @@ class Tracer:
             return pids
         mro = type(owner).__mro__
         return tuple(p for p in pids if p not in self.classes or self.classes[p] in mro)
+
+    def _for_closure(self, pids: tuple[str, ...], frame) -> tuple[str, ...]:
+        """Of the patches that share a closure's code, those whose closed-over values the
+        running frame holds (all of them when none matches)."""
+        local = frame.f_locals
+        kept = tuple(
+            p for p in pids
+            if p not in self.closures
+            or all(name in local and id(local[name]) == value
+                   for name, value in self.closures[p].items())
+        )  # fmt: skip
+        return kept or pids
 
     @contextlib.contextmanager
     def active(self, building: bool = False) -> Iterator[None]:

@@ -380,6 +380,28 @@ def test_the_tracer_attributes_patch_code_to_the_modules_on_the_stack():
     assert tracer.reached("lin", built) == {"own": ["ops.build"], "total": ["ops.build"]}
 
 
+def test_wrappers_sharing_one_code_count_for_the_patch_whose_original_they_wrap():
+    """Wrap patches made by one factory (the ``matmul.*`` wrappers) share a code object: a call
+    reaches only the patch whose closed-over original it runs."""
+    from megatron_npu.locate.trace import Tracer
+
+    def wrap(original):
+        def wrapper(*args):
+            return original(*args)
+
+        return wrapper
+
+    mm, bmm = wrap(torch.mm), wrap(torch.bmm)
+    tracer = Tracer({mm.__code__: ("matmul.mm", "matmul.bmm")}, classes={},
+                    closures={"matmul.mm": {"original": id(torch.mm)},
+                              "matmul.bmm": {"original": id(torch.bmm)}})  # fmt: skip
+    with tracer.active():
+        tracer.enter("attention")
+        bmm(torch.ones(1, 2, 2), torch.ones(1, 2, 2))
+        tracer.leave("attention")
+    assert tracer.reached("attention")["own"] == ["matmul.bmm"]
+
+
 def test_a_method_shared_with_a_class_patch_counts_only_for_its_instances():
     """The adaptor's local norm is the base of the TE norm class a TE patch installs: a local
     norm running the shared ``forward`` reaches the patch that built it, not the TE patch."""
