@@ -527,6 +527,15 @@ def _ring_update_weights_swapped(original):
     return npu_ring_attention_update
 
 
+def _product_scalars_dropped(original):
+    def upcast(value):
+        # the 16-bit product's arguments: tensors upcast, every scalar (baddbmm's beta and
+        # alpha) lost to 1
+        return original(value) if hasattr(value, "dtype") else 1
+
+    return upcast
+
+
 def _a2a_rank_order_kept(original):
     def to_natural(x, cp):
         return x  # the gathered sequence left in rank order: causality on the wrong positions
@@ -967,6 +976,16 @@ _ALL = (
         "transformer-engine.context-parallel-attention",
         (_cp_cases._edge(comm="a2a", seed=3),),
         parallel=Parallel(cp=2),
+    ),
+    Mutation(
+        "product-scalars-dropped",
+        "the fp32-accumulated 16-bit product passes its tensors on but not its scalars: "
+        "baddbmm's beta 0 and alpha 1/sqrt(d) of attention's scores become 1",
+        "megatron_npu.ops.half_matmul._upcast",
+        _product_scalars_dropped,
+        "matmul.torch-baddbmm",
+        ({"n": 8, "k": 32, "m": 8, "seed": 1, "beta": 0.0, "alpha": 0.125, "out": False},),
+        dtype="bfloat16",
     ),
 )
 
