@@ -18,7 +18,6 @@ from ._client import TINY, Run, check_trained, client_devices, client_specs, pre
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-DEVICES = ("cpu", "npu-emulated")
 LLAMA = (
     "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -39,7 +38,7 @@ def _curve(run: Run, iterations: range) -> rules.Curve:
     return rules.Curve(its, [loss.get(i) for i in its], [norm.get(i) for i in its], [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", client_devices())
 def test_pretrain_gpt_tp2_resume_is_bitwise(tmp_path, device):
     """TP2 with Megatron-LM's defaults (dropout 0.1, gradient-accumulation fusion, jit fusions):
     20 iterations straight, and 10 + a resume to 20 from the checkpoint, are bitwise equal on
