@@ -5,8 +5,9 @@ patched path in the tested dtype (counting the emulated NPU kernels it calls) an
 the reference in the upcast dtype and, as a benchmark, the same reference in the tested dtype:
 always for fp16/bf16 (msprobe's stage-2 benchmark), for fp32 only when an output exceeds the
 dtype's relative L2 floor (the benchmark then shows how ill-conditioned the output is). References and benchmarks run under :func:`reference_environment`:
-on the CPU, with Megatron's ``"cuda"`` allocations routed to the CPU and every site of the patch
-under test replaced by a tripwire, so a reference that reaches the implementation is caught.
+on the CPU, with Megatron's ``"cuda"`` allocations routed to the CPU, torch's own products
+(:func:`torch_products`) and every site of the patch under test replaced by a tripwire, so a
+reference that reaches the implementation is caught.
 
 :func:`evaluate` drives it in this process (world size 1) or through a
 :class:`megatron_npu.parity.ranks.RankPool` (real gloo process groups) and turns the worst outcome of each
@@ -232,10 +233,33 @@ def fresh_memory_buffer() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def torch_products() -> Iterator[None]:
+    """torch's own functions for the block, where the registry wraps a torch name with code of
+    its own (the ``matmul.*`` patches: 16-bit products computed in fp32 on the CPU stand-ins):
+    a reference multiplies with torch's products, not the adaptor's. Plumbing that only lets
+    Megatron's code run on the device (``Tensor.cuda``, ``Tensor.type``) stays. Whatever each
+    site held is put back afterwards (a tripwire included)."""
+    from megatron_npu.registry import all_patches
+
+    swapped = []
+    for wrapped in all_patches():
+        if not wrapped.target.startswith("torch.") or wrapped.parity is None:
+            continue
+        for owner, name, _ in installed_sites(wrapped):
+            swapped.append((owner, name, _raw(owner, name)))
+            setattr(owner, name, patcher.original(wrapped))
+    try:
+        yield
+    finally:
+        for owner, name, held in reversed(swapped):
+            setattr(owner, name, held)
+
+
+@contextlib.contextmanager
 def reference_environment(patch: Patch) -> Iterator[list[str]]:
-    """CPU routing, a fresh memory buffer and tripwires on ``patch``; yields the tripwire
-    hits."""
-    with cpu_routing(), fresh_memory_buffer(), tripwires(patch) as hits:
+    """CPU routing, a fresh memory buffer, tripwires on ``patch`` and torch's own products;
+    yields the tripwire hits."""
+    with cpu_routing(), fresh_memory_buffer(), tripwires(patch) as hits, torch_products():
         yield hits
 
 
