@@ -81,6 +81,10 @@ def report(parity_runs, compare_dir, bench_file, info_file, tmp_path_factory) ->
     return build_report([parity_runs["planted"], compare_dir, bench_file, info_file], out)
 
 
+# its setup builds (or waits for the other xdist worker to build) every report input: real
+# parity cells, a compare run and a benchmark run, about 75 s on a quiet machine and far more
+# beside the suite's training runs; the limit covers the wait too
+@pytest.mark.timeout(1800)
 def test_report_in_chromium(browser, report, tmp_path):
     opened = Opened(browser, report)
     page = opened.page
