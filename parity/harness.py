@@ -232,6 +232,14 @@ def fresh_memory_buffer() -> Iterator[None]:
             parallel_state._GLOBAL_MEMORY_BUFFER = before  # noqa: SLF001
 
 
+@functools.cache
+def _torch_wrappers() -> tuple[Patch, ...]:
+    """The registry's patches that wrap a torch name with code of their own (a parity case)."""
+    from megatron_npu.registry import all_patches
+
+    return tuple(p for p in all_patches() if p.target.startswith("torch.") and p.parity)
+
+
 @contextlib.contextmanager
 def torch_products() -> Iterator[None]:
     """torch's own functions for the block, where the registry wraps a torch name with code of
@@ -239,12 +247,8 @@ def torch_products() -> Iterator[None]:
     a reference multiplies with torch's products, not the adaptor's. Plumbing that only lets
     Megatron's code run on the device (``Tensor.cuda``, ``Tensor.type``) stays. Whatever each
     site held is put back afterwards (a tripwire included)."""
-    from megatron_npu.registry import all_patches
-
     swapped = []
-    for wrapped in all_patches():
-        if not wrapped.target.startswith("torch.") or wrapped.parity is None:
-            continue
+    for wrapped in _torch_wrappers():
         for owner, name, _ in installed_sites(wrapped):
             swapped.append((owner, name, _raw(owner, name)))
             setattr(owner, name, patcher.original(wrapped))

@@ -121,12 +121,6 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
         if with_norms
         else None
     )
-    verdicts = [
-        {"candidate": v["candidate"], "baseline": v["baseline"], "rule": v["rule"],
-         "status": v["status"], "detail": v.get("detail") or "",
-         "tolerance": v.get("tolerance") or {}, "band": band(v.get("tolerance"))}
-        for v in comp.verdicts
-    ]  # fmt: skip
     return {
         "title": comp.title,
         "source": comp.source,
@@ -136,7 +130,6 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
         "run_names": [r.name for r in comp.runs],
         "loss_div": loss_div,
         "grad_div": grad_div,
-        "verdicts": verdicts,
         "verdict_matrix": verdict_matrix(comp),
         "overlays": overlays(comp, index),
         "failed_runs": [

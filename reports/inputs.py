@@ -118,11 +118,11 @@ def _parity_runs(directory: Path) -> list[Path]:
 
 
 def _add_folder(directory: Path, out: ResultSet) -> None:
-    found = [directory / name for name in (locate_view.LOCATE_FILE, locate_view.MSPROBE_FILE)]
-    if any(path.is_file() for path in found):
-        for path in found:
-            if path.is_file():
-                _add_json_file(path, out)
+    located = [directory / name for name in (locate_view.LOCATE_FILE, locate_view.MSPROBE_FILE)
+               if (directory / name).is_file()]  # fmt: skip
+    if located:
+        for path in located:
+            _add_json_file(path, out)
         return
     results = directory / compare_results.RESULTS_FILE
     if results.is_file():

@@ -477,7 +477,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         data["rule"] = comparison.rule.as_dict()
         data["modules"] = [r.as_dict() for r in comparison.rows]
         data["divergent"] = comparison.first_dict()
-        bound = comparison.gradient_bound(dump.read_meta(cand_dump).get("dtype", "float32"))
+        bound = comparison.gradient_bound()
         data["gradient_bound"] = bound
         worst = bound["worst"] or {}
         echo(f" locate: TTrace's gradient bound: {len(bound['exceeding'])} of "

@@ -338,6 +338,7 @@ class Recorder:
         classes = {name: info["class"] for name, info in table.items()}
         rows: dict[str, dict[str, Any]] = {}
         last: dict[str, int] = {}
+        calls: dict[str, MsprobePlace] = {}
         for entry in self.entries:
             place = msprobe_place(entry, classes)
             entry["data_name"] = place.data_name
@@ -346,6 +347,7 @@ class Recorder:
                 continue
             row = rows.setdefault(place.row, {})
             last[place.row] = entry["order"]
+            calls[place.row] = place
             slot = row.setdefault(place.slot, {} if place.slot == "parameters_grad" else [])
             tensor = _msprobe_tensor(entry, place.data_name)
             if isinstance(slot, dict):
@@ -365,33 +367,26 @@ class Recorder:
         msprobe = {"task": "tensor", "level": "L0", "framework": "pytorch",
                    "dump_data_dir": str((folder / TENSOR_DIR).resolve()), "data": data}  # fmt: skip
         _write_json(folder / "dump.json", msprobe)
-        _write_json(folder / "construct.json", self._construct(data, classes))
+        _write_json(folder / "construct.json", self._construct(calls, classes))
         _write_json(folder / "stack.json", {})
         index = {"rank": rank, "coords": coords, "limit": self.limit,
                  "entries": self.entries, "modules": table}  # fmt: skip
         _write_json(folder / "index.json", index)
         return folder
 
-    def _construct(self, data: dict[str, Any], classes: dict[str, str]) -> dict[str, str | None]:
-        """msprobe's module tree: each row's parent, the call of the module it ran inside."""
+    def _construct(self, calls: dict[str, MsprobePlace],
+                   classes: dict[str, str]) -> dict[str, str | None]:  # fmt: skip
+        """msprobe's module tree: each row's parent, the call of the module it ran inside (a
+        parameter-gradient row has none)."""
         out: dict[str, str | None] = {}
-        for name in data:
-            match = _MSPROBE_ROW.match(name)
-            if match is None:
-                continue
-            module, phase, call = match["module"], match["phase"], int(match["call"])
-            if phase == "parameters_grad":
-                out[name] = None
-                continue
-            parent = self.parents.get((module, call))
+        for name, place in calls.items():
+            parent = None if place.phase == "parameters_grad" else (
+                self.parents.get((place.module, place.call))
+            )  # fmt: skip
             out[name] = (None if parent is None else
-                         msprobe_row(parent[0], classes.get(parent[0], "Module"), phase, parent[1]))  # fmt: skip
+                         msprobe_row(parent[0], classes.get(parent[0], "Module"), place.phase,
+                                     parent[1]))  # fmt: skip
         return out
-
-
-_MSPROBE_ROW = re.compile(
-    r"^Module\.(?P<module>.+)\.[^.]+\.(?P<phase>forward|backward|parameters_grad)\.(?P<call>\d+)$"
-)
 
 
 def msprobe_row(module: str, cls: str, phase: str, call: int) -> str:
@@ -401,14 +396,18 @@ def msprobe_row(module: str, cls: str, phase: str, call: int) -> str:
 
 @dataclass(frozen=True)
 class MsprobePlace:
-    """Where one recorded tensor goes in an msprobe dump: its row, the slot in that row
-    (``input_args``/``output`` of a forward row, ``input``/``output`` of a backward row,
-    ``parameters_grad``), the parameter's name for a gradient, and its file's name."""
+    """Where one recorded tensor goes in an msprobe dump: its row (of ``module``'s call
+    ``call`` in ``phase``), the slot in that row (``input_args``/``output`` of a forward row,
+    ``input``/``output`` of a backward row, ``parameters_grad``), the parameter's name for a
+    gradient, and its file's name."""
 
     row: str | None
     slot: str
     data_name: str
     parameter: str = ""
+    module: str = ""
+    phase: str = ""
+    call: int = 0
 
 
 #: locate's forward/backward quantities -> (msprobe phase, slot, file part)
@@ -427,11 +426,12 @@ def msprobe_place(entry: dict[str, Any], classes: dict[str, str]) -> MsprobePlac
     if quantity in _SLOTS:
         phase, slot, part = _SLOTS[quantity]
         row = msprobe_row(module, cls, phase, call)
-        return MsprobePlace(row, slot, f"{row}.{part}.{i}.pt")
+        return MsprobePlace(row, slot, f"{row}.{part}.{i}.pt", "", module, phase, call)
     kind, _, parameter = quantity.partition(":")
     if kind == "param.grad":
         row = msprobe_row(module, cls, "parameters_grad", 0)
-        return MsprobePlace(row, "parameters_grad", f"{row}.{parameter}.pt", parameter)
+        return MsprobePlace(row, "parameters_grad", f"{row}.{parameter}.pt", parameter, module,
+                            "parameters_grad", 0)  # fmt: skip
     return MsprobePlace(None, "", f"{OPTIMIZER}.update.{parameter}.pt")
 
 
@@ -447,10 +447,9 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def write_meta(dump_dir: str | Path, meta: dict[str, Any]) -> None:
-    data = {"format": DUMP_FORMAT, "version": DUMP_VERSION, **meta}
     path = Path(dump_dir) / META_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    _write_json(path, {"format": DUMP_FORMAT, "version": DUMP_VERSION, **meta})
 
 
 def read_meta(dump_dir: str | Path) -> dict[str, Any]:
@@ -471,8 +470,9 @@ def read_meta(dump_dir: str | Path) -> dict[str, Any]:
 def read_rank(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """One rank's index and its tensors by entry key (each ``torch.load(weights_only=True)``:
     no code is unpickled)."""
-    index, folder = _read_index(dump_dir, rank)
+    folder = Path(dump_dir) / f"rank{rank}"
     try:
+        index = json.loads((folder / "index.json").read_text(encoding="utf-8"))
         tensors = {}
         for entry in index["entries"]:
             path = folder / TENSOR_DIR / entry["data_name"]
@@ -483,28 +483,6 @@ def read_rank(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], dict[str
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
     return index, tensors
-
-
-def read_entry(dump_dir: str | Path, rank: int,
-               key: str) -> tuple[dict[str, Any], torch.Tensor] | None:  # fmt: skip
-    """One recorded tensor of a rank (its index entry and the tensor), None when absent."""
-    index, _ = _read_index(dump_dir, rank)
-    entry = next((e for e in index["entries"] if e["key"] == key), None)
-    if entry is None:
-        return None
-    path = Path(dump_dir) / f"rank{rank}" / TENSOR_DIR / entry["data_name"]
-    try:
-        return entry, torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise DumpError(f"{path}: unreadable tensor file ({exc})") from None
-
-
-def _read_index(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], Path]:
-    folder = Path(dump_dir) / f"rank{rank}"
-    try:
-        return json.loads((folder / "index.json").read_text(encoding="utf-8")), folder
-    except (OSError, ValueError) as exc:
-        raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
 
 
 def rank_count(meta: dict[str, Any]) -> int:

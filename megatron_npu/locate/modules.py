@@ -222,7 +222,6 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
     rank = int(cand_index.get("rank", 0))
     shard = _shard(cand_index.get("coords", {}), world)
     rows: dict[str, ModuleRow] = {}
-    param_grad: dict[str, float] = {}  # full parameter name -> grad error
 
     def row(module: str) -> ModuleRow:
         if module not in rows:
@@ -249,7 +248,8 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
             if phase.output == err:
                 phase.worst = key
             phase.order = min(phase.order, entry["order"])
-            phase.input = max(phase.input, param_grad.get(param, 0.0))
+            grad = row(owner).param_grads.get(param.rpartition(".")[2], 0.0)
+            phase.input = max(phase.input, grad)
             continue
         place = _phase_of(quantity)
         if place is None:
@@ -257,7 +257,6 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
         phase_name, side = place
         _loss_share(row, entry, err)
         if quantity.startswith("param.grad:"):
-            param_grad[f"{entry['module']}.{quantity.partition(':')[2]}"] = err
             row(entry["module"]).param_grads[quantity.partition(":")[2]] = err
         target = row(entry["module"]).phases.setdefault(phase_name, PhaseError())
         if side == "in":
@@ -271,8 +270,7 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
     for r in rows.values():
         upd = r.phases.get("update")
         if upd is not None:
-            own = [e for p, e in param_grad.items() if p.rpartition(".")[0] == r.module]
-            upd.input = max([upd.input, *own])
+            upd.input = max([upd.input, *r.param_grads.values()])
         for phase in r.phases.values():
             phase.tolerance = rule.tolerance(r.depth)
             if phase.output is not None:
@@ -306,10 +304,13 @@ class Comparison:
     rule: Rule
     #: msprobe's metrics of the first divergent module's worst tensor, with its msprobe row
     first_msprobe: dict[str, Any] | None = None
+    #: the candidate dump's dtype
+    dtype: str = "float32"
 
-    def gradient_bound(self, dtype: str) -> dict[str, Any]:
+    def gradient_bound(self, dtype: str | None = None) -> dict[str, Any]:
         """TTrace's gradient bound on this step (:mod:`.gradient_bound`): every parameter
-        gradient's relative error against ``k * C**(L + 1 - l) * eps``, ``l`` its layer."""
+        gradient's relative error against ``k * C**(L + 1 - l) * eps``, ``l`` its layer, for
+        ``dtype`` (the candidate's unless given)."""
         from megatron_npu.locate import gradient_bound
 
         modules = [r for r in self.rows if r.module != dump_mod.OPTIMIZER]
@@ -317,7 +318,7 @@ class Comparison:
         grads = [
             (f"{r.name}.{p}", r.depth, err) for r in modules for p, err in r.param_grads.items()
         ]
-        return gradient_bound.judge(grads, num_layers, dtype)
+        return gradient_bound.judge(grads, num_layers, dtype or self.dtype)
 
     def first_dict(self) -> dict[str, Any] | None:
         if self.first is None:
@@ -353,28 +354,33 @@ def compare_dumps(reference: str | Path, candidate: str | Path, rule: Rule | Non
     if rule is None:
         rule = rule_for(cand_meta.get("dtype", "float32"))
     rows: list[ModuleRow] = []
+    worst: dict[tuple[int, str], dict[str, Any]] = {}  # (rank, key) -> the pair and its file
     for rank in range(world):
         ref_index, ref_tensors = dump_mod.read_rank(reference, rank)
         cand_index, cand_tensors = dump_mod.read_rank(candidate, rank)
         rank_rows = compare_rank(ref_index, ref_tensors, cand_index, cand_tensors, rule, world,
                                  only)  # fmt: skip
         rows += [r for r in rank_rows if only is None or r.module in only]
+        names = {e["key"]: e["data_name"] for e in cand_index["entries"]}
+        for r in rank_rows:  # the tensors a module may be named by, kept while they are loaded
+            for phase in r.phases.values():
+                key = phase.worst
+                if key in ref_tensors and key in cand_tensors:
+                    worst[(rank, key)] = {"data_name": names[key], "ref": ref_tensors[key],
+                                          "cand": cand_tensors[key]}  # fmt: skip
     first = first_divergent(rows)
-    return Comparison(rows, first, rule, _first_msprobe(reference, candidate, first))
+    dtype = cand_meta.get("dtype", "float32")
+    return Comparison(rows, first, rule, _first_msprobe(worst, first), dtype)
 
 
-def _first_msprobe(reference: str | Path, candidate: str | Path,
+def _first_msprobe(worst: dict[tuple[int, str], dict[str, Any]],
                    first: tuple[ModuleRow, str] | None) -> dict[str, Any] | None:  # fmt: skip
     """msprobe's metrics of the tensor that gave the first divergent module its error, and the
     file (``dump_tensor_data/<name>``, the ``Data_name`` of msprobe compare's table) it is in."""
     if first is None:
         return None
     row, phase = first
-    key = row.phases[phase].worst
-    if key is None:
+    pair = worst.get((row.rank, row.phases[phase].worst or ""))
+    if pair is None or pair["ref"].shape != pair["cand"].shape:
         return None
-    ref = dump_mod.read_entry(reference, row.rank, key)
-    cand = dump_mod.read_entry(candidate, row.rank, key)
-    if ref is None or cand is None or ref[1].shape != cand[1].shape:
-        return None
-    return {"data_name": cand[0]["data_name"], **msprobe_metrics(cand[1], ref[1])}
+    return {"data_name": pair["data_name"], **msprobe_metrics(pair["cand"], pair["ref"])}

@@ -34,14 +34,16 @@ def half_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | N
     (so is a call with ``out=``, whose buffer fixes the result's dtype and storage)."""
     if kwargs.get("out") is not None:
         return None
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not tensors:
-        return None
-    dtype = tensors[0].dtype
-    if dtype not in HALF_DTYPES:
-        return None
-    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
-        return None
+    dtype = None
+    for value in (*args, *kwargs.values()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if dtype is None:
+            dtype = value.dtype
+            if dtype not in HALF_DTYPES:  # the fp32 path ends at its first operand
+                return None
+        if value.dtype != dtype or value.device.type != "cpu":
+            return None
     return dtype
 
 

@@ -25,14 +25,13 @@ def _randn(cell: Cell, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(cell.torch_dtype).requires_grad_(True)
 
 
-def _projection(call: Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]):
-    def build(cell: Cell) -> Built:
-        n, k, m = (cell.shape[key] for key in ("tokens", "hidden", "out"))
-        x, w = _randn(cell, n, k), _randn(cell, k, m)
-        fn = implementation(cell)
-        return Built(lambda: call(fn, x, w), (x, w), forward_flops=2.0 * n * k * m)
-
-    return build
+def _projection(cell: Cell) -> Built:
+    """``fn(x, w)``: tokens through a projection, as ``matmul``, ``Tensor.matmul``, ``@`` and
+    ``mm`` take it."""
+    n, k, m = (cell.shape[key] for key in ("tokens", "hidden", "out"))
+    x, w = _randn(cell, n, k), _randn(cell, k, m)
+    fn = implementation(cell)
+    return Built(lambda: fn(x, w), (x, w), forward_flops=2.0 * n * k * m)
 
 
 def _linear(cell: Cell) -> Built:
@@ -73,12 +72,10 @@ def _case(op: str, shapes: dict, build: Callable[[Cell], Built]) -> BenchCase:
     return BenchCase(op=op, shapes=shapes, build=build, paths=_PATHS, dtypes=_DTYPES)
 
 
-TORCH_MATMUL = _case("torch-matmul", _PROJECTION, _projection(lambda fn, x, w: fn(x, w)))
-TENSOR_MATMUL = _case("tensor-matmul", _PROJECTION, _projection(lambda fn, x, w: fn(x, w)))
-TENSOR_MATMUL_OPERATOR = _case(
-    "tensor-matmul-operator", _PROJECTION, _projection(lambda fn, x, w: fn(x, w))
-)
-TORCH_MM = _case("torch-mm", _PROJECTION, _projection(lambda fn, x, w: fn(x, w)))
+TORCH_MATMUL = _case("torch-matmul", _PROJECTION, _projection)
+TENSOR_MATMUL = _case("tensor-matmul", _PROJECTION, _projection)
+TENSOR_MATMUL_OPERATOR = _case("tensor-matmul-operator", _PROJECTION, _projection)
+TORCH_MM = _case("torch-mm", _PROJECTION, _projection)
 TORCH_BMM = _case("torch-bmm", _SCORES, _scores(with_input=False))
 TORCH_BADDBMM = _case("torch-baddbmm", _SCORES, _scores(with_input=True))
 FUNCTIONAL_LINEAR = _case("functional-linear", _PROJECTION, _linear)
