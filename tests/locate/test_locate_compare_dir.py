@@ -17,6 +17,8 @@ from planting import plant_env
 from megatron_npu.compare import command as compare_command
 from megatron_npu.compare import matrix as m
 from megatron_npu.locate import command
+from tests.locate.test_locate_script import COMMON
+from tests.megatron_lm._client import megatron_lm_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -87,3 +89,43 @@ def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, m
     assert culprits and set(culprits) <= ADAMW, data["culprit"]
     saved = json.loads((tmp_path / "loc" / "locate.json").read_text())
     assert saved["divergent"]["module"] == found["module"] and runs["npu"]["emulated"] is True
+
+
+def test_locate_reads_a_compare_pair_of_script_runs(tmp_path, monkeypatch):
+    """The same on compare's script runs: Megatron-LM's own ``pretrain_gpt.py`` on cpu and on
+    npu-emulated with the emulated ``npu_rms_norm`` kernel 2 % too large, a pair compare passes.
+    locate takes each run's script, arguments and device from compare's ``run.json`` and
+    ``metrics.json``, replays step 1 through the script and names the norm and the patch that
+    routes it to the kernel."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    for key, value in plant_env("rms-norm-2pct").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
+    script = megatron_lm_folder() / "pretrain_gpt.py"
+    args = ", ".join(f'"{a}"' for a in COMMON)
+    runs = "".join(
+        f'[[run]]\nname = "{name}"\nscript = "{script}"\nargs = [{args}]\ndevice = "{device}"\n'
+        for name, device in (("mlm-cpu", "cpu"), ("mlm-npu", "npu-emulated"))
+    )
+    (tmp_path / "m.toml").write_text(f'[compare]\nbaseline = "mlm-cpu"\nlambada = false\n{runs}')
+    document, status = compare_command.run_compare(
+        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
+    )
+    # the loss moves less than compare's 2 % and the grad norm less than its 10 %: the pair passes
+    verdict = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
+    assert verdict[("mlm-npu", "approximate")]["status"] == "pass" and status == 0, verdict
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--compare-dir", str(tmp_path / "out"), "--pair", "mlm-cpu",
+                              "mlm-npu", "--out", str(tmp_path / "loc")])  # fmt: skip
+    data = command.locate(args, echo=lambda s: None)
+    assert data["candidate"]["script"] == str(script)
+    assert (data["reference"]["device"], data["candidate"]["device"]) == ("cpu", "npu-emulated")
+    # locate's curve rule sees step 1's grad norm already 2 % apart
+    assert (data["step"]["step"], data["step"]["quantity"]) == (1, "grad_norm"), data["step"]
+    found = data["divergent"]
+    assert (found["module"], found["phase"]) == ("decoder.layers.0.input_layernorm", "forward")
+    assert data["culprit"]["culprits"] == ["norm.wrapped-torch-norm"], data["culprit"]
+    assert "--compare-dir" in data["reproduce"]
