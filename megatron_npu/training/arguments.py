@@ -345,6 +345,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=_finite, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
+        "--init-ulp-nudge",
+        type=int,
+        default=0,
+        metavar="K",
+        help="move every initial weight K ulps of its dtype (negative: down) before training: a "
+        "rounding-level perturbation, what compare's noise reruns measure (not with --load)",
+    )
+    g.add_argument(
         "--divergence-steps",
         type=_positive,
         default=5,
@@ -606,6 +614,8 @@ def check(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
+    if args.init_ulp_nudge and args.load:
+        raise ArgumentError("--init-ulp-nudge moves initial weights; a --load run takes its own")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "

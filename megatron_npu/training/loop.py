@@ -48,6 +48,7 @@ from megatron_npu.training import (
     peak,
     quiet_expected_warnings,
     security,
+    weight_nudge,
 )
 from megatron_npu.training import data as data_mod
 from megatron_npu.training import host_allocator_peak as host_peak
@@ -329,6 +330,7 @@ def build_trainer(args, env, device) -> Trainer:
     args.padded_vocab_size = vocab
     args.tokenizer_vocab_size = train_data.vocab_size  # the checkpoint fingerprint's vocab_size
     model, config = model_mod.build(args, device, vocab, env.local_rank)
+    weight_nudge.nudge(model, args.init_ulp_nudge)
     optimizer, scheduler = optim_mod.build(args, model)
     configure_schedule(args, config, model, optimizer)
     return Trainer(args, device, train_data, vocab, model, config, optimizer, scheduler,
