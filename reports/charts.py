@@ -56,11 +56,20 @@ def grad_norms(title: str, runs: list[dict[str, Any]], div_id: str) -> str:
 
 
 def relative_differences(
-    title: str, series: list[dict[str, Any]], band: float | None, div_id: str
-) -> str:
+    title: str, series: list[dict[str, Any]], band: float | None, div_id: str,
+    step_bands: list[dict[str, Any]] = (),
+) -> str:  # fmt: skip
     """Per-step relative difference of several candidates against their baseline, one trace
-    each (``legend``, ``iterations``, ``rel_diff``), the tolerance band shaded."""
+    each (``legend``, ``iterations``, ``rel_diff``), the tolerance band shaded; ``step_bands``:
+    bands that change from step to step (``legend``, ``iterations``, ``band``: the noise rule's),
+    each a shaded area up to its edge."""
     fig = _lines(series, "rel_diff", "rel. diff", ".3e")
+    for edge in step_bands:
+        fig.add_trace(go.Scatter(
+            x=edge["iterations"], y=edge["band"], mode="lines", name=edge["legend"],
+            line={"dash": "dash", "width": 1}, fill="tozeroy", opacity=0.3,
+            hovertemplate="step %{x}<br>band %{y:.3e}<extra>%{fullData.name}</extra>",
+        ))  # fmt: skip
     if band is not None:
         fig.add_hrect(y0=-band, y1=band, fillcolor="green", opacity=0.12, line_width=0,
                       annotation_text=f"tolerance ±{band:g}", annotation_position="top left")  # fmt: skip

@@ -92,11 +92,19 @@ def overlays(comp: Comparison, index: int) -> list[dict[str, Any]]:
              "rel_diff": _finite_or_none(v["per_step"].get("rel_diff"))}
             for v in verdicts
         ]  # fmt: skip
+        step_bands = list({
+            v["baseline"]: {"legend": f"rounding band of {v['baseline']}",
+                            "iterations": v["per_step"].get("iteration", []),
+                            "band": _finite_or_none(v["per_step"].get("band"))}
+            for v in verdicts if v["per_step"].get("band")
+        }.values())  # fmt: skip
         plot = charts.relative_differences(
-            f"{rule}: relative loss difference per step", series, shared, f"reldiff-{index}-{j}"
-        )
+            f"{rule}: relative loss difference per step", series, shared, f"reldiff-{index}-{j}",
+            step_bands,
+        )  # fmt: skip
         out.append({
             "rule": rule, "band": shared, "bands_differ": len(bands) > 1, "plot": plot,
+            "step_bands": [b["legend"] for b in step_bands],
             "pairs": [{"candidate": v["candidate"], "baseline": v["baseline"],
                        "status": v["status"], "detail": v.get("detail") or ""} for v in verdicts],
         })  # fmt: skip

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from megatron_npu.compare import datasheet, imports, rules, runner, table2
+from megatron_npu.compare import datasheet, imports, noise, rules, runner, table2
 from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
@@ -213,9 +213,26 @@ def speed_verdict(cand: RunResult, other: RunResult, matrix: Matrix) -> rules.Ve
     )  # fmt: skip
 
 
+def noise_verdict(
+    cand: RunResult, ref: RunResult, results: dict[str, RunResult], matrix: Matrix
+) -> rules.Verdict | None:
+    """``cand`` against the rounding band of ``ref``'s perturbed reruns (:mod:`.noise`), when
+    the matrix has any."""
+    perturbed = [r for r in results.values() if r.spec.rerun_of == ref.spec.name and r.spec.perturb]
+    if not perturbed:
+        return None
+    rounding = {r.spec.name: r.curve() for r in perturbed
+                if r.spec.perturb in noise.ROUNDING and r.ok}  # fmt: skip
+    scale = next((r.curve() for r in perturbed if r.spec.perturb == noise.SCALE and r.ok), None)
+    s = matrix.settings
+    return noise.noise(cand.spec.name, ref.spec.name, ref.curve(), rounding, cand.curve(),
+                       factor=s.noise_factor, floor=s.noise_floor, scale=scale)  # fmt: skip
+
+
 def judge(
-    cand: RunResult, ref: RunResult, timed_against: RunResult | None, matrix: Matrix
-) -> list[rules.Verdict]:
+    cand: RunResult, ref: RunResult, timed_against: RunResult | None, matrix: Matrix,
+    results: dict[str, RunResult] | None = None,
+) -> list[rules.Verdict]:  # fmt: skip
     s = matrix.settings
     name = cand.spec.name
     if not ref.ok:
@@ -261,6 +278,10 @@ def judge(
                 grad_norm_rtol=s.grad_norm_rtol,
             )  # fmt: skip
         )
+    if out[0].status != rules.REFUSED and results is not None:
+        banded = noise_verdict(cand, ref, results, matrix)
+        if banded is not None:
+            out.append(banded)
     if timed_against is not None and timed_against.ok and timed_against is not cand:
         out.append(speed_verdict(cand, timed_against, matrix))
     return out
@@ -271,6 +292,8 @@ def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str
         return f"run failed: {(result.outcome.error if result.outcome else 'not run') or ''}"[:120]
     if result.spec.name == baseline:
         return "baseline"
+    if result.spec.perturb:
+        return f"{result.spec.perturb} rerun of {result.spec.rerun_of}"
     if not result.spec.judged:
         return "reference row"
     mine = [v for v in verdicts if v.candidate == result.spec.name]
@@ -279,14 +302,25 @@ def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str
     refused = [v for v in mine if v.status == rules.REFUSED and v.rule == "fingerprint"]
     if refused:
         return "REFUSED (fingerprint)"
-    accuracy = [v for v in mine if v.rule not in ("fingerprint", "performance")]
+    accuracy = [v for v in mine if v.rule not in ("fingerprint", "performance", "noise")]
     if not accuracy:
         return "; ".join(f"{v.rule}: {v.status}" for v in mine) or "-"
     head = accuracy[0]
     cell = f"{'pass' if head.status == rules.PASS else head.status.upper()} {head.rule} vs {head.baseline}"
+    if any(v.rule == "noise" and v.status == rules.FAIL for v in mine):
+        cell += "; OUTSIDE the rounding band"
     if any(v.rule == "performance" and v.status == rules.FAIL for v in mine):
         cell += "; SLOWER"
     return cell
+
+
+def noise_cell(result: RunResult, verdicts: list[rules.Verdict]) -> str | None:
+    """Table 2's rounding-band column: a candidate's place in its reference's band, or what a
+    perturbed rerun is; None for a run without either."""
+    if result.spec.perturb:
+        return f"{result.spec.perturb} rerun"
+    mine = [v for v in verdicts if v.candidate == result.spec.name and v.rule == "noise"]
+    return noise.band_cell(mine[0]) if mine else None
 
 
 def _run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
@@ -320,7 +354,9 @@ def _run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
     }
 
 
-def _table_row(result: RunResult, entry: dict[str, Any], cell: str) -> dict[str, Any]:
+def _table_row(
+    result: RunResult, entry: dict[str, Any], cell: str, band: str | None = None
+) -> dict[str, Any]:
     perf = entry["perf"] or {}
     summary = (result.metrics or {}).get("summary", {})
     args = result.arguments or {k.replace("-", "_"): v for k, v in result.spec.options.items()}
@@ -353,6 +389,7 @@ def _table_row(result: RunResult, entry: dict[str, Any], cell: str) -> dict[str,
         "cloze_set": table2.cloze_set(result.lambada.get("data")) if result.lambada else None,
         "cloze_accuracy": (result.lambada or {}).get("accuracy"),
         "cloze_nll": (result.lambada or {}).get("target_nll"),
+        "noise_band": band,
         "verdict": cell,
     }
 
@@ -546,14 +583,14 @@ def run_compare(
         if not result.spec.judged or not result.ok or base is None:
             continue
         other = results.get(speed_reference(result, results, s.baseline))
-        verdicts += judge(result, results[result.spec.reference], other, matrix)
+        verdicts += judge(result, results[result.spec.reference], other, matrix, results)
     verdicts = [
         confirm_slowdown(v, results, matrix, out_dir, echo) if v.rule == "performance" else v
         for v in verdicts
     ]
     entries = [_run_entry(r, s.warmup_steps) for r in results.values()]
     rows = [
-        _table_row(r, e, verdict_cell(r, verdicts, s.baseline))
+        _table_row(r, e, verdict_cell(r, verdicts, s.baseline), noise_cell(r, verdicts))
         for r, e in zip(results.values(), entries)
     ]
     document = results_mod.document(

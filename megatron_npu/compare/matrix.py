@@ -21,6 +21,8 @@ perf_threshold = 0.05          # performance: slower than the baseline by more t
 memory_threshold = 0.10        # performance: peak memory above the baseline's by more than this
                                # flags (MindSpeed-LLM's CI: memory within 10 %)
 warmup_steps = 2               # performance: steps left out of the s/step statistics
+noise_factor = 3.0             # noise: the rounding band is this times the reruns' envelope
+noise_floor = 1e-6             # noise: the least relative difference the band ever holds
 
 [defaults]                     # train options of every run (Megatron's names, without "--")
 num-layers = 2
@@ -33,6 +35,11 @@ options = { }                  # this run's train options, over [defaults]
 reference = "ref-fp32"         # what its verdict compares against (default: the baseline);
                                # false: a reference row only (no accuracy verdict of its own)
 rerun_of = "ref-fp32"          # the same configuration again: the deterministic rule
+perturb = "init-ulp"           # with rerun_of: a rounding-level rerun instead (init-ulp,
+                               # init-ulp-down: initial weights one ulp up/down; threads: another
+                               # host thread count; seed: the next seed, for scale only); two
+                               # rounding reruns give rerun_of's candidates the noise rule
+                               # (compare/noise.py)
 optional = true                # skipped (and said so) when none of its devices is here
 timeout_s = 300                # this run's own limit
 speed_reference = "ref-fp32"   # time it against this run, like for like or not (default: its
@@ -73,7 +80,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from megatron_npu.compare import rules
+from megatron_npu.compare import noise, rules
 from megatron_npu.registry import DEVICES
 
 DEFAULT_MATRIX = Path(__file__).with_name("default_matrix.toml")
@@ -121,6 +128,8 @@ class Settings:
     perf_threshold: float = rules.PERF_THRESHOLD
     memory_threshold: float = rules.MEMORY_THRESHOLD
     warmup_steps: int = 2
+    noise_factor: float = noise.FACTOR
+    noise_floor: float = noise.FLOOR
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,7 @@ class RunSpec:
     import_run: str | None = None  # import of a compare results.json: which of its runs
     script_args: tuple[str, ...] = ()
     nproc_per_node: int = 1
+    perturb: str | None = None  # a rounding or seed rerun of ``rerun_of`` (compare/noise.py)
 
     def option(self, name: str, default: Any = None) -> Any:
         return self.options.get(name, default)
@@ -285,11 +295,20 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
             devices: tuple[str, ...] = ()  # the imported file says which device ran it
         else:
             devices = _devices(raw.get("device", "cpu"), where)
+        perturb = raw.get("perturb")
         if rerun_of is not None:
             original = next((r for r in runs if r.name == rerun_of), None)
             if original is None:
                 raise MatrixError(f"{where}: rerun_of {rerun_of!r} must name an earlier run")
             options, devices = dict(original.options), original.devices
+            if perturb is not None:
+                options = _perturbed(original, perturb, where)
+        elif perturb is not None:
+            raise MatrixError(f"{where}: perturb needs rerun_of = the run it perturbs")
+        if perturb is not None and "reference" in raw:
+            raise MatrixError(
+                f"{where}: a perturbed rerun measures its run's noise; it takes no reference"
+            )
         reference = raw.get("reference", rerun_of or settings.baseline)
         if reference is False:
             reference = None
@@ -300,8 +319,8 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
                 name=name,
                 devices=devices,
                 options=options,
-                reference=None if name == settings.baseline else reference,
-                judged=name != settings.baseline and reference is not None,
+                reference=None if name == settings.baseline or perturb else reference,
+                judged=name != settings.baseline and reference is not None and not perturb,
                 rerun_of=rerun_of,
                 optional=bool(raw.get("optional", False)),
                 timeout_s=_timeout(raw.get("timeout_s"), where),
@@ -309,6 +328,7 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
                 hardware=_name_or_none(raw, "hardware", where),
                 kind=kind,
                 path=path,
+                perturb=perturb,
                 **extras,
             )
         )
@@ -355,8 +375,28 @@ def align_vocab_padding(runs: list[RunSpec]) -> tuple[list[RunSpec], list[str]]:
 
 RUN_KEYS = frozenset({
     "name", "device", "options", "reference", "rerun_of", "optional", "timeout_s",
-    "speed_reference", "hardware", "import", "run", "script", "args", "nproc_per_node",
+    "speed_reference", "hardware", "import", "run", "script", "args", "nproc_per_node", "perturb",
 })  # fmt: skip
+#: the train option each perturbation sets on the rerun (``threads`` changes its environment)
+PERTURB_OPTIONS = {"init-ulp": ("init-ulp-nudge", 1), "init-ulp-down": ("init-ulp-nudge", -1)}
+DEFAULT_SEED = 1234
+
+
+def _perturbed(original: RunSpec, perturb: Any, where: str) -> dict[str, Any]:
+    """The options of a perturbed rerun of ``original`` (a train run)."""
+    if perturb not in noise.PERTURBATIONS:
+        raise MatrixError(
+            f"{where}: perturb must be one of {list(noise.PERTURBATIONS)}, got {perturb!r}"
+        )
+    if original.kind != "train":
+        raise MatrixError(f"{where}: perturb reruns a run trained here, not an {original.kind} run")
+    options = dict(original.options)
+    if perturb in PERTURB_OPTIONS:
+        key, value = PERTURB_OPTIONS[perturb]
+        options[key] = value
+    elif perturb == noise.SCALE:
+        options["seed"] = int(options.get("seed", DEFAULT_SEED)) + 1
+    return options
 
 
 def _name_or_none(raw: dict, key: str, where: str) -> str | None:

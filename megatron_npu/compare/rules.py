@@ -14,6 +14,9 @@
   last ``late_window`` steps, the mean relative error stays below ``mean_rtol`` and its
   least-squares trend, projected over the window, grows by less than ``late_growth`` (1 %);
   (d) every step's grad norm within ``grad_norm_rtol`` (10 %, MindSpeed-LLM's CI).
+* ``noise`` -- beside the fixed thresholds, where the matrix has perturbed reruns of the
+  reference: every step inside the band that rounding alone moves the reference by
+  (:mod:`.noise`).
 * ``performance`` -- like for like only (:func:`speed_mismatch`): a candidate is timed against a
   run of the same precision, parallel layout and sequence/batch shape on another device of the
   same class or another code path on the same device, or against the run the matrix names in
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-RULES = ("fingerprint", "deterministic", "layout", "approximate", "performance")
+RULES = ("fingerprint", "deterministic", "layout", "approximate", "noise", "performance")
 #: the default thresholds (module docstring: where each comes from); a matrix sets its own
 RTOL, MEAN_RTOL, GRAD_NORM_RTOL = 0.02, 0.01, 0.10
 LATE_WINDOW, LATE_GROWTH = 10, 0.01

@@ -95,7 +95,32 @@ def train_command(
     return argv
 
 
-def config_hash(spec: RunSpec, device: str, rerun_index: int, checkpoint: bool) -> str:
+def perturbation_env(spec: RunSpec, device: str) -> dict[str, str]:
+    """The environment a ``perturb = "threads"`` rerun changes: another OpenMP thread count than
+    the runs' (:func:`run_environment`). On this host's oneDNN the GEMMs are bitwise the same for
+    1 and 2 threads; full reductions (loss means, norms) split differently, so it is the weaker
+    of the rounding perturbations. Raises ValueError on a device whose arithmetic is not the host
+    CPU's."""
+    if spec.perturb != "threads":
+        return {}
+    from megatron_npu import devices
+
+    if devices.make(device).torch_type != "cpu":
+        raise ValueError(
+            f'perturb = "threads" changes the host CPU\'s threads; {device} computes elsewhere: '
+            "use init-ulp and init-ulp-down"
+        )
+    threads = int(run_environment()["OMP_NUM_THREADS"] or 1)
+    return {"OMP_NUM_THREADS": str(2 if threads == 1 else 1)}
+
+
+def config_hash(
+    spec: RunSpec,
+    device: str,
+    rerun_index: int,
+    checkpoint: bool,
+    env: dict[str, str] | None = None,
+) -> str:
     versions = library_versions()
     identity = {
         "device": device,
@@ -106,6 +131,8 @@ def config_hash(spec: RunSpec, device: str, rerun_index: int, checkpoint: bool) 
             k: versions.get(k) for k in ("megatron-npu", "megatron-core", "torch", "torch_npu")
         },
     }
+    if env:
+        identity["environment"] = env
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -208,8 +235,12 @@ def execute(
     rerun_index: int = 0, checkpoint: bool = False, echo: TextIO = sys.stdout, session: str | None = None,
 ) -> Outcome:  # fmt: skip
     """Train ``spec`` on ``device`` unless an identical finished run is cached in ``run_dir``."""
-    digest = config_hash(spec, device, rerun_index, checkpoint)
     command = train_command(spec, device, run_dir, corpus_dir, checkpoint)
+    try:
+        env = perturbation_env(spec, device)
+    except ValueError as exc:
+        return Outcome("failed", str(exc), 0.0, command, "")
+    digest = config_hash(spec, device, rerun_index, checkpoint, env)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
     cached = read_json(record_path)
     if (
@@ -226,9 +257,10 @@ def execute(
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
-    echo.write(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}\n")
+    shown = "".join(f"{k}={v} " for k, v in env.items())
+    echo.write(f" [compare] {spec.name}: {device} | {shown}{' '.join(command[3:])}\n")
     echo.flush()
-    code, tail, wall = stream(command, run_dir / "train.log", timeout_s, echo)
+    code, tail, wall = stream(command, run_dir / "train.log", timeout_s, echo, env)
     ok = code == 0 and metrics_path.is_file()
     error = (
         None

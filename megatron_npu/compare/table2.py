@@ -5,6 +5,7 @@ hardware label), layout, precision, first/last loss, s/step (median after warm-u
 bootstrap interval), tokens/s, MFU in % (with the interval the s/step interval gives; none for
 emulated rows, :func:`megatron_npu.compare.rules.mfu_shown`), peak allocator memory and peak
 process RSS (each one measure on every device), the cloze evaluation (:func:`cloze_label`),
+the rounding band (where a matrix measured one: :func:`megatron_npu.compare.noise.band_cell`),
 verdict.
 """
 
@@ -28,6 +29,7 @@ COLUMNS = (
     ("peak_allocated_mib", "peak allocated MiB"),
     ("peak_rss_mib", "peak RSS MiB"),
     ("cloze", "cloze"),  # labelled by :func:`cloze_label`
+    ("noise_band", "rounding band"),  # shown when the matrix measured one (compare/noise.py)
     ("verdict", "verdict"),
 )
 EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance (no MFU, no speed verdict)."
@@ -70,10 +72,11 @@ def labels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     evaluated = not rows or any(
         row.get("cloze_nll") is not None or row.get("cloze_accuracy") is not None for row in rows
     )
+    banded = any(row.get("noise_band") for row in rows)
     return [
         (key, cloze_label(rows) if key == "cloze" else label)
         for key, label in COLUMNS
-        if key != "cloze" or evaluated
+        if (key != "cloze" or evaluated) and (key != "noise_band" or banded)
     ]
 
 

@@ -38,6 +38,17 @@ device = "cpu"
         ('[compare]\nvary = ["sed"]\n', "unknown fingerprint field(s) ['sed']"),
         ('[compare]\nbaseline = "zz"\n', "baseline 'zz' is not one of the runs"),
         ('[[run]]\nname = "b"\ntimeout_s = -1\n', "timeout_s must be a positive number"),
+        ('[[run]]\nname = "b"\nperturb = "init-ulp"\n', "perturb needs rerun_of"),
+        ('[[run]]\nname = "b"\nrerun_of = "a"\nperturb = "ulp"\n', "perturb must be one of"),
+        (
+            '[[run]]\nname = "b"\nrerun_of = "a"\nperturb = "seed"\nreference = "a"\n',
+            "a perturbed rerun measures its run's noise; it takes no reference",
+        ),
+        (
+            '[[run]]\nname = "g"\nimport = "x.log"\n[[run]]\nname = "b"\nrerun_of = "g"\n'
+            'perturb = "init-ulp"\n',
+            "perturb reruns a run trained here, not an import run",
+        ),
     ],
 )
 def test_bad_matrices_are_named(tmp_path, extra, needle):
@@ -124,3 +135,18 @@ def test_reference_rows_are_not_judged(tmp_path):
     assert x.judged and x.reference == "w"
     with pytest.raises(m.MatrixError, match="reference must be a run name or false"):
         m.load(write(tmp_path, BASE + '[[run]]\nname = "w"\nreference = 3\n'))
+
+
+def test_perturbed_reruns_copy_their_original_and_are_not_judged(tmp_path):
+    text = BASE + "".join(
+        f'[[run]]\nname = "{p}"\nrerun_of = "a"\nperturb = "{p}"\n'
+        for p in ("init-ulp", "init-ulp-down", "threads", "seed")
+    )
+    runs = {r.name: r for r in m.load(write(tmp_path, text)).runs}
+    assert runs["init-ulp"].options == {"num-layers": 2, "init-ulp-nudge": 1}
+    assert runs["init-ulp-down"].options["init-ulp-nudge"] == -1
+    assert runs["threads"].options == runs["a"].options
+    assert runs["seed"].options["seed"] == 1235
+    for name in ("init-ulp", "init-ulp-down", "threads", "seed"):
+        assert runs[name].perturb == name and runs[name].rerun_of == "a"
+        assert not runs[name].judged and runs[name].reference is None
