@@ -79,3 +79,26 @@ def test_one_rerun_is_not_a_band_and_a_seed_rerun_gives_only_the_scale():
 def test_a_candidate_with_other_steps_is_not_judged_inside():
     verdict = noise.noise("c", "ref", curve(REF), RERUNS, curve(REF[:4]))
     assert verdict.status == rules.FAIL and "other steps" in verdict.detail
+
+
+def test_a_threads_rerun_changes_the_host_thread_count_and_only_on_the_host(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_npu import devices
+    from megatron_npu.compare import matrix as m
+    from megatron_npu.compare import runner
+
+    spec = m.RunSpec("t", ("cpu",), {}, perturb="threads", rerun_of="ref")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert runner.perturbation_env(spec, "cpu") == {"OMP_NUM_THREADS": "2"}
+    assert runner.perturbation_env(spec, "npu-emulated") == {"OMP_NUM_THREADS": "2"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's count: the rerun takes one thread
+    assert runner.perturbation_env(spec, "cpu") == {"OMP_NUM_THREADS": "1"}
+    assert runner.perturbation_env(m.RunSpec("u", ("cpu",), {}, perturb="init-ulp"), "cpu") == {}
+    # the environment is part of the run's identity: a cached plain rerun is not reused for it
+    assert runner.config_hash(spec, "cpu", 1, False) != runner.config_hash(
+        spec, "cpu", 1, False, {"OMP_NUM_THREADS": "1"}
+    )
+    monkeypatch.setattr(devices, "make", lambda name: SimpleNamespace(torch_type="cuda"))
+    with pytest.raises(ValueError, match='perturb = "threads" changes the host CPU'):
+        runner.perturbation_env(spec, "cuda")
