@@ -167,19 +167,20 @@ def parse(path: str | Path) -> dict[str, Any]:
     }
 
 
-def _data_description(args: dict[str, Any], what: str, source: str) -> str:
+def data_description(args: dict[str, Any], what: str, source: str) -> str:
     """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
     if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
         return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
     return f"{what} {source}"
 
 
-def _model_flops(records: list[dict[str, Any]], args: dict[str, Any], vocab: Any,
-                 world: Any) -> float | None:  # fmt: skip
-    """The model FLOPs of one step: from the log's own ``throughput per GPU (TFLOP/s/GPU)``
-    (Megatron-LM's count over the step time and the world) when it logged it (the median over
-    its lines), else Megatron-LM's formula over the argument dump; None when neither can be
-    had."""
+def model_flops(records: list[dict[str, Any]], args: dict[str, Any], vocab: Any,
+                world: Any) -> float | None:  # fmt: skip
+    """The model FLOPs of one step: from the run's own ``throughput per GPU (TFLOP/s/GPU)``
+    (Megatron-LM's count over the step time and the world; ``records`` hold ``tflops_per_gpu``
+    and ``step_time_ms`` per step, from a log's lines or TensorBoard's scalars) when it logged
+    it (the median over its steps), else Megatron-LM's formula over the argument dump; None when
+    neither can be had."""
     logged = [
         r["tflops_per_gpu"] * 1e12 * world * r["step_time_ms"] / 1000.0
         for r in records
@@ -223,7 +224,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "padded_vocab_size": parsed.get("padded_vocab_size") or args.get("padded_vocab_size"),
             "data": {
                 "source": data_source,
-                "description": _data_description(args, "Megatron-LM log", source),
+                "description": data_description(args, "Megatron-LM log", source),
             },
         },
         "steps": steps,
@@ -236,6 +237,6 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             # MEMORY_MEASURE of the run's device says which column it belongs to
             "peak_memory_bytes": int(peak * 2**20) if peak is not None else None,
             "log_interval": args.get("log_interval"),
-            "model_flops_per_step": _model_flops(parsed["iterations"], args, vocab, world),
+            "model_flops_per_step": model_flops(parsed["iterations"], args, vocab, world),
         },
     }

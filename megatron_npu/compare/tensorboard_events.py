@@ -5,8 +5,10 @@ Megatron-LM (``megatron/training/training.py`` ``training_log``, ``initialize.py
 ``write_args_to_tensorboard``) writes, every ``--tensorboard-log-interval`` steps, the scalars
 ``lm loss``, ``grad-norm``, ``learning-rate``, ``loss-scale``, ``batch-size`` and, with
 ``--log-timers-to-tensorboard``, ``iteration-time`` (seconds per step); and each argument as a
-text summary named after it, from which the fingerprint is taken. A curve needs ``lm loss``;
-step times need ``iteration-time``. Every problem is an :class:`EventFolderError` naming the
+text summary named after it, from which the fingerprint is taken; with ``--log-throughput``,
+``throughput`` (TFLOP/s per GPU), which with ``iteration-time`` gives the step's model FLOPs
+(else Megatron-LM's formula over the arguments: :func:`.mlm_log.model_flops`, one count for logs
+and event folders). A curve needs ``lm loss``; step times need ``iteration-time``. Every problem is an :class:`EventFolderError` naming the
 folder (or file).
 """
 
@@ -16,8 +18,10 @@ import ast
 from pathlib import Path
 from typing import Any
 
+from megatron_npu.compare import mlm_log
+
 LOSS, GRAD_NORM, ITERATION_TIME = "lm loss", "grad-norm", "iteration-time"
-LEARNING_RATE, LOSS_SCALE = "learning-rate", "loss-scale"
+LEARNING_RATE, LOSS_SCALE, THROUGHPUT = "learning-rate", "loss-scale", "throughput"
 
 
 class EventFolderError(ValueError):
@@ -117,13 +121,6 @@ def read(path: str | Path) -> dict[str, Any]:
     return {"arguments": arguments, "scalars": scalars}
 
 
-def _data_description(args: dict[str, Any], what: str, source: str) -> str:
-    """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
-    if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
-        return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
-    return f"{what} {source}"
-
-
 def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
     """The events in the shape of ``megatron-npu train --metrics-out`` (config, steps, summary)."""
     args = events["arguments"]
@@ -141,6 +138,10 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
         for step in sorted(losses)
     ]  # fmt: skip
     world = args.get("world_size")
+    # Megatron-LM's --log-throughput scalar (TFLOP/s per GPU) over the step's iteration-time
+    throughput = scalars.get(THROUGHPUT, {})
+    counted = [{"tflops_per_gpu": throughput[s], "step_time_ms": times[s] * 1000.0}
+               for s in sorted(throughput) if s in times]  # fmt: skip
     tp = args.get("tensor_model_parallel_size") or 1
     pp = args.get("pipeline_model_parallel_size") or 1
     return {
@@ -152,7 +153,9 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
             "padded_vocab_size": args.get("padded_vocab_size"),
             "data": {
                 "source": "mock" if args.get("mock_data") else "data-path",
-                "description": _data_description(args, "Megatron-LM TensorBoard events", source),
+                "description": mlm_log.data_description(
+                    args, "Megatron-LM TensorBoard events", source
+                ),
             },
         },
         "steps": steps,
@@ -162,5 +165,8 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
             "last_lm_loss": steps[-1]["lm_loss"] if steps else None,
             "peak_memory_bytes": None,
             "has_step_times": bool(times),
+            "model_flops_per_step": mlm_log.model_flops(
+                counted, args, args.get("padded_vocab_size"), world
+            ),
         },
     }

@@ -70,3 +70,14 @@ def test_imported_h100_runs_get_their_mfu_against_the_datasheet(tmp_path, monkey
     assert runs["bf16"]["perf"]["median_s_per_step"] == pytest.approx(0.389, rel=0.05)
     assert runs["bf16"]["perf"]["mfu"] == pytest.approx(96 / 989, rel=0.05)
     assert runs["fp32"]["perf"]["mfu"] == pytest.approx(31.5 / 67, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_event_folder_counts_the_flops_its_log_counts(precision):
+    """The H100 runs' TensorBoard folders (``throughput`` and ``iteration-time`` scalars) give the
+    step's model FLOPs their console logs give, and so the same MFU."""
+    from megatron_npu.compare import imports
+
+    log = imports.load(str(GPT345M / f"mlm-native-{precision}.log")).metrics["summary"]
+    events = imports.load(str(GPT345M / f"mlm-native-{precision}-tb")).metrics["summary"]
+    assert events["model_flops_per_step"] == pytest.approx(log["model_flops_per_step"], rel=1e-3)
