@@ -379,7 +379,6 @@ RUN_KEYS = frozenset({
 })  # fmt: skip
 #: the train option each perturbation sets on the rerun (``threads`` changes its environment)
 PERTURB_OPTIONS = {"init-ulp": ("init-ulp-nudge", 1), "init-ulp-down": ("init-ulp-nudge", -1)}
-DEFAULT_SEED = 1234
 
 
 def _perturbed(original: RunSpec, perturb: Any, where: str) -> dict[str, Any]:
@@ -395,6 +394,8 @@ def _perturbed(original: RunSpec, perturb: Any, where: str) -> dict[str, Any]:
         key, value = PERTURB_OPTIONS[perturb]
         options[key] = value
     elif perturb == noise.SCALE:
+        from megatron_npu.training.arguments import DEFAULT_SEED
+
         options["seed"] = int(options.get("seed", DEFAULT_SEED)) + 1
     return options
 

@@ -30,6 +30,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+#: Megatron-LM's ``--seed`` default
+DEFAULT_SEED = 1234
+
+
 class ArgumentError(TrainingInputError, ValueError):
     """An inconsistent or unsupported combination of options."""
 
@@ -343,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=_finite, default=0.999)
     g.add_argument("--adam-eps", type=_finite, default=1e-8)
     g.add_argument("--sgd-momentum", type=_finite, default=0.9)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=DEFAULT_SEED)
     g.add_argument(
         "--init-ulp-nudge",
         type=int,
