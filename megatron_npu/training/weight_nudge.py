@@ -24,8 +24,11 @@ def nudge(model_chunks, ulps: int) -> int:
             for param in chunk.parameters():
                 if not param.is_floating_point():
                     continue
-                target = torch.full_like(param, float("inf") if ulps > 0 else float("-inf"))
+                # on the host: every device's torch has nextafter there (torch_npu need not)
+                value = param.detach().cpu()
+                target = torch.full_like(value, float("inf") if ulps > 0 else float("-inf"))
                 for _ in range(abs(ulps)):
-                    param.copy_(torch.nextafter(param, target))
+                    value = torch.nextafter(value, target)
+                param.copy_(value)
                 moved += 1
     return moved
