@@ -231,7 +231,7 @@ def noise_verdict(
 
 def judge(
     cand: RunResult, ref: RunResult, timed_against: RunResult | None, matrix: Matrix,
-    results: dict[str, RunResult] | None = None,
+    results: dict[str, RunResult],
 ) -> list[rules.Verdict]:  # fmt: skip
     s = matrix.settings
     name = cand.spec.name
@@ -278,7 +278,7 @@ def judge(
                 grad_norm_rtol=s.grad_norm_rtol,
             )  # fmt: skip
         )
-    if out[0].status != rules.REFUSED and results is not None:
+    if out[0].status != rules.REFUSED:
         banded = noise_verdict(cand, ref, results, matrix)
         if banded is not None:
             out.append(banded)

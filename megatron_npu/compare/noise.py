@@ -56,20 +56,17 @@ def envelope(iterations: Sequence[int], deviations: Sequence[dict[int, float]]) 
     return np.maximum.accumulate(np.asarray(worst, dtype=np.float64)) if worst else np.zeros(0)
 
 
-def band(envelope_: np.ndarray, factor: float, floor: float) -> np.ndarray:
-    return np.maximum(floor, factor * envelope_)
-
-
 def _banded(
-    ref: Curve, reruns: dict[str, Curve], cand: Curve, attr: str, factor: float, floor: float
-) -> tuple[list[int], list[float], list[float]]:
+    ref: Curve, rerun_devs: list[dict[int, float]], cand: Curve, attr: str, factor: float,
+    floor: float,
+) -> tuple[list[int], list[float], list[float]]:  # fmt: skip
     """The steps where ``cand`` has ``attr`` beside the reference, its deviation there and the
-    band there."""
+    band there (``rerun_devs``: each rounding rerun's deviations of ``attr``)."""
     its = list(ref.iterations)
-    edge = band(envelope(its, [_deviations(ref, c, attr) for c in reruns.values()]), factor, floor)
+    edge = dict(zip(its, np.maximum(floor, factor * envelope(its, rerun_devs)).tolist()))
     mine = _deviations(ref, cand, attr)
     steps = [i for i in its if i in mine]
-    return steps, [mine[i] for i in steps], [float(edge[its.index(i)]) for i in steps]
+    return steps, [mine[i] for i in steps], [edge[i] for i in steps]
 
 
 def _outside(what: str, steps: list[int], devs: list[float], edges: list[float]) -> str | None:
@@ -100,20 +97,21 @@ def noise(
     if any(c.iterations != ref.iterations for c in (cand, *reruns.values())):
         return Verdict(name, reference, "noise", FAIL,
                        "the candidate or a rerun has other steps than the reference", tolerance)  # fmt: skip
-    steps, devs, edges = _banded(ref, reruns, cand, "losses", factor, floor)
+    loss_devs = [_deviations(ref, c, "losses") for c in reruns.values()]
+    steps, devs, edges = _banded(ref, loss_devs, cand, "losses", factor, floor)
     if not steps:
         return Verdict(name, reference, "noise", FAIL, "no step has a loss in both runs", tolerance)
-    rerun_means = [
-        float(np.mean(list(d.values()))) if d else 0.0
-        for d in (_deviations(ref, c, "losses") for c in reruns.values())
-    ]
+    rerun_means = [float(np.mean(list(d.values()))) if d else 0.0 for d in loss_devs]
     mean_band = tolerance["mean_band"] = max(floor, factor * max(rerun_means))
     per_step: dict[str, list] = {"iteration": steps, "rel_diff": devs, "band": edges}
     problems = [_outside("", steps, devs, edges)]
     mean = float(np.mean(devs))
     if mean > mean_band:
         problems.append(f"mean deviation {mean:.3g} above rounding's {mean_band:.3g}")
-    norm_steps, norm_devs, norm_edges = _banded(ref, reruns, cand, "grad_norms", factor, floor)
+    norm_steps, norm_devs, norm_edges = _banded(
+        ref, [_deviations(ref, c, "grad_norms") for c in reruns.values()], cand, "grad_norms",
+        factor, floor,
+    )  # fmt: skip
     if norm_steps:
         per_step.update(grad_norm_iteration=norm_steps, grad_norm_rel_diff=norm_devs,
                         grad_norm_band=norm_edges)  # fmt: skip
