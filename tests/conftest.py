@@ -1,8 +1,15 @@
-"""The suite's own option and fixtures.
+"""The suite's own options and fixtures.
+
+Two tiers of tests the default suite (the README's test command) leaves out, each behind its
+option, so that suite stays within its time on two cores:
 
 ``--per-release``: the tests marked ``per_release`` repeat whole training runs of other tests
 (an exemption's test run again with its patch switched off); tox runs them once per
-megatron-core release, the default suite leaves them out.
+megatron-core release.
+
+``--extended``: the tests marked ``extended`` are end-to-end runs that reach, at another layout,
+precision or planted bug, branches a default test reaches already (the rest of the locate sweep,
+Megatron-LM's run list, the context-parallel layouts); ``tox -e extended`` runs them.
 
 Session inputs computed once per pytest invocation, also under ``pytest -n N``.
 
@@ -37,19 +44,27 @@ def pytest_configure(config):
         sys.modules["torch"].set_num_threads(threads)
 
 
+#: marker -> the option that runs the tests it marks (the default suite leaves them out)
+OPTIONAL_TIERS = {"per_release": "--per-release", "extended": "--extended"}
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--per-release", action="store_true",
         help="also run the tests marked per_release (tox runs them once per megatron-core "
         "release; the default suite leaves them out to stay within its time)",
     )  # fmt: skip
+    parser.addoption(
+        "--extended", action="store_true",
+        help="also run the tests marked extended (tox -e extended; the default suite leaves "
+        "them out to stay within its time)",
+    )  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave out (deselect, and say so) the ``per_release`` tests unless ``--per-release``."""
-    if config.getoption("--per-release"):
-        return
-    kept = [item for item in items if item.get_closest_marker("per_release") is None]
+    """Leave out (deselect, and say so) the tests of each tier whose option is not given."""
+    left_out = [m for m, option in OPTIONAL_TIERS.items() if not config.getoption(option)]
+    kept = [i for i in items if not any(i.get_closest_marker(m) for m in left_out)]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept

@@ -73,6 +73,7 @@ def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dic
     return verdicts
 
 
+@pytest.mark.extended
 def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
     """The Transformer Engine spec on the reference path and the NPU path agree by the
     approximate rule, and its TP2 and CP2 runs agree with its one-rank run by the layout rule."""
@@ -83,6 +84,7 @@ def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
     assert verdicts[("npu-fp32-te-cp2", "layout")]["status"] == "pass"
 
 
+@pytest.mark.extended
 def test_moe_rows_pass_their_rules(tmp_path, monkeypatch):
     """The mixture-of-experts rows: the reference path and the NPU path agree by the approximate
     rule, and the EP2 run agrees with the EP1 run by the layout rule."""
@@ -93,6 +95,7 @@ def test_moe_rows_pass_their_rules(tmp_path, monkeypatch):
     assert verdicts[("npu-fp32-moe-ep2", "layout")]["status"] == "pass"
 
 
+@pytest.mark.extended
 def test_planted_slowdown_fails_the_default_matrix(tmp_path, monkeypatch):
     document, status = _compare(
         tmp_path, monkeypatch, "slow-attention", "ref-fp32", "cpu-fp32-flash"

@@ -50,7 +50,7 @@ def _error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "error:" in line or "stopped:" in line]
 
 
-@pytest.mark.parametrize("ranks", [2, 1])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.extended), 1])
 def test_killed_launcher_after_a_save_leaves_no_process_and_no_folder(ranks, tmp_path):
     """``ranks=1``: no launcher of its own, the one process is the run (and is killed)."""
     # the run's own TMPDIR (other runs on this machine stay out), short: multiprocessing's

@@ -53,6 +53,7 @@ reference = "ref"
 ADAMW = {"optimizer.adam", "optimizer.factory-torch-adamw"}
 
 
+@pytest.mark.extended
 def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for key, value in plant_env("wrong-adamw").items():

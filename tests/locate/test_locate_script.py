@@ -70,6 +70,7 @@ def test_locate_on_pretrain_gpt_names_the_step_module_and_planted_kernel_patch(
     assert meta["npu_kernels"] is True and meta["native_kernels"] == []
 
 
+@pytest.mark.extended
 def test_locate_on_a_healthy_pretrain_gpt_pair_names_nothing(tmp_path, monkeypatch):
     status, data = _locate(tmp_path, monkeypatch, None)
     assert status == 0

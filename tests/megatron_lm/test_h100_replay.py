@@ -32,7 +32,7 @@ def _losses(path) -> dict[int, float]:
     not megatron_core_version().startswith("0.16."),
     reason="the H100 runs used megatron-core 0.16.1 (core_v0.16.1's pretrain_gpt.py)",
 )
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
 def test_pretrain_gpt_on_npu_emulated_reproduces_the_h100_curve(tmp_path, precision):
     args = shlex.split((H100_TINY / "ARGS.txt").read_text())
     steps = 60

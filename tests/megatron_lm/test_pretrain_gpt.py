@@ -112,9 +112,11 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
     "name, nproc, extra",
     [
         # + Megatron's straggler detector (timers, and NVML's readings reported as 0 here)
-        ("pp2", 2, ("--pipeline-model-parallel-size", "2", "--log-straggler")),
-        ("tp2-sp-distopt", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
-                               "--use-distributed-optimizer")),
+        pytest.param("pp2", 2, ("--pipeline-model-parallel-size", "2", "--log-straggler"),
+                     marks=pytest.mark.extended),
+        pytest.param("tp2-sp-distopt", 2, ("--tensor-model-parallel-size", "2",
+                     "--sequence-parallel", "--use-distributed-optimizer"),
+                     marks=pytest.mark.extended),
         # DP2 with Megatron-LM's overlap, recompute, evaluation and logging options
         ("dp2-options", 2, ("--use-distributed-optimizer", "--overlap-grad-reduce",
                             "--overlap-param-gather", "--recompute-granularity", "full",
@@ -128,7 +130,8 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
         # (patches/pipeline.py; NaN losses in about half the runs without it)
         ("vpp", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")),
-        ("bf16", 1, ("--bf16",)),
+        # bf16 alone: the Llama-style run trains in bf16 too
+        pytest.param("bf16", 1, ("--bf16",), marks=pytest.mark.extended),
         # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here)
         ("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
                           "--use-flash-attn")),
@@ -203,9 +206,11 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
          "these Megatron-LM options do not work together"),
         # context parallelism with the local spec (Megatron asserts in DotProductAttention on
         # every rank) and a sequence that 2 x CP does not divide
-        (("--context-parallel-size", "2", "--seq-length", "126", "--max-position-embeddings",
-          "128"), ("--transformer-impl local", "--seq-length 126"),
-         "these Megatron-LM options do not work together"),
+        pytest.param(("--context-parallel-size", "2", "--seq-length", "126",
+                      "--max-position-embeddings", "128"),
+                     ("--transformer-impl local", "--seq-length 126"),
+                     "these Megatron-LM options do not work together",
+                     marks=pytest.mark.extended),
     ],
     ids=["moe-flex-dispatcher", "moe-topk-and-ep-sizes", "cp-local-spec-and-sequence"],
 )  # fmt: skip

@@ -98,7 +98,9 @@ def initial_model(tmp_path_factory) -> dict[str, torch.Tensor]:
     return _read_checkpoint(tmp / "ckpt")
 
 
-@pytest.mark.parametrize("device", ["cpu", "npu-emulated"])
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.extended), "npu-emulated"]
+)
 def test_seed_loop_trains_saves_and_reloads(device, initial_model, tmp_path):
     script, checkpoint = _copy_of_script(tmp_path, with_line=True)
     code, rank0, output = _torchrun(script, [], device, tmp_path)

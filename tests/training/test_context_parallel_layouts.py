@@ -50,6 +50,10 @@ LAYOUTS = {
     "rope-gqa-cp2-a2a-flash-npu": (2, LLAMA, [*_cp("a2a"), "--device", "npu-emulated",
                                               "--use-flash-attn"]),
 }  # fmt: skip
+#: CP beside the other parallel dimensions, and the NPU path's kernels (which
+#: tests/ops/test_context_parallel.py checks against whole-sequence attention): ``--extended``
+EXTENDED = {"cp2-p2p-flash-npu", "tp2-sp-cp2-p2p", "pp2-cp2-a2a", "dp2-cp2-allgather-distopt",
+            "rope-gqa-cp2-a2a-flash-npu"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,10 @@ def cp1(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in sorted(LAYOUTS)],
+)
 def test_context_parallel_layout_matches_cp1(tmp_path, cp1, name):
     ranks, model, options = LAYOUTS[name]
     base = cp1(model)

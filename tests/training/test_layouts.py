@@ -99,7 +99,12 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
         assert abs(run.losses[step] - loss) <= 1e-6 * abs(loss), (step, run.losses, baseline.losses)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name",
+    # PP2 with TP2 + SP, and the interleaved schedule: pretrain_gpt.py's run list has them too
+    [pytest.param(n, marks=pytest.mark.extended) if n in ("tp2-pp2-sp", "pp2-interleaved") else n
+     for n in LAYOUTS],
+)  # fmt: skip
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]
     run = train(train_tmp, *TINY, "--train-iters", "10", *extra, nproc=nproc, name=name)
