@@ -7,7 +7,6 @@ directory, fsync, ``os.replace``), so a reader never sees a partial file.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -17,7 +16,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,6 +31,7 @@ from megatron_npu.parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from megatron_npu.parity.metrics import TensorComparison, dtype_config
 from megatron_npu.parity.verdict import Tolerance, Verdict, final_verdict, worst
 
+from megatron_npu.files import write_private
 from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
 
 __all__ = [
@@ -68,8 +67,6 @@ DEVICES = DEVICE_ORDER
 PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "world")
 #: the first schema whose ``parallel`` has the context-parallel size; older records had CP 1
 _CP_SCHEMA = 3
-FILE_MODE = 0o640
-DIR_MODE = 0o750
 _EMULATION_MODULE_HINT = "emulation"
 
 
@@ -663,44 +660,15 @@ def record_filename(
     return f"{stem[:180]}__{digest}.json"
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_record(record: ParityRecord, results_dir: str | os.PathLike[str]) -> Path:
-    """Write ``record`` atomically into ``results_dir``; return the file's path.
-
-    The directory is created with mode 0750 if missing (an existing one keeps its mode); the
-    file gets mode 0640. A failure at any point leaves any previous file intact and no temp file.
-    """
-    directory = Path(results_dir)
-    if not directory.is_dir():
-        directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        os.chmod(directory, DIR_MODE)  # mkdir's mode is filtered by the umask
-    final = directory / record_filename(
+    """Write ``record`` atomically into ``results_dir`` (:func:`megatron_npu.files.write_private`:
+    a 0640 file, missing directories 0750); return the file's path. A failure at any point leaves
+    any previous file intact and no temp file."""
+    final = Path(results_dir) / record_filename(
         record.patch_id, record.case, record.dtype, record.parallel, record.device
     )
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            os.fchmod(fh.fileno(), FILE_MODE)
-            json.dump(record.to_dict(), fh, indent=2, sort_keys=True, allow_nan=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(directory)
-    return final
+    text = json.dumps(record.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return write_private(final, text)
 
 
 def read_records(results_dir: str | os.PathLike[str]) -> list[ParityRecord]:

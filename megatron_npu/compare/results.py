@@ -65,7 +65,7 @@ def strict_json(value: Any) -> Any:
 
 
 def write(out_dir: Path, results: dict[str, Any], table_markdown: str) -> tuple[Path, Path]:
-    from megatron_npu.training.security import write_private
+    from megatron_npu.files import write_private
 
     results_path, table_path = out_dir / "results.json", out_dir / "table2.md"
     write_private(results_path, json.dumps(strict_json(results), indent=2, allow_nan=False) + "\n")

@@ -145,7 +145,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from megatron_npu.training.security import write_private
+    from megatron_npu.files import write_private
 
     write_private(path, json.dumps(data, indent=2) + "\n")
 

@@ -24,8 +24,9 @@ import importlib.util
 import inspect
 import json
 import os
-import uuid
 import warnings
+
+from megatron_npu.files import write_private
 
 __all__ = [
     "CORPUS_VERSION",
@@ -184,7 +185,7 @@ def build_default_corpus(out_dir: str | os.PathLike) -> str:
     index files already exist the call returns at once. Safe to call from several processes at
     the same time: every file is written under a unique temporary name and renamed into place.
     """
-    from megatron_npu.data.preprocess import FILE_MODE, make_private_dirs, preprocess
+    from megatron_npu.data.preprocess import preprocess
     from megatron_npu.data.tokenizers import ByteLevelTokenizer
 
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -194,19 +195,9 @@ def build_default_corpus(out_dir: str | os.PathLike) -> str:
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return prefix
 
-    make_private_dirs(out_dir)
     jsonl_path = output_prefix + ".jsonl"
     if not os.path.isfile(jsonl_path):
-        temp = f"{jsonl_path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(_jsonl(default_corpus_documents()))
-            os.chmod(temp, FILE_MODE)
-            os.replace(temp, jsonl_path)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
+        write_private(jsonl_path, _jsonl(default_corpus_documents()))
     summary = preprocess([jsonl_path], output_prefix, ByteLevelTokenizer(), json_key="text")
     assert summary["prefix"] == prefix, (summary["prefix"], prefix)
     return prefix

@@ -33,7 +33,7 @@ import torch
 
 from megatron_npu.data.index_check import check_indexed_dataset
 from megatron_npu.data.index_helpers import numpy_helpers
-from megatron_npu.data.preprocess import DIR_MODE, FILE_MODE, make_private_dirs
+from megatron_npu.files import DIR_MODE, FILE_MODE, make_dir
 
 __all__ = ["build_gpt_datasets", "parse_data_path"]
 
@@ -162,7 +162,7 @@ def build_gpt_datasets(
         else:
             cache_roots = [os.path.join(p, "cache", "GPTDataset_indices") for p in prefixes]
         for root in cache_roots:
-            make_private_dirs(root)
+            make_dir(root)
 
     config = GPTDatasetConfig(
         random_seed=int(seed),

@@ -31,20 +31,16 @@ from typing import Any
 import numpy
 
 from megatron_npu.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from megatron_npu.files import FILE_MODE, make_dir
 
 __all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
     "PreprocessError",
     "add_preprocess_args",
     "dataset_prefix",
-    "make_private_dirs",
     "preprocess",
     "run_preprocess",
 ]
 
-FILE_MODE = 0o640
-DIR_MODE = 0o750
 JSONL_SUFFIXES = (".json", ".jsonl")
 
 
@@ -55,26 +51,6 @@ class PreprocessError(ValueError):
 def dataset_prefix(output_prefix: str | os.PathLike, key: str) -> str:
     """The indexed-dataset prefix :func:`preprocess` writes for ``key``."""
     return f"{os.fspath(output_prefix)}_{key}_document"
-
-
-def make_private_dirs(path: str | os.PathLike) -> None:
-    """``os.makedirs`` that gives every directory it creates mode 0750 (umask-independent)."""
-    path = os.path.abspath(os.fspath(path))
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, DIR_MODE)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
-            continue
-        os.chmod(directory, DIR_MODE)
 
 
 def _is_jsonl(path: str) -> bool:
@@ -165,10 +141,6 @@ class _Encoder:
         return out, nbytes
 
 
-def _chmod_private(path: str) -> None:
-    os.chmod(path, FILE_MODE)
-
-
 def preprocess(
     inputs: Sequence[str | os.PathLike],
     output_prefix: str | os.PathLike,
@@ -216,7 +188,7 @@ def preprocess(
 
     output_prefix = os.fspath(output_prefix)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    make_private_dirs(out_dir)
+    make_dir(out_dir)
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     prefixes = {key: dataset_prefix(output_prefix, key) for key in keys}
@@ -270,7 +242,7 @@ def preprocess(
     written = []
     for key in keys:
         for temp, final in zip(temp_files[key], (prefixes[key] + ".bin", prefixes[key] + ".idx")):
-            _chmod_private(temp)
+            os.chmod(temp, FILE_MODE)
             os.replace(temp, final)
             written.append(final)
 

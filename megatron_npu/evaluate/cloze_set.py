@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron_npu.evaluate.lambada import DEFAULT_DATA
+from megatron_npu.files import write_private
 
 SIZE = 200
 MIN_CHARS, MAX_CHARS = 40, 120
@@ -58,9 +59,7 @@ def build(path: str | Path = DEFAULT_DATA, size: int = SIZE) -> int:
     from megatron_npu.data.corpus import default_corpus_documents
 
     passages = select(candidate_passages(text for _, text in default_corpus_documents()), size)
-    Path(path).write_text(
-        "".join(json.dumps({"text": t}) + "\n" for t in passages), encoding="utf-8"
-    )
+    write_private(path, "".join(json.dumps({"text": t}) + "\n" for t in passages))
     return len(passages)
 
 

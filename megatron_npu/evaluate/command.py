@@ -118,7 +118,7 @@ def worker_main(argv: list[str]) -> int:
     finally:
         megatron_npu.restore()
     if result is not None and own.results_out:
-        from megatron_npu.training.security import write_private
+        from megatron_npu.files import write_private
 
         write_private(own.results_out, json.dumps(result, indent=2) + "\n")
     return 0

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_npu.files import write_private
 from megatron_npu.locate import (
     curves,
     dump,
@@ -596,10 +597,8 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     found = msprobe_dumps.compare(reference, candidate, rule)
     data = {"format": msprobe_dumps.RESULT_FORMAT, "schema_version": 1,
             "reference": str(ref_path), "candidate": str(cand_path), **found}  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / msprobe_dumps.RESULT_FILE
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    path = write_private(Path(args.out) / msprobe_dumps.RESULT_FILE,
+                         json.dumps(data, indent=2) + "\n")  # fmt: skip
     row = found["divergent"]
     echo(f" locate: msprobe {found['task']} dumps, levels {', '.join(found['levels'])}, "
          f"{len(found['rows'])} rows compared over {', '.join(found['ranks'])}")  # fmt: skip

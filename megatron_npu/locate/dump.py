@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from megatron_npu.files import write_private
+
 DUMP_FORMAT = "megatron-npu-locate-dump"
 DUMP_VERSION = 2
 #: the dump folder's own description (the rank folders hold msprobe's ``dump.json``)
@@ -443,7 +445,7 @@ def _msprobe_tensor(entry: dict[str, Any], data_name: str) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    write_private(path, json.dumps(data, indent=1) + "\n")
 
 
 def write_meta(dump_dir: str | Path, meta: dict[str, Any]) -> None:

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_npu.files import write_private
+
 FORMAT = "megatron-npu-locate"
 SCHEMA_VERSION = 1
 FILENAME = "locate.json"
@@ -33,11 +35,8 @@ REQUIRED = ("reference", "candidate", "step", "modules", "divergent", "culprit",
 
 
 def write(out_dir: str | Path, data: dict[str, Any]) -> Path:
-    path = Path(out_dir) / FILENAME
-    path.parent.mkdir(parents=True, exist_ok=True)
     body = {"format": FORMAT, "schema_version": SCHEMA_VERSION, **data}
-    path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-    return path
+    return write_private(Path(out_dir) / FILENAME, json.dumps(body, indent=2) + "\n")
 
 
 def is_locate(data: Any) -> bool:

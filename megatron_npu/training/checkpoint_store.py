@@ -30,6 +30,7 @@ import shutil
 from argparse import Namespace
 from pathlib import Path
 
+from megatron_npu.files import fsync_dir, make_dir, write_private
 from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.training import security
 from megatron_npu.training.errors import TrainingInputError
@@ -152,17 +153,8 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
 
 
 def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
-    security.write_private(os.path.join(root, TRACKER), f"{iteration}\n")
+    write_private(os.path.join(root, TRACKER), f"{iteration}\n")
     fsync_dir(root)
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or file creation in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: str) -> str:
@@ -190,11 +182,11 @@ def partial_dir(root: str | os.PathLike[str], iteration: int) -> str:
 def begin(root: str | os.PathLike[str], iteration: int) -> str:
     """A fresh, empty ``iter_N.partial`` directory to save into (stale ones are removed)."""
     path = partial_dir(root, iteration)
-    security.make_dir(root)
+    make_dir(root)
     for name in os.listdir(root):  # what killed or failed saves left behind
         if name.startswith("iter_") and name.endswith((PARTIAL_SUFFIX, REPLACED_SUFFIX)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    security.make_dir(path)
+    make_dir(path)
     return path
 
 
@@ -215,7 +207,7 @@ def commit(
         fault(work)
     manifest = {"schema": MANIFEST_SCHEMA, "version": 1, "iteration": iteration,
                 **manifest_fields, "files": files}  # fmt: skip
-    security.write_private(os.path.join(work, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    write_private(os.path.join(work, MANIFEST), json.dumps(manifest, indent=1) + "\n")
     security.harden_tree(work)
     for dirpath, _dirs, _names in os.walk(work):
         fsync_dir(dirpath)

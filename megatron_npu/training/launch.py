@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from megatron_npu.devices.base import Device
+from megatron_npu.files import write_private
 from megatron_npu.training import children, errors, preflight
 
 
@@ -420,8 +421,7 @@ def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
         texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else ""
                  for p in logs]  # fmt: skip
     if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("\n".join(texts), encoding="utf-8")
+        write_private(log, "\n".join(texts))
     if failed is not None:
         rank, reason = failed
         tail = "\n".join(texts[rank].splitlines()[-RANK_LOG_TAIL_LINES:])

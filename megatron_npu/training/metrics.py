@@ -39,8 +39,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_npu.files import write_private
 from megatron_npu.training.peak import plausible
-from megatron_npu.training.security import write_private
 
 #: Steps excluded from the steady-state timing (start-up, first allocations, warm caches).
 WARMUP_STEPS = 2

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_npu.files import write_private
 from megatron_npu.registry import CPU, NPU_EMULATED
 
 ENV_VAR = "MEGATRON_NPU_PEAK_TFLOPS"
@@ -130,10 +131,7 @@ def _read_cache(path: Path) -> dict[str, dict]:
 
 def _write_cache(path: Path, entries: dict[str, dict]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_private(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")
     except OSError:
         pass  # a read-only home only costs a re-probe next time
 

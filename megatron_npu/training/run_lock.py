@@ -15,8 +15,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from megatron_npu.files import FILE_MODE, make_dir
 from megatron_npu.training.errors import TrainingInputError
-from megatron_npu.training.security import FILE_MODE, make_dir
 
 LOCK_SUFFIX = ".lock"
 

@@ -12,9 +12,9 @@ import os
 import warnings
 from pathlib import Path
 
+from megatron_npu.files import DIR_MODE, FILE_MODE
+
 UMASK = 0o027
-FILE_MODE = 0o640
-DIR_MODE = 0o750
 
 _root_warned = False
 
@@ -54,37 +54,3 @@ def harden_tree(root: str | os.PathLike[str]) -> None:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
                 os.chmod(path, FILE_MODE)
-
-
-def make_dir(path: str | os.PathLike[str]) -> Path:
-    """``mkdir -p`` with 0750 on each directory it creates."""
-    path = Path(path)
-    missing = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    path.mkdir(parents=True, exist_ok=True)
-    for created in missing:
-        os.chmod(created, DIR_MODE)
-    return path
-
-
-def write_private(path: str | os.PathLike[str], data: str) -> None:
-    """Write ``data`` atomically (temp file + rename) with mode 0640, creating missing parent
-    directories 0750 (a run must never lose its results to a missing folder at the end)."""
-    path = Path(path)
-    make_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise

@@ -31,6 +31,8 @@ from megatron_npu.parity.results import (
 )
 from megatron_npu.parity.verdict import Tolerance, Verdict
 
+from megatron_npu import files
+
 PAR = {"tp": 2, "pp": 1, "dp": 1, "cp": 1, "world": 2}
 
 TOP_KEYS = {
@@ -293,24 +295,19 @@ def test_rewrite_replaces_and_leaves_no_temp_file(tmp_path):
     assert read_records(tmp_path)[0].verdict.status == "error"
 
 
-def _partial_dump(obj, fh, **kwargs):
-    fh.write('{"schema_version": 1, "patch_id": ')
-    fh.flush()
-    raise OSError("disk full")
+def _disk_full(fd):
+    raise OSError("disk full")  # the temp file holds what was written so far
 
 
 def _fail_replace(src, dst):
     raise OSError("replace failed")
 
 
-@pytest.mark.parametrize(
-    ("target", "fake"), [("json.dump", _partial_dump), ("os.replace", _fail_replace)]
-)
+@pytest.mark.parametrize(("target", "fake"), [("fsync", _disk_full), ("replace", _fail_replace)])
 def test_failed_write_keeps_old_file_and_no_temp(tmp_path, monkeypatch, target, fake):
     path = write_record(make_record(), tmp_path)
     before = path.read_bytes()
-    module, attr = target.split(".")
-    monkeypatch.setattr(getattr(results, module), attr, fake)
+    monkeypatch.setattr(files.os, target, fake)
     with pytest.raises(OSError):
         write_record(make_record(bad=True), tmp_path)
     monkeypatch.undo()
@@ -320,7 +317,7 @@ def test_failed_write_keeps_old_file_and_no_temp(tmp_path, monkeypatch, target, 
 
 
 def test_failed_first_write_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(results.json, "dump", _partial_dump)
+    monkeypatch.setattr(files.os, "fsync", _disk_full)
     with pytest.raises(OSError):
         write_record(make_record(), tmp_path)
     monkeypatch.undo()

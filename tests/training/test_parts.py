@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 
+from megatron_npu.files import make_dir
 from megatron_npu.training import metrics, security
 from megatron_npu.training.data import PretrainingSampler
 from megatron_npu.training.model import derived_seed
@@ -100,7 +101,7 @@ def test_harden_tree_and_umask(tmp_path):
     assert stat.S_IMODE(os.stat(root / "iter_0000001" / "a.distcp").st_mode) == 0o640
     old = security.set_umask()
     try:
-        new_dir = security.make_dir(tmp_path / "x" / "y")
+        new_dir = make_dir(tmp_path / "x" / "y")
         assert stat.S_IMODE(os.stat(new_dir).st_mode) == 0o750
         assert stat.S_IMODE(os.stat(tmp_path / "x").st_mode) == 0o750
     finally:
@@ -123,7 +124,7 @@ def test_root_warning_is_given_once(monkeypatch):
 
 
 def test_results_land_even_when_their_folder_does_not_exist_yet(tmp_path):
-    from megatron_npu.training.security import write_private
+    from megatron_npu.files import write_private
 
     target = tmp_path / "runs" / "default" / "metrics.json"
     write_private(target, "{}\n")
