@@ -33,10 +33,24 @@ class FusedAttentionSettings:
     def windowed(self) -> bool:
         return self.pre_tokens < FULL_WINDOW or self.next_tokens < FULL_WINDOW
 
+    def fused_only_options(self) -> list[str]:
+        """The choices Megatron's unfused attention cannot express, written as the options that
+        ask for them (``megatron-npu train`` names them when nothing serves the fused kernel)."""
+        wants = []
+        if self.use_flash_attn:
+            wants.append("--use-flash-attn")
+        if self.pre_tokens < FULL_WINDOW:
+            wants.append(f"--pre-tokens {self.pre_tokens}")
+        if self.next_tokens < FULL_WINDOW:
+            wants.append(f"--next-tokens {self.next_tokens}")
+        if self.shape_order != "SBH":
+            wants.append(f"--shape-order {self.shape_order}")
+        return wants
+
     @property
     def needs_fused_kernel(self) -> bool:
         """Whether Megatron's unfused attention cannot express this choice."""
-        return self.use_flash_attn or self.windowed or self.shape_order != "SBH"
+        return bool(self.fused_only_options())
 
 
 _current = FusedAttentionSettings()

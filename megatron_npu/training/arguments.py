@@ -19,15 +19,13 @@ import math
 from collections.abc import Sequence
 
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
+from megatron_npu.data.tokenizers import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
-from megatron_npu.ops.settings import FULL_WINDOW
+from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
 from megatron_npu.training.errors import TrainingInputError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-#: ``--tokenizer-type`` values: megatron_npu.data's tokenizers, plus Megatron's NullTokenizer
-#: (what ``--mock-data`` uses; ``--vocab-size`` sets its vocabulary).
-TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 #: Megatron-LM's ``--seed`` default
@@ -388,6 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", default=None)
     g.add_argument(
         "--tokenizer-type",
+        # megatron_npu.data's tokenizers, and Megatron's NullTokenizer (what --mock-data uses;
+        # --vocab-size sets its vocabulary)
         choices=(*TOKENIZER_TYPES, "NullTokenizer"),
         default=None,
         help="with --data-path (NullTokenizer: --mock-data only)",
@@ -486,16 +486,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def fused_attention_requests(args: argparse.Namespace) -> list[str]:
     """The options in ``args`` whose values only the fused attention kernel implements."""
-    wants = []
-    if args.use_flash_attn:
-        wants.append("--use-flash-attn")
-    if args.pre_tokens < FULL_WINDOW:
-        wants.append(f"--pre-tokens {args.pre_tokens}")
-    if args.next_tokens < FULL_WINDOW:
-        wants.append(f"--next-tokens {args.next_tokens}")
-    if args.shape_order == "BSH":
-        wants.append("--shape-order BSH")
-    return wants
+    return FusedAttentionSettings(
+        use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
+        pre_tokens=args.pre_tokens, next_tokens=args.next_tokens,
+    ).fused_only_options()  # fmt: skip
 
 
 def fused_attention_patch_ids() -> list[str]:

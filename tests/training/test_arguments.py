@@ -7,7 +7,6 @@ import re
 import pytest
 
 import megatron_npu
-from megatron_npu.ops import settings
 from megatron_npu.training import arguments, launch
 
 BASE = (
@@ -106,31 +105,11 @@ def test_fused_attention_options_need_an_attention_patch(capsys, monkeypatch):
 
 def test_fused_attention_gate_keys_off_the_registry(monkeypatch):
     monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: ["attention.x"])
-    args = parse("--use-flash-attn", "--pre-tokens", "2048", "--next-tokens", "0")
+    args = parse("--use-flash-attn", "--pre-tokens", "2048", "--next-tokens", "0",
+                 "--shape-order", "BSH")  # fmt: skip
     assert arguments.fused_attention_requests(args) == [
-        "--use-flash-attn", "--pre-tokens 2048", "--next-tokens 0",
+        "--use-flash-attn", "--pre-tokens 2048", "--next-tokens 0", "--shape-order BSH",
     ]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [[], ["--use-flash-attn"], ["--shape-order", "BSH"], ["--pre-tokens", "2048"],
-     ["--next-tokens", "0"]],
-)  # fmt: skip
-def test_gate_agrees_with_the_op_settings(monkeypatch, extra):
-    monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: ["attention.x"])
-    args = parse(*extra)
-    chosen = settings.FusedAttentionSettings(
-        use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
-        pre_tokens=args.pre_tokens, next_tokens=args.next_tokens,
-    )  # fmt: skip
-    assert bool(arguments.fused_attention_requests(args)) == chosen.needs_fused_kernel
-
-
-def test_tokenizer_names_are_the_data_packages():
-    from megatron_npu.data.tokenizers import TOKENIZER_TYPES
-
-    assert arguments.TOKENIZER_TYPES == TOKENIZER_TYPES
 
 
 def test_launcher_options_are_not_passed_to_workers():
