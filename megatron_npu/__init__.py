@@ -9,6 +9,8 @@
 on the command line) leaves those registry patches out; ``megatron-npu info`` reports them.
 """
 
+import importlib.metadata
+
 from megatron_npu import import_warnings
 
 import_warnings.quiet()
@@ -24,7 +26,10 @@ from megatron_npu.patcher import (  # noqa: E402  (the filter first: anything ma
     restore,
 )
 
-__version__ = "0.1.0"
+try:  # pyproject.toml holds the version; the installed metadata carries it
+    __version__ = importlib.metadata.version("megatron-npu")
+except importlib.metadata.PackageNotFoundError:  # imported from a checkout that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "PatchError",

@@ -33,6 +33,7 @@ import torch
 
 import megatron_npu
 from megatron_npu import devices
+from megatron_npu.data.tokenizers import null_vocab_size_for
 from megatron_npu.ops.settings import reset as reset_fused_attention
 from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import arguments, data, flops, launch, loop
@@ -51,7 +52,7 @@ _ROUTING = os.path.join("megatron_npu", "devices", "")
 def _argv(shape: GPTShape, precision: str = "fp32") -> list[str]:
     flag = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--loss-scale", "4096"]}[precision]
     return [*flag,
-        "--device", "cpu", "--mock-data", "--vocab-size", str(shape.vocab_size),
+        "--device", "cpu", "--mock-data", "--vocab-size", str(null_vocab_size_for(shape.vocab_size)),
         "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
         "--num-attention-heads", str(shape.num_attention_heads),
         "--seq-length", str(shape.seq_length), "--micro-batch-size", str(shape.micro_batch_size),

@@ -128,8 +128,8 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
     source = data.get("source")
     if args.get("mock_data"):
         # Megatron's MockGPTDataset: its tokens are (1, 2, ...) modulo the tokenizer's vocabulary,
-        # then EOD. The tokenizer's size is what the description says ("vocab N"): Megatron-LM's
-        # --vocab-size N builds a NullTokenizer of N + 1 (with EOD), megatron-npu's of N.
+        # then EOD. The tokenizer's size is what the description says ("vocab N"; train and
+        # Megatron-LM build the same NullTokenizer for one --vocab-size on one release).
         described = re.search(r"\bvocab (\d+)", str(data.get("description", "")))
         identity = f"vocab {described.group(1) if described else args.get('vocab_size')}"
     elif args.get("data_path"):

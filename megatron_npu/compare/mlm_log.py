@@ -113,7 +113,7 @@ def parse(path: str | Path) -> dict[str, Any]:
     arguments: dict[str, Any] | None = None
     in_args = False
     args_line = 0
-    padded = None
+    padded = tokenizer_vocab = None
     peak_mb = None
     records: dict[int, tuple[int, dict[str, Any]]] = {}
     for number, line in enumerate(text.splitlines(), 1):
@@ -142,7 +142,7 @@ def parse(path: str | Path) -> dict[str, Any]:
             continue
         match = PADDED_VOCAB.search(line)
         if match:
-            padded = int(match.group(3))
+            tokenizer_vocab, padded = int(match.group(1)), int(match.group(3))
             continue
         match = MEMORY.search(line)
         if match:
@@ -162,15 +162,24 @@ def parse(path: str | Path) -> dict[str, Any]:
     return {
         "arguments": arguments,
         "padded_vocab_size": padded,
+        "tokenizer_vocab_size": tokenizer_vocab,
         "iterations": [records[i][1] for i in sorted(records)],
         "peak_allocated_mb": peak_mb,
     }
 
 
-def data_description(args: dict[str, Any], what: str, source: str) -> str:
-    """Megatron-LM's mock data: a NullTokenizer of ``--vocab-size`` + 1 (its EOD token)."""
+def data_description(
+    args: dict[str, Any], what: str, source: str, tokenizer_vocab: int | None = None
+) -> str:
+    """Megatron-LM's mock data, described by its tokenizer's size as ``train`` describes its own:
+    the size the log printed (``padded vocab (size: N)``), else the NullTokenizer that
+    ``--vocab-size`` builds on the installed megatron-core (the log does not say its release)."""
     if args.get("mock_data") and isinstance(args.get("vocab_size"), int):
-        return f"MockGPTDataset, vocab {args['vocab_size'] + 1} ({what} {source})"
+        if tokenizer_vocab is None:
+            from megatron_npu.data.tokenizers import null_tokenizer
+
+            tokenizer_vocab = int(null_tokenizer(args["vocab_size"]).vocab_size)
+        return f"MockGPTDataset, vocab {tokenizer_vocab} ({what} {source})"
     return f"{what} {source}"
 
 
@@ -224,7 +233,9 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "padded_vocab_size": parsed.get("padded_vocab_size") or args.get("padded_vocab_size"),
             "data": {
                 "source": data_source,
-                "description": data_description(args, "Megatron-LM log", source),
+                "description": data_description(
+                    args, "Megatron-LM log", source, parsed.get("tokenizer_vocab_size")
+                ),
             },
         },
         "steps": steps,

@@ -219,14 +219,24 @@ class NullIdTokenizer(NpuTokenizer):
         return self._eod
 
 
-def null_tokenizer(vocab_size_without_eod: int):
-    """megatron-core's NullTokenizer (``--mock-data``), or :class:`NullIdTokenizer` where the
-    installed release has none."""
+def null_tokenizer(vocab_size: int):
+    """The NullTokenizer Megatron-LM builds for ``--tokenizer-type NullTokenizer --vocab-size
+    vocab_size`` (what ``--mock-data`` reads) on the installed release: megatron-core's own, given
+    the option's value as Megatron-LM gives it, so the vocabulary is Megatron's -- ``vocab_size``
+    plus the EOD id up to megatron-core 0.17, ``vocab_size`` with the EOD id inside from 0.18 --
+    or :class:`NullIdTokenizer` (``vocab_size`` plus EOD, as Megatron-LM's own) where the release
+    has none."""
     try:
         from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     except ImportError:
-        return NullIdTokenizer(vocab_size_without_eod)
-    return NullTokenizer(vocab_size_without_eod)
+        return NullIdTokenizer(vocab_size)
+    return NullTokenizer(vocab_size)
+
+
+def null_vocab_size_for(tokens: int) -> int:
+    """The ``--vocab-size`` whose :func:`null_tokenizer` has ``tokens`` ids (EOD included) on
+    the installed release: ``tokens - 1`` up to megatron-core 0.17, ``tokens`` from 0.18."""
+    return tokens - (int(null_tokenizer(tokens).vocab_size) - tokens)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -213,7 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--vocab-size",
         type=_positive,
         default=None,
-        help="vocabulary of the NullTokenizer used with --mock-data (default 512)",
+        help="the NullTokenizer's --vocab-size for --mock-data, as Megatron-LM takes it: the "
+        "EOD token comes on top up to megatron-core 0.17, inside from 0.18 (default 512)",
     )
 
     g = parser.add_argument_group("mixture of experts (Megatron-LM's names and defaults)")

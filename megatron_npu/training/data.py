@@ -100,7 +100,7 @@ def _mock(args: Namespace, train_samples: int) -> TrainData:
 
     from megatron_npu.data.tokenizers import null_tokenizer
 
-    tokenizer = null_tokenizer(args.vocab_size - 1)  # NullTokenizer adds the EOD id on top
+    tokenizer = null_tokenizer(args.vocab_size)  # Megatron-LM's vocabulary for --vocab-size
     config = GPTDatasetConfig(tokenizer=tokenizer, split="1,0,0", **_gpt_config_kwargs(args))
     # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and
     # rank: mock indices are never cached, so the warning says nothing.

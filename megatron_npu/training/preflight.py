@@ -107,9 +107,10 @@ def check_save(args: Namespace) -> None:
 
 def tokenizer_vocab_size(args: Namespace) -> int:
     """The vocabulary the run's tokenizer has (what :mod:`.data` builds), before padding."""
+    from megatron_npu.data.tokenizers import ByteLevelTokenizer, build_tokenizer, null_tokenizer
+
     if args.mock_data:
-        return int(args.vocab_size)  # NullTokenizer(vocab_size - 1) plus its EOD id
-    from megatron_npu.data.tokenizers import ByteLevelTokenizer, build_tokenizer
+        return int(null_tokenizer(args.vocab_size).vocab_size)
 
     if not args.data_path:
         return int(ByteLevelTokenizer().vocab_size)

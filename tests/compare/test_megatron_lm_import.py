@@ -168,8 +168,8 @@ baseline = "mlm-cpu"
 # late step, beyond the field's 10 %
 grad_norm_rtol = 0.2
 
-[defaults]   # the runs' pretrain_gpt.py arguments (fixtures/megatron-lm/README.md); megatron-npu's
-num-layers = 2          # --vocab-size is the tokenizer's whole vocabulary (Megatron-LM's + 1 EOD)
+[defaults]   # the runs' pretrain_gpt.py arguments (fixtures/megatron-lm/README.md)
+num-layers = 2
 hidden-size = 64
 num-attention-heads = 4
 seq-length = 128
@@ -181,7 +181,7 @@ lr = 1e-3
 lr-decay-style = "linear"
 weight-decay = 0.01
 mock-data = true
-vocab-size = 1025
+vocab-size = 1024
 log-interval = 1
 
 [[run]]

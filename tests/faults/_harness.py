@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_npu.data.tokenizers import null_vocab_size_for
+
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 #: The smallest model a real run trains here (fp32, no dropout: resumes into another DP size
-#: are exact; 4 iterations, global batch 4).
+#: are exact; 4 iterations, global batch 4; 256 token ids, EOD included).
 TINY = [
-    "--device", "cpu", "--mock-data", "--vocab-size", "256",
+    "--device", "cpu", "--mock-data", "--vocab-size", str(null_vocab_size_for(256)),
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
