@@ -90,7 +90,9 @@ def run_cell(
 def record_mfu(benchmark: Any, model_flops: float, device: str, dtype: torch.dtype) -> None:
     """Record ``model_flops_per_call``, ``achieved_tflops`` (model FLOPs over the median time),
     the per-device peak it is measured against and ``mfu``. Not for emulated cells: their time
-    is the emulation's."""
+    is the emulation's. Nothing under ``--benchmark-disable``: the function ran once, untimed."""
+    if benchmark.stats is None:
+        return
     median = statistics.median(benchmark.stats.stats.data)
     figure = peak_flops.measured_peak_flops(device, dtype)
     achieved = model_flops / median
