@@ -17,6 +17,7 @@ import json
 import time
 
 import pytest
+from tiers import with_extended
 
 from megatron_npu.locate import command
 
@@ -129,7 +130,7 @@ def corpus_dir(tmp_path_factory):
 @pytest.mark.locate_sweep
 @pytest.mark.parametrize(
     "mutation",
-    [pytest.param(m, marks=pytest.mark.extended) if m in SWEEP_ONLY else m for m in sorted(CASES)],
+    with_extended(sorted(CASES), SWEEP_ONLY),
 )
 def test_locate_names_the_planted_bug(mutation, tmp_path, corpus_dir):
     device, extra, kind, module, phase, patch = CASES[mutation]
@@ -218,10 +219,7 @@ MOE_EXPERTS = {
 @pytest.mark.parametrize(
     "experts",
     # the legacy GroupedMLP's case repeats the TE spec's on the releases that have both
-    [
-        pytest.param(e, marks=pytest.mark.extended) if e == "grouped-mlp" else e
-        for e in sorted(MOE_EXPERTS)
-    ],  # fmt: skip
+    with_extended(sorted(MOE_EXPERTS), ["grouped-mlp"]),
 )
 def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
     """A mixture-of-experts model (4 experts, top-2, grouped GEMM, bf16 as it asks) with a

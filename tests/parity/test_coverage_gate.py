@@ -103,19 +103,24 @@ def _group_param(group: tuple[Path, str]):
     return pytest.param(group, marks=marks, id=f"{group[0].name}::{group[1]}")
 
 
+def _pytest(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    """A fresh, single-process pytest run of this checkout with ``env`` added (the default tiers:
+    no ``--extended``, no ``--per-release``)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [_group_param(g) for g in sorted(_groups())])
 def test_exempt_test_fails_with_its_patch_disabled(group):
     """The exemption's test, run with ``MEGATRON_NPU_DISABLE=<its patch ids>``, must fail:
     otherwise it does not show that the patch is needed."""
     ids, nodes = _groups()[group]
-    env = {**os.environ, "MEGATRON_NPU_DISABLE": ",".join(ids), "PYTHONPATH": str(REPO)}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-         "-rA", "--no-header", *nodes],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    proc = _pytest("-rA", "--no-header", *nodes, MEGATRON_NPU_DISABLE=",".join(ids))
     # each node must have run and failed: a node pytest deselected or could not find would leave
     # no FAILED or ERROR line (and exit 4 or 5), which proves nothing about the patch
     not_failed = [n for n in nodes if f"FAILED {n}" not in proc.stdout
@@ -129,13 +134,7 @@ def test_exemption_tests_run_in_the_default_suite():
     """The test an exemption names runs in the default suite (with its patch on), not only in a
     tier the README's test command leaves out (``extended``, ``per_release``)."""
     nodes = sorted({p.exempt_test for p in _exempt()})
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-         "--collect-only", *nodes],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = _pytest("--collect-only", *nodes)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line.strip() for line in proc.stdout.splitlines()}
     # a node is collected as itself, as its parametrised cases, or (``file::``) as its file's tests

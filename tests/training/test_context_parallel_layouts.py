@@ -13,6 +13,7 @@ each CP rank is cut by Megatron's own ``get_batch_on_this_cp_rank``.
 from __future__ import annotations
 
 import pytest
+from tiers import with_extended
 
 from ._runner import TINY, train
 
@@ -72,7 +73,7 @@ def cp1(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in sorted(LAYOUTS)],
+    with_extended(sorted(LAYOUTS), EXTENDED),
 )
 def test_context_parallel_layout_matches_cp1(tmp_path, cp1, name):
     ranks, model, options = LAYOUTS[name]

@@ -9,6 +9,7 @@ step (the pretraining sampler hands each DP rank its slice).
 from __future__ import annotations
 
 import pytest
+from tiers import with_extended
 
 from ._runner import TINY, max_abs_diff, train
 
@@ -102,8 +103,7 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
 @pytest.mark.parametrize(
     "name",
     # PP2 with TP2 + SP, and the interleaved schedule: pretrain_gpt.py's run list has them too
-    [pytest.param(n, marks=pytest.mark.extended) if n in ("tp2-pp2-sp", "pp2-interleaved") else n
-     for n in LAYOUTS],
+    with_extended(LAYOUTS, ("tp2-pp2-sp", "pp2-interleaved")),
 )  # fmt: skip
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]
