@@ -8,7 +8,8 @@ CPU), and a training step shaped like Megatron's: forward, token-mean cross entr
 gradient clipping to norm 1, ``torch.optim.AdamW(foreach=True)`` on fp32 master weights (copied
 to the model's dtype when that is 16-bit, as Megatron's mixed-precision optimizer does).
 
-Used by ``perf/test_gpt_step_bench.py``; nothing in the adaptor imports it.
+Used by ``perf/test_gpt_step_bench.py`` and ``perf/gpu_check.py`` (on ``cuda``); nothing in the
+adaptor imports it.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ class PlainGPT(nn.Module):
 class PlainTrainer:
     """One Megatron-shaped training step of :class:`PlainGPT` (module docstring)."""
 
-    def __init__(self, shape: GPTShape, dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(
+        self, shape: GPTShape, dtype: torch.dtype, seed: int = 0, device: str = "cpu"
+    ) -> None:
         torch.manual_seed(seed)
-        self.model = PlainGPT(shape).to(dtype)
+        self.model = PlainGPT(shape).to(device=device, dtype=dtype)
         params = list(self.model.parameters())
         self.mixed = dtype != torch.float32
         self.master = [p.detach().float().clone() for p in params] if self.mixed else params
@@ -91,6 +94,7 @@ class PlainTrainer:
         gen = torch.Generator().manual_seed(seed)
         size = (shape.micro_batch_size, shape.seq_length + 1)
         data = torch.randint(0, shape.vocab_size, size, generator=gen)
+        data = data.to(device)
         self.tokens, self.labels = data[:, :-1], data[:, 1:]
 
     def step(self) -> float:

@@ -8,6 +8,11 @@ applies the causal mask and pre/next window through the op, and a supplied atten
 recognised and costs nothing), the softmax scale Megatron computed,
 attention dropout inside the model-parallel RNG fork, and grouped-query attention natively.
 
+On ``cuda`` the same entry serves ``--use-flash-attn`` without the ``flash_attn`` package or
+Transformer Engine: the op's native path is ``scaled_dot_product_attention``, whose flash kernel
+takes the causal case in 16 bits and whose memory-efficient kernel the masked and windowed ones.
+Runs that ask for none of the fused options keep Megatron's code on every device.
+
 A layer with Megatron's sliding window (``--window-size left,right``; the layers
 ``--window-attn-skip-freq`` picks) keeps it on the fused path: Megatron's own softmax then
 replaces the mask by the band ``-left <= j - i <= right`` (``get_sliding_window_causal_mask``),
@@ -23,7 +28,7 @@ from typing import Any, NamedTuple
 
 from megatron_npu.ops import settings
 from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
-from megatron_npu.registry import Patch
+from megatron_npu.registry import DEVICES, Patch
 
 _TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 
@@ -123,6 +128,9 @@ PATCHES = [
         kind="wrap",
         reason="flash/sparse attention (SBH/BSH, pre/next window) through the fused-attention op",
         versions=">=0.13",
+        # on cuda too: the native path is torch's fused attention there (SDPA's flash and
+        # memory-efficient kernels), and Megatron's local spec has no flash attention of its own
+        devices=DEVICES,
         parity="megatron_npu.parity.cases.attention:DOT_PRODUCT_ATTENTION",
         benchmark="perf.cases.attention:DOT_PRODUCT_ATTENTION",
         npu_kernels=("npu_fusion_attention",),

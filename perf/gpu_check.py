@@ -1,0 +1,304 @@
+"""The GPU check: the competitor side of Table 2 on one GPU without apex or Transformer Engine.
+
+    python perf/gpu_check.py --out DIR [--megatron-lm CHECKOUT]
+
+On a machine whose torch sees a CUDA device it writes, into ``DIR``:
+
+* ``machine.txt``: the GPU (``nvidia-smi``), torch, CUDA and megatron-core versions;
+* ``attention.json``: the fused-attention op on ``cuda`` (what ``--use-flash-attn`` runs there:
+  ``scaled_dot_product_attention``) against Megatron's unfused arithmetic in the same precision,
+  forward and backward, for the causal and the 2048/0 window at sequence 8192 in SBH and BSH, fp32,
+  bf16 and fp16; each case's error against an fp32 reference of the same inputs beside the
+  unfused path's own, and which SDPA kernels accept the calls (flash for the causal case in 16
+  bits, memory-efficient for the masked ones);
+* ``compare/``: ``megatron-npu compare`` of ``perf/gpu_matrix.toml`` (every precision and
+  attention variant of ``megatron-npu train --device cuda``), plus, with ``--megatron-lm``,
+  Megatron-LM's own ``pretrain_gpt.py`` on ``cuda`` through ``megatron_npu.run_script`` in fp32 and
+  bf16 (pip's megatron-core: no Makefile for the dataset helpers, no fused-softmax extension) and
+  ``megatron-npu train`` with the same options held against the script's fp32 curve;
+* ``fairness.json``: the GPT-345M ``--use-flash-attn`` bf16 row's s/step against the same model
+  written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager), global batch 16 in one
+  micro-batch; the target is a ratio of at most 1.25.
+
+Every part runs even when an earlier one failed; the exit status is 1 if any did (a run that did
+not finish, an attention case beyond its bound, a ratio above the target). Verdicts that fail are
+printed: they are findings about the numerics, not failures of the check. On one H100 it takes
+about 9 minutes (the matrix's 16 runs about 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+MATRIX = HERE / "gpu_matrix.toml"
+FAIRNESS_RUN = "cuda-bf16-flash-345m"
+FAIRNESS_TARGET = 1.25
+
+#: Megatron-LM's pretrain_gpt.py rows: the 4-layer GPT of shared/gpu-logs/h100-tiny (30 steps).
+#: gradient-accumulation fusion and the persistent layer norm are apex's: off, as a GPU without
+#: apex must run them; masked-softmax fusion stays Megatron-LM's default (softmax.cuda-kernel-missing
+#: serves it).
+MLM_ARGS = [
+    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+    "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
+    "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "5", "--train-iters", "30", "--weight-decay", "1e-2", "--clip-grad", "1.0",
+    "--seed", "1234", "--log-interval", "1", "--transformer-impl", "local",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023", "--mock-data", "--eval-iters", "0",
+    "--eval-interval", "1000", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+]  # fmt: skip
+
+
+def _options_of(args: list[str]) -> dict[str, object]:
+    """The script's arguments as a train run's options (``--flag value`` / bare ``--flag``)."""
+    options: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        name = args[i][2:]
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            options[name] = args[i + 1]
+            i += 2
+        else:
+            options[name] = True
+            i += 1
+    return options
+
+
+def _toml_value(value: object) -> str:
+    if value is True:
+        return "true"
+    return json.dumps(str(value))
+
+
+def megatron_lm_rows(script: Path) -> str:
+    """The matrix rows of Megatron-LM's script on cuda and of train with the same options."""
+    train_options = {
+        k: v for k, v in _options_of(MLM_ARGS).items()
+        if k not in ("no-gradient-accumulation-fusion", "no-persist-layer-norm", "eval-iters",
+                     "eval-interval", "tokenizer-type")
+    }  # fmt: skip
+    inline = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in train_options.items())
+    rows = []
+    for name, extra, reference in (("mlm-fp32", [], "false"), ("mlm-bf16", ["--bf16"], "false")):
+        rows.append(
+            f'[[run]]\nname = "{name}"\nscript = {json.dumps(str(script))}\n'
+            f'args = {json.dumps(MLM_ARGS + extra)}\ndevice = "cuda"\noptional = true\n'
+            f"reference = {reference}\n"
+        )
+    rows.append(
+        '[[run]]\nname = "train-as-mlm-fp32"\ndevice = "cuda"\noptional = true\n'
+        f'reference = "mlm-fp32"\noptions = {{ {inline} }}\n'
+    )
+    return "\n".join(rows)
+
+
+def machine(out: Path) -> None:
+    lines = []
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        lines.append(smi.stdout.strip())
+    except OSError as exc:
+        lines.append(f"nvidia-smi: {exc}")
+    import megatron.core
+
+    lines.append(
+        f"torch {torch.__version__} cuda {torch.version.cuda} "
+        f"mcore {megatron.core.__version__} python {sys.version.split()[0]} "
+        f"cpus {os.cpu_count()}"
+    )
+    (out / "machine.txt").write_text("\n".join(lines) + "\n")
+
+
+def _unfused(q, k, v, visible, scale):
+    """Megatron's unfused core attention in q's dtype: scores in that dtype, the softmax in fp32
+    rounded back, then the product with v ([b, n, s, d] inputs)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.float().masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """[b, n, s, d] -> the op's SBH ([s, b, n*d]) or BSH ([b, s, n*d])."""
+    t = t.permute(2, 0, 1, 3) if layout == "SBH" else t.permute(0, 2, 1, 3)
+    return t.reshape(t.shape[0], t.shape[1], -1)
+
+
+def attention(out: Path, device: str = "cuda", seq: int = 8192, window: int = 2048) -> bool:
+    """The fused op on ``device`` against the unfused path (module docstring)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_npu.ops.attention import MAX_TOKENS, native_fused_attention, visible_keys
+
+    torch.manual_seed(0)
+    b, heads, dim = 1, 8, 64
+    scale = dim**-0.5
+    cases, ok = [], True
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        base = [torch.randn(b, heads, seq, dim, device=device) for _ in range(3)]
+        grad = torch.randn(b, heads, seq, dim, device=device)
+        for pre, nxt in ((MAX_TOKENS, 0), (window, 0)):
+            lo = -(seq - 1) if pre == MAX_TOKENS else -pre
+            visible = visible_keys(0, seq, 0, seq, 0, lo, 0, device)
+            q16, k16, v16 = (t.to(dtype).detach() for t in base)
+            ref_in = [t.float().clone().requires_grad_() for t in (q16, k16, v16)]
+            ref = _unfused(*ref_in, visible, scale)
+            ref.backward(grad)
+            unf_in = [t.clone().requires_grad_() for t in (q16, k16, v16)]
+            unfused = _unfused(*unf_in, visible, scale)
+            unfused.backward(grad.to(dtype))
+            for layout in ("SBH", "BSH"):
+
+                def to_layout(t, layout=layout):
+                    return _to_layout(t, layout)
+
+                fin = [to_layout(t).clone().requires_grad_() for t in (q16, k16, v16)]
+                fused = native_fused_attention(
+                    *fin, head_num=heads, input_layout=layout, causal=True,
+                    pre_tokens=pre, next_tokens=nxt, scale=scale,
+                )  # fmt: skip
+                fused.backward(to_layout(grad.to(dtype)))
+                record = {"dtype": str(dtype).split(".")[-1], "window": [pre, nxt],
+                          "layout": layout}  # fmt: skip
+                pairs = [("out", fused, to_layout(ref), to_layout(unfused))]
+                for name, f, r, u in zip(("dq", "dk", "dv"), fin, ref_in, unf_in):
+                    pairs.append((name, f.grad, to_layout(r.grad), to_layout(u.grad)))
+                for name, got, want, theirs in pairs:
+                    norm = want.float().abs().max().item()
+                    fused_err = (got.float() - want.float()).abs().max().item() / norm
+                    unfused_err = (theirs.float() - want.float()).abs().max().item() / norm
+                    record[name] = {"fused_rel_err": fused_err, "unfused_rel_err": unfused_err}
+                    # the fused op may round differently, never worse than twice the unfused
+                    # path's own rounding (fp32: both at fp32's level)
+                    if fused_err > 2 * unfused_err + 3e-5:
+                        ok = record["fail"] = False
+                cases.append(record)
+            del ref, unfused
+    kernels = {}
+    q = torch.randn(seq, b, heads * dim, device=device, dtype=torch.bfloat16)
+    for label, backend, pre in (
+        ("causal bf16 on flash", SDPBackend.FLASH_ATTENTION, MAX_TOKENS),
+        (f"window {window}/0 bf16 on memory-efficient", SDPBackend.EFFICIENT_ATTENTION, window),
+    ):
+        try:
+            with sdpa_kernel([backend]):
+                native_fused_attention(q, q, q, head_num=heads, causal=True, pre_tokens=pre,
+                                       next_tokens=0)  # fmt: skip
+            kernels[label] = "accepted"
+        except RuntimeError as exc:
+            kernels[label] = f"refused: {str(exc).splitlines()[0][:200]}"
+            ok = False
+    (out / "attention.json").write_text(
+        json.dumps({"ok": ok, "kernels": kernels, "cases": cases}, indent=1) + "\n"
+    )
+    return ok
+
+
+def compare(out: Path, megatron_lm: Path | None) -> bool:
+    """The matrix through ``megatron-npu compare``: ok when every run finished (a failing verdict
+    is a finding, printed, not a failure of the check)."""
+    matrix = MATRIX.read_text()
+    if megatron_lm is not None:
+        matrix += "\n" + megatron_lm_rows(megatron_lm.resolve() / "pretrain_gpt.py")
+    folder = out / "compare"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "matrix.toml"
+    path.write_text(matrix)
+    command = [sys.executable, "-m", "megatron_npu.cli", "compare", str(path), "--out",
+               str(folder)]  # fmt: skip
+    with open(out / "compare.log", "w") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    results = folder / "results.json"
+    if not results.is_file():
+        return False
+    data = json.loads(results.read_text())
+    unfinished = [r["name"] for r in data["runs"] if r["status"] not in ("ok", "cached")]
+    for verdict in data["verdicts"]:
+        if verdict["status"] not in ("pass", "not-applicable"):
+            print(f"gpu_check: {verdict['candidate']}: {verdict['status']} {verdict['rule']}: "
+                  f"{verdict['detail'][:160]}")  # fmt: skip
+    if unfinished:
+        print(f"gpu_check: runs that did not finish: {', '.join(unfinished)}")
+    return not unfinished and bool(data["runs"])
+
+
+def fairness(out: Path) -> bool:
+    sys.path.insert(0, str(HERE.parent))
+    from perf.plain_gpt import GPTShape, PlainTrainer
+
+    results = json.loads((out / "compare" / "results.json").read_text())
+    run = next((r for r in results["runs"] if r["name"] == FAIRNESS_RUN), None)
+    if run is None or not run.get("perf"):
+        (out / "fairness.json").write_text(json.dumps({"error": f"no {FAIRNESS_RUN} run"}) + "\n")
+        return False
+    shape = GPTShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+                     vocab_size=50304, micro_batch_size=16)  # fmt: skip
+    trainer = PlainTrainer(shape, torch.bfloat16, device="cuda")
+    times = []
+    for i in range(13):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.step()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    plain = sorted(times)[len(times) // 2]
+    ours = run["perf"]["median_s_per_step"]
+    record = {
+        "megatron_npu_s_per_step": ours,
+        "megatron_npu_ci95": run["perf"]["ci95_s_per_step"],
+        "plain_torch_eager_s_per_step": plain,
+        "ratio": ours / plain,
+        "target": FAIRNESS_TARGET,
+        "shape": shape.__dict__,
+    }
+    (out / "fairness.json").write_text(json.dumps(record, indent=1) + "\n")
+    return ours / plain <= FAIRNESS_TARGET
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--megatron-lm", type=Path, default=None,
+                        help="a Megatron-LM checkout (its pretrain_gpt.py is run on cuda)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; nothing to check", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name, part in (
+        ("machine", lambda: machine(args.out) or True),
+        ("attention", lambda: attention(args.out)),
+        ("compare", lambda: compare(args.out, args.megatron_lm)),
+        ("fairness", lambda: fairness(args.out)),
+    ):
+        start = time.perf_counter()
+        try:
+            ok = part()
+        except Exception:
+            traceback.print_exc()
+            ok = False
+        print(f"gpu_check: {name}: {'ok' if ok else 'FAILED'} ({time.perf_counter() - start:.0f} s)",
+              flush=True)  # fmt: skip
+        if not ok:
+            failed.append(name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
