@@ -203,8 +203,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--use-cpu-initialization", action="store_true",
         help="build the initial weights in host memory and move the model afterwards (Megatron's "
-        "host path); default: allocate on the device. Both give the same weights "
-        "(training/weight_init.py)",
+        "host path); default: allocate on the device",
+    )  # fmt: skip
+    g.add_argument(
+        "--layout-independent-init", action="store_true",
+        help="the same initial weights in every TP/PP/DP/EP layout and on every device, from one "
+        "CPU stream re-seeded per layer (training/weight_init.py), for layout and device "
+        "comparisons; default: Megatron-LM's initialisation, the weights pretrain_gpt.py draws "
+        "with the same options",
     )  # fmt: skip
     g.add_argument("--attention-dropout", type=_finite, default=0.1)
     g.add_argument("--hidden-dropout", type=_finite, default=0.1)

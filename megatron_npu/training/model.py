@@ -1,18 +1,24 @@
 """The GPT model: Megatron-Core's ``GPTModel`` on the local or the Transformer Engine layer spec,
 one chunk per virtual stage.
 
-Layout-independent initial weights
-----------------------------------
-Every TP/PP/DP layout must start from the same global weights, so that a TP2 or PP2 run is the
-TP1 PP1 run computed differently. Megatron-Core 0.16 gets half of this right on its own: with
-``use_cpu_initialization=True`` and ``perform_initialization=True`` each tensor-parallel weight
-is built whole on every rank by ``_initialize_affine_weight_cpu`` (the master weight, drawn from
-the CPU generator) and each TP rank copies out its slices -- so TP and DP layouts agree. Pipeline
-layouts do not: the CPU generator is consumed layer after layer, so the first layer built on
-stage 1 of a PP2 run draws from where the PP1 run's layer 1 left off, not from where its layer
-``L/2 + 1`` did; and Megatron-LM also seeds each stage with ``seed + 100 * pp_rank``.
+Initial weights
+---------------
+By default the weights are Megatron-LM's: ``pretrain_gpt.py``'s model provider with the same
+options draws the same values (megatron-core's own init methods, from the generators Megatron-LM
+seeds: ``seed + 100 * pp_rank``), so ``train`` and the script start from the same model and, in
+fp32 on cpu, give the same losses at every step (``tests/megatron_lm/test_train_is_megatron_lm.py``).
+Those weights depend on the layout. With ``use_cpu_initialization=True`` each tensor-parallel
+weight is built whole on every rank by ``_initialize_affine_weight_cpu`` (the master weight,
+drawn from the CPU generator) and each TP rank copies out its slices -- so TP and DP layouts
+agree; by default (the device path) each TP rank draws its own shard. Pipeline layouts never
+agree: the CPU generator is consumed layer after layer, so the first layer built on stage 1 of a
+PP2 run draws from where the PP1 run's layer 1 left off, not from where its layer ``L/2 + 1``
+did; and Megatron-LM also seeds each stage with ``seed + 100 * pp_rank``.
 
-This module therefore re-seeds the init stream (:mod:`~megatron_npu.training.weight_init`, and the
+``--layout-independent-init`` makes every TP/PP/DP/EP layout, and every device, start from the
+same global weights, so that a TP2 or PP2 run is the TP1 PP1 run computed differently (what a
+layout comparison needs; the default compare matrix sets it).
+With it, this module re-seeds the init stream (:mod:`~megatron_npu.training.weight_init`, and the
 CPU generator) before each piece is built, from the run seed and
 the piece's *global* identity:
 
@@ -39,8 +45,9 @@ depend on how much the build consumed. ``tests/training`` checks the outcome: th
 losses of TP2, TP2+SP, PP2, PP2 interleaved, DP2 and TP2 PP2 equal those of TP1 PP1.
 
 Where the weights are built is ``--use-cpu-initialization`` (Megatron's host path) or, by default,
-the device (Megatron's device path); :mod:`megatron_npu.training.weight_init` makes both draw the
-same values from one CPU stream, so the choice changes memory, not the model.
+the device (Megatron's device path); with ``--layout-independent-init``,
+:mod:`megatron_npu.training.weight_init` makes both draw the same values from one CPU stream, so
+the choice changes memory, not the model.
 """
 
 from __future__ import annotations
@@ -322,9 +329,10 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         apply_rope_fusion=False,
         **(moe_config(args) if args.num_experts is not None else {}),
     )
-    # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
-    config.init_seed = args.seed
-    weight_init.wrap_init_methods(config)
+    if args.layout_independent_init:
+        # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
+        config.init_seed = args.seed
+        weight_init.wrap_init_methods(config)
     return config
 
 
@@ -398,12 +406,14 @@ def block_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None)
 def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (one without interleaving)."""
     vpp = args.virtual_pipeline_model_parallel_size
+    independent = args.layout_independent_init
     saved = torch.default_generator.get_state()
     chunks = []
     try:
         for index in range(vpp or 1):
             vp_stage = index if vpp else None
-            weight_init.reseed(derived_seed(args.seed, "model"))
+            if independent:
+                weight_init.reseed(derived_seed(args.seed, "model"))
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=block_spec(args, config, vp_stage),
@@ -426,7 +436,8 @@ def build_chunks(args: Namespace, config: TransformerConfig, vocab_size: int) ->
             model.vp_stage = vp_stage
             chunks.append(model)
     finally:
-        torch.default_generator.set_state(saved)
+        if independent:  # dropout streams do not depend on how much the build drew
+            torch.default_generator.set_state(saved)
     for model in chunks:
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

@@ -19,6 +19,7 @@ MATRIX = """
 baseline = "ref"
 [defaults]
 num-layers = 2
+layout-independent-init = true
 [[run]]
 name = "ref"
 device = "cpu"
@@ -243,3 +244,19 @@ def test_a_pair_of_two_models_gets_no_speed_verdict(tmp_path, monkeypatch):
     perf = verdicts[("deep", "performance")]
     assert perf["status"] == "not-applicable", perf
     assert "another model than ref" in perf["detail"] and "num_layers (2 vs 4)" in perf["detail"]
+
+
+def test_the_layout_rule_needs_layout_independent_weights_on_both_sides():
+    """Megatron-LM's initial weights depend on the layout (train's default): a TP2 run is then
+    another draw of the model, judged as such (approximate); with the layout-independent ones
+    on both sides it is the same model computed two ways (layout, within 1e-5)."""
+
+    def result(name, **options):
+        spec = m.RunSpec(name=name, devices=("cpu",), options=options)
+        return command.RunResult(spec, "cpu", None)
+
+    tp2 = {"nproc-per-node": 2, "tensor-model-parallel-size": 2}
+    same = {"layout-independent-init": True}
+    assert command.accuracy_rule(result("b", **tp2, **same), result("a", **same)) == "layout"
+    assert command.accuracy_rule(result("b", **tp2), result("a")) == "approximate"
+    assert command.accuracy_rule(result("b", **tp2, **same), result("a")) == "approximate"

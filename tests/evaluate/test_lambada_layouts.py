@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = [
+    "--layout-independent-init",
     "--num-layers",
     "2",
     "--hidden-size",

@@ -25,7 +25,7 @@ TINY = [
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
     "--train-iters", "4", "--seed", "1234",
-    "--log-interval", "1", "--progress", "plain",
+    "--log-interval", "1", "--progress", "plain", "--layout-independent-init",
 ]  # fmt: skip
 
 

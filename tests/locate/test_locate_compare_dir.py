@@ -28,6 +28,7 @@ baseline = "ref"
 lambada = false
 
 [defaults]
+layout-independent-init = true
 num-layers = 2
 hidden-size = 64
 num-attention-heads = 4

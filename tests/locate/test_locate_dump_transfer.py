@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --global-batch-size 2 --train-iters 4 --lr 1e-3 --lr-warmup-iters 1 "
-    "--attention-dropout 0.0 --hidden-dropout 0.0 --seed 7 --normalization RMSNorm"
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --seed 7 --normalization RMSNorm "
+    "--layout-independent-init"
 )
 
 

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
     "--micro-batch-size 2 --global-batch-size 4 --train-iters 6 --lr 1e-3 --lr-warmup-iters 1 "
-    "--attention-dropout 0.0 --hidden-dropout 0.0 --seed 1234"
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --seed 1234 --layout-independent-init"
 )
 
 #: the adaptor's AdamW is installed by two patches on megatron-core 0.15+: the class

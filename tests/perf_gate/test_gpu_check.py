@@ -15,7 +15,9 @@ from megatron_npu.patcher import megatron_core_version, plan_status
 from megatron_npu.registry import CUDA, get_patch
 from perf import gpu_check
 
-H100_TINY_ARGS = Path(__file__).resolve().parents[3] / "shared" / "gpu-logs" / "h100-tiny" / "ARGS.txt"
+H100_TINY_ARGS = (
+    Path(__file__).resolve().parents[3] / "shared" / "gpu-logs" / "h100-tiny" / "ARGS.txt"
+)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ COMPARE_MATRIX = """
 baseline = "cpu-tp1"
 
 [defaults]
+layout-independent-init = true
 num-layers = 1
 hidden-size = 32
 num-attention-heads = 2

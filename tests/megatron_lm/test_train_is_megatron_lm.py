@@ -1,0 +1,53 @@
+"""``megatron-npu train`` is Megatron-LM: with the same options on the same device it starts
+from the weights ``pretrain_gpt.py`` draws, reads the same mock data in the same order and
+computes the same loss at every step, bitwise (fp32 on cpu; the script is the Megatron-LM tag of
+the installed release, unmodified, through ``run_script``; both on one host thread, since the
+thread count changes a CPU GEMM's reduction order).
+
+Two configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+GPT on Megatron's device-path initialisation (its default) and a Llama-style model (SwiGLU,
+RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
+(``--use-cpu-initialization``). Before train drew Megatron-LM's weights the first loss already
+differed (7.05527 against 7.05538 on such a model).
+
+The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
+of each iteration): its printed log line is a logging window's mean, and from core_v0.16 the
+first iteration is logged without resetting the window's sums, so with ``--log-interval 1``
+iteration 2 prints the mean of iterations 1 and 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.megatron_lm._client import pretrain_gpt
+from tests.training._runner import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+COMMON = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--lr", "1e-3", "--vocab-size", "1024", "--mock-data",
+    "--train-iters", "4", "--log-interval", "1", "--attention-dropout", "0.1",
+    "--hidden-dropout", "0.1", "--seed", "1234", "--transformer-impl", "local",
+)  # fmt: skip
+LLAMA = (
+    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
+    "--untie-embeddings-and-output-weights", "--use-cpu-initialization",
+)  # fmt: skip
+SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
+
+
+@pytest.mark.parametrize("extra", [(), LLAMA], ids=["gpt-device-init", "llama-host-init"])
+def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
+    ours = train(tmp_path / "train", "--device", "cpu", *COMMON, *extra, "--progress", "plain",
+                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    script = pretrain_gpt(tmp_path, *COMMON, *extra, *SCRIPT_ONLY)
+    assert script.returncode == 0, script.tail()
+    theirs = script.scalars("lm loss")
+    assert sorted(ours.losses) == sorted(theirs) == [1, 2, 3, 4]
+    assert len(set(theirs.values())) == 4  # it trained: every step's loss is its own
+    assert ours.losses == theirs  # bitwise: TensorBoard holds the fp32 value
+    norms = {s["step"]: round(s["grad_norm"], 3) for s in ours.steps}
+    assert norms == script.grad_norms  # as printed, three decimals
