@@ -10,6 +10,7 @@ Megatron-Core has two initialisation paths, chosen by ``use_cpu_initialization``
   model-parallel RNG fork -- each TP rank draws its own shard from its own generator, so a TP2
   model is not the TP1 model split in two, and the values depend on the device's RNG.
 
+With ``--layout-independent-init`` (train's default is Megatron-LM's own initialisation),
 :class:`LayoutIndependentInit` wraps the config's init methods so that both paths give the same
 weights, and the same weights on every device: every draw comes from one CPU stream
 (:data:`INIT_STREAM`, re-seeded per model chunk and per global layer by
