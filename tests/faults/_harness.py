@@ -20,12 +20,13 @@ TIMEOUT_S = 300
 #: The smallest model a real run trains here (fp32, no dropout: resumes into another DP size
 #: are exact; 4 iterations, global batch 4; 256 token ids, EOD included).
 TINY = [
-    "--device", "cpu", "--mock-data", "--vocab-size", str(null_vocab_size_for(256)),
+    "--device", "cpu", "--layout-independent-init",
+    "--mock-data", "--vocab-size", str(null_vocab_size_for(256)),
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
     "--train-iters", "4", "--seed", "1234",
-    "--log-interval", "1", "--progress", "plain", "--layout-independent-init",
+    "--log-interval", "1", "--progress", "plain",
 ]  # fmt: skip
 
 

@@ -39,7 +39,11 @@ LLAMA = (
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
-@pytest.mark.parametrize("extra", [(), LLAMA], ids=["gpt-device-init", "llama-host-init"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), pytest.param(LLAMA, marks=pytest.mark.extended)],  # the Llama case: tox -e extended
+    ids=["gpt-device-init", "llama-host-init"],
+)
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
     ours = train(tmp_path / "train", "--device", "cpu", *COMMON, *extra, "--progress", "plain",
                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
