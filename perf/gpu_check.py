@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_npu.registry import CUDA
+
 HERE = Path(__file__).resolve().parent
 MATRIX = HERE / "gpu_matrix.toml"
 FAIRNESS_RUN = "cuda-bf16-flash-345m"
@@ -93,11 +95,11 @@ def megatron_lm_rows(script: Path) -> str:
     for name, extra, reference in (("mlm-fp32", [], "false"), ("mlm-bf16", ["--bf16"], "false")):
         rows.append(
             f'[[run]]\nname = "{name}"\nscript = {json.dumps(str(script))}\n'
-            f'args = {json.dumps(MLM_ARGS + extra)}\ndevice = "cuda"\noptional = true\n'
+            f'args = {json.dumps(MLM_ARGS + extra)}\ndevice = "{CUDA}"\noptional = true\n'
             f"reference = {reference}\n"
         )
     rows.append(
-        '[[run]]\nname = "train-as-mlm-fp32"\ndevice = "cuda"\noptional = true\n'
+        f'[[run]]\nname = "train-as-mlm-fp32"\ndevice = "{CUDA}"\noptional = true\n'
         f'reference = "mlm-fp32"\noptions = {{ {inline} }}\n'
     )
     return "\n".join(rows)
@@ -138,7 +140,7 @@ def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1)
 
 
-def attention(out: Path, device: str = "cuda", seq: int = 8192, window: int = 2048) -> bool:
+def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048) -> bool:
     """The fused op on ``device`` against the unfused path (module docstring)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -247,7 +249,7 @@ def fairness(out: Path) -> bool:
         return False
     shape = GPTShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
                      vocab_size=50304, micro_batch_size=16)  # fmt: skip
-    trainer = PlainTrainer(shape, torch.bfloat16, device="cuda")
+    trainer = PlainTrainer(shape, torch.bfloat16, device=CUDA)
     times = []
     for i in range(13):
         torch.cuda.synchronize()
