@@ -164,21 +164,19 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
             unfused = _unfused(*unf_in, visible, scale)
             unfused.backward(grad.to(dtype))
             for layout in ("SBH", "BSH"):
-
-                def to_layout(t, layout=layout):
-                    return _to_layout(t, layout)
-
-                fin = [to_layout(t).clone().requires_grad_() for t in (q16, k16, v16)]
+                fin = [_to_layout(t, layout).clone().requires_grad_() for t in (q16, k16, v16)]
                 fused = native_fused_attention(
                     *fin, head_num=heads, input_layout=layout, causal=True,
                     pre_tokens=pre, next_tokens=nxt, scale=scale,
                 )  # fmt: skip
-                fused.backward(to_layout(grad.to(dtype)))
+                fused.backward(_to_layout(grad.to(dtype), layout))
                 record = {"dtype": str(dtype).split(".")[-1], "window": [pre, nxt],
                           "layout": layout}  # fmt: skip
-                pairs = [("out", fused, to_layout(ref), to_layout(unfused))]
+                pairs = [("out", fused, _to_layout(ref, layout), _to_layout(unfused, layout))]
                 for name, f, r, u in zip(("dq", "dk", "dv"), fin, ref_in, unf_in):
-                    pairs.append((name, f.grad, to_layout(r.grad), to_layout(u.grad)))
+                    pairs.append(
+                        (name, f.grad, _to_layout(r.grad, layout), _to_layout(u.grad, layout))
+                    )
                 for name, got, want, theirs in pairs:
                     norm = want.float().abs().max().item()
                     fused_err = (got.float() - want.float()).abs().max().item() / norm

@@ -56,18 +56,19 @@ def cuda_softmax_extension(causal: bool, masked: bool) -> str:
     return "scaled_masked_softmax_cuda" if masked else "scaled_softmax_cuda"
 
 
-_said_missing: set[str] = set()
+@functools.cache
+def _say_missing(extension: str) -> None:
+    """One line per process and extension: the torch softmax serves."""
+    print(
+        f"megatron-npu: masked-softmax fusion: Megatron's CUDA extension {extension} is not "
+        "installed; its torch softmax serves (the --no-masked-softmax-fusion path)",
+        file=sys.stderr,
+    )
 
 
 def _missing(extension: str) -> bool:
-    """False, after one line per process and extension saying the torch softmax serves."""
-    if extension not in _said_missing:
-        _said_missing.add(extension)
-        print(
-            f"megatron-npu: masked-softmax fusion: Megatron's CUDA extension {extension} is not "
-            "installed; its torch softmax serves (the --no-masked-softmax-fusion path)",
-            file=sys.stderr,
-        )
+    """False, after saying (once) that the torch softmax serves."""
+    _say_missing(extension)
     return False
 
 

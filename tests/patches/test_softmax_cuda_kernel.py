@@ -24,9 +24,9 @@ _ID = "softmax.cuda-kernel-missing"
 
 
 @pytest.fixture
-def cuda_entry_here(monkeypatch):
+def cuda_entry_here():
     """The entry applied on this host, with its one-line memory cleared."""
-    monkeypatch.setattr(softmax_patch, "_said_missing", set())
+    softmax_patch._say_missing.cache_clear()
     entry = {p.id: p for p in all_patches()}[_ID]
     megatron_npu.apply("cpu", patches=[dataclasses.replace(entry, devices=frozenset({"cpu"}))])
     yield

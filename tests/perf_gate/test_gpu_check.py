@@ -75,12 +75,12 @@ def test_train_beside_the_script_has_the_scripts_options(gpu_matrix):
     assert {k: str(v) if v is not True else v for k, v in train.options.items()} == expected
 
 
-@pytest.mark.skipif(not H100_TINY_ARGS.is_file(), reason="no ../shared/gpu-logs")
 def test_the_script_rows_are_the_h100_runs_arguments():
     """The script rows pass the arguments of the native H100 runs in ``shared/gpu-logs/h100-tiny``
     (which core_v0.16.1's pretrain_gpt.py ran), less the 60 steps (30 here) and less
     ``--no-masked-softmax-fusion``: Megatron-LM's default fusion stays on, for
     ``softmax.cuda-kernel-missing`` to serve."""
+    assert H100_TINY_ARGS.is_file(), f"{H100_TINY_ARGS}: the shared GPU logs are missing"
     native = H100_TINY_ARGS.read_text().split()
     native[native.index("--train-iters") + 1] = "30"
     native.remove("--no-masked-softmax-fusion")
