@@ -51,6 +51,9 @@ def _locate(tmp_path: Path, monkeypatch, plant: str | None) -> tuple[int, dict]:
     return status, json.loads((tmp_path / "loc" / "locate.json").read_text())
 
 
+# the same script replay, module and patch are named by default from compare's script runs
+# (tests/locate/test_locate_compare_dir.py); this reaches locate's --script/--common entry
+@pytest.mark.extended
 def test_locate_on_pretrain_gpt_names_the_step_module_and_planted_kernel_patch(
     tmp_path, monkeypatch
 ):

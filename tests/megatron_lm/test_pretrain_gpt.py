@@ -132,12 +132,15 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")),
         # bf16 alone: the Llama-style run trains in bf16 too
         pytest.param("bf16", 1, ("--bf16",), marks=pytest.mark.extended),
-        # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here)
-        ("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
-                          "--use-flash-attn")),
+        # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here);
+        # test_te_spec_runs reaches the same kernels with TP2 by default
+        pytest.param("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
+                     "--use-flash-attn"), marks=pytest.mark.extended),
         ("fp16", 1, ("--fp16",)),
-        # Megatron-LM's default spec (Transformer Engine's layers, served by the adaptor)
-        ("te-pp2", 2, (*TE, "--pipeline-model-parallel-size", "2")),
+        # Megatron-LM's default spec (Transformer Engine's layers, served by the adaptor) under
+        # PP2: the TE spec runs by default in the TE-spec tests, the pipeline in vpp
+        pytest.param("te-pp2", 2, (*TE, "--pipeline-model-parallel-size", "2"),
+                     marks=pytest.mark.extended),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("device", client_devices())
@@ -173,6 +176,9 @@ def _preprocess(jsonl, prefix) -> str:
     return f"{prefix}_text_document"
 
 
+# preprocess's blended indexed data reaches Megatron's dataset builders by default in
+# tests/training/test_data_sources.py
+@pytest.mark.extended
 @pytest.mark.parametrize("device", client_devices())
 def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
     """``megatron-npu preprocess`` output (byte-level ids, EOD 256) is real indexed data for

@@ -4,6 +4,7 @@ that exists and fails when the patch is disabled (run here with ``MEGATRON_NPU_D
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from megatron_npu.parity.matrix import cells
 from megatron_npu.patcher import megatron_core_version
 from megatron_npu.registry import all_patches
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 
 def test_every_patch_has_a_parity_case_or_a_reasoned_exemption():
@@ -97,10 +99,8 @@ def _groups() -> dict[tuple[Path, str], tuple[list[str], list[str]]]:
 TRAINING_RUN_TESTS = (REPO / "tests" / "megatron_lm", REPO / "tests" / "training")
 
 
-def _group_param(group: tuple[Path, str]):
-    runs_training = any(group[0].is_relative_to(folder) for folder in TRAINING_RUN_TESTS)
-    marks = (pytest.mark.per_release,) if runs_training else ()
-    return pytest.param(group, marks=marks, id=f"{group[0].name}::{group[1]}")
+def _runs_training(group: tuple[Path, str]) -> bool:
+    return any(group[0].is_relative_to(folder) for folder in TRAINING_RUN_TESTS)
 
 
 def _pytest(*argv: str, **env: str) -> subprocess.CompletedProcess:
@@ -114,17 +114,68 @@ def _pytest(*argv: str, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def _not_failed(nodes: list[str], stdout: str) -> list[str]:
+    """The nodes with no FAILED or ERROR line: a node pytest deselected or could not find leaves
+    none, which proves nothing about the patch."""
+    return [n for n in nodes if f"FAILED {n}" not in stdout and f"ERROR {n}" not in stdout]
+
+
+def _batches(groups: list[tuple[Path, str]]) -> list[list[tuple[Path, str]]]:
+    """``groups`` split into batches with at most one group per test file, so a file's
+    module-level state never carries one group's switched-off patches into another's test."""
+    batches: list[list[tuple[Path, str]]] = []
+    for group in groups:
+        batch = next((b for b in batches if all(g[0] != group[0] for g in b)), None)
+        if batch is None:
+            batches.append(batch := [])
+        batch.append(group)
+    return batches
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("group", [_group_param(g) for g in sorted(_groups())])
-def test_exempt_test_fails_with_its_patch_disabled(group):
-    """The exemption's test, run with ``MEGATRON_NPU_DISABLE=<its patch ids>``, must fail:
-    otherwise it does not show that the patch is needed."""
+def test_exempt_tests_fail_with_their_patches_disabled(tmp_path):
+    """Each exemption's test, run with ``MEGATRON_NPU_DISABLE=<its patch ids>``, must fail:
+    otherwise it does not show that the patch is needed. The tests run a few to a process
+    (``disable_per_test.py`` switches each one's patches off for it alone); a group the batch
+    does not see fail is run once more on its own, and must fail there."""
+    groups = _groups()
+    quick = sorted(g for g in groups if not _runs_training(g))
+    assert quick, "no exemption test outside the training runs: nothing to check"
+    unproven: dict[tuple[Path, str], str] = {}
+    for number, batch in enumerate(_batches(quick)):
+        plan = {node: ",".join(groups[g][0]) for g in batch for node in groups[g][1]}
+        plan_file = tmp_path / f"batch{number}.json"
+        plan_file.write_text(json.dumps(plan))
+        proc = _pytest(
+            "-rA", "--no-header", "-p", "disable_per_test", *plan,
+            PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]), DISABLE_PER_TEST=str(plan_file),
+        )  # fmt: skip
+        for group in batch:
+            if _not_failed(groups[group][1], proc.stdout):
+                unproven[group] = proc.stdout[-3000:]
+    print(f"{len(unproven)} of {len(quick)} groups run again alone: {sorted(unproven)}")
+    still = {}
+    for group, batch_output in unproven.items():
+        ids, nodes = groups[group]
+        proc = _pytest("-rA", "--no-header", *nodes, MEGATRON_NPU_DISABLE=",".join(ids))
+        if proc.returncode != 1 or _not_failed(nodes, proc.stdout):
+            still[",".join(ids)] = f"{nodes}\n{batch_output}\n--- alone ---\n{proc.stdout[-3000:]}"
+    assert not still, "not failing with their patches disabled:\n" + "\n".join(
+        f"{ids}: {detail}" for ids, detail in still.items()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.per_release
+@pytest.mark.parametrize(
+    "group",
+    [pytest.param(g, id=f"{g[0].name}::{g[1]}") for g in sorted(_groups()) if _runs_training(g)],
+)
+def test_exempt_training_run_fails_with_its_patch_disabled(group):
+    """The same for an exemption test that is a whole training run, one run per group."""
     ids, nodes = _groups()[group]
     proc = _pytest("-rA", "--no-header", *nodes, MEGATRON_NPU_DISABLE=",".join(ids))
-    # each node must have run and failed: a node pytest deselected or could not find would leave
-    # no FAILED or ERROR line (and exit 4 or 5), which proves nothing about the patch
-    not_failed = [n for n in nodes if f"FAILED {n}" not in proc.stdout
-                  and f"ERROR {n}" not in proc.stdout]  # fmt: skip
+    not_failed = _not_failed(nodes, proc.stdout)
     assert proc.returncode == 1 and not not_failed, (
         f"not failing with {','.join(ids)} disabled: {not_failed or nodes}\n{proc.stdout[-3000:]}"
     )
@@ -142,3 +193,29 @@ def test_exemption_tests_run_in_the_default_suite():
         c == n or c.startswith(n + "[") or (n.endswith("::") and c.startswith(n))
         for c in collected)]  # fmt: skip
     assert not missing, f"exemption tests the default suite leaves out: {missing}"
+
+
+def test_each_batched_test_sees_only_its_own_disabled_patches(tmp_path):
+    """The batch plugin switches off, for each test, the patches its plan names, nothing for a
+    test the plan leaves out, and leaves no setting behind."""
+    (tmp_path / "test_plan.py").write_text(
+        "import os\n\n"
+        "def _seen():\n"
+        "    return os.environ.get('MEGATRON_NPU_DISABLE')\n\n"
+        "def test_a():\n    assert _seen() == 'p.one,p.two'\n\n"
+        "def test_b():\n    assert _seen() == ''\n\n"
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('x', [1, 2])\n"
+        "def test_c(x):\n    assert _seen() == 'p.three'\n"
+    )
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"test_plan.py::test_a": "p.one,p.two",
+                                "test_plan.py::test_c": "p.three"}))  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(HERE), "DISABLE_PER_TEST": str(plan)}
+    env.pop("MEGATRON_NPU_DISABLE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+         "-p", "disable_per_test", "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]

@@ -51,10 +51,12 @@ LAYOUTS = {
     "rope-gqa-cp2-a2a-flash-npu": (2, LLAMA, [*_cp("a2a"), "--device", "npu-emulated",
                                               "--use-flash-attn"]),
 }  # fmt: skip
-#: CP beside the other parallel dimensions, and the NPU path's kernels (which
-#: tests/ops/test_context_parallel.py checks against whole-sequence attention): ``--extended``
+#: ``--extended``: CP beside the other parallel dimensions, the NPU path's kernels (which
+#: tests/ops/test_context_parallel.py checks against whole-sequence attention), and the plain CP2
+#: ring and all-to-all, which cp4-a2a-p2p (an all-to-all within pairs, a ring across them) and
+#: rope-gqa-cp2-p2p reach by default
 EXTENDED = {"cp2-p2p-flash-npu", "tp2-sp-cp2-p2p", "pp2-cp2-a2a", "dp2-cp2-allgather-distopt",
-            "rope-gqa-cp2-a2a-flash-npu"}  # fmt: skip
+            "rope-gqa-cp2-a2a-flash-npu", "cp2-p2p", "cp2-a2a"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,9 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
 
 @pytest.mark.parametrize(
     "name",
-    # PP2 with TP2 + SP, and the interleaved schedule: pretrain_gpt.py's run list has them too
-    with_extended(LAYOUTS, ("tp2-pp2-sp", "pp2-interleaved")),
+    # PP2 with TP2 + SP, and the interleaved schedule: pretrain_gpt.py's run list has them too;
+    # TP2 + SP with the local spec: te-tp2-sp runs the same layout by default
+    with_extended(LAYOUTS, ("tp2-pp2-sp", "pp2-interleaved", "tp2-sp")),
 )  # fmt: skip
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]
