@@ -16,7 +16,7 @@ _EXPORTS = {
     "ByteLevelTokenizer": "tokenizers",
     "GPT2BPETokenizer": "tokenizers",
     "BertWordPieceTokenizer": "tokenizers",
-    "TOKENIZER_TYPES": "tokenizers",
+    "TOKENIZER_TYPES": "tokenizer_types",
     "TokenizerError": "tokenizers",
     "add_preprocess_args": "preprocess",
     "run_preprocess": "preprocess",

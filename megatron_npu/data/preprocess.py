@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy
 
-from megatron_npu.data.tokenizers import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.files import FILE_MODE, make_dir
 
 __all__ = [
@@ -296,7 +296,10 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`preprocess` from parsed :func:`add_preprocess_args` options.
 
     Tokenizer problems are re-raised as :class:`PreprocessError` so a CLI can catch one type.
+    The tokenizers subclass megatron-core's, imported here so that the CLI's parsers do not.
     """
+    from megatron_npu.data.tokenizers import TokenizerError, build_tokenizer
+
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     except TokenizerError as exc:

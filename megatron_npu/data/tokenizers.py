@@ -35,6 +35,8 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
+
 try:  # megatron-core >= 0.14
     from megatron.core.tokenizers import MegatronTokenizerBase
 
@@ -66,8 +68,6 @@ __all__ = [
     "gpt2_pretokenize_pattern",
     "null_tokenizer",
 ]
-
-TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 class TokenizerError(ValueError):

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
-from megatron_npu.data.tokenizers import TOKENIZER_TYPES
+from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
