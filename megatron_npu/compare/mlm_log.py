@@ -10,7 +10,12 @@ What is read (``megatron/training/training.py`` ``training_log`` and ``arguments
 * every ``iteration N/ M | key: value | ...`` line (``print_rank_last``): ``elapsed time per
   iteration (ms)``, ``learning rate``, ``global batch size``, ``lm loss`` (absent on an interval
   of skipped steps), ``loss scale``, ``grad norm``, ``number of skipped iterations``; values are
-  averages over the ``--log-interval`` steps up to N, so a step of the curve is one logged line;
+  averages over the ``--log-interval`` steps up to N, so a step of the curve is one logged line.
+  From release 0.16 a process also logs its first iteration and does not restart its sums
+  there, so its next line averages over both intervals (with ``--log-interval 1``: iteration 2's
+  loss is the mean of iterations 1 and 2); the importer takes the first line's share back out
+  of that line's loss, step time, throughput and skipped count (:func:`_undo_first_line_sums`),
+  for each process whose argument dump the log holds;
 * ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` -- the
   peak of ``torch.cuda.max_memory_allocated`` (largest over ranks and lines): the allocator's on
   a GPU, the process's RSS where the adaptor ran it on cpu.
@@ -57,6 +62,11 @@ FIELDS = {
     "consumed samples": "consumed_samples",
     "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
 }
+
+
+#: arguments every release from 0.16 prints in its dump and 0.13-0.15 do not: the releases whose
+#: ``training_log`` keeps its sums over the first logged iteration (``should_reset``)
+FIRST_LINE_SUMS_MARKERS = ("allow_ambiguous_pad_tokens", "fake_process_group")
 
 
 class LogFormatError(ValueError):
@@ -106,6 +116,32 @@ def _iteration(path: Path, number: int, match: re.Match) -> dict[str, Any]:
     return record
 
 
+def _undo_first_line_sums(first: dict[str, Any], nxt: dict[str, Any]) -> None:
+    """Turn ``nxt``, the line after a process's first logged iteration, into what it says about
+    its own interval alone. Megatron-LM 0.16+ logs iteration ``f`` (the process's first) and keeps
+    its sums, so line ``n`` averages the loss over the advanced iterations of ``f..n``, the step
+    time over all ``n - f + 1`` of them, and counts the skipped ones of ``f..n``."""
+    total = nxt["iteration"] - first["iteration"] + 1
+    skipped_first = first.get("skipped", 0.0)
+    if "skipped" in nxt:
+        nxt["skipped"] = max(0.0, nxt["skipped"] - skipped_first)
+    if "nan" in nxt and "nan" in first:
+        nxt["nan"] = max(0.0, nxt["nan"] - first["nan"])
+    if "step_time_ms" in first and total > 1:
+        time = (nxt["step_time_ms"] * total - first["step_time_ms"]) / (total - 1)
+        if nxt.get("tflops_per_gpu"):  # Megatron-LM's throughput is FLOPs over that step time
+            nxt["tflops_per_gpu"] *= nxt["step_time_ms"] / time
+        nxt["step_time_ms"] = time
+    if "lm_loss" in nxt:
+        first_advanced = 0.0 if skipped_first else 1.0
+        advanced = total - (nxt.get("skipped", 0.0) + skipped_first)  # of f..n, before the fix
+        if first_advanced and "lm_loss" in first:
+            if advanced > first_advanced:
+                nxt["lm_loss"] = (nxt["lm_loss"] * advanced - first["lm_loss"]) / (advanced - 1)
+            else:  # every iteration after the first was skipped: no loss of its own
+                del nxt["lm_loss"]
+
+
 def parse(path: str | Path) -> dict[str, Any]:
     """``{"arguments", "padded_vocab_size", "iterations": [records], "peak_allocated_mb"}``."""
     path = Path(path)
@@ -116,6 +152,8 @@ def parse(path: str | Path) -> dict[str, Any]:
     padded = tokenizer_vocab = None
     peak_mb = None
     records: dict[int, tuple[int, dict[str, Any]]] = {}
+    #: the iterations each process (one argument dump each) logged first, in order
+    processes: list[list[int]] = [[]]
     for number, line in enumerate(text.splitlines(), 1):
         if in_args:
             if ARGS_END.search(line):
@@ -128,6 +166,8 @@ def parse(path: str | Path) -> dict[str, Any]:
         if ARGS_START.search(line):
             if arguments is None:
                 arguments, in_args, args_line = {}, True, number
+            if processes[-1]:
+                processes.append([])
             continue
         match = ITERATION.search(line)
         if match:
@@ -138,6 +178,8 @@ def parse(path: str | Path) -> dict[str, Any]:
                     f"{path}:{number}: iteration {record['iteration']} is logged again with other "
                     f"figures than at line {seen[0]} (two runs in one log?)"
                 )
+            if seen is None:
+                processes[-1].append(record["iteration"])
             records.setdefault(record["iteration"], (number, record))
             continue
         match = PADDED_VOCAB.search(line)
@@ -159,6 +201,10 @@ def parse(path: str | Path) -> dict[str, Any]:
         raise LogFormatError(
             f"{path}: no 'iteration N/ M | ...' lines after the argument dump: the run logged no step"
         )
+    if any(marker in arguments for marker in FIRST_LINE_SUMS_MARKERS):
+        for logged in processes:
+            if len(logged) >= 2:
+                _undo_first_line_sums(records[logged[0]][1], records[logged[1]][1])
     return {
         "arguments": arguments,
         "padded_vocab_size": padded,

@@ -80,16 +80,16 @@ def test_locate_on_a_healthy_pretrain_gpt_pair_names_nothing(tmp_path, monkeypat
     assert data["step"]["step"] is None, data["step"]
     assert data["divergent"] is None and data["culprit"] is None, data["divergent"]
     assert data["modules"], "step 1 was compared module by module"
-    # the script's own logs carry the same curves to their printed digits (the second line
-    # averages steps 1 and 2: Megatron-LM's first-iteration logging), so a user's logs can stand
-    # in for the curve runs: read back with --reference-curve / --candidate-curve they agree too
+    # the script's own logs carry the same curves to their printed digits (the second line, which
+    # Megatron-LM 0.16+ prints as the mean of steps 1 and 2, read back as step 2's own), so a
+    # user's logs can stand in for the curve runs: read back with --reference-curve /
+    # --candidate-curve they agree too
     logs = tmp_path / "loc" / "logs"
     hooked = curves.read_curve(tmp_path / "loc" / "curves" / "reference.json")
     logged = curves.read_curve(logs / "curve-reference.log")
     assert logged.iterations == hooked.iterations == [1, 2, 3, 4]
-    assert logged.losses[1] == pytest.approx(sum(hooked.losses[:2]) / 2, rel=1e-6)
-    for i in (0, 2, 3):
-        assert logged.losses[i] == pytest.approx(hooked.losses[i], rel=1e-6)
+    for i in range(4):
+        assert logged.losses[i] == pytest.approx(hooked.losses[i], rel=1.5e-6)
         assert logged.grad_norms[i] == pytest.approx(hooked.grad_norms[i], abs=5e-4)
     finding = curves.first_divergent_step(
         logged, curves.read_curve(logs / "curve-candidate.log"),

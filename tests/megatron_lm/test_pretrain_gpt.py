@@ -31,8 +31,8 @@ LLAMA_KERNELS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_
 
 
 def _curve(run: Run, iterations: range) -> rules.Curve:
-    """Per-iteration TensorBoard scalars (the log's second line of a process averages two
-    iterations: Megatron-LM's first-iteration logging quirk)."""
+    """Per-iteration TensorBoard scalars, at full precision (the log prints the loss to seven
+    digits and the grad norm to three decimals)."""
     loss, norm = run.scalars("lm loss"), run.scalars("grad-norm")
     its = list(iterations)
     return rules.Curve(its, [loss.get(i) for i in its], [norm.get(i) for i in its], [])
