@@ -123,6 +123,7 @@ def _undo_first_line_sums(first: dict[str, Any], nxt: dict[str, Any]) -> None:
     time over all ``n - f + 1`` of them, and counts the skipped ones of ``f..n``."""
     total = nxt["iteration"] - first["iteration"] + 1
     skipped_first = first.get("skipped", 0.0)
+    advanced = total - nxt.get("skipped", 0.0)  # the advanced iterations of f..n
     if "skipped" in nxt:
         nxt["skipped"] = max(0.0, nxt["skipped"] - skipped_first)
     if "nan" in nxt and "nan" in first:
@@ -132,14 +133,12 @@ def _undo_first_line_sums(first: dict[str, Any], nxt: dict[str, Any]) -> None:
         if nxt.get("tflops_per_gpu"):  # Megatron-LM's throughput is FLOPs over that step time
             nxt["tflops_per_gpu"] *= nxt["step_time_ms"] / time
         nxt["step_time_ms"] = time
-    if "lm_loss" in nxt:
-        first_advanced = 0.0 if skipped_first else 1.0
-        advanced = total - (nxt.get("skipped", 0.0) + skipped_first)  # of f..n, before the fix
-        if first_advanced and "lm_loss" in first:
-            if advanced > first_advanced:
-                nxt["lm_loss"] = (nxt["lm_loss"] * advanced - first["lm_loss"]) / (advanced - 1)
-            else:  # every iteration after the first was skipped: no loss of its own
-                del nxt["lm_loss"]
+    # a skipped first iteration added no loss to the sums: the line's loss is its own already
+    if "lm_loss" in nxt and "lm_loss" in first and not skipped_first:
+        if advanced > 1:
+            nxt["lm_loss"] = (nxt["lm_loss"] * advanced - first["lm_loss"]) / (advanced - 1)
+        else:  # every iteration after the first was skipped: no loss of its own
+            del nxt["lm_loss"]
 
 
 def parse(path: str | Path) -> dict[str, Any]:
@@ -152,7 +151,7 @@ def parse(path: str | Path) -> dict[str, Any]:
     padded = tokenizer_vocab = None
     peak_mb = None
     records: dict[int, tuple[int, dict[str, Any]]] = {}
-    #: the iterations each process (one argument dump each) logged first, in order
+    #: per process (each prints an argument dump), the iterations it logged, in order
     processes: list[list[int]] = [[]]
     for number, line in enumerate(text.splitlines(), 1):
         if in_args:
