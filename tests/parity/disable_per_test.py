@@ -9,16 +9,23 @@ comma-separated patch ids; a test matched by none runs with nothing disabled."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
 
 import pytest
 
+from megatron_npu.patcher import DISABLE_ENV
+
 #: the variable naming the JSON file of node id -> disabled patch ids
 PLAN_ENV = "DISABLE_PER_TEST"
-#: the adaptor's own per-patch off switch (megatron_npu.patcher.DISABLE_ENV)
-DISABLE_ENV = "MEGATRON_NPU_DISABLE"
+
+
+@functools.cache
+def _plan() -> dict[str, str]:
+    with open(os.environ[PLAN_ENV]) as f:
+        return json.load(f)
 
 
 def _disabled_for(nodeid: str, plan: dict[str, str]) -> str:
@@ -30,9 +37,7 @@ def _disabled_for(nodeid: str, plan: dict[str, str]) -> str:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem) -> Iterator[None]:
-    with open(os.environ[PLAN_ENV]) as f:
-        plan = json.load(f)
-    os.environ[DISABLE_ENV] = _disabled_for(item.nodeid, plan)
+    os.environ[DISABLE_ENV] = _disabled_for(item.nodeid, _plan())
     try:
         yield
     finally:
