@@ -100,9 +100,13 @@ def probe_gemm_tflops(torch_type: str, dtype: torch.dtype, sync=lambda: None) ->
     """Best sustained TFLOP/s of square matmuls on ``torch_type`` in ``dtype``, and what ran."""
     sizes = PROBE_SIZES.get(torch_type, PROBE_SIZES["cpu"])
     best, best_n = 0.0, sizes[0]
+    # the operands come from a generator of the probe's own: a draw from torch's default one
+    # would move the state training draws its weights and dropout masks from, so a run that
+    # measures the peak (no cached figure) would train another model than one that reads it
+    operands = torch.Generator().manual_seed(0)
     for n in sizes:
-        a = torch.randn(n, n, device=torch_type).to(dtype)
-        b = torch.randn(n, n, device=torch_type).to(dtype)
+        a = torch.randn(n, n, generator=operands).to(device=torch_type, dtype=dtype)
+        b = torch.randn(n, n, generator=operands).to(device=torch_type, dtype=dtype)
         start = time.perf_counter()
         torch.matmul(a, b)  # warm-up: allocation, kernel selection
         sync()

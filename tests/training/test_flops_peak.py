@@ -82,6 +82,19 @@ def test_peak_probe_is_cached_and_env_overrides(tmp_path, monkeypatch):
         peak.measured_peak_flops("cpu", torch.float32)
 
 
+def test_measuring_the_peak_leaves_the_training_generator_alone(tmp_path, monkeypatch):
+    """A run that measures the peak (nothing cached yet) draws the same weights and dropout
+    masks as one that reads the cached figure: the probe's operands come from its own
+    generator, not from torch's default one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(peak.ENV_VAR, raising=False)
+    monkeypatch.setattr(peak, "PROBE_SIZES", {"cpu": (64,)})
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    assert peak.measured_peak_flops("cpu", torch.float32).source == "measured"
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_mfu_counts_devices_that_own_their_peak():
     p = peak.PeakFlops(1.0, "user", "npu", "bfloat16", "stated")
     assert peak.mfu(0.5e12, p) == pytest.approx(0.5)
