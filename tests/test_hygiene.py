@@ -1,11 +1,13 @@
-"""Two hygiene rules of the source tree, each with the violations that remain in modules owned
-by other issues listed explicitly (an entry that is gone fails the test, so the lists can only
-shrink):
+"""Hygiene rules of the source tree, each with the violations it tolerates listed explicitly (the
+lists are empty; an entry that is gone fails the test, so they can only shrink):
 
 * every ``*.md`` file a source file, doc or config cites exists in the repository;
 * the device names are defined once (``megatron_npu.registry``): no other module of
   ``megatron_npu``, ``parity``, ``perf`` or ``reports`` spells ``"npu-emulated"`` as a string
-  in code (docstrings and comments may name it).
+  in code (docstrings and comments may name it);
+* code and docs say what the code does and why, not the project's planning: no issue numbers,
+  "Done when" criteria, references to the documents the project was planned from, TODO/FIXME
+  markers or dated change notes.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", ".tox", "runs", "build", "dist", "node_modules", "__pycache__"}
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".ini", ".txt", ".cfg"}
 CITATION = re.compile(r"(?<![\w/.-])([\w./-]*\w\.md)\b")
+#: the project's planning vocabulary (issue numbers, acceptance criteria, the planning documents,
+#: open-work markers, dated change notes)
+PLANNING = re.compile(
+    r"\b[Ii]ssue #?\d+\b|\bDone[- ]when\b|\bthe seeds'|\bseed documents?\b|\bTODO\b|\bFIXME\b"
+    r"|\b(?:[Rr]e-?measured|[Cc]hanged|[Ff]ixed|[Aa]dded|[Rr]emoved) on \d{4}-\d\d-\d\d\b"
+)
 
-#: (citing file, cited name) outside this branch's area, with the owner to fix them
+#: (citing file, cited name) of citations allowed to point at no file
 KNOWN_MISSING: set[tuple[str, str]] = set()
 
 #: modules allowed to spell "npu-emulated" themselves instead of using the device constant
@@ -106,6 +114,24 @@ def nvtx_stubs() -> set[str]:
     return found
 
 
+def planning_words() -> set[tuple[str, int, str]]:
+    """(file, line, words) of every planning word in the repository's text files."""
+    found = set()
+    this = Path(__file__).resolve().relative_to(ROOT)
+    for rel, path in _text_files():
+        if rel == this:
+            continue  # this file spells the vocabulary out
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines, 1):
+            for match in PLANNING.finditer(line):
+                found.add((rel.as_posix(), number, match.group(0)))
+    return found
+
+
+def test_code_and_docs_carry_no_planning_words():
+    assert sorted(planning_words()) == []
+
+
 def test_the_nvtx_stub_is_defined_once():
     assert nvtx_stubs() == {"megatron_npu/devices/base.py"}
 
@@ -116,6 +142,11 @@ def test_the_scans_see_a_violation():
         "REFERENCE.md",
         "docs/parity-results.md",
     ]
+    planned = "see issue 12; Done-when of the seeds' plan; TODO; re-measured on 2026-11-23"
+    assert [m.group(0) for m in PLANNING.finditer(planned)] == [
+        "issue 12", "Done-when", "the seeds'", "TODO", "re-measured on 2026-11-23",
+    ]  # fmt: skip
+    assert not PLANNING.findall("a tissue 3 todo list, the seeds of the RNG, issued 4 times")
     tree = ast.parse('"""npu-emulated in a docstring"""\nDEVICE = "npu-emulated"\n')
     constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]
     assert len(constants) - len(_docstrings(tree)) == 1

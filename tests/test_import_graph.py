@@ -26,9 +26,8 @@ Rules:
    ``training`` and the command layer); ``megatron_npu.data`` in particular never imports
    ``megatron_npu.training``. (``registry`` collects the ``patches`` modules' entries by design.)
 
-:data:`KNOWN_UPWARD` lists the violations that exist in modules owned by other issues, each
-with the issue that removes it; an entry that no longer occurs fails the test, so the list can
-only shrink.
+:data:`KNOWN_UPWARD` lists violations that are tolerated (it is empty); an entry that no longer
+occurs fails the test, so the list can only shrink.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
 @pytest.mark.parametrize("device", client_devices())
 @pytest.mark.parametrize("spec", client_specs())
 def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device, spec):
-    """The Megatron-LM issue's run list (npu-emulated and the local spec here; tox adds cpu and
+    """The run list (npu-emulated and the local spec here; tox adds cpu and
     the Transformer Engine spec): 20 iterations, falling loss, exit 0; fp16 with Megatron's
     dynamic loss scaler (30 iterations)."""
     iterations = 30 if name == "fp16" else 20

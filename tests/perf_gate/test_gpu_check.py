@@ -1,6 +1,6 @@
 """The GPU check (``perf/gpu_check.py``) decides, without a GPU, what it will run on one: its
 matrix loads through compare's own reader, every row is an optional ``cuda`` row (skipped where
-no GPU is), the seeds' eight 16-bit flash/sparse configurations and the three unfused precisions
+no GPU is), Table 2's eight 16-bit flash/sparse configurations and the three unfused precisions
 are all there, and ``megatron-npu train``'s row beside Megatron-LM's script has the script's own
 options. The fused attention it times on ``cuda`` is the registry entry that applies there."""
 
