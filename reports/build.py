@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
-import tempfile
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -24,8 +22,7 @@ from megatron_npu.reports.errors import ReportInputError
 from megatron_npu.reports.formatting import number, status_class
 from megatron_npu.reports.inputs import ResultSet, load
 
-#: The report's file mode, as for the parity records it is made from (owner rw, group r).
-REPORT_MODE = 0o640
+from megatron_npu.files import write_private
 
 
 def _environment() -> jinja2.Environment:
@@ -95,7 +92,8 @@ def build_report(
     pytest-benchmark JSON files, ``megatron-npu info --json`` files, in any mix. With
     ``diff_base`` (the older result set) the page opens with what changed. Inputs that cannot be
     used are listed on the page with the reason; a path that does not exist raises
-    :class:`ReportInputError`. The file is written atomically.
+    :class:`ReportInputError`. The file is written atomically, mode 0640 as the parity records it
+    is made from (:func:`megatron_npu.files.write_private`).
     """
     if diff_base is not None and not diff_base:
         raise ReportInputError("diff_base needs at least one path")
@@ -105,14 +103,5 @@ def build_report(
     new = load(inputs)
     base = load(diff_base) if diff_base is not None else None
     html = render(new, base)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            os.fchmod(fh.fileno(), REPORT_MODE)
-            fh.write(html)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_private(out, html)
     return out
