@@ -31,9 +31,11 @@ def npu_path(patch: Patch) -> dict[str, Any]:
 
 #: (param, grad) dtypes Megatron hands the optimizer: fp32 main params, or 16-bit params as-is
 _ADAMW_DTYPES = (
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
-)  # fmt: skip
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16),
+)
 
 
 def fallback_rows(dev: Device) -> list[dict[str, Any]]:

@@ -96,8 +96,7 @@ def _pattern_expression(text: str, option: str) -> int | list[int]:
                 return left + right
             if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
                 return left * right
-        raise ValueError(f"{option}: not an integer or a list expression such as "
-                         f"'([1]*3+[0]*1)*2'")  # fmt: skip
+        raise ValueError(f"{option}: not an integer or a list expression such as '([1]*3+[0]*1)*2'")
 
     try:
         tree = ast.parse(text, mode="eval")

@@ -210,8 +210,15 @@ def _rebindable(owner: Any, original: Any) -> bool:
 #: (they never import it), plus the standard library. Skipping them keeps apply() fast: they hold
 #: about nine tenths of the module globals a Megatron process has loaded.
 _BELOW_MEGATRON = frozenset(sys.stdlib_module_names) | {
-    "megatron_npu", "torch", "torchgen", "functorch", "numpy", "sympy", "mpmath", "networkx",
-}  # fmt: skip
+    "megatron_npu",
+    "torch",
+    "torchgen",
+    "functorch",
+    "numpy",
+    "sympy",
+    "mpmath",
+    "networkx",
+}
 
 
 def _copy_index(originals: Iterable[Any]) -> dict[int, list[tuple[Any, str]]]:
@@ -551,9 +558,13 @@ def apply(
         )
         _state.modules_before = modules_before
         _state.call = dict(
-            device=dev, strict=strict, patches=patches, megatron_version=megatron_version,
-            disable=tuple(disable), transfer=transfer,
-        )  # fmt: skip
+            device=dev,
+            strict=strict,
+            patches=patches,
+            megatron_version=megatron_version,
+            disable=tuple(disable),
+            transfer=transfer,
+        )
         try:  # from here on, anything that escapes (even KeyboardInterrupt) undoes it all
             wanted = [
                 p

@@ -45,24 +45,66 @@ TORCH_NPU_TRANSFER = "torch_npu.contrib.transfer_to_npu"
 
 #: ``torch.cuda`` names answered by the device's accelerator object.
 CUDA_API = (
-    "is_available", "is_initialized", "_lazy_init", "synchronize", "device",
-    "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed", "initial_seed",
-    "default_generators", "current_stream", "default_stream", "stream", "set_stream", "Stream",
-    "Event", "is_current_stream_capturing", "CUDAGraph", "nvtx",
-    "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-    "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache", "mem_get_info",
-    "memory_stats", "get_device_capability", "get_device_name", "get_device_properties",
-    "temperature", "power_draw", "utilization", "clock_rate",
-)  # fmt: skip
+    "is_available",
+    "is_initialized",
+    "_lazy_init",
+    "synchronize",
+    "device",
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "initial_seed",
+    "default_generators",
+    "current_stream",
+    "default_stream",
+    "stream",
+    "set_stream",
+    "Stream",
+    "Event",
+    "is_current_stream_capturing",
+    "CUDAGraph",
+    "nvtx",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_max_memory_allocated",
+    "empty_cache",
+    "mem_get_info",
+    "memory_stats",
+    "get_device_capability",
+    "get_device_name",
+    "get_device_properties",
+    "temperature",
+    "power_draw",
+    "utilization",
+    "clock_rate",
+)
 #: the same RNG functions as ``torch.cuda.random.*``
-CUDA_RANDOM_API = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed",
-                   "initial_seed")  # fmt: skip
+CUDA_RANDOM_API = (
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "initial_seed",
+)
 #: where torch_npu's transfer module rebinds names (what :func:`uninstall` can put back)
 SNAPSHOT_NAMESPACES = (
-    "torch", "torch.cuda", "torch.cuda.random", "torch.Tensor", "torch.nn.Module",
-    "torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.parallel",
-    "torch.utils.data.DataLoader", "builtins",
-)  # fmt: skip
+    "torch",
+    "torch.cuda",
+    "torch.cuda.random",
+    "torch.Tensor",
+    "torch.nn.Module",
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.nn.parallel",
+    "torch.utils.data.DataLoader",
+    "builtins",
+)
 
 _MISSING = object()
 

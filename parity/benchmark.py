@@ -119,10 +119,13 @@ class BenchmarkResult:
     def to_dict(self) -> dict[str, Any]:
         enc = lambda d: {k: encode_float(v) for k, v in d.items()}  # noqa: E731
         return {
-            "level": self.level, "tested": enc(self.tested), "benchmark": enc(self.benchmark),
-            "ratios": enc(self.ratios), "limits": enc(self.limits),
+            "level": self.level,
+            "tested": enc(self.tested),
+            "benchmark": enc(self.benchmark),
+            "ratios": enc(self.ratios),
+            "limits": enc(self.limits),
             "verdict": {"status": self.status, "reason": self.reason},
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchmarkResult:
@@ -133,9 +136,14 @@ class BenchmarkResult:
         if data["level"] not in LEVEL_LIMITS:
             raise ValueError(f"benchmark level must be one of {sorted(LEVEL_LIMITS)}")
         return cls(
-            data["level"], dec(data["tested"]), dec(data["benchmark"]), dec(data["ratios"]),
-            dec(data["limits"]), v["status"], v["reason"],
-        )  # fmt: skip
+            data["level"],
+            dec(data["tested"]),
+            dec(data["benchmark"]),
+            dec(data["ratios"]),
+            dec(data["limits"]),
+            v["status"],
+            v["reason"],
+        )
 
 
 def _ratio(tested: float, bench: float, floor: float) -> tuple[float, bool]:

@@ -353,8 +353,15 @@ def run_examples(job: Job) -> CellOutcome | None:
         kernels.update(calls)
         if rank != 0:
             continue
-        cpu_ctx = functools.partial(Context, params, tested_dtype=tested, device=cpu,
-                                    original=original, parallel=job.parallel, rank=0)  # fmt: skip
+        cpu_ctx = functools.partial(
+            Context,
+            params,
+            tested_dtype=tested,
+            device=cpu,
+            original=original,
+            parallel=job.parallel,
+            rank=0,
+        )
         want = _reference(case, patch, cpu_ctx(upcast(tested)), inputs, "reference")
         if set(got) != set(want):
             raise AssertionError(
@@ -468,10 +475,14 @@ def evaluate(
         failure = (rule, detail[-2000:])
     provenance = collect_provenance(job.device, seed=seed, wall_time_s=time.perf_counter() - start)
     common = dict(
-        patch_id=patch.id, target=patch.target, case=case.name,
-        dtype=dtype_name(job.torch_dtype), parallel=job.parallel.as_dict(),
-        provenance=provenance, tolerance=case.tolerance_for(job.torch_dtype),
-    )  # fmt: skip
+        patch_id=patch.id,
+        target=patch.target,
+        case=case.name,
+        dtype=dtype_name(job.torch_dtype),
+        parallel=job.parallel.as_dict(),
+        provenance=provenance,
+        tolerance=case.tolerance_for(job.torch_dtype),
+    )
     if failure is not None:
         return ParityRecord.failed(rule=failure[0], reason=failure[1], **common)
     assert outcome is not None
@@ -488,10 +499,13 @@ def evaluate(
 def mutation_job(mutation: Mutation, with_bug: bool = True) -> Job:
     """The parity job that must catch ``mutation`` (carrying it when planted per run)."""
     return Job(
-        patch_id=mutation.patch_id, device=mutation.device, dtype=mutation.dtype,
-        parallel=mutation.parallel, examples=mutation.examples,
+        patch_id=mutation.patch_id,
+        device=mutation.device,
+        dtype=mutation.dtype,
+        parallel=mutation.parallel,
+        examples=mutation.examples,
         mutation=mutation.name if with_bug and mutation.scope == "run" else None,
-    )  # fmt: skip
+    )
 
 
 def evaluate_mutation(mutation: Mutation, with_bug: bool, pool: Any = None) -> ParityRecord:

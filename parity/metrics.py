@@ -395,10 +395,18 @@ def _compare_exact(
 
 
 _EXACT_SET = {
-    "kind", "dtype", "actual_dtype", "reference_dtype", "actual_shape", "reference_shape",
-    "numel", "compared_count", "nonfinite_match_count", "inf_nan_mismatch_count",
+    "kind",
+    "dtype",
+    "actual_dtype",
+    "reference_dtype",
+    "actual_shape",
+    "reference_shape",
+    "numel",
+    "compared_count",
+    "nonfinite_match_count",
+    "inf_nan_mismatch_count",
     "exact_mismatch_count",
-}  # fmt: skip
+}
 
 
 def as_numpy(actual: torch.Tensor, reference: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -180,9 +180,22 @@ def _adamw_with_update(update):
     """A plain AdamW step (decoupled weight decay, both moments) that ends in ``update``."""
 
     def plant(original):
-        def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9,
-                        beta2=0.999, eps=1e-8, weight_decay=0.01, max_exp_avg_sqs=None,
-                        amsgrad=False, maximize=False):  # fmt: skip
+        def adamw_step_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            *,
+            step,
+            lr,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            max_exp_avg_sqs=None,
+            amsgrad=False,
+            maximize=False,
+        ):
             for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
                 p.mul_(1.0 - lr * weight_decay)
                 m.mul_(beta1).add_(g, alpha=1.0 - beta1)
@@ -272,8 +285,11 @@ def _windowed_off_by_one(original):
             visible = ops.visible_keys(q0, q1, k0, k1, offset, lo, hi, q.device)
             if user_visible is not None:
                 visible = visible & user_visible[..., q0:q1, k0:k1]
-            outs.append(ops._sdpa(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible,
-                                  scale, dropout_p, gqa))  # fmt: skip
+            outs.append(
+                ops._sdpa(
+                    q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible, scale, dropout_p, gqa
+                )
+            )
         return torch.cat(outs, dim=2)
 
     return windowed
@@ -448,9 +464,12 @@ def _reference_calls_implementation(case):
         t = inputs["t"].to(ctx.tested_dtype).requires_grad_(True)
         freqs = inputs["freqs"].to(torch.float32)
         out = rope_utils._apply_rotary_pos_emb_bshd(
-            t, freqs, rotary_interleaved=p["interleaved"], multi_latent_attention=p["mla"],
+            t,
+            freqs,
+            rotary_interleaved=p["interleaved"],
+            multi_latent_attention=p["mla"],
             mscale=p["mscale"],
-        )  # fmt: skip
+        )
         out.backward(inputs["grad_out"].to(ctx.tested_dtype))
         return {"out": out.detach().to(ctx.dtype), "grad_t": t.grad.to(ctx.dtype)}
 
@@ -469,10 +488,12 @@ from megatron_npu.parity.cases.rotary import _edge as _rotary  # noqa: E402
 _SWIGLU = {"seq": 4, "batch": 2, "hidden": 64, "bias": True, "scale": 1.0, "seed": 1}
 _ATTENTION = _attention()
 _ATTENTION_PADDING = _attention(layout="BSH", mask="padding", seq=24, kv_seq=24, heads=2, seed=15)
-_ATTENTION_WINDOW = _attention(seq=160, kv_seq=160, pre=16, next=0, heads=2, groups=1,
-                               head_dim=8, seed=18)  # fmt: skip
-_ATTENTION_BAND = _attention(seq=200, kv_seq=200, pre=80, next=0, heads=2, groups=1, head_dim=8,
-                             seed=23)  # fmt: skip
+_ATTENTION_WINDOW = _attention(
+    seq=160, kv_seq=160, pre=16, next=0, heads=2, groups=1, head_dim=8, seed=18
+)
+_ATTENTION_BAND = _attention(
+    seq=200, kv_seq=200, pre=80, next=0, heads=2, groups=1, head_dim=8, seed=23
+)
 _ATTENTION_DROPOUT = _attention(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20)
 _ATTENTION_EVAL = _attention(dropout=0.2, training=False, seed=22)
 _SOFTMAX = {"batch": 2, "heads": 2, "sq": 64, "sk": 64, "x_scale": 1.0, "seed": 1}
@@ -480,8 +501,15 @@ _RMS_TINY = _norm(scale=1e-3, eps=1e-6, seed=1)
 _RMS = _norm(eps=1e-5, seed=7)
 _NORM_ZERO_CENTERED = _norm(hidden=32, zero_centered=True, seed=6)
 _NORM_SP = _norm(normalization="LayerNorm", hidden=24, sp=True, seed=7)
-_CROSS_ENTROPY = {"seq": 4, "batch": 2, "vocab": 256, "label_smoothing": 0.0, "logit_scale": 1.0,
-                  "activation": True, "seed": 1}  # fmt: skip
+_CROSS_ENTROPY = {
+    "seq": 4,
+    "batch": 2,
+    "vocab": 256,
+    "label_smoothing": 0.0,
+    "logit_scale": 1.0,
+    "activation": True,
+    "seed": 1,
+}
 _ROTARY = _rotary()
 _TE_LN_LINEAR_ZERO_CENTERED = _te_cases._linear_edge(
     "layernorm-column", normalization="RMSNorm", zero_centered=True, skip_bias_add=True, seed=3
@@ -492,36 +520,63 @@ _TE_ATTENTION_SCALED = _te_cases._attention_edge(
 )
 _ROTARY_PER_BATCH = _rotary(per_batch=True, rot_dim=16, seed=7)
 _UNSCALE = {"tensors": 5, "loss_scale": 2.0**16, "plant": "none", "plant_rank": 0, "seed": 1}
-_ADAMW = {"tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-          "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1}  # fmt: skip
+_ADAMW = {
+    "tensors": 5,
+    "steps": 3,
+    "lr": 1e-3,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "amsgrad": False,
+    "grad_scale": 1.0,
+    "seed": 1,
+}
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
 #: long token sums (12 x 3 tokens), fp32 main_grad: where a bf16 accumulation shows
-_WGRAD = {"seq": 12, "batch": 3, "fan_in": 48, "fan_out": 48, "main_grad_fp32": True,
-          "bias": False, "seed": 4}  # fmt: skip
+_WGRAD = {
+    "seq": 12,
+    "batch": 3,
+    "fan_in": 48,
+    "fan_out": 48,
+    "main_grad_fp32": True,
+    "bias": False,
+    "seed": 4,
+}
 #: with the 4096-element grad, where a 16-bit accumulation goes wrong
 _GRAD_NORM_LARGE = {"tensors": 6, "scale": 1.0, "seed": 1}
 _CLIP = {"tensors": 5, "max_norm": 0.5, "plant_inf": False, "seed": 1}
-_SAMPLE_IDX = {"docs": 7, "max_doc": 40, "seq": 16, "epochs": 2, "drop_last": True,
-               "extra": True, "seed": 3}  # fmt: skip
+_SAMPLE_IDX = {
+    "docs": 7,
+    "max_doc": 40,
+    "seq": 16,
+    "epochs": 2,
+    "drop_last": True,
+    "extra": True,
+    "seed": 3,
+}
 
 
 def _ring_lower_block_whole(original):
     def ring_steps(rank, size, local, causal):
         steps = original(rank, size, local, causal)
         # a lower rank's block read whole: its second chunk lies in the queries' future
-        return [s._replace(kv_rows=slice(None)) if not s.causal and s.q_rows == slice(None)
-                else s for s in steps]  # fmt: skip
+        return [
+            s._replace(kv_rows=slice(None)) if not s.causal and s.q_rows == slice(None) else s
+            for s in steps
+        ]
 
     return ring_steps
 
 
 def _ring_update_weights_swapped(original):
-    def npu_ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum,
-                                  **kwargs):  # fmt: skip
-        out, smax, ssum = original(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum,
-                                   **kwargs)  # fmt: skip
-        swapped, _, _ = original(cur_out, prev_max, prev_sum, prev_out, cur_max, cur_sum,
-                                 **kwargs)  # fmt: skip
+    def npu_ring_attention_update(
+        prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, **kwargs
+    ):
+        out, smax, ssum = original(
+            prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, **kwargs
+        )
+        swapped, _, _ = original(cur_out, prev_max, prev_sum, prev_out, cur_max, cur_sum, **kwargs)
         return swapped, smax, ssum  # each partial output weighted by the other's share
 
     return npu_ring_attention_update
@@ -545,232 +600,351 @@ def _a2a_rank_order_kept(original):
 
 _ALL = (
     Mutation(
-        "swiglu-swapped-halves", "SwiGLU gates with the second half: silu(b) * a",
-        "megatron_npu.ops.swiglu.native_swiglu", _swapped_swiglu,
-        "activation.bias-swiglu", (_SWIGLU,),
+        "swiglu-swapped-halves",
+        "SwiGLU gates with the second half: silu(b) * a",
+        "megatron_npu.ops.swiglu.native_swiglu",
+        _swapped_swiglu,
+        "activation.bias-swiglu",
+        (_SWIGLU,),
     ),
     Mutation(
-        "attention-mask-inverted", "the fused attention reads the padding mask as True = keep",
-        "megatron_npu.ops.attention.native_fused_attention", _inverted_mask,
-        "attention.dot-product", (_ATTENTION_PADDING,),
+        "attention-mask-inverted",
+        "the fused attention reads the padding mask as True = keep",
+        "megatron_npu.ops.attention.native_fused_attention",
+        _inverted_mask,
+        "attention.dot-product",
+        (_ATTENTION_PADDING,),
     ),
     Mutation(
-        "attention-scale-dropped", "the NPU binding does not pass the softmax scale, so the "
+        "attention-scale-dropped",
+        "the NPU binding does not pass the softmax scale, so the "
         "kernel uses its default 1.0 instead of 1/sqrt(d)",
-        "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention", _kernel_default_scale,
-        "attention.dot-product", (_ATTENTION,), device=NPU_EMULATED,
+        "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention",
+        _kernel_default_scale,
+        "attention.dot-product",
+        (_ATTENTION,),
+        device=NPU_EMULATED,
     ),
     Mutation(
-        "softmax-scale-dropped", "the fused softmax ignores FusedScaleMaskSoftmax.scale",
-        "megatron_npu.ops.softmax.scaled_masked_softmax", _softmax_without_scale,
-        "softmax.fused", ({**_SOFTMAX, "mask": "causal", "scale": 3.0},),
+        "softmax-scale-dropped",
+        "the fused softmax ignores FusedScaleMaskSoftmax.scale",
+        "megatron_npu.ops.softmax.scaled_masked_softmax",
+        _softmax_without_scale,
+        "softmax.fused",
+        ({**_SOFTMAX, "mask": "causal", "scale": 3.0},),
     ),
     Mutation(
-        "softmax-mask-inverted", "the fused softmax masks the positions the mask keeps",
-        "megatron_npu.ops.softmax.scaled_masked_softmax", _softmax_inverted_mask,
-        "softmax.fused", ({**_SOFTMAX, "mask": "padding", "scale": None, "seed": 2},),
+        "softmax-mask-inverted",
+        "the fused softmax masks the positions the mask keeps",
+        "megatron_npu.ops.softmax.scaled_masked_softmax",
+        _softmax_inverted_mask,
+        "softmax.fused",
+        ({**_SOFTMAX, "mask": "padding", "scale": None, "seed": 2},),
     ),
     Mutation(
-        "rmsnorm-wrong-eps", "RMSNorm uses eps 1e-2 instead of the configured one",
-        "megatron_npu.ops.norm.native_rms_norm", _rms_norm_eps(1e-2),
-        "norm.wrapped-torch-norm", (_RMS_TINY,),
+        "rmsnorm-wrong-eps",
+        "RMSNorm uses eps 1e-2 instead of the configured one",
+        "megatron_npu.ops.norm.native_rms_norm",
+        _rms_norm_eps(1e-2),
+        "norm.wrapped-torch-norm",
+        (_RMS_TINY,),
     ),
     Mutation(
-        "rmsnorm-bf16-statistics", "RMSNorm computes mean(x^2) in bf16 in an fp32 model",
-        "megatron_npu.ops.norm.native_rms_norm", _rms_norm_bf16_statistics,
-        "norm.wrapped-torch-norm", (_RMS,),
+        "rmsnorm-bf16-statistics",
+        "RMSNorm computes mean(x^2) in bf16 in an fp32 model",
+        "megatron_npu.ops.norm.native_rms_norm",
+        _rms_norm_bf16_statistics,
+        "norm.wrapped-torch-norm",
+        (_RMS,),
     ),
     Mutation(
-        "cross-entropy-tp-sum-dropped", "vocab-parallel cross entropy skips its SUM all-reduces "
-        "over the tensor-parallel group",
-        "megatron_npu.ops.cross_entropy._dist_reduce", _no_sum_all_reduce,
-        "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,), parallel=Parallel(tp=2),
+        "cross-entropy-tp-sum-dropped",
+        "vocab-parallel cross entropy skips its SUM all-reduces over the tensor-parallel group",
+        "megatron_npu.ops.cross_entropy._dist_reduce",
+        _no_sum_all_reduce,
+        "cross-entropy.vocab-parallel",
+        (_CROSS_ENTROPY,),
+        parallel=Parallel(tp=2),
     ),
     Mutation(
-        "cross-entropy-upstream-grad-ignored", "the in-place cross-entropy backward drops the "
-        "upstream gradient of each token's loss",
-        "megatron_npu.ops.cross_entropy._softmax_to_grad", _upstream_grad_ignored,
-        "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,),
+        "cross-entropy-upstream-grad-ignored",
+        "the in-place cross-entropy backward drops the upstream gradient of each token's loss",
+        "megatron_npu.ops.cross_entropy._softmax_to_grad",
+        _upstream_grad_ignored,
+        "cross-entropy.vocab-parallel",
+        (_CROSS_ENTROPY,),
     ),
     Mutation(
-        "rotary-wrong-mode", "rotary rotates interleaved pairs where Megatron rotates halves",
-        "megatron_npu.ops.rotary.rotate", _rotate_other_mode,
-        "rotary.apply-bshd", (_ROTARY,),
+        "rotary-wrong-mode",
+        "rotary rotates interleaved pairs where Megatron rotates halves",
+        "megatron_npu.ops.rotary.rotate",
+        _rotate_other_mode,
+        "rotary.apply-bshd",
+        (_ROTARY,),
     ),
     Mutation(
-        "loss-scale-not-unscaled", "the inf check runs but the grads keep the loss scale",
-        "megatron_npu.patches.optimizer.check_finite_and_unscale_", _not_unscaled,
-        "optimizer.unscale-and-check-nan", (_UNSCALE,),
+        "loss-scale-not-unscaled",
+        "the inf check runs but the grads keep the loss scale",
+        "megatron_npu.patches.optimizer.check_finite_and_unscale_",
+        _not_unscaled,
+        "optimizer.unscale-and-check-nan",
+        (_UNSCALE,),
     ),
     Mutation(
-        "adamw-bias-correction-dropped", "AdamW without the 1/(1 - beta**step) corrections",
-        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_no_bias_correction,
-        "optimizer.adam", (_ADAMW,),
+        "adamw-bias-correction-dropped",
+        "AdamW without the 1/(1 - beta**step) corrections",
+        "megatron_npu.ops.adamw.native_adamw_step_",
+        _adamw_no_bias_correction,
+        "optimizer.adam",
+        (_ADAMW,),
     ),
     Mutation(
-        "adamw-update-ten-percent-high", "AdamW applies a learning rate 10 % too high, at a "
+        "adamw-update-ten-percent-high",
+        "AdamW applies a learning rate 10 % too high, at a "
         "realistic lr of 1e-4 (the update is ~1e-4 of a parameter)",
-        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_lr_ten_percent_high,
-        "optimizer.adam", ({**_ADAMW, "lr": 1e-4, "seed": 5},),
+        "megatron_npu.ops.adamw.native_adamw_step_",
+        _adamw_lr_ten_percent_high,
+        "optimizer.adam",
+        ({**_ADAMW, "lr": 1e-4, "seed": 5},),
     ),
     Mutation(
-        "grad-norm-missing-sqrt", "the l2-norm kernel returns sums of squares (TP2: Megatron "
-        "all-reduces their squares)",
-        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_without_sqrt,
-        "optimizer.l2-norm", (_GRAD_NORM,), parallel=Parallel(tp=2),
+        "grad-norm-missing-sqrt",
+        "the l2-norm kernel returns sums of squares (TP2: Megatron all-reduces their squares)",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm",
+        _l2norm_without_sqrt,
+        "optimizer.l2-norm",
+        (_GRAD_NORM,),
+        parallel=Parallel(tp=2),
     ),
     Mutation(
-        "grad-norm-16bit-accumulation", "the l2-norm kernel sums a 16-bit tensor's squares in "
+        "grad-norm-16bit-accumulation",
+        "the l2-norm kernel sums a 16-bit tensor's squares in "
         "its own dtype (fp32 grads unaffected)",
-        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
-        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="float16",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm",
+        _l2norm_16bit_accumulation,
+        "optimizer.l2-norm",
+        (_GRAD_NORM_LARGE,),
+        dtype="float16",
     ),
     Mutation(
-        "grad-norm-bf16-accumulation", "the l2-norm kernel sums a bf16 tensor's squares in bf16",
-        "megatron_npu.patches.optimizer.multi_tensor_l2norm", _l2norm_16bit_accumulation,
-        "optimizer.l2-norm", (_GRAD_NORM_LARGE,), dtype="bfloat16",
+        "grad-norm-bf16-accumulation",
+        "the l2-norm kernel sums a bf16 tensor's squares in bf16",
+        "megatron_npu.patches.optimizer.multi_tensor_l2norm",
+        _l2norm_16bit_accumulation,
+        "optimizer.l2-norm",
+        (_GRAD_NORM_LARGE,),
+        dtype="bfloat16",
     ),
     Mutation(
-        "wgrad-accum-in-input-dtype", "the gradient-accumulation-fusion kernel multiplies in the "
+        "wgrad-accum-in-input-dtype",
+        "the gradient-accumulation-fusion kernel multiplies in the "
         "activations' dtype and only upcasts the product (no fp32 accumulation)",
-        "megatron_npu.ops.wgrad_accum._wgrad_fp32", _wgrad_in_input_dtype,
-        "grad-accum-fusion.kernel", (_WGRAD,), dtype="bfloat16",
+        "megatron_npu.ops.wgrad_accum._wgrad_fp32",
+        _wgrad_in_input_dtype,
+        "grad-accum-fusion.kernel",
+        (_WGRAD,),
+        dtype="bfloat16",
     ),
     # ---- attention: a window narrower than the sequence, dropout in training and eval
     Mutation(
-        "attention-window-key-off-by-one", "the windowed query blocks start their key range one "
+        "attention-window-key-off-by-one",
+        "the windowed query blocks start their key range one "
         "key late (only a window narrower than the sequence, with several blocks, runs them)",
-        "megatron_npu.ops.attention._windowed", _windowed_off_by_one,
-        "attention.dot-product", (_ATTENTION_WINDOW,),
+        "megatron_npu.ops.attention._windowed",
+        _windowed_off_by_one,
+        "attention.dot-product",
+        (_ATTENTION_WINDOW,),
     ),
     Mutation(
-        "attention-band-kernel-window-narrowed", "the C++ band forward (CPU windows of 64 keys "
+        "attention-band-kernel-window-narrowed",
+        "the C++ band forward (CPU windows of 64 keys "
         "or more) leaves out the farthest key of every window",
-        "megatron_npu.ops.attention.band_attention_forward", _band_kernel_window_narrowed,
-        "attention.dot-product", (_ATTENTION_BAND,),
+        "megatron_npu.ops.attention.band_attention_forward",
+        _band_kernel_window_narrowed,
+        "attention.dot-product",
+        (_ATTENTION_BAND,),
     ),
     Mutation(
-        "attention-dropout-in-eval", "attention dropout applied although the module is in eval "
-        "mode",
-        "megatron_npu.patches.attention.fused_core_attention", _dropout_in_eval,
-        "attention.dot-product", (_ATTENTION_EVAL,),
+        "attention-dropout-in-eval",
+        "attention dropout applied although the module is in eval mode",
+        "megatron_npu.patches.attention.fused_core_attention",
+        _dropout_in_eval,
+        "attention.dot-product",
+        (_ATTENTION_EVAL,),
     ),
     Mutation(
-        "attention-dropout-rate-halved", "the fused op gets half the configured attention "
-        "dropout",
-        "megatron_npu.patches.attention.fused_attention", _dropout_rate_halved,
-        "attention.dot-product", (_ATTENTION_DROPOUT,),
+        "attention-dropout-rate-halved",
+        "the fused op gets half the configured attention dropout",
+        "megatron_npu.patches.attention.fused_attention",
+        _dropout_rate_halved,
+        "attention.dot-product",
+        (_ATTENTION_DROPOUT,),
     ),
     Mutation(
-        "attention-kernel-dropout-not-rescaled", "the NPU kernel's kept probabilities are not "
-        "divided by keep_prob",
+        "attention-kernel-dropout-not-rescaled",
+        "the NPU kernel's kept probabilities are not divided by keep_prob",
         "megatron_npu.testing.torch_npu_emulation.npu_fusion_attention",
-        _kernel_dropout_not_rescaled, "attention.dot-product", (_ATTENTION_DROPOUT,),
+        _kernel_dropout_not_rescaled,
+        "attention.dot-product",
+        (_ATTENTION_DROPOUT,),
         device=NPU_EMULATED,
     ),
     # ---- norm: a bf16-only bug, zero-centred gamma, sequence parallelism
     Mutation(
-        "rmsnorm-bf16-branch-eps", "the bf16 branch of rms_norm uses eps 1e-2 (fp32 and fp16 "
+        "rmsnorm-bf16-branch-eps",
+        "the bf16 branch of rms_norm uses eps 1e-2 (fp32 and fp16 "
         "are right, so only the bf16 cell can see it)",
-        "megatron_npu.ops.norm.rms_norm", _rms_norm_bf16_eps,
-        "norm.wrapped-torch-norm", (_RMS_TINY,), dtype="bfloat16",
+        "megatron_npu.ops.norm.rms_norm",
+        _rms_norm_bf16_eps,
+        "norm.wrapped-torch-norm",
+        (_RMS_TINY,),
+        dtype="bfloat16",
     ),
     Mutation(
-        "norm-zero-centered-gamma-ignored", "layernorm_zero_centered_gamma read but not applied "
-        "(gamma = w instead of 1 + w)",
-        "megatron_npu.patches.norm.from_megatron_config", _norm_option_dropped("zero_centered_gamma"),
-        "norm.wrapped-torch-norm", (_NORM_ZERO_CENTERED,),
+        "norm-zero-centered-gamma-ignored",
+        "layernorm_zero_centered_gamma read but not applied (gamma = w instead of 1 + w)",
+        "megatron_npu.patches.norm.from_megatron_config",
+        _norm_option_dropped("zero_centered_gamma"),
+        "norm.wrapped-torch-norm",
+        (_NORM_ZERO_CENTERED,),
     ),
     Mutation(
-        "norm-sequence-parallel-unmarked", "with sequence parallelism the norm's parameters are "
+        "norm-sequence-parallel-unmarked",
+        "with sequence parallelism the norm's parameters are "
         "not marked, so their grads are never all-reduced over TP",
-        "megatron_npu.patches.norm.from_megatron_config", _norm_option_dropped("sequence_parallel"),
-        "norm.wrapped-torch-norm", (_NORM_SP,),
+        "megatron_npu.patches.norm.from_megatron_config",
+        _norm_option_dropped("sequence_parallel"),
+        "norm.wrapped-torch-norm",
+        (_NORM_SP,),
     ),
     # ---- rotary: the per-batch formula path, the kernel's argument order
     Mutation(
-        "rotary-per-batch-wrong-sign", "the per-batch-frequency path rotates (x2, -x1)",
-        "megatron_npu.patches.rotary.rotate", _rotate_wrong_sign,
-        "rotary.apply-bshd", (_ROTARY_PER_BATCH,),
+        "rotary-per-batch-wrong-sign",
+        "the per-batch-frequency path rotates (x2, -x1)",
+        "megatron_npu.patches.rotary.rotate",
+        _rotate_wrong_sign,
+        "rotary.apply-bshd",
+        (_ROTARY_PER_BATCH,),
     ),
     Mutation(
-        "rotary-kernel-r1-r2-swapped", "the NPU binding passes sin as r1 and cos as r2",
-        "megatron_npu.testing.torch_npu_emulation.npu_rotary_mul", _kernel_r1_r2_swapped,
-        "rotary.apply-bshd", (_ROTARY,), device=NPU_EMULATED,
+        "rotary-kernel-r1-r2-swapped",
+        "the NPU binding passes sin as r1 and cos as r2",
+        "megatron_npu.testing.torch_npu_emulation.npu_rotary_mul",
+        _kernel_r1_r2_swapped,
+        "rotary.apply-bshd",
+        (_ROTARY,),
+        device=NPU_EMULATED,
     ),
     # ---- softmax, activations
     Mutation(
-        "softmax-causal-masks-diagonal", "the causal mask also hides each query's own key",
-        "megatron_npu.ops.softmax._causal_mask", _causal_mask_with_diagonal,
-        "softmax.fused", ({**_SOFTMAX, "mask": "causal", "scale": None},),
+        "softmax-causal-masks-diagonal",
+        "the causal mask also hides each query's own key",
+        "megatron_npu.ops.softmax._causal_mask",
+        _causal_mask_with_diagonal,
+        "softmax.fused",
+        ({**_SOFTMAX, "mask": "causal", "scale": None},),
     ),
     Mutation(
-        "swiglu-gate-bias-dropped", "the fused bias-SwiGLU adds the bias to the linear half only",
-        "megatron_npu.patches.activation.bias_swiglu", _swiglu_bias_half_dropped,
-        "activation.bias-swiglu", (_SWIGLU,),
+        "swiglu-gate-bias-dropped",
+        "the fused bias-SwiGLU adds the bias to the linear half only",
+        "megatron_npu.patches.activation.bias_swiglu",
+        _swiglu_bias_half_dropped,
+        "activation.bias-swiglu",
+        (_SWIGLU,),
     ),
     Mutation(
-        "gelu-exact-not-tanh", "bias-GeLU uses the erf GELU where Megatron's fused kernel uses "
-        "the tanh approximation",
-        "megatron_npu.patches.activation.bias_gelu", _gelu_exact,
-        "activation.bias-gelu", ({**_SWIGLU, "scale": 4.0},),
+        "gelu-exact-not-tanh",
+        "bias-GeLU uses the erf GELU where Megatron's fused kernel uses the tanh approximation",
+        "megatron_npu.patches.activation.bias_gelu",
+        _gelu_exact,
+        "activation.bias-gelu",
+        ({**_SWIGLU, "scale": 4.0},),
     ),
     # ---- cross entropy under TP2, optimizer, data
     Mutation(
-        "cross-entropy-shard-offset-off-by-one", "the second TP rank's vocab shard starts one id "
+        "cross-entropy-shard-offset-off-by-one",
+        "the second TP rank's vocab shard starts one id "
         "late (only TP > 1 has a shard that does not start at 0)",
-        "megatron_npu.patches.cross_entropy._op", _shard_offset_off_by_one,
-        "cross-entropy.vocab-parallel", (_CROSS_ENTROPY,), parallel=Parallel(tp=2),
+        "megatron_npu.patches.cross_entropy._op",
+        _shard_offset_off_by_one,
+        "cross-entropy.vocab-parallel",
+        (_CROSS_ENTROPY,),
+        parallel=Parallel(tp=2),
     ),
     Mutation(
-        "adamw-eps-inside-sqrt", "AdamW adds eps inside the square root of v_hat",
-        "megatron_npu.ops.adamw.native_adamw_step_", _adamw_eps_inside_sqrt,
-        "optimizer.adam", ({**_ADAMW, "grad_scale": 1e-4, "eps": 1e-6, "weight_decay": 0.0},),
+        "adamw-eps-inside-sqrt",
+        "AdamW adds eps inside the square root of v_hat",
+        "megatron_npu.ops.adamw.native_adamw_step_",
+        _adamw_eps_inside_sqrt,
+        "optimizer.adam",
+        ({**_ADAMW, "grad_scale": 1e-4, "eps": 1e-6, "weight_decay": 0.0},),
     ),
     Mutation(
-        "unscale-nan-not-flagged", "the inf check zeroes NaN grads instead of flagging them",
-        "megatron_npu.patches.optimizer.check_finite_and_unscale_", _nan_not_flagged,
+        "unscale-nan-not-flagged",
+        "the inf check zeroes NaN grads instead of flagging them",
+        "megatron_npu.patches.optimizer.check_finite_and_unscale_",
+        _nan_not_flagged,
         "optimizer.unscale-and-check-nan",
         ({**_UNSCALE, "plant": "nan", "loss_scale": 1024.0, "seed": 3},),
     ),
     Mutation(
-        "clip-scale-squared", "multi_tensor_scale applies the clip coefficient squared",
-        "megatron_npu.patches.optimizer.multi_tensor_scale_", _scale_squared,
-        "optimizer.multi-tensor-scale", (_CLIP,),
+        "clip-scale-squared",
+        "multi_tensor_scale applies the clip coefficient squared",
+        "megatron_npu.patches.optimizer.multi_tensor_scale_",
+        _scale_squared,
+        "optimizer.multi-tensor-scale",
+        (_CLIP,),
     ),
     Mutation(
-        "sample-index-offsets-late", "the GPT sample index puts every boundary one token late",
-        "megatron_npu.data.index_helpers._build_sample_idx_impl", _sample_offsets_late,
-        "data.build-sample-idx", (_SAMPLE_IDX,),
+        "sample-index-offsets-late",
+        "the GPT sample index puts every boundary one token late",
+        "megatron_npu.data.index_helpers._build_sample_idx_impl",
+        _sample_offsets_late,
+        "data.build-sample-idx",
+        (_SAMPLE_IDX,),
     ),
     # ---- the Transformer Engine stand-ins
     Mutation(
-        "te-layernorm-linear-zero-centered-ignored", "TELayerNormColumnParallelLinear normalises "
+        "te-layernorm-linear-zero-centered-ignored",
+        "TELayerNormColumnParallelLinear normalises "
         "with gamma = w where --apply-layernorm-1p stores w = gamma - 1",
-        "megatron_npu.modules.te_layers.normalize", _te_norm_zero_centered_ignored,
-        "transformer-engine.layernorm-column-parallel-linear", (_TE_LN_LINEAR_ZERO_CENTERED,),
+        "megatron_npu.modules.te_layers.normalize",
+        _te_norm_zero_centered_ignored,
+        "transformer-engine.layernorm-column-parallel-linear",
+        (_TE_LN_LINEAR_ZERO_CENTERED,),
     ),
     Mutation(
-        "te-norm-eps-fixed", "TENorm's norm uses eps 1e-2 whatever TENorm(config, hidden, eps) "
+        "te-norm-eps-fixed",
+        "TENorm's norm uses eps 1e-2 whatever TENorm(config, hidden, eps) "
         "was given (bf16: only the 16-bit stage-2 rules judge it)",
-        "megatron_npu.modules.norm.normalize", _te_norm_eps_fixed,
-        "transformer-engine.norm", (_TE_NORM_TINY,), dtype="bfloat16",
+        "megatron_npu.modules.norm.normalize",
+        _te_norm_eps_fixed,
+        "transformer-engine.norm",
+        (_TE_NORM_TINY,),
+        dtype="bfloat16",
     ),
     Mutation(
-        "te-attention-softmax-scale-dropped", "TEDotProductAttention does not hand softmax_scale "
+        "te-attention-softmax-scale-dropped",
+        "TEDotProductAttention does not hand softmax_scale "
         "on to DotProductAttention, which then scales by 1/sqrt(hn)",
-        "megatron_npu.modules.te_layers._accepted", _te_attention_kwarg_dropped("softmax_scale"),
-        "transformer-engine.dot-product-attention", (_TE_ATTENTION_SCALED,),
+        "megatron_npu.modules.te_layers._accepted",
+        _te_attention_kwarg_dropped("softmax_scale"),
+        "transformer-engine.dot-product-attention",
+        (_TE_ATTENTION_SCALED,),
         device=NPU_EMULATED,
     ),
     # ---- a reference that calls the implementation
     Mutation(
-        "reference-calls-implementation", "the rotary case's reference calls the patched "
+        "reference-calls-implementation",
+        "the rotary case's reference calls the patched "
         "_apply_rotary_pos_emb_bshd, so any bug in it agrees with itself",
-        "megatron_npu.parity.cases.rotary.ROTARY_BSHD", _reference_calls_implementation,
-        "rotary.apply-bshd", (_ROTARY,), scope="job",
+        "megatron_npu.parity.cases.rotary.ROTARY_BSHD",
+        _reference_calls_implementation,
+        "rotary.apply-bshd",
+        (_ROTARY,),
+        scope="job",
     ),
-)  # fmt: skip
+)
 
 
 def _gemm_operand_never_transposed(original):
@@ -795,8 +969,9 @@ def _grouped_last_group_dropped(original):
         import torch
 
         out = original(x, weight, group_sizes, trans_b)
-        sizes = [int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes)
-                                  else group_sizes)]  # fmt: skip
+        sizes = [
+            int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes) else group_sizes)
+        ]
         keep = out.shape[0] - sizes[-1]  # the last expert's rows left at zero
         return torch.cat([out[:keep], torch.zeros_like(out[keep:])], dim=0)
 
@@ -821,10 +996,12 @@ def _permute_slots_shifted(original):
 
 
 def _unpermute_probs_dropped(original):
-    def unpermute_with_kernel(kernels, permuted, index_map, restore_shape, probs, routing_map,
-                              drop_and_pad):  # fmt: skip
-        return original(kernels, permuted, index_map, restore_shape, None, routing_map,
-                        drop_and_pad)  # fmt: skip
+    def unpermute_with_kernel(
+        kernels, permuted, index_map, restore_shape, probs, routing_map, drop_and_pad
+    ):
+        return original(
+            kernels, permuted, index_map, restore_shape, None, routing_map, drop_and_pad
+        )
 
     return unpermute_with_kernel
 

@@ -14,17 +14,21 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("parity", "megatron-npu parity matrix")
     group.addoption(
-        "--parity-mode", default="quick", choices=("quick", "full"),
+        "--parity-mode",
+        default="quick",
+        choices=("quick", "full"),
         help="examples per cell: quick (CI) or full",
-    )  # fmt: skip
+    )
     group.addoption(
-        "--parity-devices", default="cpu,npu-emulated",
+        "--parity-devices",
+        default="cpu,npu-emulated",
         help="comma-separated devices for the parity matrix (cpu, npu-emulated, npu, cuda)",
-    )  # fmt: skip
+    )
     group.addoption(
-        "--parity-results", default=os.path.join("results", "parity"),
+        "--parity-results",
+        default=os.path.join("results", "parity"),
         help="directory the parity records are written to",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session")

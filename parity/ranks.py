@@ -50,9 +50,13 @@ def backend_for(device: str) -> str:
 
 
 def _worker(
-    rank: int, world: int, store: str, conn: Any, runner: str = DEFAULT_RUNNER,
+    rank: int,
+    world: int,
+    store: str,
+    conn: Any,
+    runner: str = DEFAULT_RUNNER,
     device: str = "cpu",
-) -> None:  # fmt: skip
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -95,10 +99,12 @@ def _worker(
                     parallel_state.destroy_model_parallel()
                 cp = job.parallel.cp
                 parallel_state.initialize_model_parallel(
-                    job.parallel.tp, job.parallel.pp, context_parallel_size=cp,
+                    job.parallel.tp,
+                    job.parallel.pp,
+                    context_parallel_size=cp,
                     # a2a+p2p's pair of groups: an all-to-all within 2 ranks, a ring over CP / 2
                     hierarchical_context_parallel_sizes=[2, cp // 2] if cp % 2 == 0 else None,
-                )  # fmt: skip
+                )
                 layout = wanted
             conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001
@@ -110,9 +116,12 @@ class RankPool:
     """``world`` worker processes in one process group on ``device``'s backend."""
 
     def __init__(
-        self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, runner: str = DEFAULT_RUNNER,
+        self,
+        world: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        runner: str = DEFAULT_RUNNER,
         device: str = "cpu",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.world = world
         self.timeout_s = timeout_s
         self.device = device
@@ -125,9 +134,11 @@ class RankPool:
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world, store, child, runner, device), daemon=True,
+                target=_worker,
+                args=(rank, world, store, child, runner, device),
+                daemon=True,
                 name=f"parity-rank{rank}",
-            )  # fmt: skip
+            )
             proc.start()
             child.close()
             self._conns.append(parent)

@@ -278,9 +278,11 @@ class BenchmarkSection:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": self.path, "level": self.level, "unavailable": self.unavailable,
+            "path": self.path,
+            "level": self.level,
+            "unavailable": self.unavailable,
             "tensors": {n: b.to_dict() for n, b in self.tensors.items()},
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)
@@ -400,10 +402,13 @@ class ParityRecord:
         ``case``, ``dtype``, ``parallel`` and optionally ``tolerance``, as for :meth:`build`."""
         return cls(
             **{"tolerance": None, **identity, "parallel": dict(identity["parallel"])},
-            device=provenance.device, tensors={},
+            device=provenance.device,
+            tensors={},
             verdict=Verdict("error", f"{rule}: {reason}", rule),
-            provenance=provenance, kernels={}, npu_kernel_exercised=False,
-        )  # fmt: skip
+            provenance=provenance,
+            kernels={},
+            npu_kernel_exercised=False,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         prov = self.provenance

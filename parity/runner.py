@@ -39,10 +39,13 @@ def available_devices() -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device", action="append", dest="devices", metavar="DEVICE",
+        "--device",
+        action="append",
+        dest="devices",
+        metavar="DEVICE",
         choices=DEVICE_ORDER,
         help="device to check (repeatable); default: cpu, npu-emulated, and npu/cuda if present",
-    )  # fmt: skip
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--quick",
@@ -102,11 +105,21 @@ def pytest_command(
 ) -> list[str]:
     entry = entry_dir / ENTRY_NAME
     cmd = [
-        sys.executable, "-m", "pytest", str(entry), "-p", "megatron_npu.parity.plugin",
-        "-p", "no:cacheprovider", "-q", "--rootdir", str(entry_dir),
-        f"--parity-mode={args.mode}", f"--parity-devices={','.join(devices)}",
+        sys.executable,
+        "-m",
+        "pytest",
+        str(entry),
+        "-p",
+        "megatron_npu.parity.plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--rootdir",
+        str(entry_dir),
+        f"--parity-mode={args.mode}",
+        f"--parity-devices={','.join(devices)}",
         f"--parity-results={run_dir}",
-    ]  # fmt: skip
+    ]
     for rule in QUIET_WARNINGS:
         cmd += ["-W", rule]
     if args.workers > 1:

@@ -21,12 +21,20 @@ def _model(seq: int, hidden: int, heads: int, layers: int, cp: int) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
         context_parallel_size=cp,
-    )  # fmt: skip
-    return GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=1024,
-                    max_sequence_length=seq)  # fmt: skip
+    )
+    return GPTModel(
+        config,
+        get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=1024,
+        max_sequence_length=seq,
+    )
 
 
 def worker(rank: int, cp: int, store: str, shape: dict[str, int], steps: int, results: Any) -> None:
@@ -55,10 +63,13 @@ def worker(rank: int, cp: int, store: str, shape: dict[str, int], steps: int, re
         model = _model(seq, shape["hidden"], shape["heads"], shape["layers"], cp)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 1024, (1, seq + 1), generator=gen)
-        batch = get_batch_on_this_cp_rank({
-            "tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-            "position_ids": torch.arange(seq).unsqueeze(0),
-        })  # fmt: skip
+        batch = get_batch_on_this_cp_rank(
+            {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "position_ids": torch.arange(seq).unsqueeze(0),
+            }
+        )
 
         def step() -> None:
             model.zero_grad(set_to_none=True)

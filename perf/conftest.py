@@ -7,9 +7,10 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--perf-quick", action="store_true",
+        "--perf-quick",
+        action="store_true",
         help="run every generated benchmark at its small 'quick' shape (a smoke run, minutes)",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session")

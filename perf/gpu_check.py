@@ -51,15 +51,57 @@ FAIRNESS_TARGET = 1.25
 #: apex must run them; masked-softmax fusion stays Megatron-LM's default (softmax.cuda-kernel-missing
 #: serves it).
 MLM_ARGS = [
-    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-    "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
-    "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "5", "--train-iters", "30", "--weight-decay", "1e-2", "--clip-grad", "1.0",
-    "--seed", "1234", "--log-interval", "1", "--transformer-impl", "local",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023", "--mock-data", "--eval-iters", "0",
-    "--eval-interval", "1000", "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-]  # fmt: skip
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "5",
+    "--train-iters",
+    "30",
+    "--weight-decay",
+    "1e-2",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+    "--transformer-impl",
+    "local",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1023",
+    "--mock-data",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+]
 
 
 def _options_of(args: list[str]) -> dict[str, object]:
@@ -86,10 +128,17 @@ def _toml_value(value: object) -> str:
 def megatron_lm_rows(script: Path) -> str:
     """The matrix rows of Megatron-LM's script on cuda and of train with the same options."""
     train_options = {
-        k: v for k, v in _options_of(MLM_ARGS).items()
-        if k not in ("no-gradient-accumulation-fusion", "no-persist-layer-norm", "eval-iters",
-                     "eval-interval", "tokenizer-type")
-    }  # fmt: skip
+        k: v
+        for k, v in _options_of(MLM_ARGS).items()
+        if k
+        not in (
+            "no-gradient-accumulation-fusion",
+            "no-persist-layer-norm",
+            "eval-iters",
+            "eval-interval",
+            "tokenizer-type",
+        )
+    }
     inline = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in train_options.items())
     rows = []
     for name, extra, reference in (("mlm-fp32", [], "false"), ("mlm-bf16", ["--bf16"], "false")):
@@ -110,8 +159,10 @@ def machine(out: Path) -> None:
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         lines.append(smi.stdout.strip())
     except OSError as exc:
         lines.append(f"nvidia-smi: {exc}")
@@ -166,12 +217,20 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
             for layout in ("SBH", "BSH"):
                 fin = [_to_layout(t, layout).clone().requires_grad_() for t in (q16, k16, v16)]
                 fused = native_fused_attention(
-                    *fin, head_num=heads, input_layout=layout, causal=True,
-                    pre_tokens=pre, next_tokens=nxt, scale=scale,
-                )  # fmt: skip
+                    *fin,
+                    head_num=heads,
+                    input_layout=layout,
+                    causal=True,
+                    pre_tokens=pre,
+                    next_tokens=nxt,
+                    scale=scale,
+                )
                 fused.backward(_to_layout(grad.to(dtype), layout))
-                record = {"dtype": str(dtype).split(".")[-1], "window": [pre, nxt],
-                          "layout": layout}  # fmt: skip
+                record = {
+                    "dtype": str(dtype).split(".")[-1],
+                    "window": [pre, nxt],
+                    "layout": layout,
+                }
                 pairs = [("out", fused, _to_layout(ref, layout), _to_layout(unfused, layout))]
                 for name, f, r, u in zip(("dq", "dk", "dv"), fin, ref_in, unf_in):
                     pairs.append(
@@ -196,8 +255,9 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
     ):
         try:
             with sdpa_kernel([backend]):
-                native_fused_attention(q, q, q, head_num=heads, causal=True, pre_tokens=pre,
-                                       next_tokens=0)  # fmt: skip
+                native_fused_attention(
+                    q, q, q, head_num=heads, causal=True, pre_tokens=pre, next_tokens=0
+                )
             kernels[label] = "accepted"
         except RuntimeError as exc:
             kernels[label] = f"refused: {str(exc).splitlines()[0][:200]}"
@@ -218,8 +278,7 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "matrix.toml"
     path.write_text(matrix)
-    command = [sys.executable, "-m", "megatron_npu.cli", "compare", str(path), "--out",
-               str(folder)]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_npu.cli", "compare", str(path), "--out", str(folder)]
     with open(out / "compare.log", "w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     results = folder / "results.json"
@@ -229,8 +288,10 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     unfinished = [r["name"] for r in data["runs"] if r["status"] not in ("ok", "cached")]
     for verdict in data["verdicts"]:
         if verdict["status"] not in ("pass", "not-applicable"):
-            print(f"gpu_check: {verdict['candidate']}: {verdict['status']} {verdict['rule']}: "
-                  f"{verdict['detail'][:160]}")  # fmt: skip
+            print(
+                f"gpu_check: {verdict['candidate']}: {verdict['status']} {verdict['rule']}: "
+                f"{verdict['detail'][:160]}"
+            )
     if unfinished:
         print(f"gpu_check: runs that did not finish: {', '.join(unfinished)}")
     return not unfinished and bool(data["runs"])
@@ -245,8 +306,14 @@ def fairness(out: Path) -> bool:
     if run is None or not run.get("perf"):
         (out / "fairness.json").write_text(json.dumps({"error": f"no {FAIRNESS_RUN} run"}) + "\n")
         return False
-    shape = GPTShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
-                     vocab_size=50304, micro_batch_size=16)  # fmt: skip
+    shape = GPTShape(
+        num_layers=24,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=1024,
+        vocab_size=50304,
+        micro_batch_size=16,
+    )
     trainer = PlainTrainer(shape, torch.bfloat16, device=CUDA)
     times = []
     for i in range(13):
@@ -273,8 +340,12 @@ def fairness(out: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--megatron-lm", type=Path, default=None,
-                        help="a Megatron-LM checkout (its pretrain_gpt.py is run on cuda)")  # fmt: skip
+    parser.add_argument(
+        "--megatron-lm",
+        type=Path,
+        default=None,
+        help="a Megatron-LM checkout (its pretrain_gpt.py is run on cuda)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; nothing to check", file=sys.stderr)
@@ -293,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             traceback.print_exc()
             ok = False
-        print(f"gpu_check: {name}: {'ok' if ok else 'FAILED'} ({time.perf_counter() - start:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"gpu_check: {name}: {'ok' if ok else 'FAILED'} ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
         if not ok:
             failed.append(name)
     return 1 if failed else 0

@@ -76,11 +76,18 @@ def run_cell(
         peak = peak_allocated_bytes(fn)
         benchmark.group = cell.op
         benchmark.extra_info.update(
-            patch_id=cell.patch_id, op=cell.op, path=cell.path, device=cell.device,
-            emulated=cell.emulated, dtype=cell.dtype, shape=cell.shape_text(),
-            direction=cell.direction, peak_memory_bytes=peak,
-            torch_threads=torch.get_num_threads(), **extra,
-        )  # fmt: skip
+            patch_id=cell.patch_id,
+            op=cell.op,
+            path=cell.path,
+            device=cell.device,
+            emulated=cell.emulated,
+            dtype=cell.dtype,
+            shape=cell.shape_text(),
+            direction=cell.direction,
+            peak_memory_bytes=peak,
+            torch_threads=torch.get_num_threads(),
+            **extra,
+        )
         benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
     if built.forward_flops is not None and not cell.emulated:
         passes = 3 if cell.direction == "fwd+bwd" else 1  # backward: data and weight gradients
@@ -97,7 +104,9 @@ def record_mfu(benchmark: Any, model_flops: float, device: str, dtype: torch.dty
     figure = peak_flops.measured_peak_flops(device, dtype)
     achieved = model_flops / median
     benchmark.extra_info.update(
-        model_flops_per_call=model_flops, achieved_tflops=achieved / 1e12,
-        peak_tflops=figure.tflops, peak_source=figure.source,
+        model_flops_per_call=model_flops,
+        achieved_tflops=achieved / 1e12,
+        peak_tflops=figure.tflops,
+        peak_source=figure.source,
         mfu=peak_flops.mfu(achieved, figure),
-    )  # fmt: skip
+    )

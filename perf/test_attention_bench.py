@@ -36,10 +36,18 @@ CASES = {
 def _label(benchmark, op, shape, direction, path="native", **extra):
     benchmark.group = op
     benchmark.extra_info.update(
-        patch_id=None, op=op, path=path, device="cpu", emulated=False, dtype="float32",
-        shape=shape, direction=direction, peak_memory_bytes=None,
-        torch_threads=torch.get_num_threads(), **extra,
-    )  # fmt: skip
+        patch_id=None,
+        op=op,
+        path=path,
+        device="cpu",
+        emulated=False,
+        dtype="float32",
+        shape=shape,
+        direction=direction,
+        peak_memory_bytes=None,
+        torch_threads=torch.get_num_threads(),
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -53,9 +61,16 @@ def test_attention_window_vs_full_causal(benchmark, case):
             return native_fused_attention(q, k, v, **kwargs)
 
     band = cpu_band_kernel.status().describe() if case != "full-causal" else None
-    _label(benchmark, "attention-window", f"B={B},N={N},S={S},D={D}", "fwd", case=case,
-           pre_tokens=kwargs["pre_tokens"], next_tokens=kwargs["next_tokens"],
-           band_forward=band)  # fmt: skip
+    _label(
+        benchmark,
+        "attention-window",
+        f"B={B},N={N},S={S},D={D}",
+        "fwd",
+        case=case,
+        pre_tokens=kwargs["pre_tokens"],
+        next_tokens=kwargs["next_tokens"],
+        band_forward=band,
+    )
     out = benchmark.pedantic(forward, rounds=7, iterations=1, warmup_rounds=3)
     assert out.shape == (B, N, S, D) and torch.isfinite(out).all()
     # the last query sees only the last WINDOW + 1 keys under the window, all keys otherwise
@@ -78,8 +93,10 @@ SDPA_S, SDPA_B, SDPA_N, SDPA_D = 2048, 1, 16, 64  # hidden 1024
 @pytest.mark.parametrize("which", ["fused-op", "plain-sdpa"])
 def test_fused_attention_vs_plain_sdpa(benchmark, which):
     gen = torch.Generator().manual_seed(0)
-    sbh = [torch.randn(SDPA_S, SDPA_B, SDPA_N * SDPA_D, generator=gen).requires_grad_()
-           for _ in range(3)]  # fmt: skip
+    sbh = [
+        torch.randn(SDPA_S, SDPA_B, SDPA_N * SDPA_D, generator=gen).requires_grad_()
+        for _ in range(3)
+    ]
     grad = torch.randn(SDPA_S, SDPA_B, SDPA_N * SDPA_D, generator=gen)
 
     def to_bnsd(t):

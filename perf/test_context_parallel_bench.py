@@ -38,8 +38,10 @@ def _measure(cp: int, size: str) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="cp-bench-"), "store")
-    procs = [ctx.Process(target=ranks.worker, args=(r, cp, store, SHAPES[size], STEPS, results))
-             for r in range(cp)]  # fmt: skip
+    procs = [
+        ctx.Process(target=ranks.worker, args=(r, cp, store, SHAPES[size], STEPS, results))
+        for r in range(cp)
+    ]
     for p in procs:
         p.start()
     per_rank: list[dict] = [{} for _ in range(cp)]
@@ -63,13 +65,19 @@ def test_context_parallel_step(benchmark, perf_size, cp):
     shape = SHAPES[perf_size]
     benchmark.group = "context-parallel-step"
     benchmark.extra_info.update(
-        patch_id="transformer-engine.context-parallel-attention", op="context-parallel-step",
-        path=f"cp{cp}", device="cpu", emulated=False, dtype="float32", direction="step",
+        patch_id="transformer-engine.context-parallel-attention",
+        op="context-parallel-step",
+        path=f"cp{cp}",
+        device="cpu",
+        emulated=False,
+        dtype="float32",
+        direction="step",
         shape=",".join(f"{k}={v}" for k, v in shape.items()),
         peak_memory_bytes=max(r["peak_bytes"] for r in per_rank),
         peak_memory_bytes_per_rank=[r["peak_bytes"] for r in per_rank],
-        step_s=max(r["step_s"] for r in per_rank), torch_threads=1,
-    )  # fmt: skip
+        step_s=max(r["step_s"] for r in per_rank),
+        torch_threads=1,
+    )
     if cp > 1:  # the target: CP2's peak per rank at most 0.6 x CP1's
         single = max(r["peak_bytes"] for r in _measure(1, perf_size))
         ratio = benchmark.extra_info["peak_memory_bytes"] / single

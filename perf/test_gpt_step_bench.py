@@ -51,26 +51,56 @@ _ROUTING = os.path.join("megatron_npu", "devices", "")
 
 def _argv(shape: GPTShape, precision: str = "fp32") -> list[str]:
     flag = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--loss-scale", "4096"]}[precision]
-    return [*flag,
-        "--device", "cpu", "--mock-data", "--vocab-size", str(null_vocab_size_for(shape.vocab_size)),
-        "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
-        "--num-attention-heads", str(shape.num_attention_heads),
-        "--seq-length", str(shape.seq_length), "--micro-batch-size", str(shape.micro_batch_size),
-        "--global-batch-size", str(shape.micro_batch_size), "--train-iters", "1000",
-        "--lr", "1e-4", "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--use-flash-attn", "--log-interval", "1000", "--progress", "plain",
-        "--make-vocab-size-divisible-by", "128",
-    ]  # fmt: skip
+    return [
+        *flag,
+        "--device",
+        "cpu",
+        "--mock-data",
+        "--vocab-size",
+        str(null_vocab_size_for(shape.vocab_size)),
+        "--num-layers",
+        str(shape.num_layers),
+        "--hidden-size",
+        str(shape.hidden_size),
+        "--num-attention-heads",
+        str(shape.num_attention_heads),
+        "--seq-length",
+        str(shape.seq_length),
+        "--micro-batch-size",
+        str(shape.micro_batch_size),
+        "--global-batch-size",
+        str(shape.micro_batch_size),
+        "--train-iters",
+        "1000",
+        "--lr",
+        "1e-4",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--use-flash-attn",
+        "--log-interval",
+        "1000",
+        "--progress",
+        "plain",
+        "--make-vocab-size-divisible-by",
+        "128",
+    ]
 
 
 def _model_flops(shape: GPTShape) -> float:
     return flops.gpt_model_flops_per_iteration(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_attention_heads, seq_length=shape.seq_length,
-        padded_vocab_size=shape.vocab_size, global_batch_size=shape.micro_batch_size,
-        swiglu=False, causal=True,
-    )  # fmt: skip
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_attention_heads,
+        seq_length=shape.seq_length,
+        padded_vocab_size=shape.vocab_size,
+        global_batch_size=shape.micro_batch_size,
+        swiglu=False,
+        causal=True,
+    )
 
 
 class _MegatronStep:
@@ -122,16 +152,24 @@ def test_gpt_train_step(benchmark, perf_size, path):
     model_flops = _model_flops(shape)
     benchmark.group = GROUP
     benchmark.extra_info.update(
-        patch_id=None, op=GROUP, path=path if path == "plain-torch" else "native",
-        device="cpu", emulated=False, dtype="float32", direction="step",
+        patch_id=None,
+        op=GROUP,
+        path=path if path == "plain-torch" else "native",
+        device="cpu",
+        emulated=False,
+        dtype="float32",
+        direction="step",
         shape=f"L={shape.num_layers},h={shape.hidden_size},n={shape.num_attention_heads},"
         f"s={shape.seq_length},V={shape.vocab_size},b={shape.micro_batch_size}",
-        peak_memory_bytes=None, torch_threads=torch.get_num_threads(), case=path,
-    )  # fmt: skip
+        peak_memory_bytes=None,
+        torch_threads=torch.get_num_threads(),
+        case=path,
+    )
     losses: list[float] = []
     try:
-        benchmark.pedantic(lambda: losses.append(runner.step()), rounds=3, iterations=1,
-                           warmup_rounds=1)  # fmt: skip
+        benchmark.pedantic(
+            lambda: losses.append(runner.step()), rounds=3, iterations=1, warmup_rounds=1
+        )
         if isinstance(runner, _MegatronStep):
             benchmark.extra_info["routing_share"] = runner.routing_share()
     finally:
@@ -160,17 +198,24 @@ def test_gpt_train_step_by_precision(benchmark, perf_size, precision):
     runner = _MegatronStep(shape, precision)
     benchmark.group = PRECISION_GROUP
     benchmark.extra_info.update(
-        patch_id=None, op=PRECISION_GROUP, path="native", device="cpu", emulated=False,
+        patch_id=None,
+        op=PRECISION_GROUP,
+        path="native",
+        device="cpu",
+        emulated=False,
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision],
-        direction="step", peak_memory_bytes=None, torch_threads=torch.get_num_threads(),
+        direction="step",
+        peak_memory_bytes=None,
+        torch_threads=torch.get_num_threads(),
         shape=f"L={shape.num_layers},h={shape.hidden_size},n={shape.num_attention_heads},"
         f"s={shape.seq_length},V={shape.vocab_size},b={shape.micro_batch_size}",
         case=precision,
-    )  # fmt: skip
+    )
     losses: list[float] = []
     try:
-        benchmark.pedantic(lambda: losses.append(runner.step()), rounds=3, iterations=1,
-                           warmup_rounds=1)  # fmt: skip
+        benchmark.pedantic(
+            lambda: losses.append(runner.step()), rounds=3, iterations=1, warmup_rounds=1
+        )
     finally:
         runner.close()
     assert all(torch.isfinite(torch.tensor(losses)))

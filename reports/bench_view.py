@@ -50,21 +50,32 @@ def lines(benches: list[Bench]) -> list[dict[str, Any]]:
                 ratio, flag = bench.median / baseline.median, speed_flag(bench, baseline)
             rows.append(
                 {
-                    "path": bench.path, "name": bench.name, "median": bench.median,
-                    "q1": bench.q1, "q3": bench.q3, "rounds": bench.rounds,
-                    "median_text": number(bench.median), "spread_text":
-                    f"{number(bench.q1)} - {number(bench.q3)}", "ratio": number(ratio, 3),
-                    "flag": flag, "patch_id": bench.patch_id,
+                    "path": bench.path,
+                    "name": bench.name,
+                    "median": bench.median,
+                    "q1": bench.q1,
+                    "q3": bench.q3,
+                    "rounds": bench.rounds,
+                    "median_text": number(bench.median),
+                    "spread_text": f"{number(bench.q1)} - {number(bench.q3)}",
+                    "ratio": number(ratio, 3),
+                    "flag": flag,
+                    "patch_id": bench.patch_id,
                     "memory": number(bench.peak_memory_bytes),
                 }
-            )  # fmt: skip
+            )
         out.append(
             {
                 "label": f"{op} {dtype} {shape} {direction}".replace(" -", ""),
-                "op": op, "dtype": dtype, "shape": shape, "direction": direction,
-                "device": device_label(device, emulated), "emulated": emulated, "rows": rows,
+                "op": op,
+                "dtype": dtype,
+                "shape": shape,
+                "direction": direction,
+                "device": device_label(device, emulated),
+                "emulated": emulated,
+                "rows": rows,
             }
-        )  # fmt: skip
+        )
     return out
 
 

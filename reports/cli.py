@@ -10,15 +10,20 @@ from megatron_npu.reports.errors import ReportInputError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "inputs", nargs="+", metavar="INPUT",
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
         help="parity results folders, compare output folders, pytest-benchmark JSON files, "
         "info --json files (any mix; the kind is read from the content)",
-    )  # fmt: skip
+    )
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write")
     parser.add_argument(
-        "--diff-base", nargs="+", metavar="OLD", default=None,
+        "--diff-base",
+        nargs="+",
+        metavar="OLD",
+        default=None,
         help="an older result set: the page then opens with what changed against it",
-    )  # fmt: skip
+    )
 
 
 def main(args: argparse.Namespace) -> int:

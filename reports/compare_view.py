@@ -68,9 +68,10 @@ def verdict_matrix(comp: Comparison) -> dict[str, Any]:
         key = (v["candidate"], v["baseline"])
         row = rows.setdefault(key, {"candidate": key[0], "baseline": key[1], "cells": {}})
         row["cells"][v["rule"]] = {
-            "status": v["status"], "detail": v.get("detail") or "",
+            "status": v["status"],
+            "detail": v.get("detail") or "",
             "tolerance": _tolerance_text(v.get("tolerance")),
-        }  # fmt: skip
+        }
     return {"rules": rules, "rows": list(rows.values())}
 
 
@@ -87,27 +88,49 @@ def overlays(comp: Comparison, index: int) -> list[dict[str, Any]]:
         bands = {band(v.get("tolerance")) for v in verdicts}
         shared = next(iter(bands)) if len(bands) == 1 else None
         series = [
-            {"legend": f"{v['candidate']} vs {v['baseline']}",
-             "iterations": v["per_step"].get("iteration", []),
-             "rel_diff": _finite_or_none(v["per_step"].get("rel_diff"))}
+            {
+                "legend": f"{v['candidate']} vs {v['baseline']}",
+                "iterations": v["per_step"].get("iteration", []),
+                "rel_diff": _finite_or_none(v["per_step"].get("rel_diff")),
+            }
             for v in verdicts
-        ]  # fmt: skip
-        step_bands = list({
-            v["baseline"]: {"legend": f"rounding band of {v['baseline']}",
-                            "iterations": v["per_step"].get("iteration", []),
-                            "band": _finite_or_none(v["per_step"].get("band"))}
-            for v in verdicts if v["per_step"].get("band")
-        }.values())  # fmt: skip
+        ]
+        step_bands = list(
+            {
+                v["baseline"]: {
+                    "legend": f"rounding band of {v['baseline']}",
+                    "iterations": v["per_step"].get("iteration", []),
+                    "band": _finite_or_none(v["per_step"].get("band")),
+                }
+                for v in verdicts
+                if v["per_step"].get("band")
+            }.values()
+        )
         plot = charts.relative_differences(
-            f"{rule}: relative loss difference per step", series, shared, f"reldiff-{index}-{j}",
+            f"{rule}: relative loss difference per step",
+            series,
+            shared,
+            f"reldiff-{index}-{j}",
             step_bands,
-        )  # fmt: skip
-        out.append({
-            "rule": rule, "band": shared, "bands_differ": len(bands) > 1, "plot": plot,
-            "step_bands": [b["legend"] for b in step_bands],
-            "pairs": [{"candidate": v["candidate"], "baseline": v["baseline"],
-                       "status": v["status"], "detail": v.get("detail") or ""} for v in verdicts],
-        })  # fmt: skip
+        )
+        out.append(
+            {
+                "rule": rule,
+                "band": shared,
+                "bands_differ": len(bands) > 1,
+                "plot": plot,
+                "step_bands": [b["legend"] for b in step_bands],
+                "pairs": [
+                    {
+                        "candidate": v["candidate"],
+                        "baseline": v["baseline"],
+                        "status": v["status"],
+                        "detail": v.get("detail") or "",
+                    }
+                    for v in verdicts
+                ],
+            }
+        )
     return out
 
 
@@ -125,7 +148,7 @@ def comparison_section(comp: Comparison, index: int) -> dict[str, Any]:
                 for r in with_norms
             ],
             f"gradnorm-{index}",
-        )  # fmt: skip
+        )
         if with_norms
         else None
     )
@@ -222,10 +245,12 @@ def headline(comps: list[Comparison]) -> dict[str, Any] | None:
 def run_provenance(comp: Comparison) -> list[dict[str, Any]]:
     return [
         {
-            "name": r.name, "device": device_label(r.device or "none", r.emulated), "status": r.status,
+            "name": r.name,
+            "device": device_label(r.device or "none", r.emulated),
+            "status": r.status,
             "command": command_line(r.command),
             "seed": r.options.get("seed", r.options.get("--seed")),
             "wall_s": number(r.wall_s),
         }
         for r in comp.runs
-    ]  # fmt: skip
+    ]

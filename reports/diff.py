@@ -50,9 +50,16 @@ def _metric_shifts(old: ParityCell, new: ParityCell) -> list[dict[str, Any]]:
             if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b)):
                 continue
             if abs(b - a) > SHIFT_SHARE * width:
-                out.append({"cell": new.label, "tensor": tensor, "metric": metric,
-                            "old": number(a, 6), "new": number(b, 6),
-                            "band": number(width, 3)})  # fmt: skip
+                out.append(
+                    {
+                        "cell": new.label,
+                        "tensor": tensor,
+                        "metric": metric,
+                        "old": number(a, 6),
+                        "new": number(b, 6),
+                        "band": number(width, 3),
+                    }
+                )
     return out
 
 
@@ -60,19 +67,26 @@ def _cell_row(old: ParityCell | None, new: ParityCell | None) -> dict[str, Any]:
     cell = new or old
     assert cell is not None
     return {
-        "cell": cell.label, "key": "|".join(cell.key), "device": device_label(cell.device),
-        "old": old.status if old else "absent", "new": new.status if new else "absent",
+        "cell": cell.label,
+        "key": "|".join(cell.key),
+        "device": device_label(cell.device),
+        "old": old.status if old else "absent",
+        "new": new.status if new else "absent",
         "reason": (new or old).reason,
-    }  # fmt: skip
+    }
 
 
 def parity_diff(old: list[ParityCell], new: list[ParityCell]) -> dict[str, list[dict[str, Any]]]:
     before = {c.key: c for c in old}
     after = {c.key: c for c in new}
     out: dict[str, list[dict[str, Any]]] = {
-        "new_errors": [], "fixed": [], "other_changes": [], "appeared": [], "disappeared": [],
+        "new_errors": [],
+        "fixed": [],
+        "other_changes": [],
+        "appeared": [],
+        "disappeared": [],
         "metric_shifts": [],
-    }  # fmt: skip
+    }
     for key in sorted(set(before) | set(after)):
         o, n = before.get(key), after.get(key)
         if n is not None and n.status == "error" and (o is None or o.status != "error"):
@@ -107,10 +121,17 @@ def compare_diff(old: ResultSet, new: ResultSet) -> dict[str, list[dict[str, Any
         for v in comp.verdicts:
             prev = old_v.get((v["candidate"], v["baseline"], v["rule"]))
             if prev is not None and prev["status"] != v["status"]:
-                verdicts.append({"comparison": comp.title, "candidate": v["candidate"],
-                                 "baseline": v["baseline"], "rule": v["rule"],
-                                 "old": prev["status"], "new": v["status"],
-                                 "detail": v.get("detail") or ""})  # fmt: skip
+                verdicts.append(
+                    {
+                        "comparison": comp.title,
+                        "candidate": v["candidate"],
+                        "baseline": v["baseline"],
+                        "rule": v["rule"],
+                        "old": prev["status"],
+                        "new": v["status"],
+                        "detail": v.get("detail") or "",
+                    }
+                )
         for run in comp.runs:
             prev = base.run(run.name)
             if prev is None or run.emulated or prev.emulated:
@@ -120,10 +141,16 @@ def compare_diff(old: ResultSet, new: ResultSet) -> dict[str, list[dict[str, Any
                 continue
             if _overlap(a.get("ci95_s_per_step"), b.get("ci95_s_per_step")) is False:
                 old_s, new_s = a["median_s_per_step"], b["median_s_per_step"]
-                speed.append({"what": f"{comp.title}: {run.name}", "device": device_label(run.device or "none"),
-                              "old": number(old_s), "new": number(new_s),
-                              "ratio": number(new_s / old_s, 3),
-                              "flag": "slower" if new_s > old_s else "faster"})  # fmt: skip
+                speed.append(
+                    {
+                        "what": f"{comp.title}: {run.name}",
+                        "device": device_label(run.device or "none"),
+                        "old": number(old_s),
+                        "new": number(new_s),
+                        "ratio": number(new_s / old_s, 3),
+                        "flag": "slower" if new_s > old_s else "faster",
+                    }
+                )
     return {"verdicts": verdicts, "speed": speed}
 
 
@@ -136,10 +163,16 @@ def benchmark_diff(old: ResultSet, new: ResultSet) -> list[dict[str, Any]]:
             continue
         flag = speed_flag(bench, prev)
         if flag != "same":
-            out.append({"what": f"{bench.op} [{bench.path}] {bench.name}",
-                        "device": device_label(bench.device), "old": number(prev.median),
-                        "new": number(bench.median), "ratio": number(bench.median / prev.median, 3),
-                        "flag": flag})  # fmt: skip
+            out.append(
+                {
+                    "what": f"{bench.op} [{bench.path}] {bench.name}",
+                    "device": device_label(bench.device),
+                    "old": number(prev.median),
+                    "new": number(bench.median),
+                    "ratio": number(bench.median / prev.median, 3),
+                    "flag": flag,
+                }
+            )
     return out
 
 

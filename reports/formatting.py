@@ -12,10 +12,18 @@ from megatron_npu.reports import devices
 #: The colour class of each status word any input uses (parity verdicts, compare rule verdicts
 #: and run states, info patch states, benchmark flags); anything else is shown neutral.
 STATUS_CLASS = {
-    "pass": "pass", "ok": "pass", "applied": "pass", "cached": "pass", "faster": "pass",
-    "warning": "warning", "refused": "warning", "slower": "error",
-    "error": "error", "fail": "error", "failed": "error",
-}  # fmt: skip
+    "pass": "pass",
+    "ok": "pass",
+    "applied": "pass",
+    "cached": "pass",
+    "faster": "pass",
+    "warning": "warning",
+    "refused": "warning",
+    "slower": "error",
+    "error": "error",
+    "fail": "error",
+    "failed": "error",
+}
 
 
 _CLASS_ORDER = ("neutral", "pass", "warning", "error")
@@ -52,8 +60,12 @@ def number(value: Any, digits: int = 4) -> str:
 def device_label(label: str, emulated: bool | None = None) -> dict[str, Any]:
     """What a device cell shows: the label, and whether to add the emulation badge."""
     emu = devices.is_emulated(label) if emulated is None else emulated
-    return {"name": label, "emulated": bool(emu), "known": devices.known(label),
-            "note": devices.EMULATION_NOTE if emu else ""}  # fmt: skip
+    return {
+        "name": label,
+        "emulated": bool(emu),
+        "known": devices.known(label),
+        "note": devices.EMULATION_NOTE if emu else "",
+    }
 
 
 def command_line(argv: Any) -> str:

@@ -118,8 +118,11 @@ def _parity_runs(directory: Path) -> list[Path]:
 
 
 def _add_folder(directory: Path, out: ResultSet) -> None:
-    located = [directory / name for name in (locate_view.LOCATE_FILE, locate_view.MSPROBE_FILE)
-               if (directory / name).is_file()]  # fmt: skip
+    located = [
+        directory / name
+        for name in (locate_view.LOCATE_FILE, locate_view.MSPROBE_FILE)
+        if (directory / name).is_file()
+    ]
     if located:
         for path in located:
             _add_json_file(path, out)

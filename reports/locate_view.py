@@ -114,26 +114,37 @@ def tree_rows(modules: list[dict[str, Any]], divergent: dict | None) -> list[dic
         for phase in PHASES:
             info = row.get(phase) or {}
             cell = heat(info.get("output"), info.get("tolerance"))
-            cell.update(phase=phase, input=info.get("input"), ratio=info.get("ratio"),
-                        diverges=bool(info.get("diverges")))  # fmt: skip
+            cell.update(
+                phase=phase,
+                input=info.get("input"),
+                ratio=info.get("ratio"),
+                diverges=bool(info.get("diverges")),
+            )
             cells.append(cell)
-        out.append({
-            "name": row.get("name", module),
-            "label": module.rpartition(".")[2] + (f" @{row['shard']}" if row.get("shard") else ""),
-            "indent": 0 if module in ("model", "optimizer") else module.count(".") + 1,
-            "kind": row.get("kind", ""),
-            "cells": cells,
-            "named": row.get("name", module) == named,
-            "patches": (row.get("patches") or {}).get("own", []),
-        })  # fmt: skip
+        out.append(
+            {
+                "name": row.get("name", module),
+                "label": module.rpartition(".")[2]
+                + (f" @{row['shard']}" if row.get("shard") else ""),
+                "indent": 0 if module in ("model", "optimizer") else module.count(".") + 1,
+                "kind": row.get("kind", ""),
+                "cells": cells,
+                "named": row.get("name", module) == named,
+                "patches": (row.get("patches") or {}).get("own", []),
+            }
+        )
     return out
 
 
 def _side(side: Any) -> dict[str, Any]:
     """A run side as the page names it: its label and device, and the user's script if any."""
     side = side if isinstance(side, dict) else {}
-    return {**side, "label": side.get("label", "?"), "device": side.get("device", "?"),
-            "script": side.get("script")}  # fmt: skip
+    return {
+        **side,
+        "label": side.get("label", "?"),
+        "device": side.get("device", "?"),
+        "script": side.get("script"),
+    }
 
 
 def msprobe_rows(rows: list[dict[str, Any]], divergent: dict | None) -> list[dict[str, Any]]:
@@ -142,12 +153,18 @@ def msprobe_rows(rows: list[dict[str, Any]], divergent: dict | None) -> list[dic
     out = []
     for row in rows:
         cell = heat(row.get("output"), row.get("tolerance"))
-        out.append({
-            "rank": row.get("rank", ""), "name": row.get("name", ""),
-            "phase": row.get("phase", ""), "kind": row.get("kind", ""),
-            "cell": cell, "input": row.get("input"), "diverges": bool(row.get("diverges")),
-            "named": (row.get("name"), row.get("rank")) == named,
-        })  # fmt: skip
+        out.append(
+            {
+                "rank": row.get("rank", ""),
+                "name": row.get("name", ""),
+                "phase": row.get("phase", ""),
+                "kind": row.get("kind", ""),
+                "cell": cell,
+                "input": row.get("input"),
+                "diverges": bool(row.get("diverges")),
+                "named": (row.get("name"), row.get("rank")) == named,
+            }
+        )
     return out
 
 
@@ -155,17 +172,23 @@ def msprobe_section(result: LocateResult, index: int) -> dict[str, Any]:
     data = result.data
     divergent = data.get("divergent")
     return {
-        "id": f"locate-msprobe-{index}", "mode": "msprobe", "source": result.source,
-        "reference": data.get("reference"), "candidate": data.get("candidate"),
-        "task": data.get("task"), "levels": data.get("levels", []),
-        "ranks": data.get("ranks", []), "statement": data.get("statement"),
+        "id": f"locate-msprobe-{index}",
+        "mode": "msprobe",
+        "source": result.source,
+        "reference": data.get("reference"),
+        "candidate": data.get("candidate"),
+        "task": data.get("task"),
+        "levels": data.get("levels", []),
+        "ranks": data.get("ranks", []),
+        "statement": data.get("statement"),
         "divergent": divergent,
         "metrics": (divergent or {}).get("msprobe_metrics"),
-        "patches": (divergent or {}).get("patches") or (divergent or {}).get("module_patches")
+        "patches": (divergent or {}).get("patches")
+        or (divergent or {}).get("module_patches")
         or [],
         "rows": msprobe_rows(data.get("rows", []), divergent),
         "unmatched": data.get("unmatched", {}),
-    }  # fmt: skip
+    }
 
 
 def section(result: LocateResult, index: int) -> dict[str, Any]:

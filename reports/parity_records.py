@@ -107,9 +107,21 @@ def parse_cell(data: Any, source: str) -> ParityCell:
         if not isinstance(entry.get("verdict"), dict) or "status" not in entry["verdict"]:
             raise BadRecord(f"missing or bad key 'tensors[{name!r}].verdict.status'")
     known = {
-        "schema_version", "patch_id", "target", "case", "dtype", "parallel", "device", "tensors",
-        "verdict", "tolerance", "provenance", "kernels", "npu_kernel_exercised", "benchmark",
-    }  # fmt: skip
+        "schema_version",
+        "patch_id",
+        "target",
+        "case",
+        "dtype",
+        "parallel",
+        "device",
+        "tensors",
+        "verdict",
+        "tolerance",
+        "provenance",
+        "kernels",
+        "npu_kernel_exercised",
+        "benchmark",
+    }
     return ParityCell(
         patch_id=_need(data, "patch_id", str),
         target=_need(data, "target", str),

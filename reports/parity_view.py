@@ -25,8 +25,12 @@ def default_tolerance(dtype: str) -> dict[str, Any]:
         "megatron_npu.parity.verdict"
     )  # megatron_npu.parity.verdict is also a function name
     error_n, warning_n = rules._DUAL_DEFAULTS.get(dtype, (None, None))
-    return {"cosine": COSINE_MIN, "abs_pass": ABS_PASS, "dual_error": error_n,
-            "dual_warning": warning_n}  # fmt: skip
+    return {
+        "cosine": COSINE_MIN,
+        "abs_pass": ABS_PASS,
+        "dual_error": error_n,
+        "dual_warning": warning_n,
+    }
 
 
 def _tensor_rows(cell: ParityCell) -> list[dict[str, Any]]:
@@ -54,8 +58,10 @@ def benchmark_section(benchmark: Any) -> dict[str, Any] | None:
     for name, entry in (benchmark.get("tensors") or {}).items():
         if not isinstance(entry, dict):
             continue
-        parts = {k: entry.get(k) if isinstance(entry.get(k), dict) else {}
-                 for k in ("tested", "benchmark", "ratios", "limits")}  # fmt: skip
+        parts = {
+            k: entry.get(k) if isinstance(entry.get(k), dict) else {}
+            for k in ("tested", "benchmark", "ratios", "limits")
+        }
         metrics = list(dict.fromkeys([*parts["ratios"], *parts["tested"], *parts["benchmark"]]))
         verdict = entry.get("verdict") if isinstance(entry.get("verdict"), dict) else {}
         tensors.append(
@@ -175,10 +181,17 @@ def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
     for patch_id, have in sorted(by_patch.items()):
         rows.append(
             {
-                "patch": patch_id, "target": have[0].target, "devices": [], "case": None,
-                "exemption": None, "records": len(have), "expected": 0, "missing": [],
+                "patch": patch_id,
+                "target": have[0].target,
+                "devices": [],
+                "case": None,
+                "exemption": None,
+                "records": len(have),
+                "expected": 0,
+                "missing": [],
                 "counts": dict(Counter(c.status for c in have)),
-                "worst": worst_status([c.status for c in have]), "in_registry": False,
+                "worst": worst_status([c.status for c in have]),
+                "in_registry": False,
             }
-        )  # fmt: skip
+        )
     return rows

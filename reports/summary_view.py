@@ -26,26 +26,54 @@ def _devices(pairs: list[tuple[str, bool | None]]) -> list[dict[str, Any]]:
 def banner(rs: ResultSet, bench_flags: dict[str, int]) -> list[dict[str, Any]]:
     rows = []
     if rs.parity:
-        rows.append({"kind": "parity cells", "counts": Counter(c.status for c in rs.parity),
-                     "devices": _devices([(c.device, None) for c in rs.parity])})  # fmt: skip
+        rows.append(
+            {
+                "kind": "parity cells",
+                "counts": Counter(c.status for c in rs.parity),
+                "devices": _devices([(c.device, None) for c in rs.parity]),
+            }
+        )
     if rs.comparisons:
         runs = [r for comp in rs.comparisons for r in comp.runs]
-        rows.append({"kind": "end-to-end rule verdicts",
-                     "counts": Counter(v["status"] for comp in rs.comparisons for v in comp.verdicts),
-                     "devices": _devices([(r.device, r.emulated) for r in runs if r.device])})  # fmt: skip
-        rows.append({"kind": "training runs", "counts": Counter(r.status for r in runs),
-                     "devices": _devices([(r.device, r.emulated) for r in runs if r.device])})  # fmt: skip
+        rows.append(
+            {
+                "kind": "end-to-end rule verdicts",
+                "counts": Counter(v["status"] for comp in rs.comparisons for v in comp.verdicts),
+                "devices": _devices([(r.device, r.emulated) for r in runs if r.device]),
+            }
+        )
+        rows.append(
+            {
+                "kind": "training runs",
+                "counts": Counter(r.status for r in runs),
+                "devices": _devices([(r.device, r.emulated) for r in runs if r.device]),
+            }
+        )
     if rs.benchmark_files:
-        rows.append({"kind": "benchmarks", "counts": Counter(bench_flags),
-                     "devices": _devices([(b.device, b.emulated) for b in rs.benches])})  # fmt: skip
+        rows.append(
+            {
+                "kind": "benchmarks",
+                "counts": Counter(bench_flags),
+                "devices": _devices([(b.device, b.emulated) for b in rs.benches]),
+            }
+        )
     for info in rs.infos:
         name = str(info.device.get("name", "unknown"))
-        rows.append({"kind": f"patches (info: {name})",
-                     "counts": Counter(str(p.get("status")) for p in info.patches),
-                     "devices": _devices([(name, info.device.get("emulated"))])})  # fmt: skip
+        rows.append(
+            {
+                "kind": f"patches (info: {name})",
+                "counts": Counter(str(p.get("status")) for p in info.patches),
+                "devices": _devices([(name, info.device.get("emulated"))]),
+            }
+        )
     if rs.skipped:
-        rows.append({"kind": "inputs skipped", "counts": Counter({"skipped": len(rs.skipped)}),
-                     "devices": []})  # fmt: skip
+        rows.append(
+            {
+                "kind": "inputs skipped",
+                "counts": Counter({"skipped": len(rs.skipped)}),
+                "devices": [],
+            }
+        )
     return rows
 
 
@@ -69,24 +97,35 @@ def parity_provenance(rs: ResultSet) -> list[dict[str, Any]]:
         seeds = sorted({c.provenance.get("seed") for c in cells}, key=str)
         rows.append(
             {
-                "device": device_label(key[0]), "commit": key[1] or "-",
-                "fields": dict(zip(_PARITY_PROVENANCE, (k if k is not None else "-" for k in key[2:]))),
-                "records": len(cells), "seeds": ", ".join(str(s) for s in seeds),
-                "from": stamps[0], "to": stamps[-1],
+                "device": device_label(key[0]),
+                "commit": key[1] or "-",
+                "fields": dict(
+                    zip(_PARITY_PROVENANCE, (k if k is not None else "-" for k in key[2:]))
+                ),
+                "records": len(cells),
+                "seeds": ", ".join(str(s) for s in seeds),
+                "from": stamps[0],
+                "to": stamps[-1],
                 "schemas": ", ".join(str(v) for v in sorted({c.schema_version for c in cells})),
             }
-        )  # fmt: skip
+        )
     return rows
 
 
 def compare_provenance(rs: ResultSet) -> list[dict[str, Any]]:
     return [
-        {"title": comp.title, "source": comp.source, "created": comp.created or "-",
-         "fields": {k: number(v) if not isinstance(v, list) else " ".join(map(str, v))
-                    for k, v in comp.provenance.items()},
-         "runs": compare_view.run_provenance(comp)}
+        {
+            "title": comp.title,
+            "source": comp.source,
+            "created": comp.created or "-",
+            "fields": {
+                k: number(v) if not isinstance(v, list) else " ".join(map(str, v))
+                for k, v in comp.provenance.items()
+            },
+            "runs": compare_view.run_provenance(comp),
+        }
         for comp in rs.comparisons
-    ]  # fmt: skip
+    ]
 
 
 def benchmark_provenance(rs: ResultSet) -> list[dict[str, Any]]:
@@ -97,17 +136,27 @@ def benchmark_provenance(rs: ResultSet) -> list[dict[str, Any]]:
         if isinstance(cpu, dict) and cpu.get("brand_raw"):
             machine["cpu"] = cpu["brand_raw"]
         commit = {k: v for k, v in f.commit_info.items() if not isinstance(v, dict | list)}
-        out.append({"source": f.source, "datetime": f.datetime or "-",
-                    "version": f.version or "-", "machine": machine, "commit": commit,
-                    "devices": _devices([(b.device, b.emulated) for b in f.benches])})  # fmt: skip
+        out.append(
+            {
+                "source": f.source,
+                "datetime": f.datetime or "-",
+                "version": f.version or "-",
+                "machine": machine,
+                "commit": commit,
+                "devices": _devices([(b.device, b.emulated) for b in f.benches]),
+            }
+        )
     return out
 
 
 def info_provenance(rs: ResultSet) -> list[dict[str, Any]]:
     return [
-        {"source": i.source, "device": device_label(str(i.device.get("name", "unknown")),
-                                                    i.device.get("emulated")),
-         "description": i.device.get("description", ""), "versions": i.versions,
-         "patches": i.patches}
+        {
+            "source": i.source,
+            "device": device_label(str(i.device.get("name", "unknown")), i.device.get("emulated")),
+            "description": i.device.get("description", ""),
+            "versions": i.versions,
+            "patches": i.patches,
+        }
         for i in rs.infos
-    ]  # fmt: skip
+    ]

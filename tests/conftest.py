@@ -50,15 +50,17 @@ OPTIONAL_TIERS = {"per_release": "--per-release", "extended": "--extended"}
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--per-release", action="store_true",
+        "--per-release",
+        action="store_true",
         help="also run the tests marked per_release (tox runs them once per megatron-core "
         "release; the default suite leaves them out to stay within its time)",
-    )  # fmt: skip
+    )
     parser.addoption(
-        "--extended", action="store_true",
+        "--extended",
+        action="store_true",
         help="also run the tests marked extended (tox -e extended; the default suite leaves "
         "them out to stay within its time)",
-    )  # fmt: skip
+    )
 
 
 def pytest_collection_modifyitems(config, items):

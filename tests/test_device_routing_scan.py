@@ -27,9 +27,11 @@ def _ast_cuda_modules(package: str) -> set[str]:
         tree = ast.parse(path.read_bytes())
         for node in ast.walk(tree):
             torch_cuda = (
-                isinstance(node, ast.Attribute) and node.attr == "cuda"
-                and isinstance(node.value, ast.Name) and node.value.id == "torch"
-            )  # fmt: skip
+                isinstance(node, ast.Attribute)
+                and node.attr == "cuda"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            )
             device = (
                 isinstance(node, ast.Constant)
                 and isinstance(node.value, str)
@@ -58,10 +60,13 @@ def test_every_cuda_using_megatron_module_is_routed_or_unrouted_for_a_stated_rea
 
 def test_the_gpt_training_modules_are_among_the_routed():
     for module in (
-        "megatron.core.parallel_state", "megatron.core.tensor_parallel.random",
-        "megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer.distrib_optimizer",
-        "megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.transformer_layer",
-    ):  # fmt: skip
+        "megatron.core.parallel_state",
+        "megatron.core.tensor_parallel.random",
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.transformer.transformer_layer",
+    ):
         assert module in MODULES, module
 
 
@@ -99,8 +104,10 @@ def fake_megatron(tmp_path, monkeypatch):
 def test_a_new_module_using_torch_cuda_outside_the_routed_scope_is_unclassified(fake_megatron):
     scanned = cuda_scan.cuda_using_modules(fake_megatron)
     assert set(scanned) == {
-        "fakemeg4.core.train.step", "fakemeg4.core.train.gpu_only", "fakemeg4.core.newfeature",
-    }  # fmt: skip
+        "fakemeg4.core.train.step",
+        "fakemeg4.core.train.gpu_only",
+        "fakemeg4.core.newfeature",
+    }
     routed, skipped, unclassified = classify(
         scanned, ("fakemeg4.core.train",), {"fakemeg4.core.train.gpu_only": "GPU only"}
     )

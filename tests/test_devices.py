@@ -78,8 +78,11 @@ def test_cli_reports_missing_cann_without_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path), devices.ENV_VAR: "npu"}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_npu.cli", "info"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "CANN runtime is missing" in proc.stderr

@@ -21,13 +21,19 @@ def gpt(gloo_world_of_one, cpu_adaptor):
     def build(seed: int = 1234, dropout: float = 0.0) -> GPTModel:
         model_parallel_cuda_manual_seed(seed)
         config = TransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-            hidden_dropout=dropout, attention_dropout=dropout,
-        )  # fmt: skip
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+        )
         return GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=VOCAB, max_sequence_length=SEQ,
-        )  # fmt: skip
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+        )
 
     return build
 

@@ -83,8 +83,12 @@ def spellings(name: str = "npu-emulated") -> set[str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
             skip = _docstrings(tree)
             for node in ast.walk(tree):
-                if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                        and id(node) not in skip and node.value == name):  # fmt: skip
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and id(node) not in skip
+                    and node.value == name
+                ):
                     found.add(rel)
     return found
 
@@ -144,8 +148,12 @@ def test_the_scans_see_a_violation():
     ]
     planned = "see issue 12; Done-when of the seeds' plan; TODO; re-measured on 2026-11-23"
     assert [m.group(0) for m in PLANNING.finditer(planned)] == [
-        "issue 12", "Done-when", "the seeds'", "TODO", "re-measured on 2026-11-23",
-    ]  # fmt: skip
+        "issue 12",
+        "Done-when",
+        "the seeds'",
+        "TODO",
+        "re-measured on 2026-11-23",
+    ]
     assert not PLANNING.findall("a tissue 3 todo list, the seeds of the RNG, issued 4 times")
     tree = ast.parse('"""npu-emulated in a docstring"""\nDEVICE = "npu-emulated"\n')
     constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]

@@ -20,8 +20,11 @@ def test_megatron_core_import_notices_only_when_asked(asked):
         env["PYTHONWARNINGS"] = "default"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_npu.cli", "info"],
-        capture_output=True, text=True, env=env, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "megatron-core" in proc.stdout, proc.stdout[-2000:]
     assert (NOTICE in proc.stderr) == asked, proc.stderr[-2000:]
@@ -46,8 +49,6 @@ def test_help_and_the_launcher_do_not_import_megatron_core():
         "list(preflight.check(arguments.finalize(args, 2)))\n"
         "print('megatron.core' in sys.modules)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180
-    )  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout[-2000:]

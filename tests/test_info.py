@@ -16,8 +16,11 @@ def _info_json(device: str) -> dict:
     env = {**os.environ, "MEGATRON_NPU_DEVICE": device}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_npu.cli", "info", "--json"],
-        capture_output=True, text=True, env=env, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

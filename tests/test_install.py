@@ -60,9 +60,20 @@ def _source_copy(target: Path) -> Path:
     """The checkout's files as git would see them, without build outputs: setuptools builds in
     ``build/`` of the source folder and would carry stale files of an earlier layout along."""
     ignore = shutil.ignore_patterns(
-        ".git", ".venv", ".tox", "build", "dist", "*.egg-info", "runs", "results", "__pycache__",
-        ".hypothesis", ".benchmarks", ".pytest_cache", ".ruff_cache",
-    )  # fmt: skip
+        ".git",
+        ".venv",
+        ".tox",
+        "build",
+        "dist",
+        "*.egg-info",
+        "runs",
+        "results",
+        "__pycache__",
+        ".hypothesis",
+        ".benchmarks",
+        ".pytest_cache",
+        ".ruff_cache",
+    )
     shutil.copytree(ROOT, target, ignore=ignore, symlinks=True)
     return target
 
@@ -76,19 +87,25 @@ def test_pip_install_into_a_clean_venv_installs_one_top_level_package(tmp_path):
     python = env_dir / "bin" / "python"
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", str(source)],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     site = Path(
         subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
-    )  # fmt: skip
+    )
     installed = {
-        path.name for path in site.iterdir()
+        path.name
+        for path in site.iterdir()
         if not path.name.endswith((".dist-info", ".pth")) and path.name != "__pycache__"
-    }  # fmt: skip
+    }
     ours = installed - {"pip", "_distutils_hack", "setuptools", "pkg_resources"}
     assert ours == {"megatron_npu"}
     package = site / "megatron_npu"
@@ -151,9 +168,10 @@ def megatron_npu_version() -> str:
 def test_parity_names_the_extra_it_needs(monkeypatch, tmp_path):
     real_find_spec = runner.importlib.util.find_spec
     monkeypatch.setattr(
-        runner.importlib.util, "find_spec",
+        runner.importlib.util,
+        "find_spec",
         lambda name, *a: None if name == "hypothesis" else real_find_spec(name, *a),
-    )  # fmt: skip
+    )
     args = argparse.Namespace(
         workers=2, devices=["cpu"], mode="quick", results=str(tmp_path), keyword=None
     )

@@ -29,7 +29,7 @@ def test_a_valid_layout_has_no_problem():
         ({"num_experts": 0, "ep": 1}, "--num-experts 0"),
         ({"sequence_parallel": False}, "needs --sequence-parallel"),
     ],
-)  # fmt: skip
+)
 def test_each_broken_combination_is_named(change, named):
     problems = moe_option_problems(**{**VALID, **change})
     assert len(problems) == 1 and named in problems[0], problems

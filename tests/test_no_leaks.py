@@ -68,9 +68,10 @@ def test_later_copies_through_aliases_relative_imports_and_re_exports_are_restor
         import_dir, "leakcheck_own.py", "from leakcheck_home import replacement as f\n"
     )
     megatron_npu.apply(
-        "cpu", patches=[Patch("t.f", "fakemeg2.core.thing.f", home.replacement, "test")],
+        "cpu",
+        patches=[Patch("t.f", "fakemeg2.core.thing.f", home.replacement, "test")],
         megatron_version="0.15.0",
-    )  # fmt: skip
+    )
     reexport = importlib.import_module("fakemeg2.core.reexport")
     chain = importlib.import_module("leakcheck_chain")
     own = importlib.import_module("leakcheck_own")

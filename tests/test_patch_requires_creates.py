@@ -32,10 +32,14 @@ def _apply(patches):
 
 def test_a_target_in_an_absent_training_layer_is_not_installed_not_an_error():
     patch = Patch(
-        id="t.absent", target="nosuchlm.training.initialize.fn", replacement=lambda: None,
-        reason="test", requires="nosuchlm.training.initialize", parity_exempt="t",
+        id="t.absent",
+        target="nosuchlm.training.initialize.fn",
+        replacement=lambda: None,
+        reason="test",
+        requires="nosuchlm.training.initialize",
+        parity_exempt="t",
         exempt_test="x.py::t",
-    )  # fmt: skip
+    )
     (result,) = _apply([patch])
     assert result.status == patcher.NOT_INSTALLED
     assert "nosuchlm.training.initialize is not importable" in result.reason
@@ -44,9 +48,14 @@ def test_a_target_in_an_absent_training_layer_is_not_installed_not_an_error():
 def test_a_partial_stand_in_package_does_not_count_as_installed(module):
     """``fakelm`` exists but has no ``fakelm.training``: the patch waits, nothing is raised."""
     patch = Patch(
-        id="t.partial", target="fakelm.training.fn", replacement=lambda: None, reason="test",
-        requires="fakelm.training", parity_exempt="t", exempt_test="x.py::t",
-    )  # fmt: skip
+        id="t.partial",
+        target="fakelm.training.fn",
+        replacement=lambda: None,
+        reason="test",
+        requires="fakelm.training",
+        parity_exempt="t",
+        exempt_test="x.py::t",
+    )
     (result,) = _apply([patch])
     assert result.status == patcher.NOT_INSTALLED
 
@@ -59,11 +68,24 @@ def test_requires_must_hold_the_target():
 def test_a_created_global_is_installed_and_removed_again(module):
     kernel = types.SimpleNamespace(run=lambda: "ran")
     patches = [
-        Patch(id="t.kernel", target="fakelm.layers.extension", replacement=kernel, creates=True,
-              reason="test", parity_exempt="t", exempt_test="x.py::t"),
-        Patch(id="t.flag", target="fakelm.layers.available", replacement=True, reason="test",
-              parity_exempt="t", exempt_test="x.py::t"),
-    ]  # fmt: skip
+        Patch(
+            id="t.kernel",
+            target="fakelm.layers.extension",
+            replacement=kernel,
+            creates=True,
+            reason="test",
+            parity_exempt="t",
+            exempt_test="x.py::t",
+        ),
+        Patch(
+            id="t.flag",
+            target="fakelm.layers.available",
+            replacement=True,
+            reason="test",
+            parity_exempt="t",
+            exempt_test="x.py::t",
+        ),
+    ]
     results = _apply(patches)
     assert [r.status for r in results] == [patcher.APPLIED, patcher.APPLIED]
     assert module.extension is kernel and module.available is True
@@ -74,8 +96,15 @@ def test_a_created_global_is_installed_and_removed_again(module):
 def test_an_existing_global_is_replaced_and_put_back(module):
     real = object()
     module.extension = real
-    patch = Patch(id="t.kernel", target="fakelm.layers.extension", replacement=1, creates=True,
-                  reason="test", parity_exempt="t", exempt_test="x.py::t")  # fmt: skip
+    patch = Patch(
+        id="t.kernel",
+        target="fakelm.layers.extension",
+        replacement=1,
+        creates=True,
+        reason="test",
+        parity_exempt="t",
+        exempt_test="x.py::t",
+    )
     _apply([patch])
     assert module.extension == 1
     megatron_npu.restore()
@@ -83,8 +112,14 @@ def test_an_existing_global_is_replaced_and_put_back(module):
 
 
 def test_without_creates_a_missing_global_is_still_a_target_error(module):
-    patch = Patch(id="t.kernel", target="fakelm.layers.extension", replacement=1, reason="test",
-                  parity_exempt="t", exempt_test="x.py::t")  # fmt: skip
+    patch = Patch(
+        id="t.kernel",
+        target="fakelm.layers.extension",
+        replacement=1,
+        reason="test",
+        parity_exempt="t",
+        exempt_test="x.py::t",
+    )
     with pytest.raises(patcher.PatchTargetError, match="t.kernel"):
         _apply([patch])
     assert not hasattr(module, "extension")

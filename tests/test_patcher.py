@@ -187,9 +187,12 @@ def test_real_megatron_subclass_after_apply_is_patched():
         return post_init
 
     patch = Patch(
-        "t.cfg", f"{TransformerConfig.__module__}.TransformerConfig.__post_init__",
-        wrap_post_init, "test", kind="wrap",
-    )  # fmt: skip
+        "t.cfg",
+        f"{TransformerConfig.__module__}.TransformerConfig.__post_init__",
+        wrap_post_init,
+        "test",
+        kind="wrap",
+    )
     megatron_npu.apply("cpu", patches=[patch])
 
     class MyConfig(TransformerConfig):
@@ -349,9 +352,14 @@ def test_data_patches_apply_without_compiled_helpers(monkeypatch):
     from megatron_npu.patches import data
 
     args = (
-        numpy.array([5, 3, 7, 2], dtype=numpy.int32), numpy.array([0, 2, 1, 3], dtype=numpy.int32),
-        4, 1, 17, True, True,
-    )  # fmt: skip
+        numpy.array([5, 3, 7, 2], dtype=numpy.int32),
+        numpy.array([0, 2, 1, 3], dtype=numpy.int32),
+        4,
+        1,
+        17,
+        True,
+        True,
+    )
     helpers = sys.modules.get(data._HELPERS) or __import__(data._HELPERS, fromlist=["x"])
     expected = helpers.build_sample_idx(*args)  # megatron-core's compiled helpers
 

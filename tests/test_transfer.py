@@ -124,8 +124,17 @@ def test_transfer_switches_with_apply_arguments():
 def test_process_group_backend_is_the_devices(monkeypatch):
     calls = []
 
-    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                           store=None, group_name="", pg_options=None, device_id=None):  # fmt: skip
+    def init_process_group(
+        backend=None,
+        init_method=None,
+        timeout=None,
+        world_size=-1,
+        rank=-1,
+        store=None,
+        group_name="",
+        pg_options=None,
+        device_id=None,
+    ):
         calls.append(("init", backend, world_size, rank))
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None):
@@ -142,9 +151,12 @@ def test_process_group_backend_is_the_devices(monkeypatch):
     megatron_npu.restore()
     assert torch.distributed.init_process_group is init_process_group
     assert calls == [
-        ("init", "gloo", 2, 1), ("init", "gloo", -1, -1), ("init", "mpi", -1, -1),
-        ("new", [0, 1], None), ("new", [0, 1], "gloo"),
-    ]  # fmt: skip
+        ("init", "gloo", 2, 1),
+        ("init", "gloo", -1, -1),
+        ("init", "mpi", -1, -1),
+        ("new", [0, 1], None),
+        ("new", [0, 1], "gloo"),
+    ]
 
 
 def test_wrapped_torch_functions_keep_their_signature():

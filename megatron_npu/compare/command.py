@@ -192,28 +192,34 @@ def speed_verdict(cand: RunResult, other: RunResult, matrix: Matrix) -> rules.Ve
     mismatch = (
         "not timed in the same compare invocation (one of them was reused from an earlier one, "
         "under another machine load): run both again (a fresh --out) to time them"
-        if local and (None in sessions or sessions[0] != sessions[1])
-        and not cand.emulated and not other.emulated
+        if local
+        and (None in sessions or sessions[0] != sessions[1])
+        and not cand.emulated
+        and not other.emulated
         else None
-    )  # fmt: skip
+    )
     models = fp.differences(other.fingerprint(), cand.fingerprint(), s.vary)
     if models and not mismatch:  # two different models are never timed against each other
         fields = ", ".join(f"{f} ({a!r} vs {b!r})" for f, a, b in models)
         mismatch = f"not like for like: another model than {other.spec.name} ({fields})"
     mismatch = mismatch or rules.speed_mismatch(
-        cand.speed_setup(), other.speed_setup(),
+        cand.speed_setup(),
+        other.speed_setup(),
         same_configuration=cand.spec.kind == other.spec.kind == "train"
         and cand.spec.options == other.spec.options,
         explicit=cand.spec.speed_reference == other.spec.name,
-    )  # fmt: skip
+    )
     return rules.performance(
-        cand.spec.name, other.spec.name,
+        cand.spec.name,
+        other.spec.name,
         rules.step_time_stats(other.curve().step_times, s.warmup_steps),
         rules.step_time_stats(cand.curve().step_times, s.warmup_steps),
-        mismatch=mismatch, threshold=s.perf_threshold,
-        base_memory=peak_memory(other), cand_memory=peak_memory(cand),
+        mismatch=mismatch,
+        threshold=s.perf_threshold,
+        base_memory=peak_memory(other),
+        cand_memory=peak_memory(cand),
         memory_threshold=s.memory_threshold,
-    )  # fmt: skip
+    )
 
 
 def noise_verdict(
@@ -224,18 +230,30 @@ def noise_verdict(
     perturbed = [r for r in results.values() if r.spec.rerun_of == ref.spec.name and r.spec.perturb]
     if not perturbed:
         return None
-    rounding = {r.spec.name: r.curve() for r in perturbed
-                if r.spec.perturb in noise.ROUNDING and r.ok}  # fmt: skip
+    rounding = {
+        r.spec.name: r.curve() for r in perturbed if r.spec.perturb in noise.ROUNDING and r.ok
+    }
     scale = next((r.curve() for r in perturbed if r.spec.perturb == noise.SCALE and r.ok), None)
     s = matrix.settings
-    return noise.noise(cand.spec.name, ref.spec.name, ref.curve(), rounding, cand.curve(),
-                       factor=s.noise_factor, floor=s.noise_floor, scale=scale)  # fmt: skip
+    return noise.noise(
+        cand.spec.name,
+        ref.spec.name,
+        ref.curve(),
+        rounding,
+        cand.curve(),
+        factor=s.noise_factor,
+        floor=s.noise_floor,
+        scale=scale,
+    )
 
 
 def judge(
-    cand: RunResult, ref: RunResult, timed_against: RunResult | None, matrix: Matrix,
+    cand: RunResult,
+    ref: RunResult,
+    timed_against: RunResult | None,
+    matrix: Matrix,
     results: dict[str, RunResult],
-) -> list[rules.Verdict]:  # fmt: skip
+) -> list[rules.Verdict]:
     s = matrix.settings
     name = cand.spec.name
     if not ref.ok:
@@ -279,7 +297,7 @@ def judge(
                 late_window=s.late_window,
                 late_growth=s.late_growth,
                 grad_norm_rtol=s.grad_norm_rtol,
-            )  # fmt: skip
+            )
         )
     if out[0].status != rules.REFUSED:
         banded = noise_verdict(cand, ref, results, matrix)
@@ -428,9 +446,16 @@ def confirm_slowdown(
             run_dir = out_dir / "runs" / run.spec.name / "retime"
             (run_dir / "run.json").unlink(missing_ok=True)
             outcome = runner.execute(
-                run.spec, run.device, run_dir, corpus_dir=out_dir / "corpus", timeout_s=run.spec.timeout_s or s.timeout_s,
-                rerun_index=2, checkpoint=False, echo=echo, session=session,
-            )  # fmt: skip
+                run.spec,
+                run.device,
+                run_dir,
+                corpus_dir=out_dir / "corpus",
+                timeout_s=run.spec.timeout_s or s.timeout_s,
+                rerun_index=2,
+                checkpoint=False,
+                echo=echo,
+                session=session,
+            )
             metrics = runner.read_json(run_dir / "metrics.json") if outcome.status == "ok" else None
             if metrics is None:
                 return verdict  # the re-timing failed: the first timing stands
@@ -439,21 +464,27 @@ def confirm_slowdown(
         base_t, cand_t = (
             rules.step_time_stats(retimed[r.spec.name].curve().step_times, s.warmup_steps)
             for r in (other, cand)
-        )  # fmt: skip
+        )
         # confirmed when the medians of the back-to-back pair differ beyond the threshold (one
         # loaded stretch widens an interval; the medians of two neighbouring runs still show it)
         ratio = cand_t.median / base_t.median if base_t and cand_t and base_t.median > 0 else 0.0
         if ratio <= 1 + s.perf_threshold:
             return rules.Verdict(
-                verdict.candidate, verdict.baseline, "performance", rules.PASS,
+                verdict.candidate,
+                verdict.baseline,
+                "performance",
+                rules.PASS,
                 f"not confirmed: first timing {verdict.detail}; timed again back to back: {again.detail}",
                 verdict.tolerance,
-            )  # fmt: skip
+            )
         verdict = rules.Verdict(
-            verdict.candidate, verdict.baseline, "performance", rules.FAIL,
+            verdict.candidate,
+            verdict.baseline,
+            "performance",
+            rules.FAIL,
             f"{verdict.detail}; confirmed back to back (medians {ratio:.2f}x): {again.detail}",
             verdict.tolerance,
-        )  # fmt: skip
+        )
     return verdict
 
 
@@ -480,17 +511,23 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
         imported = imports.load(str(spec.path), spec.import_run)
     except imports.ImportedRunError as exc:
         echo.write(f" [compare] {spec.name}: FAILED to import ({exc})\n")
-        return RunResult(spec, spec.devices[0] if spec.devices else None,
-                         runner.Outcome("failed", str(exc), 0.0, [], ""))  # fmt: skip
+        return RunResult(
+            spec,
+            spec.devices[0] if spec.devices else None,
+            runner.Outcome("failed", str(exc), 0.0, [], ""),
+        )
     device = spec.devices[0] if spec.devices else imported.device
     if device is None:
         error = f"{spec.path}: the file does not say which device ran it: set device = ... in the matrix"
         echo.write(f" [compare] {spec.name}: FAILED to import ({error})\n")
         return RunResult(spec, None, runner.Outcome("failed", error, 0.0, [], ""))
     result = RunResult(
-        spec, device, runner.Outcome("imported", None, 0.0, [], imported.provenance.get("sha256") or ""),
-        metrics=imported.metrics, provenance=imported.provenance,
-    )  # fmt: skip
+        spec,
+        device,
+        runner.Outcome("imported", None, 0.0, [], imported.provenance.get("sha256") or ""),
+        metrics=imported.metrics,
+        provenance=imported.provenance,
+    )
     _datasheet_peak(result)
     if imported.device and imported.device != device:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
@@ -560,9 +597,16 @@ def run_compare(
             )
         else:
             outcome = runner.execute(
-                spec, device, run_dir, corpus_dir=out_dir / "corpus", timeout_s=spec.timeout_s or s.timeout_s,
-                rerun_index=1 if spec.rerun_of else 0, checkpoint=s.lambada, echo=echo, session=session,
-            )  # fmt: skip
+                spec,
+                device,
+                run_dir,
+                corpus_dir=out_dir / "corpus",
+                timeout_s=spec.timeout_s or s.timeout_s,
+                rerun_index=1 if spec.rerun_of else 0,
+                checkpoint=s.lambada,
+                echo=echo,
+                session=session,
+            )
         result = RunResult(spec, device, outcome)
         if outcome.status in ("ok", "cached"):
             result.metrics = runner.read_json(run_dir / "metrics.json")
@@ -597,9 +641,15 @@ def run_compare(
         for r, e in zip(results.values(), entries)
     ]
     document = results_mod.document(
-        matrix=matrix.source, baseline=s.baseline, runs=entries, verdicts=[v.as_dict() for v in verdicts],
-        table2=rows, skipped=skipped, notes=list(matrix.notes), argv=argv,
-    )  # fmt: skip
+        matrix=matrix.source,
+        baseline=s.baseline,
+        runs=entries,
+        verdicts=[v.as_dict() for v in verdicts],
+        table2=rows,
+        skipped=skipped,
+        notes=list(matrix.notes),
+        argv=argv,
+    )
     title = f"Table 2: {matrix.source} matrix, baseline {s.baseline}"
     text = table2.markdown(rows, title)
     results_path, table_path = results_mod.write(out_dir, document, text)

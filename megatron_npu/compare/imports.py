@@ -107,8 +107,12 @@ def _from_results(data: dict, path: Path, run: str | None) -> tuple[dict[str, An
             "(copy the whole compare folder)"
         ) from None
     metrics = _check_metrics(_read_json(metrics_path, text), metrics_path)
-    origin = {"results": str(path), "run": run, "created": data.get("created"),
-              "provenance": data.get("provenance")}  # fmt: skip
+    origin = {
+        "results": str(path),
+        "run": run,
+        "created": data.get("created"),
+        "provenance": data.get("provenance"),
+    }
     return metrics, origin
 
 
@@ -125,10 +129,12 @@ def load(path: str | Path, run: str | None = None) -> Imported:
         metrics = tensorboard_events.to_metrics(events, str(path))
         return Imported(metrics, None, False, {"kind": "tensorboard", "path": str(path)})
     text = read_text(
-        path, ImportedRunError, "text file",
+        path,
+        ImportedRunError,
+        "text file",
         "a log, metrics.json or results.json was expected (an event file's name contains "
         "'tfevents')",
-    )  # fmt: skip
+    )
     digest = _sha256(path)
     # JSON by its first character, unless the text is a Megatron-LM log: its lines start with a
     # "[date time]" stamp, so a log cut down to its iteration lines starts with "[" too
@@ -147,9 +153,11 @@ def load(path: str | Path, run: str | None = None) -> Imported:
         device = config.get("device") if isinstance(config.get("device"), str) else None
         versions = config.get("versions") if isinstance(config.get("versions"), dict) else {}
         return Imported(
-            metrics, device, bool(config.get("device_emulated")),
+            metrics,
+            device,
+            bool(config.get("device_emulated")),
             {"kind": kind, "path": str(path), "sha256": digest, "versions": versions, **origin},
-        )  # fmt: skip
+        )
     if run is not None:
         raise ImportedRunError(f"{path}: run = {run!r} is for a compare results.json")
     if not mlm_log.looks_like_log(text):
@@ -162,6 +170,8 @@ def load(path: str | Path, run: str | None = None) -> Imported:
     except mlm_log.LogFormatError as exc:
         raise ImportedRunError(str(exc)) from None
     return Imported(
-        mlm_log.to_metrics(parsed, str(path)), None, False,
+        mlm_log.to_metrics(parsed, str(path)),
+        None,
+        False,
         {"kind": "megatron-lm-log", "path": str(path), "sha256": digest},
-    )  # fmt: skip
+    )

@@ -373,10 +373,25 @@ def align_vocab_padding(runs: list[RunSpec]) -> tuple[list[RunSpec], list[str]]:
     return out, notes
 
 
-RUN_KEYS = frozenset({
-    "name", "device", "options", "reference", "rerun_of", "optional", "timeout_s",
-    "speed_reference", "hardware", "import", "run", "script", "args", "nproc_per_node", "perturb",
-})  # fmt: skip
+RUN_KEYS = frozenset(
+    {
+        "name",
+        "device",
+        "options",
+        "reference",
+        "rerun_of",
+        "optional",
+        "timeout_s",
+        "speed_reference",
+        "hardware",
+        "import",
+        "run",
+        "script",
+        "args",
+        "nproc_per_node",
+        "perturb",
+    }
+)
 #: the train option each perturbation sets on the rerun (``threads`` changes its environment)
 PERTURB_OPTIONS = {"init-ulp": ("init-ulp-nudge", 1), "init-ulp-down": ("init-ulp-nudge", -1)}
 
@@ -433,9 +448,14 @@ def _source(raw: dict, base_dir: Path, where: str) -> tuple[str, str | None, dic
         nproc = raw.get("nproc_per_node", 1)
         if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
             raise MatrixError(f"{where}: nproc_per_node must be a positive integer, got {nproc!r}")
-        return "script", str(base_dir / path), {
-            "script_args": tuple(str(a) for a in args), "nproc_per_node": nproc,
-        }  # fmt: skip
+        return (
+            "script",
+            str(base_dir / path),
+            {
+                "script_args": tuple(str(a) for a in args),
+                "nproc_per_node": nproc,
+            },
+        )
     for key in ("args", "nproc_per_node"):
         if key in raw:
             raise MatrixError(f"{where}: {key} belongs to a script = ... run")

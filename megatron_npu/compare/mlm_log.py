@@ -228,8 +228,9 @@ def data_description(
     return f"{what} {source}"
 
 
-def model_flops(records: list[dict[str, Any]], args: dict[str, Any], vocab: Any,
-                world: Any) -> float | None:  # fmt: skip
+def model_flops(
+    records: list[dict[str, Any]], args: dict[str, Any], vocab: Any, world: Any
+) -> float | None:
     """The model FLOPs of one step: from the run's own ``throughput per GPU (TFLOP/s/GPU)``
     (Megatron-LM's count over the step time and the world; ``records`` hold ``tflops_per_gpu``
     and ``step_time_ms`` per step, from a log's lines or TensorBoard's scalars) when it logged
@@ -257,11 +258,17 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
     steps = []
     for rec in parsed["iterations"]:
         skipped = bool(rec.get("skipped")) or "lm_loss" not in rec
-        steps.append({
-            "step": rec["iteration"], "lm_loss": None if skipped else rec.get("lm_loss"),
-            "grad_norm": rec.get("grad_norm"), "lr": rec.get("lr"), "loss_scale": rec.get("loss_scale"),
-            "skipped": skipped, "step_time_s": rec["step_time_ms"] / 1000.0,
-        })  # fmt: skip
+        steps.append(
+            {
+                "step": rec["iteration"],
+                "lm_loss": None if skipped else rec.get("lm_loss"),
+                "grad_norm": rec.get("grad_norm"),
+                "lr": rec.get("lr"),
+                "loss_scale": rec.get("loss_scale"),
+                "skipped": skipped,
+                "step_time_s": rec["step_time_ms"] / 1000.0,
+            }
+        )
     losses = [s["lm_loss"] for s in steps if s["lm_loss"] is not None]
     world = args.get("world_size")
     tp = args.get("tensor_model_parallel_size") or 1

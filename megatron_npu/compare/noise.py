@@ -57,9 +57,13 @@ def envelope(iterations: Sequence[int], deviations: Sequence[dict[int, float]]) 
 
 
 def _banded(
-    ref: Curve, rerun_devs: list[dict[int, float]], cand: Curve, attr: str, factor: float,
+    ref: Curve,
+    rerun_devs: list[dict[int, float]],
+    cand: Curve,
+    attr: str,
+    factor: float,
     floor: float,
-) -> tuple[list[int], list[float], list[float]]:  # fmt: skip
+) -> tuple[list[int], list[float], list[float]]:
     """The steps where ``cand`` has ``attr`` beside the reference, its deviation there and the
     band there (``rerun_devs``: each rounding rerun's deviations of ``attr``)."""
     its = list(ref.iterations)
@@ -81,22 +85,38 @@ def _outside(what: str, steps: list[int], devs: list[float], edges: list[float])
 
 
 def noise(
-    name: str, reference: str, ref: Curve, reruns: dict[str, Curve], cand: Curve, *,
-    factor: float = FACTOR, floor: float = FLOOR, scale: Curve | None = None,
-) -> Verdict:  # fmt: skip
+    name: str,
+    reference: str,
+    ref: Curve,
+    reruns: dict[str, Curve],
+    cand: Curve,
+    *,
+    factor: float = FACTOR,
+    floor: float = FLOOR,
+    scale: Curve | None = None,
+) -> Verdict:
     """Judge ``cand`` against ``ref``'s rounding band, measured by ``reruns`` (name -> curve of
     a rounding rerun, at least :data:`MIN_RERUNS`); ``scale``: a rerun with another seed."""
     tolerance: dict = {"factor": factor, "floor": floor, "reruns": sorted(reruns)}
     if len(reruns) < MIN_RERUNS:
         return Verdict(
-            name, reference, "noise", NOT_APPLICABLE,
+            name,
+            reference,
+            "noise",
+            NOT_APPLICABLE,
             f"the rounding band needs {MIN_RERUNS} reruns of {reference}; "
             f"{len(reruns)} finished ({', '.join(sorted(reruns)) or 'none'})",
             tolerance,
-        )  # fmt: skip
+        )
     if any(c.iterations != ref.iterations for c in (cand, *reruns.values())):
-        return Verdict(name, reference, "noise", FAIL,
-                       "the candidate or a rerun has other steps than the reference", tolerance)  # fmt: skip
+        return Verdict(
+            name,
+            reference,
+            "noise",
+            FAIL,
+            "the candidate or a rerun has other steps than the reference",
+            tolerance,
+        )
     loss_devs = [_deviations(ref, c, "losses") for c in reruns.values()]
     steps, devs, edges = _banded(ref, loss_devs, cand, "losses", factor, floor)
     if not steps:
@@ -109,12 +129,17 @@ def noise(
     if mean > mean_band:
         problems.append(f"mean deviation {mean:.3g} above rounding's {mean_band:.3g}")
     norm_steps, norm_devs, norm_edges = _banded(
-        ref, [_deviations(ref, c, "grad_norms") for c in reruns.values()], cand, "grad_norms",
-        factor, floor,
-    )  # fmt: skip
+        ref,
+        [_deviations(ref, c, "grad_norms") for c in reruns.values()],
+        cand,
+        "grad_norms",
+        factor,
+        floor,
+    )
     if norm_steps:
-        per_step.update(grad_norm_iteration=norm_steps, grad_norm_rel_diff=norm_devs,
-                        grad_norm_band=norm_edges)  # fmt: skip
+        per_step.update(
+            grad_norm_iteration=norm_steps, grad_norm_rel_diff=norm_devs, grad_norm_band=norm_edges
+        )
         problems.append(_outside("grad norm of ", norm_steps, norm_devs, norm_edges))
     problems = [p for p in problems if p]
     widest = max(d / e for d, e in zip(devs, edges))
@@ -128,10 +153,18 @@ def noise(
             seed_mean = tolerance["seed_scale"] = float(np.mean(list(scale_dev.values())))
             summary += f"; another seed moves the loss by {seed_mean:.3g} on average"
     if problems:
-        return Verdict(name, reference, "noise", FAIL, "; ".join(problems) + f" ({summary})",
-                       tolerance, per_step)  # fmt: skip
-    return Verdict(name, reference, "noise", PASS, f"inside the rounding band: {summary}",
-                   tolerance, per_step)  # fmt: skip
+        return Verdict(
+            name,
+            reference,
+            "noise",
+            FAIL,
+            "; ".join(problems) + f" ({summary})",
+            tolerance,
+            per_step,
+        )
+    return Verdict(
+        name, reference, "noise", PASS, f"inside the rounding band: {summary}", tolerance, per_step
+    )
 
 
 def band_cell(verdict: Verdict) -> str:

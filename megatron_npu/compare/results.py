@@ -35,9 +35,16 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
 
 
 def document(
-    *, matrix: str, baseline: str, runs: list[dict], verdicts: list[dict], table2: list[dict],
-    skipped: list[dict], notes: list[str], argv: list[str] | None,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    matrix: str,
+    baseline: str,
+    runs: list[dict],
+    verdicts: list[dict],
+    table2: list[dict],
+    skipped: list[dict],
+    notes: list[str],
+    argv: list[str] | None,
+) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,

@@ -114,11 +114,14 @@ def fingerprint_rule(
         )
     listed = ", ".join(f"{f} ({a!r} vs {b!r})" for f, a, b in diffs)
     return Verdict(
-        name, reference, "fingerprint", REFUSED,
+        name,
+        reference,
+        "fingerprint",
+        REFUSED,
         f"refused: differs from {reference} on {listed}; the matrix does not vary "
         f"{'this field' if len(diffs) == 1 else 'these fields'} (align them, or list them in [compare] vary)",
         tol,
-    )  # fmt: skip
+    )
 
 
 def deterministic(name: str, reference: str, ref: Curve, cand: Curve) -> Verdict:
@@ -184,9 +187,14 @@ def layout(name: str, reference: str, ref: Curve, cand: Curve, tol: float = 1e-5
         )
     over = int(np.sum(err > tol))
     return Verdict(
-        name, reference, "layout", FAIL,
-        f"{over} of {len(its)} steps beyond {tol:g}; max {err[worst]:.2e} at step {its[worst]}", tolerance, per_step,
-    )  # fmt: skip
+        name,
+        reference,
+        "layout",
+        FAIL,
+        f"{over} of {len(its)} steps beyond {tol:g}; max {err[worst]:.2e} at step {its[worst]}",
+        tolerance,
+        per_step,
+    )
 
 
 def late_trend(errors: np.ndarray, window: int) -> tuple[float, float]:
@@ -199,10 +207,17 @@ def late_trend(errors: np.ndarray, window: int) -> tuple[float, float]:
 
 
 def approximate(
-    name: str, reference: str, ref: Curve, cand: Curve, *,
-    rtol: float = RTOL, mean_rtol: float = MEAN_RTOL, late_window: int = LATE_WINDOW,
-    late_growth: float = LATE_GROWTH, grad_norm_rtol: float = GRAD_NORM_RTOL,
-) -> Verdict:  # fmt: skip
+    name: str,
+    reference: str,
+    ref: Curve,
+    cand: Curve,
+    *,
+    rtol: float = RTOL,
+    mean_rtol: float = MEAN_RTOL,
+    late_window: int = LATE_WINDOW,
+    late_growth: float = LATE_GROWTH,
+    grad_norm_rtol: float = GRAD_NORM_RTOL,
+) -> Verdict:
     window = min(late_window, len(ref.iterations))
     tolerance = {
         "rtol": rtol,
@@ -232,8 +247,11 @@ def approximate(
             f"late divergence over the last {window} steps: mean {late_mean:.2%}, trend +{growth:.2%} "
             f"(limits {mean_rtol:.0%} and +{late_growth:.0%})"
         )
-    norms = [(i, a, b) for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms)
-             if a is not None and b is not None]  # fmt: skip
+    norms = [
+        (i, a, b)
+        for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms)
+        if a is not None and b is not None
+    ]
     if norms:
         norm_its = [i for i, _, _ in norms]
         norm_err = relative_errors([a for _, a, _ in norms], [b for _, _, b in norms])
@@ -365,11 +383,17 @@ class PeakMemory:
 
 
 def performance(
-    name: str, reference: str, base: StepTimeStats | None, cand: StepTimeStats | None, *,
-    mismatch: str | None = None, threshold: float = PERF_THRESHOLD,
-    base_memory: PeakMemory | None = None, cand_memory: PeakMemory | None = None,
+    name: str,
+    reference: str,
+    base: StepTimeStats | None,
+    cand: StepTimeStats | None,
+    *,
+    mismatch: str | None = None,
+    threshold: float = PERF_THRESHOLD,
+    base_memory: PeakMemory | None = None,
+    cand_memory: PeakMemory | None = None,
     memory_threshold: float = MEMORY_THRESHOLD,
-) -> Verdict:  # fmt: skip
+) -> Verdict:
     """``mismatch``: :func:`speed_mismatch`'s reason the pair is not timed (None: it is)."""
     tolerance = {"threshold": threshold, "ci": 0.95, "memory_threshold": memory_threshold}
     if mismatch is not None:
@@ -387,9 +411,11 @@ def performance(
     if cand.ci95[0] > base.ci95[1] * (1 + threshold):
         problems.append(f"slower than {reference} beyond {threshold:.0%}")
     memory = (
-        base_memory is not None and cand_memory is not None
-        and base_memory.measure == cand_memory.measure and base_memory.nbytes > 0
-    )  # fmt: skip
+        base_memory is not None
+        and cand_memory is not None
+        and base_memory.measure == cand_memory.measure
+        and base_memory.nbytes > 0
+    )
     if memory:
         mem_ratio = cand_memory.nbytes / base_memory.nbytes
         text += (

@@ -158,18 +158,26 @@ def run_environment() -> dict[str, str]:
 
 
 def stream(
-    command: list[str], log_path: Path, timeout_s: float, echo: TextIO,
+    command: list[str],
+    log_path: Path,
+    timeout_s: float,
+    echo: TextIO,
     env: dict[str, str] | None = None,
-) -> tuple[int | None, list[str], float]:  # fmt: skip
+) -> tuple[int | None, list[str], float]:
     """Run ``command`` in its own process group, copying its output to ``echo`` and ``log_path``.
     Returns (exit code or None if killed at the timeout, the log's last lines, seconds)."""
     tail: list[str] = []
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            start_new_session=True, env={**run_environment(), **(env or {})},
-        )  # fmt: skip
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            env={**run_environment(), **(env or {})},
+        )
 
         def pump() -> None:
             for line in proc.stdout:
@@ -231,9 +239,17 @@ def _failure(code: int | None, tail: list[str], timeout_s: float, log: Path | No
 
 
 def execute(
-    spec: RunSpec, device: str, run_dir: Path, *, corpus_dir: Path, timeout_s: float,
-    rerun_index: int = 0, checkpoint: bool = False, echo: TextIO = sys.stdout, session: str | None = None,
-) -> Outcome:  # fmt: skip
+    spec: RunSpec,
+    device: str,
+    run_dir: Path,
+    *,
+    corpus_dir: Path,
+    timeout_s: float,
+    rerun_index: int = 0,
+    checkpoint: bool = False,
+    echo: TextIO = sys.stdout,
+    session: str | None = None,
+) -> Outcome:
     """Train ``spec`` on ``device`` unless an identical finished run is cached in ``run_dir``."""
     command = train_command(spec, device, run_dir, corpus_dir, checkpoint)
     try:
@@ -251,9 +267,14 @@ def execute(
     ):
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
         return Outcome(
-            "cached", None, float(cached.get("wall_s", 0.0)), command, digest,
-            cached.get("lambada"), cached.get("session"),
-        )  # fmt: skip
+            "cached",
+            None,
+            float(cached.get("wall_s", 0.0)),
+            command,
+            digest,
+            cached.get("lambada"),
+            cached.get("session"),
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
@@ -289,9 +310,17 @@ def script_command(spec: RunSpec, log_dir: Path | None = None) -> list[str]:
     torchrun keeps its per-rank logs there instead of a ``torchelastic_*`` folder in /tmp."""
     logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc_per_node),
-        *logs, "-m", "megatron_npu.run_script", str(spec.path), *spec.script_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        *logs,
+        "-m",
+        "megatron_npu.run_script",
+        str(spec.path),
+        *spec.script_args,
+    ]
 
 
 def script_environment(spec: RunSpec, device: str) -> dict[str, str]:
@@ -302,17 +331,27 @@ def script_environment(spec: RunSpec, device: str) -> dict[str, str]:
 
 
 def execute_script(
-    spec: RunSpec, device: str, run_dir: Path, *, timeout_s: float, echo: TextIO = sys.stdout,
+    spec: RunSpec,
+    device: str,
+    run_dir: Path,
+    *,
+    timeout_s: float,
+    echo: TextIO = sys.stdout,
     session: str | None = None,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     """Run a user's Megatron-LM script through the adaptor (cached by hash like a train run) and
     turn its log into ``metrics.json`` (:mod:`.mlm_log`)."""
     from megatron_npu.compare import mlm_log
 
     script = Path(str(spec.path))
-    identity = {"device": device, "command": script_command(spec)[3:],
-                "versions": library_versions(),
-                "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest() if script.is_file() else None}  # fmt: skip
+    identity = {
+        "device": device,
+        "command": script_command(spec)[3:],
+        "versions": library_versions(),
+        "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest()
+        if script.is_file()
+        else None,
+    }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     command = script_command(spec, run_dir / "torchrun-logs")
     record_path, metrics_path, log_path = (
@@ -328,8 +367,15 @@ def execute_script(
         and metrics_path.is_file()
     ):
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
-        return Outcome("cached", None, float(cached.get("wall_s", 0.0)), command, digest,
-                       None, cached.get("session"))  # fmt: skip
+        return Outcome(
+            "cached",
+            None,
+            float(cached.get("wall_s", 0.0)),
+            command,
+            digest,
+            None,
+            cached.get("session"),
+        )
     if not script.is_file():
         return Outcome("failed", f"no script {script}", 0.0, command, digest)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -347,8 +393,17 @@ def execute_script(
             metrics["config"]["device"] = device
             metrics["config"]["device_emulated"] = device == NPU_EMULATED
             _write_json(metrics_path, metrics)
-    _write_json(record_path, {"config_hash": digest, "status": "failed" if error else "ok", "error": error,
-                              "wall_s": wall, "command": command, "session": session})  # fmt: skip
+    _write_json(
+        record_path,
+        {
+            "config_hash": digest,
+            "status": "failed" if error else "ok",
+            "error": error,
+            "wall_s": wall,
+            "command": command,
+            "session": session,
+        },
+    )
     return Outcome("failed" if error else "ok", error, wall, command, digest, session=session)
 
 
@@ -364,16 +419,34 @@ def evaluation_options(spec: RunSpec) -> dict[str, Any]:
 
 
 def evaluate_lambada(
-    spec: RunSpec, device: str, run_dir: Path, data: str, *, timeout_s: float, echo: TextIO = sys.stdout,
-) -> tuple[dict[str, Any] | None, str | None]:  # fmt: skip
+    spec: RunSpec,
+    device: str,
+    run_dir: Path,
+    data: str,
+    *,
+    timeout_s: float,
+    echo: TextIO = sys.stdout,
+) -> tuple[dict[str, Any] | None, str | None]:
     """LAMBADA accuracy of the run's final checkpoint (one process), or (None, why not)."""
     out = run_dir / "lambada.json"
     out.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "megatron_npu.cli", "evaluate", "--task", "lambada",
-        "--load", str(run_dir / "ckpt"), "--valid-data", data, "--device", device,
-        "--results-out", str(out), *option_argv(evaluation_options(spec)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "megatron_npu.cli",
+        "evaluate",
+        "--task",
+        "lambada",
+        "--load",
+        str(run_dir / "ckpt"),
+        "--valid-data",
+        data,
+        "--device",
+        device,
+        "--results-out",
+        str(out),
+        *option_argv(evaluation_options(spec)),
+    ]
     echo.write(f" [compare] {spec.name}: LAMBADA on its final checkpoint\n")
     code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s, echo)
     result = read_json(out)

@@ -129,19 +129,26 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
     times = scalars.get(ITERATION_TIME, {})
     steps = [
         {
-            "step": step, "lm_loss": losses[step], "grad_norm": scalars.get(GRAD_NORM, {}).get(step),
-            "lr": scalars.get(LEARNING_RATE, {}).get(step), "loss_scale": scalars.get(LOSS_SCALE, {}).get(step),
+            "step": step,
+            "lm_loss": losses[step],
+            "grad_norm": scalars.get(GRAD_NORM, {}).get(step),
+            "lr": scalars.get(LEARNING_RATE, {}).get(step),
+            "loss_scale": scalars.get(LOSS_SCALE, {}).get(step),
             # no time logged for this step (no --log-timers-to-tensorboard, or the first step):
             # NaN, which the timing statistics leave out
-            "skipped": False, "step_time_s": times.get(step, float("nan")),
+            "skipped": False,
+            "step_time_s": times.get(step, float("nan")),
         }
         for step in sorted(losses)
-    ]  # fmt: skip
+    ]
     world = args.get("world_size")
     # Megatron-LM's --log-throughput scalar (TFLOP/s per GPU) over the step's iteration-time
     throughput = scalars.get(THROUGHPUT, {})
-    counted = [{"tflops_per_gpu": throughput[s], "step_time_ms": times[s] * 1000.0}
-               for s in sorted(throughput) if s in times]  # fmt: skip
+    counted = [
+        {"tflops_per_gpu": throughput[s], "step_time_ms": times[s] * 1000.0}
+        for s in sorted(throughput)
+        if s in times
+    ]
     tp = args.get("tensor_model_parallel_size") or 1
     pp = args.get("pipeline_model_parallel_size") or 1
     return {

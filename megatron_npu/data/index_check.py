@@ -29,8 +29,16 @@ HEADER_BYTES = 9 + 8 + 1 + 8 + 8
 #: float32, uint16).
 ITEM_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
 #: The same codes as numpy dtypes (the ``.bin`` is read with them).
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-          7: np.float32, 8: np.uint16}  # fmt: skip
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 #: :func:`check_token_ids` scans a ``.bin`` up to this size; a larger one is checked batch by
 #: batch as the run reads it (``training.data``).
 SCAN_LIMIT_BYTES = 256 << 20

@@ -30,10 +30,27 @@ REAL_DEVICE = torch.device
 
 #: Factories whose ``device=`` argument is redirected.
 FACTORIES = (
-    "arange", "as_tensor", "empty", "empty_like", "empty_strided", "eye", "full", "full_like",
-    "linspace", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
-    "randperm", "tensor", "zeros", "zeros_like",
-)  # fmt: skip
+    "arange",
+    "as_tensor",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "eye",
+    "full",
+    "full_like",
+    "linspace",
+    "ones",
+    "ones_like",
+    "rand",
+    "rand_like",
+    "randint",
+    "randn",
+    "randn_like",
+    "randperm",
+    "tensor",
+    "zeros",
+    "zeros_like",
+)
 
 
 def map_device(device: Any) -> Any:

@@ -148,8 +148,10 @@ def python_overload(schema: str) -> Overload:
     stub = sig.signature_str_pyi(skip_outputs=False)
     namespace: dict[str, Any] = {}
     # annotations stay strings (never evaluated); defaults are plain Python literals
-    exec(compile(stub.replace(": ...", ": pass"), schema, "exec", flags=_FUTURE_ANNOTATIONS),
-         namespace)  # fmt: skip
+    exec(
+        compile(stub.replace(": ...", ": pass"), schema, "exec", flags=_FUTURE_ANNOTATIONS),
+        namespace,
+    )
     signature = inspect.signature(namespace[str(parsed.name.name)])
     ordered = list(sig.input_args) + list(sig.input_kwargs) + list(sig.tensor_options_args)
     out = sig.output_args
@@ -231,8 +233,10 @@ def _describe(value: Any) -> str:
 
 def python_form(overload: Overload, name: str) -> str:
     """``npu_foo(input, *, approximate='none')``: the call as the binding's Python sees it."""
-    params = [p.replace(annotation=inspect.Parameter.empty)
-              for p in overload.signature.parameters.values()]  # fmt: skip
+    params = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in overload.signature.parameters.values()
+    ]
     return f"{name}{inspect.Signature(params)}"
 
 
@@ -245,11 +249,15 @@ def _bind_one(overload: Overload, args: tuple, kwargs: dict) -> str | None:
     unknown = [k for k in kwargs if k not in params]
     if unknown:
         return f"no parameter named {', '.join(map(repr, unknown))}"
-    positional = [p.name for p in params.values()
-                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]  # fmt: skip
+    positional = [
+        p.name for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
     if len(args) > len(positional):
-        keyword_only = [p.name for p in params.values()
-                        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != out_name]  # fmt: skip
+        keyword_only = [
+            p.name
+            for p in params.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != out_name
+        ]
         extra = f"; keyword-only: {', '.join(keyword_only)}" if keyword_only else ""
         return f"{len(args)} positional arguments, but it takes {len(positional)}{extra}"
     try:
@@ -259,10 +267,12 @@ def _bind_one(overload: Overload, args: tuple, kwargs: dict) -> str | None:
     for name, value in bound.arguments.items():
         if name == out_name:
             outs = [value] if isinstance(value, torch.Tensor) else value
-            if (not isinstance(outs, (list, tuple)) or len(outs) != overload.outputs
-                    or not all(isinstance(t, torch.Tensor) for t in outs)):  # fmt: skip
-                return (f"{out_name}= must be {overload.outputs} tensor(s), got "
-                        f"{_describe(value)}")  # fmt: skip
+            if (
+                not isinstance(outs, (list, tuple))
+                or len(outs) != overload.outputs
+                or not all(isinstance(t, torch.Tensor) for t in outs)
+            ):
+                return f"{out_name}= must be {overload.outputs} tensor(s), got {_describe(value)}"
             continue
         if not _accepts(overload.types[name], value):
             return f"{name} is {overload.types[name]}, got {_describe(value)}"

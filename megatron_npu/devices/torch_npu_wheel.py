@@ -51,10 +51,21 @@ def download(version: str, dest: Path | None = None) -> Path:
     # into a private folder first, so a concurrent reader never sees a partial wheel
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as staging:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-            "--only-binary=:all:", "--platform", PLATFORM, "--python-version", PYTHON,
-            "--dest", staging, f"torch_npu=={version}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--platform",
+            PLATFORM,
+            "--python-version",
+            PYTHON,
+            "--dest",
+            staging,
+            f"torch_npu=={version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         got = sorted(Path(staging).glob(pattern))
         if proc.returncode != 0 or not got:

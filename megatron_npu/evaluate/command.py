@@ -102,9 +102,11 @@ def worker_main(argv: list[str]) -> int:
         device = devices.require_active()
         loop.check_fused_attention_applied(args, device.name)
         set_fused_attention(
-            use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
-            pre_tokens=args.pre_tokens, next_tokens=args.next_tokens,
-        )  # fmt: skip
+            use_flash_attn=args.use_flash_attn,
+            shape_order=args.shape_order,
+            pre_tokens=args.pre_tokens,
+            next_tokens=args.next_tokens,
+        )
         launch.init_process_group(env, device, args.distributed_timeout_minutes)
         try:
             result = _evaluate(args, own, env, device)
@@ -238,13 +240,19 @@ def _evaluate(args, own, env, device) -> dict | None:
     store: list[dict] = []
     with torch.no_grad():
         for _ in range(len(padded) // mbs):
-            store += forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=model if len(model) > 1 else model[0],
-                num_microbatches=1, seq_length=args.seq_length, micro_batch_size=mbs,
-                decoder_seq_length=args.seq_length, forward_only=True,
-            ) or []  # fmt: skip
+            store += (
+                forward_backward(
+                    forward_step_func=forward_step,
+                    data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                    model=model if len(model) > 1 else model[0],
+                    num_microbatches=1,
+                    seq_length=args.seq_length,
+                    micro_batch_size=mbs,
+                    decoder_seq_length=args.seq_length,
+                    forward_only=True,
+                )
+                or []
+            )
     owner = (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -76,8 +76,13 @@ class RunSide:
         return _option(self.argv, "--device") or "auto"
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"label": self.label, "device": self.device, "argv": self.argv,
-               "world": self.world, "disable": self.disable}  # fmt: skip
+        out = {
+            "label": self.label,
+            "device": self.device,
+            "argv": self.argv,
+            "world": self.world,
+            "disable": self.disable,
+        }
         if self.script:
             out["script"] = self.script
         if self.plant:
@@ -168,9 +173,20 @@ def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
 
 
 class Locator:
-    def __init__(self, reference: RunSide, candidate: RunSide, out: Path, *, limit: int,
-                 rule_base: float | None, gain: float, growth: float, timeout_s: float,
-                 max_trials: int = 16, echo=print) -> None:  # fmt: skip
+    def __init__(
+        self,
+        reference: RunSide,
+        candidate: RunSide,
+        out: Path,
+        *,
+        limit: int,
+        rule_base: float | None,
+        gain: float,
+        growth: float,
+        timeout_s: float,
+        max_trials: int = 16,
+        echo=print,
+    ) -> None:
         if reference.world != candidate.world:
             raise LocateError(
                 f"the runs have different worlds ({reference.world} vs {candidate.world} ranks): "
@@ -188,8 +204,13 @@ class Locator:
         ``kernel:NAME`` items, kernels to serve natively with their patches installed."""
         patches = [d for d in disable if not d.startswith(KERNEL_ITEM)]
         kernels = sorted(d.removeprefix(KERNEL_ITEM) for d in disable if d.startswith(KERNEL_ITEM))
-        spec = {"argv": side.argv, "plant": side.plant, "native_kernels": kernels,
-                "disable": sorted(set(side.disable) | set(patches)), **spec}  # fmt: skip
+        spec = {
+            "argv": side.argv,
+            "plant": side.plant,
+            "native_kernels": kernels,
+            "disable": sorted(set(side.disable) | set(patches)),
+            **spec,
+        }
         log_path = self.out / "logs" / f"{log}.log"
         if side.script:
             spec.update(script=side.script, script_args=side.argv, device=side.device)
@@ -208,9 +229,13 @@ class Locator:
                 self.echo(f" locate: training {side.label} ({side.device}) for {iters} steps")
                 name = "reference" if side is self.reference else "candidate"
                 # step 1 is dumped on the way: a bug in the first step needs no replay
-                spec = {"stop": int(iters) if iters else None, "curve": str(given),
-                        "hook_step": 1, "limit": self.limit,
-                        "dump": str(self.out / "dumps" / name)}  # fmt: skip
+                spec = {
+                    "stop": int(iters) if iters else None,
+                    "curve": str(given),
+                    "hook_step": 1,
+                    "limit": self.limit,
+                    "dump": str(self.out / "dumps" / name),
+                }
                 jobs.append((side, spec, f"curve-{side.label}"))
             paths[side.label] = given
         with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs side by side
@@ -230,20 +255,32 @@ class Locator:
         start = time.perf_counter()
         folder = self.out / "dumps" / "reference"
         shutil.rmtree(folder, ignore_errors=True)
-        spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
-                "save_before": str(folder / "checkpoint") if step > 1 else None}  # fmt: skip
+        spec = {
+            "stop": step,
+            "hook_step": step,
+            "dump": str(folder),
+            "limit": self.limit,
+            "save_before": str(folder / "checkpoint") if step > 1 else None,
+        }
         self.echo(f" locate: replaying step {step} of {self.reference.label} with hooks")
         self._run(self.reference, spec, "dump-reference")
         self.timing["dump_reference_s"] = round(time.perf_counter() - start, 2)
         return folder
 
-    def dump_candidate(self, step: int, reference_dump: Path, name: str,
-                       disable: list[str] = ()) -> Path:  # fmt: skip
+    def dump_candidate(
+        self, step: int, reference_dump: Path, name: str, disable: list[str] = ()
+    ) -> Path:
         folder = self.out / "dumps" / name
         shutil.rmtree(folder, ignore_errors=True)
         checkpoint = reference_dump / "checkpoint"
-        spec = {"stop": step, "hook_step": step, "dump": str(folder), "limit": self.limit,
-                "load": str(checkpoint) if step > 1 else None, "trial": bool(disable)}  # fmt: skip
+        spec = {
+            "stop": step,
+            "hook_step": step,
+            "dump": str(folder),
+            "limit": self.limit,
+            "load": str(checkpoint) if step > 1 else None,
+            "trial": bool(disable),
+        }
         if step > 1 and not checkpoint.is_dir():
             raise LocateError(f"{reference_dump}: no checkpoint/ to replay step {step} from")
         self._run(self.candidate, spec, f"dump-{name}", disable)
@@ -261,8 +298,9 @@ class Locator:
             rule = modules.Rule(max(rule.base, base.base))
         return modules.Rule(rule.base, self.growth, self.gain)
 
-    def culprit(self, step: int, reference_dump: Path, candidate_dump: Path,
-                comparison: modules.Comparison):  # fmt: skip
+    def culprit(
+        self, step: int, reference_dump: Path, candidate_dump: Path, comparison: modules.Comparison
+    ):
         row, phase = comparison.first
         table = dump.read_rank(candidate_dump, row.rank)[0].get("modules", {})
         all_reached = sorted(
@@ -397,8 +435,12 @@ def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
         if args.common:
             parts += ["--common", args.common]
         if args.reference_curve:
-            parts += ["--reference-curve", str(args.reference_curve),
-                      "--candidate-curve", str(args.candidate_curve)]  # fmt: skip
+            parts += [
+                "--reference-curve",
+                str(args.reference_curve),
+                "--candidate-curve",
+                str(args.candidate_curve),
+            ]
     if step is not None:
         parts += ["--step", str(step)]
     if args.plant_candidate:
@@ -428,8 +470,9 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             candidate = script_side("candidate", args.candidate, args.common or "", args.script)
         else:
             reference = side_from_options("reference", args.reference, args.common or "", None)
-            candidate = side_from_options("candidate", args.candidate, args.common or "",
-                                          args.plant_candidate)  # fmt: skip
+            candidate = side_from_options(
+                "candidate", args.candidate, args.common or "", args.plant_candidate
+            )
     if args.reference_curve or args.candidate_curve:
         if args.compare_dir:
             raise LocateError("--reference-curve/--candidate-curve are for --reference/--candidate")
@@ -437,10 +480,18 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             raise LocateError("give both --reference-curve and --candidate-curve")
         ref_metrics, cand_metrics = Path(args.reference_curve), Path(args.candidate_curve)
     _clear_dumps(out, args.reference_dump)
-    loc = Locator(reference, candidate, out, limit=args.limit, rule_base=args.base_tolerance,
-                  gain=args.gain, growth=args.depth_growth, timeout_s=args.timeout,
-                  max_trials=args.max_trials,
-                  echo=echo)  # fmt: skip
+    loc = Locator(
+        reference,
+        candidate,
+        out,
+        limit=args.limit,
+        rule_base=args.base_tolerance,
+        gain=args.gain,
+        growth=args.depth_growth,
+        timeout_s=args.timeout,
+        max_trials=args.max_trials,
+        echo=echo,
+    )
     if args.step is not None:
         finding = curves.StepFinding(args.step, None, None, None, {"status": "not-run"})
     else:
@@ -466,11 +517,15 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             cand_dump = loc.dump_candidate(step, ref_dump, "candidate")
         loc.timing["dump_candidate_s"] = round(time.perf_counter() - start, 2)
     data: dict[str, Any] = {
-        "reference": reference.as_dict(), "candidate": candidate.as_dict(),
-        "step": finding.as_dict(), "replayed_step": step,
+        "reference": reference.as_dict(),
+        "candidate": candidate.as_dict(),
+        "step": finding.as_dict(),
+        "replayed_step": step,
         "dumps": {"reference": str(ref_dump), "candidate": str(cand_dump) if cand_dump else None},
-        "modules": [], "divergent": None, "culprit": None,
-    }  # fmt: skip
+        "modules": [],
+        "divergent": None,
+        "culprit": None,
+    }
     if cand_dump is not None:
         start = time.perf_counter()
         comparison = modules.compare_dumps(ref_dump, cand_dump, loc.rule(ref_dump))
@@ -481,9 +536,11 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         bound = comparison.gradient_bound()
         data["gradient_bound"] = bound
         worst = bound["worst"] or {}
-        echo(f" locate: TTrace's gradient bound: {len(bound['exceeding'])} of "
-             f"{bound['parameters']} gradients beyond it (worst {worst.get('parameter', '-')}: "
-             f"{_short(worst.get('error'))} against {_short(worst.get('bound'))})")  # fmt: skip
+        echo(
+            f" locate: TTrace's gradient bound: {len(bound['exceeding'])} of "
+            f"{bound['parameters']} gradients beyond it (worst {worst.get('parameter', '-')}: "
+            f"{_short(worst.get('error'))} against {_short(worst.get('bound'))})"
+        )
         if comparison.first is not None:
             row, phase = comparison.first
             echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
@@ -493,12 +550,16 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
             if not args.no_culprit:
                 found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
-                named = ", ".join(found.culprits) + (
-                    f" (its kernel {', '.join(found.kernels)})" if found.kernels else ""
-                ) if found.culprits else (
-                    f"not found (suspects: {', '.join(found.suspects)})" if found.suspects
-                    else "not found"
-                )  # fmt: skip
+                named = (
+                    ", ".join(found.culprits)
+                    + (f" (its kernel {', '.join(found.kernels)})" if found.kernels else "")
+                    if found.culprits
+                    else (
+                        f"not found (suspects: {', '.join(found.suspects)})"
+                        if found.suspects
+                        else "not found"
+                    )
+                )
                 echo(f" locate: culprit: {named}")
         else:
             echo(" locate: no divergent module")
@@ -512,33 +573,47 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the two runs")
-    g.add_argument("--reference", help="train options of the reference run (one quoted string, "
-                   "--device included; with --script: --device D [--nproc-per-node N] and the "
-                   "script's own arguments)")  # fmt: skip
+    g.add_argument(
+        "--reference",
+        help="train options of the reference run (one quoted string, "
+        "--device included; with --script: --device D [--nproc-per-node N] and the "
+        "script's own arguments)",
+    )
     g.add_argument("--candidate", help="options of the candidate run (as --reference)")
     g.add_argument("--common", help="options both runs share")
     g.add_argument(
-        "--script", metavar="PATH",
+        "--script",
+        metavar="PATH",
         help="both runs are this Megatron-LM script (e.g. pretrain_gpt.py) through the adaptor; "
         "replays use its own --save/--load/--exit-interval",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--reference-curve", metavar="PATH",
+        "--reference-curve",
+        metavar="PATH",
         help="the reference run's per-step record, already made: a Megatron-LM log, its "
         "TensorBoard folder or a megatron-npu metrics.json (the step is read from it instead "
         "of training the run)",
-    )  # fmt: skip
-    g.add_argument("--candidate-curve", metavar="PATH",
-                   help="the candidate run's record (as --reference-curve)")  # fmt: skip
-    g.add_argument("--compare-dir", help="a compare output folder: take the runs from it")
-    g.add_argument("--pair", nargs=2, metavar=("REFERENCE", "CANDIDATE"),
-                   help="with --compare-dir: the two run names (e.g. the failing pair)")  # fmt: skip
+    )
     g.add_argument(
-        "--msprobe", nargs=2, metavar=("REF", "CAND"),
+        "--candidate-curve",
+        metavar="PATH",
+        help="the candidate run's record (as --reference-curve)",
+    )
+    g.add_argument("--compare-dir", help="a compare output folder: take the runs from it")
+    g.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("REFERENCE", "CANDIDATE"),
+        help="with --compare-dir: the two run names (e.g. the failing pair)",
+    )
+    g.add_argument(
+        "--msprobe",
+        nargs=2,
+        metavar=("REF", "CAND"),
         help="two msprobe dumps made anywhere (a dump folder, a step<N> or rank<R> folder, or a "
         "dump.json; levels L0 and mix, tensor or statistics): name the first module or API "
         "whose error its inputs do not explain (writes locate-msprobe.json)",
-    )  # fmt: skip
+    )
     g.add_argument("--plant-candidate", help=argparse.SUPPRESS)  # testing aid: a parity mutation
     s = parser.add_argument_group("search")
     s.add_argument("--step", type=int, default=None, help="replay this step (skip the curves)")
@@ -562,8 +637,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--depth-growth", type=float, default=modules.DEPTH_GROWTH)
     s.add_argument("--no-culprit", action="store_true", help="stop after naming the module")
-    s.add_argument("--max-trials", type=int, default=16,
-                   help="most replays the culprit search may run")  # fmt: skip
+    s.add_argument(
+        "--max-trials", type=int, default=16, help="most replays the culprit search may run"
+    )
     s.add_argument(
         "--dump-only",
         action="store_true",
@@ -595,27 +671,39 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     if args.base_tolerance is not None:
         rule = modules.Rule(args.base_tolerance, args.depth_growth, args.gain)
     found = msprobe_dumps.compare(reference, candidate, rule)
-    data = {"format": msprobe_dumps.RESULT_FORMAT, "schema_version": 1,
-            "reference": str(ref_path), "candidate": str(cand_path), **found}  # fmt: skip
-    path = write_private(Path(args.out) / msprobe_dumps.RESULT_FILE,
-                         json.dumps(data, indent=2) + "\n")  # fmt: skip
+    data = {
+        "format": msprobe_dumps.RESULT_FORMAT,
+        "schema_version": 1,
+        "reference": str(ref_path),
+        "candidate": str(cand_path),
+        **found,
+    }
+    path = write_private(
+        Path(args.out) / msprobe_dumps.RESULT_FILE, json.dumps(data, indent=2) + "\n"
+    )
     row = found["divergent"]
-    echo(f" locate: msprobe {found['task']} dumps, levels {', '.join(found['levels'])}, "
-         f"{len(found['rows'])} rows compared over {', '.join(found['ranks'])}")  # fmt: skip
+    echo(
+        f" locate: msprobe {found['task']} dumps, levels {', '.join(found['levels'])}, "
+        f"{len(found['rows'])} rows compared over {', '.join(found['ranks'])}"
+    )
     if row is None:
         echo(" locate: no row diverges beyond what its inputs explain")
     else:
-        echo(f" locate: first divergent row: {row['name']} ({row['rank']}): error "
-             f"{row['output']:.3g} from inputs off by {row['input']:.3g} (tolerance "
-             f"{row['tolerance']:.3g})")  # fmt: skip
+        echo(
+            f" locate: first divergent row: {row['name']} ({row['rank']}): error "
+            f"{row['output']:.3g} from inputs off by {row['input']:.3g} (tolerance "
+            f"{row['tolerance']:.3g})"
+        )
         if row["module"] != row["name"]:
             echo(f" locate: inside {row['module']}")
         metrics = row.get("msprobe_metrics")
         if metrics:
             echo(msprobe_line(metrics, "it"))
         reached = row["patches"] or row.get("module_patches") or []
-        echo(" locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
-             f"locate on the runs to decide): {', '.join(reached) or 'none'}")  # fmt: skip
+        echo(
+            " locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
+            f"locate on the runs to decide): {', '.join(reached) or 'none'}"
+        )
     if found["statement"]:
         echo(f" locate: {found['statement']}")
     echo(f" locate: {path}")
@@ -632,8 +720,13 @@ def main(args: argparse.Namespace) -> int:
         if args.limit < 1:
             raise LocateError("--limit must be positive")
         locate(args)
-    except (LocateError, curves.CurveError, dump.DumpError, worker.WorkerError,
-            msprobe_dumps.MsprobeDumpError) as exc:  # fmt: skip
+    except (
+        LocateError,
+        curves.CurveError,
+        dump.DumpError,
+        worker.WorkerError,
+        msprobe_dumps.MsprobeDumpError,
+    ) as exc:
         print(f"megatron-npu locate: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -42,9 +42,14 @@ class Search:
     kernels: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"culprits": self.culprits, "kernels": self.kernels, "suspects": self.suspects,
-                "candidate_sets": self.candidate_sets,
-                "trials": [t.as_dict() for t in self.trials], "note": self.note}  # fmt: skip
+        return {
+            "culprits": self.culprits,
+            "kernels": self.kernels,
+            "suspects": self.suspects,
+            "candidate_sets": self.candidate_sets,
+            "trials": [t.as_dict() for t in self.trials],
+            "note": self.note,
+        }
 
 
 class _OutOfTrials(Exception):
@@ -84,9 +89,11 @@ def ddmin(items: Sequence[str], fixed: Callable[[list[str]], bool]) -> list[str]
     return current
 
 
-def search(candidate_sets: Sequence[Sequence[str]],
-           replay: Callable[[list[str]], tuple[bool | None, str]],
-           max_trials: int = 16) -> Search:  # fmt: skip
+def search(
+    candidate_sets: Sequence[Sequence[str]],
+    replay: Callable[[list[str]], tuple[bool | None, str]],
+    max_trials: int = 16,
+) -> Search:
     """Try each candidate set in turn (narrowest first); ddmin inside the first that fixes.
     At most ``max_trials`` replays."""
     result = Search([], [list(s) for s in candidate_sets])

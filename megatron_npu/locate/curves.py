@@ -39,8 +39,13 @@ class StepFinding:
     approximate: dict[str, Any]  # the approximate rule's verdict on the pair
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "quantity": self.quantity, "rel_error": self.rel_error,
-                "threshold": self.threshold, "approximate": self.approximate}  # fmt: skip
+        return {
+            "step": self.step,
+            "quantity": self.quantity,
+            "rel_error": self.rel_error,
+            "threshold": self.threshold,
+            "approximate": self.approximate,
+        }
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,12 @@ def read_record(path: str | Path) -> Record:
         except ValueError as exc:
             raise CurveError(f"{path}: not valid JSON ({exc})") from None
         if isinstance(data, dict) and "iterations" in data:
-            curve = rules.Curve(list(data["iterations"]), list(data["losses"]),
-                                list(data["grad_norms"]), [0.0] * len(data["iterations"]))  # fmt: skip
+            curve = rules.Curve(
+                list(data["iterations"]),
+                list(data["losses"]),
+                list(data["grad_norms"]),
+                [0.0] * len(data["iterations"]),
+            )
             return Record(curve, {})
         steps = data.get("steps") if isinstance(data, dict) else None
         if not isinstance(steps, list):
@@ -84,8 +93,9 @@ def read_record(path: str | Path) -> Record:
             f"TensorBoard folder): {exc}"
         ) from None
     logged = imported.provenance.get("kind") == "megatron-lm-log"
-    return Record(_from_steps(imported.metrics["steps"]),
-                  dict(mlm_log.PRINTED_RESOLUTION) if logged else {})  # fmt: skip
+    return Record(
+        _from_steps(imported.metrics["steps"]), dict(mlm_log.PRINTED_RESOLUTION) if logged else {}
+    )
 
 
 def read_curve(path: str | Path) -> rules.Curve:
@@ -104,9 +114,11 @@ def printed_resolution(path: str | Path) -> dict[str, float]:
 def _from_steps(steps: list[dict[str, Any]]) -> rules.Curve:
     """A curve from the ``steps`` records of a metrics document."""
     return rules.Curve(
-        [int(s["step"]) for s in steps], [s.get("lm_loss") for s in steps],
-        [s.get("grad_norm") for s in steps], [float(s.get("step_time_s") or 0.0) for s in steps],
-    )  # fmt: skip
+        [int(s["step"]) for s in steps],
+        [s.get("lm_loss") for s in steps],
+        [s.get("grad_norm") for s in steps],
+        [float(s.get("step_time_s") or 0.0) for s in steps],
+    )
 
 
 def _errors(ref: list, cand: list, rounding: float = 0.0) -> list[float | None]:
@@ -122,9 +134,15 @@ def _errors(ref: list, cand: list, rounding: float = 0.0) -> list[float | None]:
     return out
 
 
-def first_divergent_step(ref: rules.Curve, cand: rules.Curve, *, rtol: float = STAGES[0],
-                         mean_rtol: float = STAGES[1], floor: float = FLOOR,
-                         resolution: dict[str, float] | None = None) -> StepFinding:  # fmt: skip
+def first_divergent_step(
+    ref: rules.Curve,
+    cand: rules.Curve,
+    *,
+    rtol: float = STAGES[0],
+    mean_rtol: float = STAGES[1],
+    floor: float = FLOOR,
+    resolution: dict[str, float] | None = None,
+) -> StepFinding:
     """``resolution``: absolute rounding per quantity the curves' values carry (logged digits,
     :func:`printed_resolution`); differences within it are not errors."""
     resolution = resolution or {}

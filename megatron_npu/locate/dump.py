@@ -74,7 +74,7 @@ _KINDS = (
             r"|q_layernorm|k_layernorm|layer_norm)$"
         ),
         "norm",
-    ),  # fmt: skip
+    ),
     (re.compile(r"(^|\.)core_attention$"), "attention"),
     (re.compile(r"(^|\.)self_attention$"), "attention"),
     (re.compile(r"(^|\.)scale_mask_softmax$"), "softmax"),
@@ -177,8 +177,13 @@ def _is_float(value: Any) -> bool:
 class Recorder:
     """Hooks on every module of ``chunks`` (unwrapped GPT models) for one step."""
 
-    def __init__(self, chunks: list[torch.nn.Module], tracer: Any = None,
-                 limit: int = DEFAULT_LIMIT, num_layers: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        tracer: Any = None,
+        limit: int = DEFAULT_LIMIT,
+        num_layers: int = 0,
+    ) -> None:
         self.chunks = chunks
         self.tracer = tracer
         self.limit = limit
@@ -207,8 +212,17 @@ class Recorder:
     def _record(self, module: str, quantity: str, call: int, i: int, tensor: torch.Tensor) -> None:
         key = f"{module}#{call}|{quantity}|{i}"
         fields, stored = summarize(tensor, self.limit)
-        self.entries.append({"key": key, "module": module, "call": call, "quantity": quantity,
-                             "index": i, "order": len(self.entries), **fields})  # fmt: skip
+        self.entries.append(
+            {
+                "key": key,
+                "module": module,
+                "call": call,
+                "quantity": quantity,
+                "index": i,
+                "order": len(self.entries),
+                **fields,
+            }
+        )
         self.tensors[key] = stored
 
     def _tap(self, value: Any, module: str, call: int, quantity: str, counter: list[int]) -> Any:
@@ -309,13 +323,21 @@ class Recorder:
             after = (flat if keep is None else flat[keep]).double().cpu()
             update = after - self._params_before[name]
             key = f"{OPTIMIZER}#0|param.update:{name}|0"
-            self.entries.append({
-                "key": key, "module": OPTIMIZER, "call": 0, "quantity": f"param.update:{name}",
-                "index": 0, "order": len(self.entries), "shape": list(param.shape),
-                "dtype": str(param.dtype).removeprefix("torch."), "sampled": keep is not None,
-                "stats": {"numel": param.numel(), "l2": float(update.norm())},
-                "param_owner": owner,
-            })  # fmt: skip
+            self.entries.append(
+                {
+                    "key": key,
+                    "module": OPTIMIZER,
+                    "call": 0,
+                    "quantity": f"param.update:{name}",
+                    "index": 0,
+                    "order": len(self.entries),
+                    "shape": list(param.shape),
+                    "dtype": str(param.dtype).removeprefix("torch."),
+                    "sampled": keep is not None,
+                    "stats": {"numel": param.numel(), "l2": float(update.norm())},
+                    "param_owner": owner,
+                }
+            )
             self.tensors[key] = update
 
     def module_table(self) -> dict[str, dict[str, Any]]:
@@ -328,9 +350,11 @@ class Recorder:
                 "patches": self.tracer.reached(name, module) if self.tracer else {},
             }
         out[OPTIMIZER] = {
-            "kind": "optimizer", "class": "optimizer", "depth": self.num_layers + 2,
+            "kind": "optimizer",
+            "class": "optimizer",
+            "depth": self.num_layers + 2,
             "patches": self.tracer.reached(OPTIMIZER) if self.tracer else {},
-        }  # fmt: skip
+        }
         return out
 
     def write(self, dump_dir: str | Path, rank: int, coords: dict[str, int]) -> Path:
@@ -362,32 +386,53 @@ class Recorder:
             if ".parameters_grad." in name:
                 data[name] = row.get("parameters_grad", {})
             elif ".forward." in name:
-                data[name] = {"input_args": row.get("input_args", []), "input_kwargs": {},
-                              "output": row.get("output", []), "parameters": {}}  # fmt: skip
+                data[name] = {
+                    "input_args": row.get("input_args", []),
+                    "input_kwargs": {},
+                    "output": row.get("output", []),
+                    "parameters": {},
+                }
             else:
                 data[name] = {"input": row.get("input", []), "output": row.get("output", [])}
-        msprobe = {"task": "tensor", "level": "L0", "framework": "pytorch",
-                   "dump_data_dir": str((folder / TENSOR_DIR).resolve()), "data": data}  # fmt: skip
+        msprobe = {
+            "task": "tensor",
+            "level": "L0",
+            "framework": "pytorch",
+            "dump_data_dir": str((folder / TENSOR_DIR).resolve()),
+            "data": data,
+        }
         _write_json(folder / "dump.json", msprobe)
         _write_json(folder / "construct.json", self._construct(calls, classes))
         _write_json(folder / "stack.json", {})
-        index = {"rank": rank, "coords": coords, "limit": self.limit,
-                 "entries": self.entries, "modules": table}  # fmt: skip
+        index = {
+            "rank": rank,
+            "coords": coords,
+            "limit": self.limit,
+            "entries": self.entries,
+            "modules": table,
+        }
         _write_json(folder / "index.json", index)
         return folder
 
-    def _construct(self, calls: dict[str, MsprobePlace],
-                   classes: dict[str, str]) -> dict[str, str | None]:  # fmt: skip
+    def _construct(
+        self, calls: dict[str, MsprobePlace], classes: dict[str, str]
+    ) -> dict[str, str | None]:
         """msprobe's module tree: each row's parent, the call of the module it ran inside (a
         parameter-gradient row has none)."""
         out: dict[str, str | None] = {}
         for name, place in calls.items():
-            parent = None if place.phase == "parameters_grad" else (
-                self.parents.get((place.module, place.call))
-            )  # fmt: skip
-            out[name] = (None if parent is None else
-                         msprobe_row(parent[0], classes.get(parent[0], "Module"), place.phase,
-                                     parent[1]))  # fmt: skip
+            parent = (
+                None
+                if place.phase == "parameters_grad"
+                else (self.parents.get((place.module, place.call)))
+            )
+            out[name] = (
+                None
+                if parent is None
+                else msprobe_row(
+                    parent[0], classes.get(parent[0], "Module"), place.phase, parent[1]
+                )
+            )
         return out
 
 
@@ -432,16 +477,25 @@ def msprobe_place(entry: dict[str, Any], classes: dict[str, str]) -> MsprobePlac
     kind, _, parameter = quantity.partition(":")
     if kind == "param.grad":
         row = msprobe_row(module, cls, "parameters_grad", 0)
-        return MsprobePlace(row, "parameters_grad", f"{row}.{parameter}.pt", parameter, module,
-                            "parameters_grad", 0)  # fmt: skip
+        return MsprobePlace(
+            row, "parameters_grad", f"{row}.{parameter}.pt", parameter, module, "parameters_grad", 0
+        )
     return MsprobePlace(None, "", f"{OPTIMIZER}.update.{parameter}.pt")
 
 
 def _msprobe_tensor(entry: dict[str, Any], data_name: str) -> dict[str, Any]:
     stats = entry.get("stats", {})
-    return {"type": "torch.Tensor", "dtype": f"torch.{entry['dtype']}", "shape": entry["shape"],
-            "Max": stats.get("max"), "Min": stats.get("min"), "Mean": stats.get("mean"),
-            "Norm": stats.get("l2"), "requires_grad": False, "data_name": data_name}  # fmt: skip
+    return {
+        "type": "torch.Tensor",
+        "dtype": f"torch.{entry['dtype']}",
+        "shape": entry["shape"],
+        "Max": stats.get("max"),
+        "Min": stats.get("min"),
+        "Mean": stats.get("mean"),
+        "Norm": stats.get("l2"),
+        "requires_grad": False,
+        "data_name": data_name,
+    }
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -56,20 +56,29 @@ class GradientCheck:
 
     def as_dict(self) -> dict[str, Any]:
         error = self.error if math.isfinite(self.error) else "Infinity"
-        return {"parameter": self.parameter, "layer": self.layer, "error": error,
-                "bound": self.bound, "exceeds": self.exceeds}  # fmt: skip
+        return {
+            "parameter": self.parameter,
+            "layer": self.layer,
+            "error": error,
+            "bound": self.bound,
+            "exceeds": self.exceeds,
+        }
 
 
 def judge(grads: list[tuple[str, int, float]], num_layers: int, dtype: str) -> dict[str, Any]:
     """The bound's verdict on one step: ``grads`` holds (parameter, layer, relative gradient
     error) for every parameter gradient of the step's dumps."""
-    checks = [GradientCheck(p, layer, err, bound(dtype, layer, num_layers))
-              for p, layer, err in grads]  # fmt: skip
+    checks = [
+        GradientCheck(p, layer, err, bound(dtype, layer, num_layers)) for p, layer, err in grads
+    ]
     over = [c for c in checks if c.exceeds]
     worst = max(checks, key=lambda c: c.error / c.bound if c.bound else math.inf, default=None)
     return {
         "rule": f"relative gradient error <= {K:g} * {C:g}**(L + 1 - l) * eps({dtype})",
-        "num_layers": num_layers, "dtype": dtype, "parameters": len(checks),
-        "caught": bool(over), "exceeding": [c.as_dict() for c in over],
+        "num_layers": num_layers,
+        "dtype": dtype,
+        "parameters": len(checks),
+        "caught": bool(over),
+        "exceeding": [c.as_dict() for c in over],
         "worst": worst.as_dict() if worst else None,
-    }  # fmt: skip
+    }

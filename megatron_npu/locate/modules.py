@@ -119,10 +119,15 @@ class ModuleRow:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "module": self.module, "rank": self.rank, "shard": self.shard,
-            "kind": self.kind, "depth": self.depth, "patches": self.patches,
+            "name": self.name,
+            "module": self.module,
+            "rank": self.rank,
+            "shard": self.shard,
+            "kind": self.kind,
+            "depth": self.depth,
+            "patches": self.patches,
             **{phase: self.phases[phase].as_dict() for phase in PHASES if phase in self.phases},
-        }  # fmt: skip
+        }
 
 
 def _json_float(value: float | None) -> float | str | None:
@@ -176,12 +181,16 @@ def msprobe_metrics(actual: torch.Tensor, reference: torch.Tensor) -> dict[str, 
     result = measure(actual.to(rule), reference.double(), rule)
     cosine, max_abs = result.cosine, result.max_abs_error
     return {
-        "cosine": cosine, "max_abs_error": max_abs, "max_rel_error": result.max_rel_error,
+        "cosine": cosine,
+        "max_abs_error": max_abs,
+        "max_rel_error": result.max_rel_error,
         "passes_msprobe_thresholds": bool(
-            cosine is not None and cosine > MSPROBE_COSINE
-            and max_abs is not None and max_abs < MSPROBE_MAX_ABS
+            cosine is not None
+            and cosine > MSPROBE_COSINE
+            and max_abs is not None
+            and max_abs < MSPROBE_MAX_ABS
         ),
-    }  # fmt: skip
+    }
 
 
 def _shard(coords: dict[str, int], world: int) -> str:
@@ -214,8 +223,15 @@ def _needed(entry: dict[str, Any], only: set[str]) -> bool:
     return False
 
 
-def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tensors: dict,
-                 rule: Rule, world: int, only: set[str] | None = None) -> list[ModuleRow]:  # fmt: skip
+def compare_rank(
+    ref_index: dict,
+    ref_tensors: dict,
+    cand_index: dict,
+    cand_tensors: dict,
+    rule: Rule,
+    world: int,
+    only: set[str] | None = None,
+) -> list[ModuleRow]:
     """The module rows of one rank (see the module docstring)."""
     ref_entries = {e["key"]: e for e in ref_index["entries"]}
     modules = cand_index.get("modules", {})
@@ -227,10 +243,14 @@ def compare_rank(ref_index: dict, ref_tensors: dict, cand_index: dict, cand_tens
         if module not in rows:
             info = modules.get(module, {})
             rows[module] = ModuleRow(
-                name=f"{module}@{shard}" if shard else module, module=module, rank=rank,
-                shard=shard, kind=info.get("kind", dump_mod.module_kind(module)),
-                depth=int(info.get("depth", 0)), patches=info.get("patches", {}),
-            )  # fmt: skip
+                name=f"{module}@{shard}" if shard else module,
+                module=module,
+                rank=rank,
+                shard=shard,
+                kind=info.get("kind", dump_mod.module_kind(module)),
+                depth=int(info.get("depth", 0)),
+                patches=info.get("patches", {}),
+            )
         return rows[module]
 
     for entry in cand_index["entries"]:
@@ -326,9 +346,17 @@ class Comparison:
         row, phase = self.first
         kind = "optimizer" if phase == "update" else row.kind  # the update is the optimizer's
         extra = {"msprobe": self.first_msprobe} if self.first_msprobe else {}
-        return {"module": row.module, "name": row.name, "shard": row.shard, "rank": row.rank,
-                "kind": kind, "module_kind": row.kind, "phase": phase,
-                **row.phases[phase].as_dict(), **extra}  # fmt: skip
+        return {
+            "module": row.module,
+            "name": row.name,
+            "shard": row.shard,
+            "rank": row.rank,
+            "kind": kind,
+            "module_kind": row.kind,
+            "phase": phase,
+            **row.phases[phase].as_dict(),
+            **extra,
+        }
 
 
 def first_divergent(rows: list[ModuleRow]) -> tuple[ModuleRow, str] | None:
@@ -340,8 +368,12 @@ def first_divergent(rows: list[ModuleRow]) -> tuple[ModuleRow, str] | None:
     return None
 
 
-def compare_dumps(reference: str | Path, candidate: str | Path, rule: Rule | None = None,
-                  only: set[str] | None = None) -> Comparison:  # fmt: skip
+def compare_dumps(
+    reference: str | Path,
+    candidate: str | Path,
+    rule: Rule | None = None,
+    only: set[str] | None = None,
+) -> Comparison:
     """Compare two dump folders rank by rank. ``only``: keep just these modules' rows."""
     ref_meta = dump_mod.read_meta(reference)
     cand_meta = dump_mod.read_meta(candidate)
@@ -358,23 +390,28 @@ def compare_dumps(reference: str | Path, candidate: str | Path, rule: Rule | Non
     for rank in range(world):
         ref_index, ref_tensors = dump_mod.read_rank(reference, rank)
         cand_index, cand_tensors = dump_mod.read_rank(candidate, rank)
-        rank_rows = compare_rank(ref_index, ref_tensors, cand_index, cand_tensors, rule, world,
-                                 only)  # fmt: skip
+        rank_rows = compare_rank(
+            ref_index, ref_tensors, cand_index, cand_tensors, rule, world, only
+        )
         rows += [r for r in rank_rows if only is None or r.module in only]
         names = {e["key"]: e["data_name"] for e in cand_index["entries"]}
         for r in rank_rows:  # the tensors a module may be named by, kept while they are loaded
             for phase in r.phases.values():
                 key = phase.worst
                 if key in ref_tensors and key in cand_tensors:
-                    worst[(rank, key)] = {"data_name": names[key], "ref": ref_tensors[key],
-                                          "cand": cand_tensors[key]}  # fmt: skip
+                    worst[(rank, key)] = {
+                        "data_name": names[key],
+                        "ref": ref_tensors[key],
+                        "cand": cand_tensors[key],
+                    }
     first = first_divergent(rows)
     dtype = cand_meta.get("dtype", "float32")
     return Comparison(rows, first, rule, _first_msprobe(worst, first), dtype)
 
 
-def _first_msprobe(worst: dict[tuple[int, str], dict[str, Any]],
-                   first: tuple[ModuleRow, str] | None) -> dict[str, Any] | None:  # fmt: skip
+def _first_msprobe(
+    worst: dict[tuple[int, str], dict[str, Any]], first: tuple[ModuleRow, str] | None
+) -> dict[str, Any] | None:
     """msprobe's metrics of the tensor that gave the first divergent module its error, and the
     file (``dump_tensor_data/<name>``, the ``Data_name`` of msprobe compare's table) it is in."""
     if first is None:

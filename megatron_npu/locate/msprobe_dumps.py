@@ -111,9 +111,11 @@ def _info(record: dict[str, Any], data_dir: Path) -> TensorInfo:
     }
     name = record.get("data_name")
     return TensorInfo(
-        tuple(record.get("shape") or ()), str(record.get("dtype", "")), stats,
+        tuple(record.get("shape") or ()),
+        str(record.get("dtype", "")),
+        stats,
         data_dir / name if name else None,
-    )  # fmt: skip
+    )
 
 
 def match_key(name: str) -> str:
@@ -280,9 +282,19 @@ class RowVerdict:
         def number(x: float) -> float | str:
             return x if math.isfinite(x) else ("NaN" if math.isnan(x) else "Infinity")
 
-        return {"rank": self.rank, "name": self.name, "module": self.module, "phase": self.phase, "kind": self.kind,
-                "depth": self.depth, "output": number(self.output), "input": number(self.input),
-                "tolerance": self.tolerance, "diverges": self.diverges, "worst": self.worst}  # fmt: skip
+        return {
+            "rank": self.rank,
+            "name": self.name,
+            "module": self.module,
+            "phase": self.phase,
+            "kind": self.kind,
+            "depth": self.depth,
+            "output": number(self.output),
+            "input": number(self.input),
+            "tolerance": self.tolerance,
+            "diverges": self.diverges,
+            "worst": self.worst,
+        }
 
 
 def _check_comparable(reference: dict[str, RankDump], candidate: dict[str, RankDump]) -> None:
@@ -331,8 +343,9 @@ def _check_comparable(reference: dict[str, RankDump], candidate: dict[str, RankD
                             )
 
 
-def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
-            rule: Rule | None = None) -> dict[str, Any]:  # fmt: skip
+def compare(
+    reference: dict[str, RankDump], candidate: dict[str, RankDump], rule: Rule | None = None
+) -> dict[str, Any]:
     """Both dumps row by row with the input-explained rule; the first divergent row."""
     if set(reference) != set(candidate):
         raise MsprobeDumpError(
@@ -372,10 +385,19 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
                     c_in, r_in = cand.rows[owner].inputs, ref.rows[owner].inputs
             out_err, worst = _error(crow.outputs, rrow.outputs, task)
             in_err, _ = _error(c_in, r_in, task)
-            verdict = RowVerdict(key, crow.name, crow.phase, crow.kind, crow.depth, out_err,
-                                 in_err, active.tolerance(crow.depth),
-                                 active.diverges(out_err, in_err, crow.depth), worst,
-                                 _enclosing_module(crow.name, cand.parents))  # fmt: skip
+            verdict = RowVerdict(
+                key,
+                crow.name,
+                crow.phase,
+                crow.kind,
+                crow.depth,
+                out_err,
+                in_err,
+                active.tolerance(crow.depth),
+                active.diverges(out_err, in_err, crow.depth),
+                worst,
+                _enclosing_module(crow.name, cand.parents),
+            )
             row_keys[crow.name] = name
             rows.append(verdict)
         verdicts += rows
@@ -396,8 +418,12 @@ def compare(reference: dict[str, RankDump], candidate: dict[str, RankDump],
         cand_row = candidate[first.rank].rows[first_key]
         ref_row = reference[first.rank].rows[first_key]
         worst = first.worst
-        if (task == TENSOR_TASK and worst in cand_row.outputs and worst in ref_row.outputs
-                and cand_row.outputs[worst].file is not None):  # fmt: skip
+        if (
+            task == TENSOR_TASK
+            and worst in cand_row.outputs
+            and worst in ref_row.outputs
+            and cand_row.outputs[worst].file is not None
+        ):
             first_row["msprobe_metrics"] = msprobe_metrics(
                 cand_row.outputs[worst].load(), ref_row.outputs[worst].load()
             )

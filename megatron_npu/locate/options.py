@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def take(argv: list[str], with_value: tuple[str, ...],
-         flags: tuple[str, ...] = ()) -> tuple[list[str], dict[str, list[str]]]:  # fmt: skip
+def take(
+    argv: list[str], with_value: tuple[str, ...], flags: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, list[str]]]:
     """``(the rest of argv, {option: [values]})``: the options in ``with_value`` (``--x V`` or
     ``--x=V``) and the ``flags`` (value ``""``) taken out, in order. ``ValueError`` names an
     option given without its value."""

@@ -39,10 +39,21 @@ from megatron_npu.locate.options import take
 LAUNCH_WITH_VALUE = ("--device", "--nproc-per-node", "--disable-patch")
 #: the script's options that locate sets for each replay (a replay saves, loads and stops where
 #: the search needs it, and a checkpoint holds the whole state)
-_DROPPED_WITH_VALUE = ("--save", "--load", "--save-interval", "--exit-interval",
-                       "--exit-duration-in-mins", "--ckpt-step")  # fmt: skip
-_DROPPED_FLAGS = ("--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng",
-                  "--finetune")  # fmt: skip
+_DROPPED_WITH_VALUE = (
+    "--save",
+    "--load",
+    "--save-interval",
+    "--exit-interval",
+    "--exit-duration-in-mins",
+    "--ckpt-step",
+)
+_DROPPED_FLAGS = (
+    "--no-save-optim",
+    "--no-save-rng",
+    "--no-load-optim",
+    "--no-load-rng",
+    "--finetune",
+)
 
 
 def split_options(argv: list[str]) -> tuple[list[str], str | None, int, list[str]]:
@@ -110,8 +121,9 @@ def _hooks(spec: dict[str, Any]):
     hook_step = spec.get("hook_step")
     tracer = Tracer() if hook_step else None
     curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
-    originals = {name: getattr(training, name) for name in
-                 ("setup_model_and_optimizer", "train_step")}  # fmt: skip
+    originals = {
+        name: getattr(training, name) for name in ("setup_model_and_optimizer", "train_step")
+    }
 
     def setup_model_and_optimizer(*args, **kwargs):
         with tracer.active(building=True) if tracer else contextlib.nullcontext():
@@ -127,8 +139,9 @@ def _hooks(spec: dict[str, Any]):
             model = kwargs["model"] if "model" in kwargs else args[2]
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[3]
             chunks = unwrap_model(list(model))
-            recorder = Recorder(chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)),
-                                int(margs.num_layers))  # fmt: skip
+            recorder = Recorder(
+                chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)), int(margs.num_layers)
+            )
             with tracer.attributed(optimizer, "step", OPTIMIZER):
                 with recorder, tracer.active():
                     result = originals["train_step"](*args, **kwargs)
@@ -139,17 +152,24 @@ def _hooks(spec: dict[str, Any]):
             last = rank == torch.distributed.get_world_size() - 1  # the last pipeline stage
             if last:
                 device = devices.require_active()
-                write_meta(spec["dump"], {
-                    "step": step, "world": torch.distributed.get_world_size(),
-                    "device": device.name,
-                    "dtype": str(margs.params_dtype).removeprefix("torch."),
-                    "script": spec["script"], "argv": list(spec["script_args"]),
-                    "disabled": list(spec.get("disable", ())), "plant": None,
-                    "npu_kernels": device.kernels is not None,
-                    "native_kernels": sorted(served_natively()),
-                    "loss": loss, "grad_norm": grad_norm,
-                    "applied": [r.id for r in patcher.results() if r.status == patcher.APPLIED],
-                })  # fmt: skip
+                write_meta(
+                    spec["dump"],
+                    {
+                        "step": step,
+                        "world": torch.distributed.get_world_size(),
+                        "device": device.name,
+                        "dtype": str(margs.params_dtype).removeprefix("torch."),
+                        "script": spec["script"],
+                        "argv": list(spec["script_args"]),
+                        "disabled": list(spec.get("disable", ())),
+                        "plant": None,
+                        "npu_kernels": device.kernels is not None,
+                        "native_kernels": sorted(served_natively()),
+                        "loss": loss,
+                        "grad_norm": grad_norm,
+                        "applied": [r.id for r in patcher.results() if r.status == patcher.APPLIED],
+                    },
+                )
         curve["iterations"].append(step)
         curve["losses"].append(loss)
         curve["grad_norms"].append(grad_norm)
@@ -161,8 +181,11 @@ def _hooks(spec: dict[str, Any]):
     try:
         # the optimizer's build counts as the optimizer's (e.g. the factory patch that makes
         # Megatron build the adaptor's AdamW)
-        with (tracer.attributed(training, "get_megatron_optimizer", OPTIMIZER) if tracer
-              else contextlib.nullcontext()):  # fmt: skip
+        with (
+            tracer.attributed(training, "get_megatron_optimizer", OPTIMIZER)
+            if tracer
+            else contextlib.nullcontext()
+        ):
             yield
     finally:
         for name, fn in originals.items():
@@ -204,10 +227,14 @@ def run(spec: dict[str, Any], world: int, timeout_s: float, log: Path) -> None:
     runs = replay_arguments(spec)
     for index, argv in enumerate(runs):
         last = index == len(runs) - 1
-        payload = {"script": spec["script"], "argv": argv, "device": spec["device"],
-                   "disable": list(spec.get("disable", ())),
-                   "native_kernels": list(spec.get("native_kernels", ())),
-                   "hooks": spec if last and (spec.get("hook_step") or spec.get("curve")) else None}  # fmt: skip
+        payload = {
+            "script": spec["script"],
+            "argv": argv,
+            "device": spec["device"],
+            "disable": list(spec.get("disable", ())),
+            "native_kernels": list(spec.get("native_kernels", ())),
+            "hooks": spec if last and (spec.get("hook_step") or spec.get("curve")) else None,
+        }
         name = log if last else log.with_name(f"{log.stem}-save{log.suffix}")
         try:
             run_warm(run_rank, payload, world, timeout_s=timeout_s, log=name, env=env)

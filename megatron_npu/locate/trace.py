@@ -103,8 +103,10 @@ def patch_closures() -> dict[str, dict[str, int]]:
     for pid, raw in _installed():
         if inspect.isfunction(raw) and raw.__closure__:
             try:
-                out[pid] = {name: id(cell.cell_contents)
-                            for name, cell in zip(raw.__code__.co_freevars, raw.__closure__)}  # fmt: skip
+                out[pid] = {
+                    name: id(cell.cell_contents)
+                    for name, cell in zip(raw.__code__.co_freevars, raw.__closure__)
+                }
             except ValueError:  # an empty cell: nothing to tell the calls apart by
                 continue
     return out
@@ -125,9 +127,12 @@ def patch_code_objects() -> dict[CodeType, tuple[str, ...]]:
 class Tracer:
     """Records the patches reached per module name (see the module docstring)."""
 
-    def __init__(self, codes: dict[CodeType, tuple[str, ...]] | None = None,
-                 classes: dict[str, type] | None = None,
-                 closures: dict[str, dict[str, int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        codes: dict[CodeType, tuple[str, ...]] | None = None,
+        classes: dict[str, type] | None = None,
+        closures: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         self.codes = patch_code_objects() if codes is None else codes
         self.classes = patch_classes() if classes is None else classes
         self.closures = patch_closures() if closures is None else closures
@@ -169,11 +174,14 @@ class Tracer:
         running frame holds (all of them when none matches)."""
         local = frame.f_locals
         kept = tuple(
-            p for p in pids
+            p
+            for p in pids
             if p not in self.closures
-            or all(name in local and id(local[name]) == value
-                   for name, value in self.closures[p].items())
-        )  # fmt: skip
+            or all(
+                name in local and id(local[name]) == value
+                for name, value in self.closures[p].items()
+            )
+        )
         return kept or pids
 
     @contextlib.contextmanager

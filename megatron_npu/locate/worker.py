@@ -99,8 +99,12 @@ def _run_rank(spec: dict[str, Any]) -> None:
         device = devices.require_active()
         if not spec.get("trial"):  # a culprit trial may switch the fused attention patch off:
             loop.check_fused_attention_applied(args, device.name)  # Megatron's unfused path runs
-        set_fused_attention(use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
-                            pre_tokens=args.pre_tokens, next_tokens=args.next_tokens)  # fmt: skip
+        set_fused_attention(
+            use_flash_attn=args.use_flash_attn,
+            shape_order=args.shape_order,
+            pre_tokens=args.pre_tokens,
+            next_tokens=args.next_tokens,
+        )
         hook_step = spec.get("hook_step")
         tracer = Tracer() if hook_step else None
         launch.init_process_group(env, device, args.distributed_timeout_minutes)
@@ -124,11 +128,11 @@ def _run_rank(spec: dict[str, Any]) -> None:
                     if step == hook_step:
                         if spec.get("save_before"):
                             args.save = spec["save_before"]
-                            checkpointing.save(args, model, optimizer, trainer.scheduler,
-                                               step - 1)  # fmt: skip
+                            checkpointing.save(args, model, optimizer, trainer.scheduler, step - 1)
                         chunks = [model_mod.unwrap(c) for c in model]
-                        recorder = Recorder(chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)),
-                                            args.num_layers)  # fmt: skip
+                        recorder = Recorder(
+                            chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)), args.num_layers
+                        )
                         with tracer.attributed(optimizer, "step", OPTIMIZER):
                             with recorder, tracer.active():
                                 loss, grad_norm, _, _ = trainer.step(step, iterators)
@@ -136,16 +140,29 @@ def _run_rank(spec: dict[str, Any]) -> None:
                         rank = torch.distributed.get_rank()
                         recorder.write(spec["dump"], rank, _coords())
                         if rank == 0:
-                            write_meta(spec["dump"], {
-                                "step": step, "world": env.world_size, "device": device.name,
-                                "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
-                                "argv": list(spec["argv"]), "disabled": list(spec.get("disable", ())),
-                                "plant": spec.get("plant"), "loss": loss, "grad_norm": grad_norm,
-                                "npu_kernels": device.kernels is not None,
-                                "native_kernels": sorted(served_natively()),
-                                "applied": [r.id for r in patcher.results()
-                                            if r.status == patcher.APPLIED],
-                            })  # fmt: skip
+                            write_meta(
+                                spec["dump"],
+                                {
+                                    "step": step,
+                                    "world": env.world_size,
+                                    "device": device.name,
+                                    "dtype": str(model_mod.params_dtype(args)).removeprefix(
+                                        "torch."
+                                    ),
+                                    "argv": list(spec["argv"]),
+                                    "disabled": list(spec.get("disable", ())),
+                                    "plant": spec.get("plant"),
+                                    "loss": loss,
+                                    "grad_norm": grad_norm,
+                                    "npu_kernels": device.kernels is not None,
+                                    "native_kernels": sorted(served_natively()),
+                                    "applied": [
+                                        r.id
+                                        for r in patcher.results()
+                                        if r.status == patcher.APPLIED
+                                    ],
+                                },
+                            )
                     else:
                         loss, grad_norm, _, _ = trainer.step(step, iterators)
                     curve["iterations"].append(step)

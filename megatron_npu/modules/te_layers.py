@@ -119,18 +119,26 @@ def _row_parallel_linear() -> type:
     return RowParallelLinear
 
 
-def _check_te_arguments(name: str, *, gather_output: bool = False, input_is_parallel: bool = True,
-                        skip_weight_param_allocation: bool = False) -> None:  # fmt: skip
+def _check_te_arguments(
+    name: str,
+    *,
+    gather_output: bool = False,
+    input_is_parallel: bool = True,
+    skip_weight_param_allocation: bool = False,
+) -> None:
     """The arguments TE's wrappers refuse, refused the same way (ValueError)."""
     if gather_output:
-        raise ValueError(f"Transformer Engine linear layers do not support gather_output = True "
-                         f"({name})")  # fmt: skip
+        raise ValueError(
+            f"Transformer Engine linear layers do not support gather_output = True ({name})"
+        )
     if not input_is_parallel:
-        raise ValueError(f"Transformer Engine linear layers do not support input_is_parallel = "
-                         f"False ({name})")  # fmt: skip
+        raise ValueError(
+            f"Transformer Engine linear layers do not support input_is_parallel = False ({name})"
+        )
     if skip_weight_param_allocation:
-        raise ValueError(f"Transformer Engine linear layers do not support "
-                         f"skip_weight_param_allocation ({name})")  # fmt: skip
+        raise ValueError(
+            f"Transformer Engine linear layers do not support skip_weight_param_allocation ({name})"
+        )
 
 
 def _build_linears() -> dict[str, type]:
@@ -139,17 +147,47 @@ def _build_linears() -> dict[str, type]:
     class TEColumnParallelLinear(TEExtraState, column):
         """TE's column-parallel linear: Megatron's ColumnParallelLinear plus ``_extra_state``."""
 
-        def __init__(self, input_size: int, output_size: int, *, config, init_method,
-                     gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool,
-                     skip_weight_param_allocation: bool = False, tp_comm_buffer_name=None,
-                     tp_group=None, stride: int = 1, name=None, **_te_only: Any) -> None:  # fmt: skip
-            _check_te_arguments(type(self).__name__, gather_output=gather_output,
-                                skip_weight_param_allocation=skip_weight_param_allocation)  # fmt: skip
-            super().__init__(input_size, output_size, **_accepted(column, dict(
-                config=config, init_method=init_method, bias=bias, gather_output=False,
-                stride=stride, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
-            )))  # fmt: skip
+        def __init__(
+            self,
+            input_size: int,
+            output_size: int,
+            *,
+            config,
+            init_method,
+            gather_output: bool,
+            bias: bool,
+            skip_bias_add: bool,
+            is_expert: bool,
+            skip_weight_param_allocation: bool = False,
+            tp_comm_buffer_name=None,
+            tp_group=None,
+            stride: int = 1,
+            name=None,
+            **_te_only: Any,
+        ) -> None:
+            _check_te_arguments(
+                type(self).__name__,
+                gather_output=gather_output,
+                skip_weight_param_allocation=skip_weight_param_allocation,
+            )
+            super().__init__(
+                input_size,
+                output_size,
+                **_accepted(
+                    column,
+                    dict(
+                        config=config,
+                        init_method=init_method,
+                        bias=bias,
+                        gather_output=False,
+                        stride=stride,
+                        skip_bias_add=skip_bias_add,
+                        is_expert=is_expert,
+                        tp_comm_buffer_name=tp_comm_buffer_name,
+                        tp_group=tp_group,
+                    ),
+                ),
+            )
 
     class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
         """TE's LayerNormLinear: the input norm fused into the column-parallel GEMM (QKV, FC1).
@@ -157,22 +195,45 @@ def _build_linears() -> dict[str, type]:
         The norm's ``layer_norm_weight`` / ``layer_norm_bias`` come first in the state dict, as
         TE registers them; ``--apply-layernorm-1p`` stores gamma zero-centred (init 0)."""
 
-        def __init__(self, input_size: int, output_size: int, *, config, init_method,
-                     gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool,
-                     skip_weight_param_allocation: bool = False, tp_comm_buffer_name=None,
-                     tp_group=None, stride: int = 1, name=None, **_te_only: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            input_size: int,
+            output_size: int,
+            *,
+            config,
+            init_method,
+            gather_output: bool,
+            bias: bool,
+            skip_bias_add: bool,
+            is_expert: bool,
+            skip_weight_param_allocation: bool = False,
+            tp_comm_buffer_name=None,
+            tp_group=None,
+            stride: int = 1,
+            name=None,
+            **_te_only: Any,
+        ) -> None:
             if is_expert:
                 raise ValueError("Transformer Engine linear layers do not yet support MoE")
-            super().__init__(input_size, output_size, config=config, init_method=init_method,
-                             gather_output=gather_output, bias=bias, skip_bias_add=skip_bias_add,
-                             is_expert=False,
-                             skip_weight_param_allocation=skip_weight_param_allocation,
-                             tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
-                             stride=stride)  # fmt: skip
+            super().__init__(
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                gather_output=gather_output,
+                bias=bias,
+                skip_bias_add=skip_bias_add,
+                is_expert=False,
+                skip_weight_param_allocation=skip_weight_param_allocation,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                tp_group=tp_group,
+                stride=stride,
+            )
             self.normalization = config.normalization
             if self.normalization not in ("LayerNorm", "RMSNorm"):
-                raise ValueError(f"normalization must be LayerNorm or RMSNorm, got "
-                                 f"{self.normalization!r}")  # fmt: skip
+                raise ValueError(
+                    f"normalization must be LayerNorm or RMSNorm, got {self.normalization!r}"
+                )
             self.eps = config.layernorm_epsilon
             self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
             device = self.weight.device
@@ -194,23 +255,53 @@ def _build_linears() -> dict[str, type]:
                     self._parameters[key] = self._parameters.pop(key)
 
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
-            normed = normalize(x, self.layer_norm_weight, self.layer_norm_bias,
-                               self.normalization, self.eps, self.zero_centered_gamma)  # fmt: skip
+            normed = normalize(
+                x,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.normalization,
+                self.eps,
+                self.zero_centered_gamma,
+            )
             return super().forward(normed, *args, **kwargs)
 
     class TERowParallelLinear(TEExtraState, row):
         """TE's row-parallel linear: Megatron's RowParallelLinear plus ``_extra_state``."""
 
-        def __init__(self, input_size: int, output_size: int, *, config, init_method,
-                     bias: bool, input_is_parallel: bool, skip_bias_add: bool, is_expert: bool,
-                     tp_comm_buffer_name=None, tp_group=None, name=None,
-                     **_te_only: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            input_size: int,
+            output_size: int,
+            *,
+            config,
+            init_method,
+            bias: bool,
+            input_is_parallel: bool,
+            skip_bias_add: bool,
+            is_expert: bool,
+            tp_comm_buffer_name=None,
+            tp_group=None,
+            name=None,
+            **_te_only: Any,
+        ) -> None:
             _check_te_arguments(type(self).__name__, input_is_parallel=input_is_parallel)
-            super().__init__(input_size, output_size, **_accepted(row, dict(
-                config=config, init_method=init_method, bias=bias, input_is_parallel=True,
-                skip_bias_add=skip_bias_add, is_expert=is_expert,
-                tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group,
-            )))  # fmt: skip
+            super().__init__(
+                input_size,
+                output_size,
+                **_accepted(
+                    row,
+                    dict(
+                        config=config,
+                        init_method=init_method,
+                        bias=bias,
+                        input_is_parallel=True,
+                        skip_bias_add=skip_bias_add,
+                        is_expert=is_expert,
+                        tp_comm_buffer_name=tp_comm_buffer_name,
+                        tp_group=tp_group,
+                    ),
+                ),
+            )
 
     built = (TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear)
     for cls in built:
@@ -245,8 +336,14 @@ class TELinear(TEExtraState, torch.nn.Module):
     MLA down-projections) is a weight replicated on every TP rank; ``"column"`` / ``"row"``
     build the column- / row-parallel stand-in."""
 
-    def __new__(cls, input_size: int = 0, output_size: int = 0, *args: Any,
-                parallel_mode: str | None = None, **kwargs: Any):  # fmt: skip
+    def __new__(
+        cls,
+        input_size: int = 0,
+        output_size: int = 0,
+        *args: Any,
+        parallel_mode: str | None = None,
+        **kwargs: Any,
+    ):
         if cls is TELinear and parallel_mode in ("column", "row"):
             name = "TEColumnParallelLinear" if parallel_mode == "column" else "TERowParallelLinear"
             kwargs.pop("symmetric_ar_type", None)
@@ -262,11 +359,24 @@ class TELinear(TEExtraState, torch.nn.Module):
             return stand_in(name)(input_size, output_size, *args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None, config,
-                 init_method, bias: bool, skip_bias_add: bool,
-                 skip_weight_param_allocation: bool, tp_comm_buffer_name=None,
-                 is_expert: bool = False, symmetric_ar_type=None, tp_group=None, name=None,
-                 **_te_only: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        skip_weight_param_allocation: bool,
+        tp_comm_buffer_name=None,
+        is_expert: bool = False,
+        symmetric_ar_type=None,
+        tp_group=None,
+        name=None,
+        **_te_only: Any,
+    ) -> None:
         if parallel_mode not in (None, "duplicated"):
             raise ValueError(f"TELinear: unknown parallel_mode {parallel_mode!r}")
         _check_te_arguments("TELinear", skip_weight_param_allocation=skip_weight_param_allocation)
@@ -312,18 +422,29 @@ class TELinear(TEExtraState, torch.nn.Module):
 class TENorm(TEExtraState, Norm):
     """TE's LayerNorm / RMSNorm as ``TENorm(config, hidden_size, eps)`` builds it."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False,
-                 **_te_only: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        has_residual: bool = False,
+        **_te_only: Any,
+    ) -> None:
         if has_residual and getattr(config, "fused_residual_rmsnorm", False):
             # TE's TENorm builds its fused residual-add RMSNorm only with this option; a norm
             # asked for "with residual" is otherwise the plain one
-            raise ValueError("TENorm: the fused residual RMSNorm (--fused-residual-rmsnorm) is "
-                             "not supported by the adaptor")  # fmt: skip
+            raise ValueError(
+                "TENorm: the fused residual RMSNorm (--fused-residual-rmsnorm) is "
+                "not supported by the adaptor"
+            )
         super().__init__(
-            hidden_size, eps=eps, normalization=config.normalization,
+            hidden_size,
+            eps=eps,
+            normalization=config.normalization,
             zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
-            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-        )  # fmt: skip
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
         self.pickled_empty_dict = _megatron_core_below("0.15")
 
 
@@ -344,26 +465,50 @@ def _build_attention() -> type:
         ``transformer-engine.context-parallel-attention`` routes such calls to the
         context-parallel op (:mod:`megatron_npu.patches.context_parallel`)."""
 
-        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                     attention_dropout=None, softmax_scale=None, k_channels=None,
-                     v_channels=None, num_splits=None, cp_comm_type: str = "p2p",
-                     model_comm_pgs=None, pg_collection=None, **_te_only: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            config,
+            layer_number: int,
+            attn_mask_type,
+            attention_type: str,
+            attention_dropout=None,
+            softmax_scale=None,
+            k_channels=None,
+            v_channels=None,
+            num_splits=None,
+            cp_comm_type: str = "p2p",
+            model_comm_pgs=None,
+            pg_collection=None,
+            **_te_only: Any,
+        ) -> None:
             for name, value in (("k_channels", k_channels), ("v_channels", v_channels)):
                 if value is not None and value != config.kv_channels:
-                    raise ValueError(f"TEDotProductAttention: {name}={value} other than "
-                                     f"kv_channels ({config.kv_channels}, multi-latent "
-                                     "attention) is not supported by the adaptor")  # fmt: skip
+                    raise ValueError(
+                        f"TEDotProductAttention: {name}={value} other than "
+                        f"kv_channels ({config.kv_channels}, multi-latent "
+                        "attention) is not supported by the adaptor"
+                    )
             context_parallel = getattr(config, "context_parallel_size", 1) > 1
             built_with = config
             if context_parallel:  # DotProductAttention asserts CP 1; this class serves CP
                 built_with = copy.copy(config)
                 built_with.context_parallel_size = 1
-            super().__init__(built_with, layer_number, attn_mask_type, attention_type,
-                             **_accepted(DotProductAttention, dict(
-                                 attention_dropout=attention_dropout,
-                                 softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
-                                 model_comm_pgs=model_comm_pgs, pg_collection=pg_collection,
-                             )))  # fmt: skip
+            super().__init__(
+                built_with,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                **_accepted(
+                    DotProductAttention,
+                    dict(
+                        attention_dropout=attention_dropout,
+                        softmax_scale=softmax_scale,
+                        cp_comm_type=cp_comm_type,
+                        model_comm_pgs=model_comm_pgs,
+                        pg_collection=pg_collection,
+                    ),
+                ),
+            )
             self.config = config
             self.cp_comm_type = cp_comm_type or "p2p"
             self.cp_group = None
@@ -380,14 +525,26 @@ def _build_attention() -> type:
                         getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group()
                     )
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None, num_splits=None):  # fmt: skip
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+            num_splits=None,
+        ):
             if self.cp_group is not None:  # never attention over the local rows alone
-                raise RuntimeError("TEDotProductAttention: context parallelism is served by the "
-                                   "adaptor entry transformer-engine.context-parallel-attention, "
-                                   "which is not applied")  # fmt: skip
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)  # fmt: skip
+                raise RuntimeError(
+                    "TEDotProductAttention: context parallelism is served by the "
+                    "adaptor entry transformer-engine.context-parallel-attention, "
+                    "which is not applied"
+                )
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
             # TE's wrapper keeps _extra_state out of distributed checkpoints from 0.15 on
@@ -414,8 +571,12 @@ def _expert_groups(pg_collection: Any, tp_group: Any) -> tuple[Any, int, int, in
         group, ep = pg_collection.expt_tp, pg_collection.ep
         return group, group.size(), ep.size(), ep.rank()
     group = tp_group if tp_group is not None else ps.get_expert_tensor_parallel_group()
-    return (group, ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank())  # fmt: skip
+    return (
+        group,
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_model_parallel_rank(),
+    )
 
 
 class TEGroupedLinear(TEExtraState, torch.nn.Module):
@@ -425,10 +586,24 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
     divided here and the layer itself communicates nothing: the token dispatcher does (as in
     Megatron's wrapper with explicit expert communication)."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *,
-                 parallel_mode: str | None, config, init_method, bias: bool,
-                 skip_bias_add: bool, is_expert: bool = False, tp_comm_buffer_name=None,
-                 tp_group=None, pg_collection=None, name=None, **_te_only: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = False,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+        pg_collection=None,
+        name=None,
+        **_te_only: Any,
+    ) -> None:
         if not is_expert:
             raise ValueError("TEGroupedLinear only supports expert parallelism (is_expert=True)")
         if parallel_mode not in ("column", "row", None):
@@ -462,9 +637,14 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
                     init_method(weight)
             self.register_parameter(f"weight{i}", weight)
         for i in range(num_gemms):
-            self.register_parameter(f"bias{i}", torch.nn.Parameter(
-                torch.zeros(output_size, dtype=config.params_dtype, device=device)
-            ) if bias else None)  # fmt: skip
+            self.register_parameter(
+                f"bias{i}",
+                torch.nn.Parameter(
+                    torch.zeros(output_size, dtype=config.params_dtype, device=device)
+                )
+                if bias
+                else None,
+            )
         for param in self.parameters():
             param.allreduce = not (is_expert and ep_size > 1)
         self._register_load_state_dict_pre_hook(_merge_extra_states, with_module=True)
@@ -484,8 +664,9 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
         out = out.view(*shape[:-1], self.out_features)
         return (out, biases) if self.te_return_bias else (out, None)
 
-    def _sharded_state_dict_grouped(self, tp_axis_map, prefix="", sharded_offsets=(),
-                                    metadata=None):  # fmt: skip
+    def _sharded_state_dict_grouped(
+        self, tp_axis_map, prefix="", sharded_offsets=(), metadata=None
+    ):
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -496,9 +677,13 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
         num_global = self._ep_size * self.num_gemms
         offset = self._ep_rank * self.num_gemms
         ep_axis = len(sharded_offsets)
-        group_kwargs = _accepted_function(make_sharded_tensors_for_checkpoint, dict(
-            tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"),
-        ))  # fmt: skip
+        group_kwargs = _accepted_function(
+            make_sharded_tensors_for_checkpoint,
+            dict(
+                tp_group=self._tp_group,
+                dp_cp_group=metadata.get("dp_cp_group"),
+            ),
+        )
         sharded: dict[str, Any] = {}
         for i in range(self.num_gemms):
             global_idx = offset + i
@@ -510,8 +695,9 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
             else:
                 expert_prefix = prefix
                 offsets = (*sharded_offsets, (ep_axis, global_idx, num_global))
-            sub = make_sharded_tensors_for_checkpoint(state, "", tp_axis_map, offsets,
-                                                      **group_kwargs)  # fmt: skip
+            sub = make_sharded_tensors_for_checkpoint(
+                state, "", tp_axis_map, offsets, **group_kwargs
+            )
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             sharded[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
             sharded[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
@@ -542,14 +728,36 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
     """Grouped FC1 of the experts: output features split over expert-TP (axis 0 of each weight,
     and of each bias)."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
-                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name=None, tp_group=None, pg_collection=None, name=None,
-                 **_te_only: Any) -> None:  # fmt: skip
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column",
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_group=tp_group, pg_collection=pg_collection)  # fmt: skip
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+        pg_collection=None,
+        name=None,
+        **_te_only: Any,
+    ) -> None:
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            parallel_mode="column",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_group=tp_group,
+            pg_collection=pg_collection,
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         axes = {}
@@ -562,14 +770,36 @@ class TERowParallelGroupedLinear(TEGroupedLinear):
     """Grouped FC2 of the experts: input features split over expert-TP (axis 1 of each weight;
     the bias is whole)."""
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
-                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name=None, tp_group=None, pg_collection=None, name=None,
-                 **_te_only: Any) -> None:  # fmt: skip
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row",
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_group=tp_group, pg_collection=pg_collection)  # fmt: skip
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+        pg_collection=None,
+        name=None,
+        **_te_only: Any,
+    ) -> None:
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            parallel_mode="row",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_group=tp_group,
+            pg_collection=pg_collection,
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         axes = {f"{i}.weight": 1 for i in range(self.num_gemms)}

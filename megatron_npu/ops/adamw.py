@@ -106,9 +106,12 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def fused_adamw_available(
-    device: torch.device | str, dtype: torch.dtype, grad_dtype: torch.dtype,
-    exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
-) -> bool:  # fmt: skip
+    device: torch.device | str,
+    dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    exp_avg_dtype: torch.dtype | None = None,
+    exp_avg_sq_dtype: torch.dtype | None = None,
+) -> bool:
     """Whether ``torch._fused_adamw_`` runs for params of ``dtype``, grads of ``grad_dtype`` and
     moments of the given dtypes (default ``dtype``) on ``device``'s type: a one-element probe,
     once per combination. A missing kernel is recorded as a named fallback
@@ -124,19 +127,33 @@ def fused_adamw_available(
         g = torch.zeros(1, dtype=grad_dtype, device=device)
         try:
             torch._fused_adamw_(
-                [p], [g], [m], [v], [], [torch.ones((), device=device)], lr=0.0, beta1=0.9,
-                beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-            )  # fmt: skip
+                [p],
+                [g],
+                [m],
+                [v],
+                [],
+                [torch.ones((), device=device)],
+                lr=0.0,
+                beta1=0.9,
+                beta2=0.999,
+                weight_decay=0.0,
+                eps=1e-8,
+                amsgrad=False,
+                maximize=False,
+            )
             _fused_available[key] = True
         except (RuntimeError, NotImplementedError) as exc:
             _fused_available[key] = False
-            fallbacks.record(fallbacks.Fallback(
-                op=_OP, kernel=_FUSED,
-                where=f"{device.type} {_name(dtype)} params, {_name(grad_dtype)} grads, "
-                f"{_name(m_dtype)}/{_name(v_dtype)} moments",
-                instead="a per-tensor fp32 AdamW update (one op chain per parameter)",
-                reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-            ))  # fmt: skip
+            fallbacks.record(
+                fallbacks.Fallback(
+                    op=_OP,
+                    kernel=_FUSED,
+                    where=f"{device.type} {_name(dtype)} params, {_name(grad_dtype)} grads, "
+                    f"{_name(m_dtype)}/{_name(v_dtype)} moments",
+                    instead="a per-tensor fp32 AdamW update (one op chain per parameter)",
+                    reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+            )
     return _fused_available[key]
 
 
@@ -177,9 +194,20 @@ def native_adamw_step_(
     for (device, dtype, grad_dtype, m_dtype, v_dtype), idx in groups.items():
         if not fused_adamw_available(device, dtype, grad_dtype, m_dtype, v_dtype):
             for i in idx:
-                _plain_adamw(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                             max_exp_avg_sqs[i] if amsgrad else None, step, lr, beta1, beta2,
-                             eps, weight_decay, maximize)  # fmt: skip
+                _plain_adamw(
+                    params[i],
+                    grads[i],
+                    exp_avgs[i],
+                    exp_avg_sqs[i],
+                    max_exp_avg_sqs[i] if amsgrad else None,
+                    step,
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    maximize,
+                )
             continue
         steps = [torch.tensor(float(step), device=device) for _ in idx]
         vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
@@ -240,24 +268,38 @@ def npu_adamw_step_(
             p_list = [params[i] for i in chunk]
             dtype = p_list[0].dtype
             operands = {
-                "var": p_list, "grad": [grads[i] for i in chunk],
-                "m": [exp_avgs[i] for i in chunk], "v": [exp_avg_sqs[i] for i in chunk],
-            }  # fmt: skip
+                "var": p_list,
+                "grad": [grads[i] for i in chunk],
+                "m": [exp_avgs[i] for i in chunk],
+                "v": [exp_avg_sqs[i] for i in chunk],
+            }
             if amsgrad:
                 operands["vmax"] = [max_exp_avg_sqs[i] for i in chunk]
             for name, tensors in operands.items():
                 wrong = next((t.dtype for t in tensors if t.dtype != dtype), None)
                 if wrong is not None:  # the kernel takes one dtype for all of them
-                    raise TypeError(f"{_OP}: npu_apply_adam_w needs {name} in the params' dtype "
-                                    f"{dtype}, got {wrong}")  # fmt: skip
+                    raise TypeError(
+                        f"{_OP}: npu_apply_adam_w needs {name} in the params' dtype "
+                        f"{dtype}, got {wrong}"
+                    )
             flat = {name: flat_view(tensors) for name, tensors in operands.items()}
             gathered = [name for name, view in flat.items() if view is None]
             for name in gathered:
                 flat[name] = torch.cat([t.reshape(-1) for t in operands[name]])
             kernels.npu_apply_adam_w(
-                beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, flat["grad"],
-                flat.get("vmax"), amsgrad, maximize, out=(flat["var"], flat["m"], flat["v"]),
-            )  # fmt: skip
+                beta1_power,
+                beta2_power,
+                lr,
+                weight_decay,
+                beta1,
+                beta2,
+                eps,
+                flat["grad"],
+                flat.get("vmax"),
+                amsgrad,
+                maximize,
+                out=(flat["var"], flat["m"], flat["v"]),
+            )
             if amsgrad:  # the op reads the running max but does not write it back
                 torch.maximum(flat["vmax"], flat["v"], out=flat["vmax"])
             back = [name for name in gathered if name != "grad"]
@@ -281,9 +323,12 @@ def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     start = offset
     for t in tensors:
         if (
-            t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset
-        ):  # fmt: skip
+            t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset
+        ):
             return None
         offset += t.numel()
     return first.as_strided((offset - start,), (1,), start)

@@ -264,9 +264,10 @@ def without_redundant_causal_mask(
     if mask is shared or mask is hidden:
         return None
     same = mask_fact(
-        mask, ("causal", sq, skv),
+        mask,
+        ("causal", sq, skv),
         lambda: (mask.reshape(-1, sq, skv).bool() == hidden).all(),
-    )  # fmt: skip
+    )
     return None if same else mask
 
 
@@ -484,15 +485,17 @@ def _band_plan(q: torch.Tensor, sq: int, skv: int, lo: int, hi: int):
         a, b = q0 + offset + lo, q0 + offset + hi
         lost_at_end = max(0, a + n - skv)  # left triangle: its last queries see only these
         if a + n > 0 and lost_at_end < n:
-            pieces.append(_Piece(q0, q0 + n - lost_at_end, max(a, 0), a + n - lost_at_end,
-                                 _REVERSED_CAUSAL))  # fmt: skip
+            pieces.append(
+                _Piece(q0, q0 + n - lost_at_end, max(a, 0), a + n - lost_at_end, _REVERSED_CAUSAL)
+            )
         m0, m1 = max(a + n, 0), min(b, skv)
         if m1 > m0:
             pieces.append(_Piece(q0, q0 + n, m0, m1, _FULL))
         lost_at_start = max(0, -b)  # right triangle: its first queries see only these
         if b < skv and lost_at_start < n:
-            pieces.append(_Piece(q0 + lost_at_start, q0 + n, b + lost_at_start,
-                                 min(b + n, skv), _CAUSAL))  # fmt: skip
+            pieces.append(
+                _Piece(q0 + lost_at_start, q0 + n, b + lost_at_start, min(b + n, skv), _CAUSAL)
+            )
     return tuple(pieces)
 
 
@@ -526,8 +529,9 @@ class _BandAttention(torch.autograd.Function):
         ctx.plan, ctx.scale = plan, scale
         b, n, sq, _ = q.shape
         skv = k.shape[2]
-        kernel = band_attention_forward(*(t.reshape(b * n, -1, t.shape[3]) for t in (q, k, v)),
-                                        *bounds, scale)  # fmt: skip
+        kernel = band_attention_forward(
+            *(t.reshape(b * n, -1, t.shape[3]) for t in (q, k, v)), *bounds, scale
+        )
         if kernel is not None:  # the C++ forward computes the same output and log-sum-exp
             out, total = kernel[0].view(b, n, sq, -1), kernel[1].view(b, n, sq)
             ctx.save_for_backward(q, k, v, out, total)
@@ -540,8 +544,9 @@ class _BandAttention(torch.autograd.Function):
         lses = q.new_full((len(slots), b, n, sq), float("-inf"), dtype=torch.float32)
         for slot, causal, rows, keys in pieces:
             qq, kk, vv = reversed_qkv if slot == 0 else (q, k, v)
-            out, lse = _flash(qq[:, :, rows], kk[:, :, keys], vv[:, :, keys], 0.0, causal,
-                              scale=scale)  # fmt: skip
+            out, lse = _flash(
+                qq[:, :, rows], kk[:, :, keys], vv[:, :, keys], 0.0, causal, scale=scale
+            )
             outs[index[slot], :, :, rows] = out
             lses[index[slot], :, :, rows] = lse
         if 0 in index:
@@ -567,9 +572,16 @@ class _BandAttention(torch.autograd.Function):
             g, qq, kk, vv, oo, ll = reversed_ if slot == 0 else plain
             dq, dk, dv = reversed_grads if slot == 0 else grads
             gq, gk, gv = _flash_backward(
-                g[:, :, rows], qq[:, :, rows], kk[:, :, keys], vv[:, :, keys], oo[:, :, rows],
-                ll[:, :, rows], 0.0, causal, scale=ctx.scale,
-            )  # fmt: skip
+                g[:, :, rows],
+                qq[:, :, rows],
+                kk[:, :, keys],
+                vv[:, :, keys],
+                oo[:, :, rows],
+                ll[:, :, rows],
+                0.0,
+                causal,
+                scale=ctx.scale,
+            )
             dq[:, :, rows] += gq
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
@@ -720,8 +732,9 @@ class _BatchedBandAttention(torch.autograd.Function):
         blocks(dk, width).add_(gk)
         blocks(dv, width).add_(gv)
         flipped = (t.flip(2) for t in (gb, qb))
-        gq, gk, gv = _flash_backward(*flipped, kl, vl, ob.flip(2), lb.flip(2), 0.0, True,
-                                     scale=scale)  # fmt: skip
+        gq, gk, gv = _flash_backward(
+            *flipped, kl, vl, ob.flip(2), lb.flip(2), 0.0, True, scale=scale
+        )
         dqb += gq.flip(2)
         blocks(dk, 0).add_(gk.flip(2))
         blocks(dv, 0).add_(gv.flip(2))
@@ -842,10 +855,11 @@ def npu_fused_attention(
         attention_mask is not None
         and plan.sparse_mode == SPARSE_MODE_DEFAULT
         and mask_fact(
-            attention_mask, ("dead-rows", shape.sq, shape.skv, pre_tokens, next_tokens, causal),
+            attention_mask,
+            ("dead-rows", shape.sq, shape.skv, pre_tokens, next_tokens, causal),
             lambda: plan.atten_mask.bool().all(dim=-1).any(),
         )
-    )  # fmt: skip
+    )
     outputs = kernels.npu_fusion_attention(
         query,
         key,

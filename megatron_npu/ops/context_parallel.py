@@ -156,9 +156,18 @@ def _a2a(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tokens):
     reorder = causal or pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
     if reorder:
         q, k, v = (to_natural(t, cp) for t in (q, k, v))
-    out = fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=q.shape[2], input_layout="SBH",
-                          causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                          scale=scale, dropout_p=dropout_p)  # fmt: skip
+    out = fused_attention(
+        _sbh(q),
+        _sbh(k),
+        _sbh(v),
+        head_num=q.shape[2],
+        input_layout="SBH",
+        causal=causal,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        scale=scale,
+        dropout_p=dropout_p,
+    )
     out = out.view(q.shape)
     if reorder:
         out = to_rank_order(out, cp)
@@ -170,10 +179,12 @@ def _shared_heads(q, k, v, size: int, comm: str):
     when ``size`` does not divide them); a head count it cannot split is a named error."""
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % size:
-        raise ContextParallelError(f"{_OP}: --cp-comm-type {comm} shares the {heads} attention "
-                                   f"heads (per tensor-parallel rank) out over {size} "
-                                   "context-parallel ranks: the head count must be a multiple "
-                                   "of that size")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: --cp-comm-type {comm} shares the {heads} attention "
+            f"heads (per tensor-parallel rank) out over {size} "
+            "context-parallel ranks: the head count must be a multiple "
+            "of that size"
+        )
     if kv_heads % size:
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
@@ -199,8 +210,16 @@ def _a2a_p2p(q, k, v, groups, *, causal, scale, dropout_p):
     k, v = _shared_heads(q, k, v, inner, "a2a+p2p")
     q, k, v = (_to_super_chunks(_HeadsToSequence.apply(t, inner_group), inner) for t in (q, k, v))
     if dist.get_world_size(ring_group) == 1:  # sizes [A, 1]: the rows are the whole sequence
-        out = fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=q.shape[2], input_layout="SBH",
-                              causal=causal, scale=scale, dropout_p=dropout_p)  # fmt: skip
+        out = fused_attention(
+            _sbh(q),
+            _sbh(k),
+            _sbh(v),
+            head_num=q.shape[2],
+            input_layout="SBH",
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+        )
     else:
         out = ring_attention(q, k, v, ring_group, causal=causal, scale=scale, dropout_p=dropout_p)
     out = _from_super_chunks(out.view(q.shape), inner)
@@ -220,20 +239,38 @@ def _allgather(q, k, v, group, *, causal, scale, dropout_p, pre_tokens, next_tok
     heads = q.shape[2]
     windowed = pre_tokens < MAX_TOKENS or next_tokens < MAX_TOKENS
     if not causal and not windowed:
-        return fused_attention(_sbh(q), _sbh(k), _sbh(v), head_num=heads, input_layout="SBH",
-                               scale=scale, dropout_p=dropout_p)  # fmt: skip
+        return fused_attention(
+            _sbh(q),
+            _sbh(k),
+            _sbh(v),
+            head_num=heads,
+            input_layout="SBH",
+            scale=scale,
+            dropout_p=dropout_p,
+        )
     if not causal:
-        raise ContextParallelError(f"{_OP}: a sliding window without a causal mask is not "
-                                   "served under context parallelism")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: a sliding window without a causal mask is not served under context parallelism"
+        )
     chunk = q.shape[0] // 2
     outs = []
     for index, natural in enumerate((rank, 2 * cp - 1 - rank)):
         end = (natural + 1) * chunk  # keys up to the chunk's own end, bottom-right aligned
         rows = q[index * chunk : (index + 1) * chunk]
-        outs.append(fused_attention(_sbh(rows), _sbh(k[:end]), _sbh(v[:end]), head_num=heads,
-                                    input_layout="SBH", causal=True, pre_tokens=pre_tokens,
-                                    next_tokens=next_tokens, scale=scale,
-                                    dropout_p=dropout_p))  # fmt: skip
+        outs.append(
+            fused_attention(
+                _sbh(rows),
+                _sbh(k[:end]),
+                _sbh(v[:end]),
+                head_num=heads,
+                input_layout="SBH",
+                causal=True,
+                pre_tokens=pre_tokens,
+                next_tokens=next_tokens,
+                scale=scale,
+                dropout_p=dropout_p,
+            )
+        )
     return torch.cat(outs)
 
 
@@ -254,24 +291,32 @@ def context_parallel_attention(
     (module docstring). ``pre_tokens`` / ``next_tokens``: the window, as in
     :func:`~megatron_npu.ops.attention.fused_attention`."""
     if comm_type in REFUSED_COMM_TYPES:
-        raise ContextParallelError(f"{_OP}: --cp-comm-type {comm_type}: "
-                                   f"{REFUSED_COMM_TYPES[comm_type]}")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: --cp-comm-type {comm_type}: {REFUSED_COMM_TYPES[comm_type]}"
+        )
     if comm_type not in COMM_TYPES:
-        raise ContextParallelError(f"{_OP}: unknown --cp-comm-type {comm_type!r}; served: "
-                                   f"{', '.join(COMM_TYPES)}")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: unknown --cp-comm-type {comm_type!r}; served: {', '.join(COMM_TYPES)}"
+        )
     if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
-        raise ContextParallelError(f"{_OP}: query [s, b, n, d] and key/value [s, b, ng, d] "
-                                   f"expected, got {tuple(query.shape)}, {tuple(key.shape)}, "
-                                   f"{tuple(value.shape)}")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: query [s, b, n, d] and key/value [s, b, ng, d] "
+            f"expected, got {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)}"
+        )
     if query.shape[0] % 2:
-        raise ContextParallelError(f"{_OP}: each rank holds two load-balanced chunks of the "
-                                   f"sequence, so its {query.shape[0]} rows must be an even "
-                                   "count (the sequence length a multiple of 2 x CP)")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: each rank holds two load-balanced chunks of the "
+            f"sequence, so its {query.shape[0]} rows must be an even "
+            "count (the sequence length a multiple of 2 x CP)"
+        )
     hierarchical = comm_type == "a2a+p2p"
     if hierarchical != isinstance(group, list | tuple):
-        raise ContextParallelError(f"{_OP}: --cp-comm-type a2a+p2p takes Megatron's pair of "
-                                   "hierarchical context-parallel groups, every other comm type "
-                                   "one group")  # fmt: skip
+        raise ContextParallelError(
+            f"{_OP}: --cp-comm-type a2a+p2p takes Megatron's pair of "
+            "hierarchical context-parallel groups, every other comm type "
+            "one group"
+        )
     total = query.shape[0] * _group_size(group)
     if pre_tokens >= total - 1:  # a window at least the sequence long restricts nothing
         pre_tokens = MAX_TOKENS
@@ -281,8 +326,10 @@ def context_parallel_attention(
     kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p)
     if comm_type in ("p2p", "a2a+p2p"):
         if windowed:
-            raise ContextParallelError(f"{_OP}: a sliding window is not served with "
-                                       f"--cp-comm-type {comm_type}; use a2a or allgather")  # fmt: skip
+            raise ContextParallelError(
+                f"{_OP}: a sliding window is not served with "
+                f"--cp-comm-type {comm_type}; use a2a or allgather"
+            )
         if hierarchical:
             return _a2a_p2p(query, key, value, group, **kwargs)
         return ring_attention(query, key, value, group, **kwargs)

@@ -28,10 +28,17 @@ SOURCE = Path(__file__).with_name("csrc") / "band_attention.cpp"
 _LIBRARY = "megatron_npu_cpu"
 
 _COMPILE_FLAGS = {  # torch's CPU capability -> the same vector ISA for ATen's Vectorized<float>
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-DCPU_CAPABILITY_AVX512",
+        "-DCPU_CAPABILITY=AVX512",
+    ],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)

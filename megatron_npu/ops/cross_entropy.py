@@ -154,8 +154,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(rows)
         for chunk, softmax in _fp32_chunks(rows):
             softmax.sub_(log_norm[chunk].unsqueeze(-1)).exp_()
-            _softmax_to_grad(softmax, local_target[chunk], outside[chunk], upstream[chunk],
-                             ctx.smoothing, ctx.vocab)  # fmt: skip
+            _softmax_to_grad(
+                softmax,
+                local_target[chunk],
+                outside[chunk],
+                upstream[chunk],
+                ctx.smoothing,
+                ctx.vocab,
+            )
             grad[chunk] = softmax
         return grad.view(logits.shape), None, None, None, None, None
 

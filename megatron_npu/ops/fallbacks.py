@@ -27,8 +27,10 @@ class Fallback:
     reason: str  #: the kernel's own error
 
     def describe(self) -> str:
-        return f"{self.op}: {self.kernel} unavailable for {self.where} ({self.reason}); " \
-               f"running {self.instead} instead"  # fmt: skip
+        return (
+            f"{self.op}: {self.kernel} unavailable for {self.where} ({self.reason}); "
+            f"running {self.instead} instead"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "description": self.describe()}

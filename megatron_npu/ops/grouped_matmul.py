@@ -40,8 +40,9 @@ def _weights(weight: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor
     """The per-group weights: the slices of one [groups, K, N] tensor, or the tensors given."""
     if torch.is_tensor(weight):
         if weight.dim() != 3:
-            raise ValueError(f"{_OP}: a weight tensor must be [groups, K, N], got "
-                             f"{tuple(weight.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{_OP}: a weight tensor must be [groups, K, N], got {tuple(weight.shape)}"
+            )
         return list(weight.unbind(0))
     return list(weight)
 
@@ -56,8 +57,10 @@ def _check(x: torch.Tensor, weights: list[torch.Tensor], sizes: list[int], trans
         check_float_dtype(_OP, f"weight {g}", w)
         check_same_dtype(_OP, ("x", f"weight {g}"), (x, w))
         if w.dim() != 2 or w.shape != weights[0].shape:
-            raise ValueError(f"{_OP}: weight {g} is {tuple(w.shape)}; every group's weight must "
-                             f"be 2-D and of one shape")  # fmt: skip
+            raise ValueError(
+                f"{_OP}: weight {g} is {tuple(w.shape)}; every group's weight must "
+                f"be 2-D and of one shape"
+            )
     k = weights[0].shape[1] if trans_b else weights[0].shape[0]
     if x.shape[1] != k:
         raise ValueError(
@@ -75,8 +78,10 @@ def native_grouped_mm(x: torch.Tensor, weight, group_sizes, trans_b: bool = Fals
     slice of its own, so the backward writes one weight gradient per group, no more."""
     sizes, weights = _sizes(group_sizes), _weights(weight)
     _check(x, weights, sizes, trans_b)
-    parts = [torch.mm(rows, w.t() if trans_b else w)
-             for rows, w in zip(torch.split(x, sizes, dim=0), weights)]  # fmt: skip
+    parts = [
+        torch.mm(rows, w.t() if trans_b else w)
+        for rows, w in zip(torch.split(x, sizes, dim=0), weights)
+    ]
     return torch.cat(parts, dim=0)
 
 
@@ -89,9 +94,13 @@ class _NpuGroupedMatmul(torch.autograd.Function):
         ctx.kernels = kernels
         ctx.save_for_backward(group_list, x, *weights)
         return kernels.npu_grouped_matmul(
-            [x], list(weights), group_list=group_list, split_item=3, group_type=0,
+            [x],
+            list(weights),
+            group_list=group_list,
+            split_item=3,
+            group_type=0,
             group_list_type=1,
-        )[0]  # fmt: skip
+        )[0]
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -102,14 +111,22 @@ class _NpuGroupedMatmul(torch.autograd.Function):
         grad_weights: tuple = (None,) * len(weights)
         if ctx.needs_input_grad[2]:
             grad_x = kernels.npu_grouped_matmul(
-                [grad_out], [w.transpose(-1, -2) for w in weights], group_list=group_list,
-                split_item=3, group_type=0, group_list_type=1,
-            )[0]  # fmt: skip
+                [grad_out],
+                [w.transpose(-1, -2) for w in weights],
+                group_list=group_list,
+                split_item=3,
+                group_type=0,
+                group_list_type=1,
+            )[0]
         if any(ctx.needs_input_grad[3:]):
             stacked = kernels.npu_grouped_matmul(
-                [x.t().contiguous()], [grad_out], group_list=group_list, split_item=3,
-                group_type=2, group_list_type=1,
-            )[0]  # fmt: skip  # [groups, K, N]: x_g^T dy_g for every group at once
+                [x.t().contiguous()],
+                [grad_out],
+                group_list=group_list,
+                split_item=3,
+                group_type=2,
+                group_list_type=1,
+            )[0]  # [groups, K, N]: x_g^T dy_g for every group at once
             one_tensor = len(weights) == 1 and weights[0].dim() == 3
             grad_weights = (stacked,) if one_tensor else tuple(stacked.unbind(0))
         return (None, None, grad_x, *grad_weights)

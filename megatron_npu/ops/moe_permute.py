@@ -38,8 +38,9 @@ def kernel_takes_probs(tokens: torch.Tensor, probs: torch.Tensor | None) -> bool
     )
 
 
-def kernel_num_out_tokens(routing_map: torch.Tensor, num_out_tokens: Any,
-                          drop_and_pad: bool) -> int | None:  # fmt: skip
+def kernel_num_out_tokens(
+    routing_map: torch.Tensor, num_out_tokens: Any, drop_and_pad: bool
+) -> int | None:
     """``num_out_tokens`` for the permute kernel, or None where its contract does not hold for
     this routing map (Megatron's unfused code serves those). Without ``drop_and_pad`` the
     kernel's count is top-k x tokens, which is what the dispatchers pass when every token
@@ -57,28 +58,43 @@ def kernel_num_out_tokens(routing_map: torch.Tensor, num_out_tokens: Any,
 
 
 def permute_with_kernel(
-    kernels: ModuleType, tokens: torch.Tensor, routing_map: torch.Tensor,
-    probs: torch.Tensor | None, num_out_tokens: int, drop_and_pad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    kernels: ModuleType,
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_out_tokens: int,
+    drop_and_pad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(permuted tokens, permuted probs or None, the kernel's int32 index map)."""
     permuted, permuted_probs, index_map = kernels.npu_moe_token_permute_with_routing_map(
-        tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+        tokens,
+        routing_map,
+        probs=probs,
+        num_out_tokens=num_out_tokens,
         drop_and_pad=drop_and_pad,
-    )  # fmt: skip
+    )
     return permuted, (permuted_probs if probs is not None else None), index_map
 
 
 def unpermute_with_kernel(
-    kernels: ModuleType, permuted_tokens: torch.Tensor, index_map: torch.Tensor,
-    restore_shape: Any, probs: torch.Tensor | None, routing_map: torch.Tensor | None,
+    kernels: ModuleType,
+    permuted_tokens: torch.Tensor,
+    index_map: torch.Tensor,
+    restore_shape: Any,
+    probs: torch.Tensor | None,
+    routing_map: torch.Tensor | None,
     drop_and_pad: bool,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The tokens summed back to ``restore_shape`` from a kernel-made ``index_map``; probs of a
     dtype the kernel does not take are rounded to the tokens' (no dispatcher of megatron-core
     passes probs here: they are applied before the experts' second GEMM)."""
     if not kernel_takes_probs(permuted_tokens, probs):
         probs = probs.to(permuted_tokens.dtype)
     return kernels.npu_moe_token_unpermute_with_routing_map(
-        permuted_tokens, index_map, [int(v) for v in restore_shape], probs=probs,
-        routing_map=routing_map if probs is not None else None, drop_and_pad=drop_and_pad,
-    )  # fmt: skip
+        permuted_tokens,
+        index_map,
+        [int(v) for v in restore_shape],
+        probs=probs,
+        routing_map=routing_map if probs is not None else None,
+        drop_and_pad=drop_and_pad,
+    )

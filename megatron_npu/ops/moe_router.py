@@ -26,9 +26,12 @@ MIN_EXPERTS, MAX_EXPERTS = 2, 2048
 
 
 def gating_kernel_groups(
-    logits: torch.Tensor, topk: int, score_function: str, num_groups: int | None,
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str,
+    num_groups: int | None,
     group_topk: int | None,
-) -> tuple[int, int, int] | None:  # fmt: skip
+) -> tuple[int, int, int] | None:
     """(group_count, k_group, group_select_mode) for the kernel, or None where the kernel's
     routing is not Megatron's for these options."""
     experts = logits.shape[-1]
@@ -52,10 +55,18 @@ class _NpuSigmoidTopK(torch.autograd.Function):
     def forward(ctx, kernels, logits, topk, bias, groups, scaling):
         group_count, k_group, mode = groups
         weights, idx, scores = kernels.npu_moe_gating_top_k(
-            logits, topk, bias=bias, k_group=k_group, group_count=group_count,
-            group_select_mode=mode, renorm=0, norm_type=1, out_flag=True,
-            routed_scaling_factor=scaling, eps=EPS,
-        )  # fmt: skip
+            logits,
+            topk,
+            bias=bias,
+            k_group=k_group,
+            group_count=group_count,
+            group_select_mode=mode,
+            renorm=0,
+            norm_type=1,
+            out_flag=True,
+            routed_scaling_factor=scaling,
+            eps=EPS,
+        )
         ctx.kernels, ctx.scaling = kernels, scaling
         ctx.save_for_backward(scores, idx)
         ctx.mark_non_differentiable(idx)
@@ -65,16 +76,25 @@ class _NpuSigmoidTopK(torch.autograd.Function):
     def backward(ctx, grad_weights, _grad_idx):
         scores, idx = ctx.saved_tensors
         grad_logits = ctx.kernels.npu_moe_gating_top_k_backward(
-            scores, grad_weights.contiguous(), idx, renorm=0, norm_type=1,
-            routed_scaling_factor=ctx.scaling, eps=EPS,
-        )  # fmt: skip
+            scores,
+            grad_weights.contiguous(),
+            idx,
+            renorm=0,
+            norm_type=1,
+            routed_scaling_factor=ctx.scaling,
+            eps=EPS,
+        )
         return None, grad_logits, None, None, None, None
 
 
 def npu_sigmoid_top_k(
-    kernels: ModuleType, logits: torch.Tensor, topk: int, expert_bias: torch.Tensor | None,
-    groups: tuple[int, int, int], scaling_factor: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    kernels: ModuleType,
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: torch.Tensor | None,
+    groups: tuple[int, int, int],
+    scaling_factor: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing probs, routing map), both [tokens, experts], as Megatron builds them from the
     top-k weights and indices."""
     bias = None if expert_bias is None else expert_bias.to(logits.dtype)

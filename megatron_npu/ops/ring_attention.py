@@ -168,8 +168,10 @@ class NativeBlocks:
             group = self.heads // kv_heads
             dk = dk.unflatten(1, (kv_heads, group)).sum(2)
             dv = dv.unflatten(1, (kv_heads, group)).sum(2)
-        return tuple(t.permute(2, 0, 1, 3).to(torch.promote_types(t.dtype, torch.float32))
-                     for t in (dq, dk, dv))  # fmt: skip
+        return tuple(
+            t.permute(2, 0, 1, 3).to(torch.promote_types(t.dtype, torch.float32))
+            for t in (dq, dk, dv)
+        )
 
 
 # --------------------------------------------------------------------------- NPU blocks
@@ -189,26 +191,43 @@ class NpuBlocks:
 
     def _mask(self, causal: bool, device: torch.device) -> dict:
         if causal:
-            return dict(atten_mask=compressed_causal_mask(device),
-                        sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, pre_tockens=MAX_TOKENS,
-                        next_tockens=0)  # fmt: skip
-        return dict(atten_mask=None, sparse_mode=SPARSE_MODE_DEFAULT, pre_tockens=MAX_TOKENS,
-                    next_tockens=MAX_TOKENS)  # fmt: skip
+            return dict(
+                atten_mask=compressed_causal_mask(device),
+                sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+                pre_tockens=MAX_TOKENS,
+                next_tockens=0,
+            )
+        return dict(
+            atten_mask=None,
+            sparse_mode=SPARSE_MODE_DEFAULT,
+            pre_tockens=MAX_TOKENS,
+            next_tockens=MAX_TOKENS,
+        )
 
     def forward(self, q, k, v, causal: bool) -> tuple[_Part, Any]:
         out, smax, ssum, _, seed, offset, numels = self.kernels.npu_fusion_attention(
-            self._sbh(q), self._sbh(k), self._sbh(v), self.heads, "SBH", scale=self.scale,
-            keep_prob=self.keep_prob, **self._mask(causal, q.device),
-        )  # fmt: skip
+            self._sbh(q),
+            self._sbh(k),
+            self._sbh(v),
+            self.heads,
+            "SBH",
+            scale=self.scale,
+            keep_prob=self.keep_prob,
+            **self._mask(causal, q.device),
+        )
         # merged in fp32 (the update kernel's fp32 form), rounded once by finish()
         return _Part(out.float(), (smax, ssum)), (seed, offset, numels)
 
     def merge(self, acc: _Part, cur: _Part, rows: slice) -> _Part:
         smax, ssum = acc.stats
         out_r, max_r, sum_r = self.kernels.npu_ring_attention_update(
-            acc.out[rows], smax[:, :, rows], ssum[:, :, rows], cur.out, *cur.stats,
+            acc.out[rows],
+            smax[:, :, rows],
+            ssum[:, :, rows],
+            cur.out,
+            *cur.stats,
             input_layout="SBH",
-        )  # fmt: skip
+        )
         if rows == slice(None):
             return _Part(out_r, (max_r, sum_r))
         out, smax, ssum = acc.out.clone(), smax.clone(), ssum.clone()
@@ -227,11 +246,22 @@ class NpuBlocks:
         seed, offset, numels = rng
         smax, ssum = part.stats
         dq, dk, dv = self.kernels.npu_fusion_attention_grad(
-            self._sbh(q), self._sbh(k), self._sbh(v), self._sbh(grad).to(q.dtype), self.heads,
-            "SBH", softmax_max=smax, softmax_sum=ssum, attention_in=part.out.to(q.dtype),
-            scale_value=self.scale, keep_prob=self.keep_prob, seed=seed, offset=offset,
-            numels=numels, **self._mask(causal, q.device),
-        )[:3]  # fmt: skip
+            self._sbh(q),
+            self._sbh(k),
+            self._sbh(v),
+            self._sbh(grad).to(q.dtype),
+            self.heads,
+            "SBH",
+            softmax_max=smax,
+            softmax_sum=ssum,
+            attention_in=part.out.to(q.dtype),
+            scale_value=self.scale,
+            keep_prob=self.keep_prob,
+            seed=seed,
+            offset=offset,
+            numels=numels,
+            **self._mask(causal, q.device),
+        )[:3]
         return tuple(g.float().view(t.shape) for g, t in zip((dq, dk, dv), (q, k, v)))
 
 
@@ -240,16 +270,19 @@ class NpuBlocks:
 
 def _peers(group) -> tuple[int, int]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    return (dist.get_global_rank(group, (rank + 1) % size),
-            dist.get_global_rank(group, (rank - 1) % size))  # fmt: skip
+    return (
+        dist.get_global_rank(group, (rank + 1) % size),
+        dist.get_global_rank(group, (rank - 1) % size),
+    )
 
 
 def _exchange(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Send ``tensor`` to the next rank, receive the previous rank's into a new buffer."""
     nxt, prv = _peers(group)
     received = torch.empty_like(tensor)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, nxt, group),
-                                    dist.P2POp(dist.irecv, received, prv, group)])  # fmt: skip
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, tensor, nxt, group), dist.P2POp(dist.irecv, received, prv, group)]
+    )
     return received, works
 
 
@@ -294,8 +327,9 @@ class _RingAttention(torch.autograd.Function):
         acc, rngs = None, []
         for i, step in enumerate(steps):
             pending = _exchange(kv, group) if i + 1 < size else None
-            part, rng = blocks.forward(q[step.q_rows], kv[0][step.kv_rows],
-                                       kv[1][step.kv_rows], step.causal)  # fmt: skip
+            part, rng = blocks.forward(
+                q[step.q_rows], kv[0][step.kv_rows], kv[1][step.kv_rows], step.causal
+            )
             # step 0 is the rank's own block, which covers every query row
             acc = part if acc is None else blocks.merge(acc, part, step.q_rows)
             rngs.append(rng)
@@ -318,9 +352,15 @@ class _RingAttention(torch.autograd.Function):
         for i, (step, rng) in enumerate(zip(ctx.steps, ctx.rngs)):
             pending = _exchange(kv, group) if i + 1 < size else None
             rows = blocks.rows(merged, step.q_rows)
-            gq, gk, gv = blocks.backward(q[step.q_rows], kv[0][step.kv_rows],
-                                         kv[1][step.kv_rows], grad[step.q_rows], rows,
-                                         step.causal, rng)  # fmt: skip
+            gq, gk, gv = blocks.backward(
+                q[step.q_rows],
+                kv[0][step.kv_rows],
+                kv[1][step.kv_rows],
+                grad[step.q_rows],
+                rows,
+                step.causal,
+                rng,
+            )
             dq[step.q_rows] += gq
             dkv[0][step.kv_rows] += gk
             dkv[1][step.kv_rows] += gv
@@ -348,16 +388,21 @@ def ring_attention(
     context-parallel process group; with ``causal`` the local rows are Megatron's two
     load-balanced chunks (an even count)."""
     if query.dim() != 4 or key.shape != value.shape or key.shape[:2] != query.shape[:2]:
-        raise ValueError(f"{_OP}: query [s, b, n, d] and key/value [s, b, ng, d] of the same "
-                         f"s and b expected, got {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{_OP}: query [s, b, n, d] and key/value [s, b, ng, d] of the same "
+            f"s and b expected, got {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)}"
+        )
     heads, kv_heads = query.shape[2], key.shape[2]
     if heads % kv_heads:
-        raise ValueError(f"{_OP}: {heads} query heads are not a multiple of {kv_heads} "
-                         "key/value heads")  # fmt: skip
+        raise ValueError(
+            f"{_OP}: {heads} query heads are not a multiple of {kv_heads} key/value heads"
+        )
     if causal and query.shape[0] % 2:
-        raise ValueError(f"{_OP}: causal context parallelism splits each rank's "
-                         f"{query.shape[0]} rows into two chunks: the count must be even")  # fmt: skip
+        raise ValueError(
+            f"{_OP}: causal context parallelism splits each rank's "
+            f"{query.shape[0]} rows into two chunks: the count must be even"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{_OP}: dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
@@ -365,6 +410,9 @@ def ring_attention(
     kernels = npu_kernels(
         "npu_fusion_attention", "npu_fusion_attention_grad", "npu_ring_attention_update"
     )
-    blocks = (NpuBlocks(kernels, heads, scale, dropout_p) if kernels is not None
-              else NativeBlocks(heads, scale, dropout_p))  # fmt: skip
+    blocks = (
+        NpuBlocks(kernels, heads, scale, dropout_p)
+        if kernels is not None
+        else NativeBlocks(heads, scale, dropout_p)
+    )
     return _RingAttention.apply(query, key, value, group, causal, blocks)

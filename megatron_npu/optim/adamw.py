@@ -51,10 +51,18 @@ class FusedAdamW(torch.optim.AdamW):
         if capturable or differentiable:
             raise ValueError("FusedAdamW: capturable/differentiable are not supported")
         super().__init__(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
             fused=None,
-        )  # fmt: skip
+        )
 
     def _pack_moments(self, params: list[torch.Tensor], amsgrad: bool) -> None:
         """Give ``params`` (one group's, with grads) their moments as views of one flat buffer
@@ -72,8 +80,9 @@ class FusedAdamW(torch.optim.AdamW):
                 current = [self.state[p].get(key) for p in same]
                 if all(t is not None for t in current) and flat_view(current) is not None:
                     continue
-                flat = torch.zeros(sum(p.numel() for p in same), dtype=same[0].dtype,
-                                   device=same[0].device)  # fmt: skip
+                flat = torch.zeros(
+                    sum(p.numel() for p in same), dtype=same[0].dtype, device=same[0].device
+                )
                 offset = 0
                 for p, old in zip(same, current, strict=True):
                     view = flat[offset : offset + p.numel()].view(p.shape)
@@ -102,11 +111,18 @@ class FusedAdamW(torch.optim.AdamW):
             beta1, beta2 = (float(b) for b in group["betas"])
             for step, items in by_step.items():
                 adamw_step_(
-                    [p for p, _ in items], [p.grad for p, _ in items],
-                    [s["exp_avg"] for _, s in items], [s["exp_avg_sq"] for _, s in items],
-                    step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    [p for p, _ in items],
+                    [p.grad for p, _ in items],
+                    [s["exp_avg"] for _, s in items],
+                    [s["exp_avg_sq"] for _, s in items],
+                    step=step,
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
                     max_exp_avg_sqs=[s["max_exp_avg_sq"] for _, s in items] if amsgrad else None,
-                    amsgrad=amsgrad, maximize=group["maximize"],
-                )  # fmt: skip
+                    amsgrad=amsgrad,
+                    maximize=group["maximize"],
+                )
         return loss

@@ -87,11 +87,18 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
 
     def run():
         return fused_attention(
-            q, k, v, head_num=heads, input_layout=chosen.shape_order, causal=call.causal,
+            q,
+            k,
+            v,
+            head_num=heads,
+            input_layout=chosen.shape_order,
+            causal=call.causal,
             attention_mask=call.attention_mask,
-            pre_tokens=call.pre_tokens, next_tokens=call.next_tokens,
-            scale=call.scale, dropout_p=call.dropout_p,
-        )  # fmt: skip
+            pre_tokens=call.pre_tokens,
+            next_tokens=call.next_tokens,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+        )
 
     out = in_attention_rng(module, call.dropout_p, run)
     if chosen.shape_order == "BSH":
@@ -102,14 +109,26 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
 def _route_to_fused(original: Any) -> Any:
     @functools.wraps(original)
     def forward(
-        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
         packed_seq_params=None,
-    ):  # fmt: skip
+    ):
         if not settings.fused_attention().needs_fused_kernel:
             return original(
-                self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type,
+                attention_bias,
                 packed_seq_params,
-            )  # fmt: skip
+            )
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError(
                 "fused attention does not take attention_bias or packed sequences; "

@@ -15,9 +15,12 @@ def _on_group(vocab_parallel_logits, target, label_smoothing, tp_group):
     rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     local_vocab = vocab_parallel_logits.shape[-1]
     return _op(
-        vocab_parallel_logits, target, vocab_start_index=rank * local_vocab,
-        label_smoothing=label_smoothing, group=tp_group if world > 1 else None,
-    )  # fmt: skip
+        vocab_parallel_logits,
+        target,
+        vocab_start_index=rank * local_vocab,
+        label_smoothing=label_smoothing,
+        group=tp_group if world > 1 else None,
+    )
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):

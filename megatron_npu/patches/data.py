@@ -29,10 +29,14 @@ from megatron_npu.registry import CUDA, Patch
 _HELPERS = "megatron.core.datasets.helpers"
 #: every function megatron-core's ``helpers`` module offers (the compiled ones and the wrapper)
 _HELPER_NAMES = (
-    "build_sample_idx", "build_sample_idx_int32", "build_sample_idx_int64",
-    "build_blending_indices", "build_exhaustive_blending_indices", "build_mapping",
+    "build_sample_idx",
+    "build_sample_idx_int32",
+    "build_sample_idx_int64",
+    "build_blending_indices",
+    "build_exhaustive_blending_indices",
+    "build_mapping",
     "build_blocks_mapping",
-)  # fmt: skip
+)
 _logger = logging.getLogger(__name__)
 
 

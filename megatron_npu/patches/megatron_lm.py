@@ -75,15 +75,27 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
     ("external_cuda_graph", True, "--external-cuda-graph", "CUDA graphs do not exist here"),
     ("enable_cuda_graph", True, "--enable-cuda-graph", "CUDA graphs do not exist here"),
     ("cuda_graph_impl", "not-none", "--cuda-graph-impl", "CUDA graphs do not exist here"),
-    ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
-     "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather"),
-    ("moe_enable_deepep", True, "--moe-enable-deepep",
-     "DeepEP dispatch is CUDA-only: use alltoall or allgather"),
+    (
+        "moe_token_dispatcher_type",
+        "flex",
+        "--moe-token-dispatcher-type flex",
+        "DeepEP / HybridEP dispatch is CUDA-only: use alltoall or allgather",
+    ),
+    (
+        "moe_enable_deepep",
+        True,
+        "--moe-enable-deepep",
+        "DeepEP dispatch is CUDA-only: use alltoall or allgather",
+    ),
     ("use_torch_fsdp2", True, "--use-torch-fsdp2", "not supported by the adaptor yet"),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
-    ("use_legacy_models", True, "--use-legacy-models",
-     "the legacy models need apex's fused layer norm; the adaptor patches megatron-core models"),
-)  # fmt: skip
+    (
+        "use_legacy_models",
+        True,
+        "--use-legacy-models",
+        "the legacy models need apex's fused layer norm; the adaptor patches megatron-core models",
+    ),
+)
 
 
 def unsupported_options(args: Any) -> list[str]:

@@ -95,16 +95,31 @@ def fused_permute_wrap(original: Callable) -> Callable:
     two: pad offsets, None when nothing was padded, and ``tokens_per_expert``)."""
     five = "align_size" in inspect.signature(original).parameters
 
-    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
-                drop_and_pad=False, **more):  # fmt: skip
+    def permute(
+        tokens,
+        routing_map,
+        probs=None,
+        num_out_tokens=None,
+        fused=False,
+        drop_and_pad=False,
+        **more,
+    ):
         kernels = npu_kernels("npu_moe_token_permute_with_routing_map") if fused else None
         out_tokens = (
-            None if kernels is None or not kernel_takes_probs(tokens, probs)
+            None
+            if kernels is None or not kernel_takes_probs(tokens, probs)
             else kernel_num_out_tokens(routing_map, num_out_tokens, drop_and_pad)
-        )  # fmt: skip
+        )
         if out_tokens is None:
-            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-                            fused=False, drop_and_pad=drop_and_pad, **more)  # fmt: skip
+            return original(
+                tokens,
+                routing_map,
+                probs=probs,
+                num_out_tokens=num_out_tokens,
+                fused=False,
+                drop_and_pad=drop_and_pad,
+                **more,
+            )
         done = permute_with_kernel(kernels, tokens, routing_map, probs, out_tokens, drop_and_pad)
         return (*done, None, more.get("tokens_per_expert")) if five else done
 
@@ -116,14 +131,37 @@ def fused_unpermute_wrap(original: Callable) -> Callable:
     """``moe_utils.unpermute`` that sums back through the NPU unpermute kernel the rows the
     permute kernel made (an int32 index map), and through Megatron's unfused code otherwise."""
 
-    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
-                  fused=False, drop_and_pad=False, **more):  # fmt: skip
+    def unpermute(
+        permuted_tokens,
+        sorted_indices,
+        restore_shape,
+        probs=None,
+        routing_map=None,
+        fused=False,
+        drop_and_pad=False,
+        **more,
+    ):
         kernels = npu_kernels("npu_moe_token_unpermute_with_routing_map") if fused else None
         if kernels is not None and sorted_indices.dtype == KERNEL_INDEX_DTYPE:
-            return unpermute_with_kernel(kernels, permuted_tokens, sorted_indices,
-                                         restore_shape, probs, routing_map, drop_and_pad)  # fmt: skip
-        return original(permuted_tokens, sorted_indices, restore_shape, probs=probs,
-                        routing_map=routing_map, fused=False, drop_and_pad=drop_and_pad, **more)  # fmt: skip
+            return unpermute_with_kernel(
+                kernels,
+                permuted_tokens,
+                sorted_indices,
+                restore_shape,
+                probs,
+                routing_map,
+                drop_and_pad,
+            )
+        return original(
+            permuted_tokens,
+            sorted_indices,
+            restore_shape,
+            probs=probs,
+            routing_map=routing_map,
+            fused=False,
+            drop_and_pad=drop_and_pad,
+            **more,
+        )
 
     unpermute.__wrapped__ = original
     return unpermute
@@ -133,23 +171,38 @@ def fused_top_k_wrap(original: Callable) -> Callable:
     """``moe_utils.topk_routing_with_score_function`` whose ``fused=True`` runs the NPU gating
     kernel where its routing is Megatron's, and Megatron's unfused code otherwise."""
 
-    def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None,
-                                         group_topk=None, scaling_factor=None,
-                                         score_function="softmax", expert_bias=None, fused=False,
-                                         **more):  # fmt: skip
+    def topk_routing_with_score_function(
+        logits,
+        topk,
+        use_pre_softmax=False,
+        num_groups=None,
+        group_topk=None,
+        scaling_factor=None,
+        score_function="softmax",
+        expert_bias=None,
+        fused=False,
+        **more,
+    ):
         kernels = (
             npu_kernels("npu_moe_gating_top_k", "npu_moe_gating_top_k_backward") if fused else None
         )
         groups = None
-        if kernels is not None and not any(v is not None and v is not False
-                                           for v in more.values()):  # fmt: skip
+        if kernels is not None and not any(v is not None and v is not False for v in more.values()):
             groups = gating_kernel_groups(logits, topk, score_function, num_groups, group_topk)
         if groups is not None:
             return npu_sigmoid_top_k(kernels, logits, topk, expert_bias, groups, scaling_factor)
-        return original(logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
-                        group_topk=group_topk, scaling_factor=scaling_factor,
-                        score_function=score_function, expert_bias=expert_bias, fused=False,
-                        **more)  # fmt: skip
+        return original(
+            logits,
+            topk,
+            use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            score_function=score_function,
+            expert_bias=expert_bias,
+            fused=False,
+            **more,
+        )
 
     topk_routing_with_score_function.__wrapped__ = original
     return topk_routing_with_score_function
@@ -181,8 +234,9 @@ def te_fused_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1):
 
 def te_fused_permute_with_probs(inp, probs, routing_map, num_out_tokens=-1):
     """TE's ``moe_permute_with_probs``: (permuted tokens, permuted probs, index map)."""
-    out = _utils().permute(inp, routing_map, probs=probs, num_out_tokens=_count(num_out_tokens),
-                           fused=True)  # fmt: skip
+    out = _utils().permute(
+        inp, routing_map, probs=probs, num_out_tokens=_count(num_out_tokens), fused=True
+    )
     return out[0], out[1], out[2]
 
 
@@ -190,8 +244,10 @@ def te_fused_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, 
     """TE's ``moe_unpermute`` without merging probs (the dispatchers apply the probs before);
     merging probs need the routing map, which TE's signature does not carry."""
     if merging_probs is not None:
-        raise ValueError("megatron-npu: fused_unpermute with merging_probs needs the routing "
-                         "map: call moe_utils.unpermute(..., probs=, routing_map=, fused=True)")  # fmt: skip
+        raise ValueError(
+            "megatron-npu: fused_unpermute with merging_probs needs the routing "
+            "map: call moe_utils.unpermute(..., probs=, routing_map=, fused=True)"
+        )
     return _utils().unpermute(inp, row_id_map, restore_shape, fused=True)
 
 

@@ -33,9 +33,10 @@ def _unscale_main_grads_and_check_for_nan(self):
         found = check_finite_and_unscale_(main_grads, self.grad_scaler.inv_scale)
         self.found_inf.copy_(found.to(self.found_inf.device).reshape(self.found_inf.shape))
     torch.distributed.all_reduce(
-        self.found_inf, op=torch.distributed.ReduceOp.MAX,
+        self.found_inf,
+        op=torch.distributed.ReduceOp.MAX,
         group=self.get_grad_stats_parallel_group(),
-    )  # fmt: skip
+    )
     return self.found_inf.item() > 0
 
 

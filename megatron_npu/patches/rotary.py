@@ -54,9 +54,12 @@ def _apply_rotary_pos_emb_bshd_mla_flag(
         )
         mla_rotary_interleaved = multi_latent_attention
     return _apply_rotary_pos_emb_bshd(
-        t, freqs, rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=mla_rotary_interleaved, mscale=mscale,
-    )  # fmt: skip
+        t,
+        freqs,
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=mla_rotary_interleaved,
+        mscale=mscale,
+    )
 
 
 PATCHES = [

@@ -423,9 +423,19 @@ def npu_fusion_attention_grad(
             )
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
-    q, k, v, scores, visible = _fa_scores(query, key, value, head_num, input_layout, n_kv,
-                                          atten_mask, sparse_mode, pre_tockens, next_tockens,
-                                          scale_value)  # fmt: skip
+    q, k, v, scores, visible = _fa_scores(
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        n_kv,
+        atten_mask,
+        sparse_mode,
+        pre_tockens,
+        next_tockens,
+        scale_value,
+    )
     row_max, row_sum = softmax_max[..., :1], softmax_sum[..., :1]
     probs = torch.exp(scores - row_max) / torch.where(row_sum > 0, row_sum, 1.0)
     if visible is not None:
@@ -444,9 +454,13 @@ def npu_fusion_attention_grad(
         dk = dk.unflatten(1, (n_kv, group)).sum(2)
         dv = dv.unflatten(1, (n_kv, group)).sum(2)
     empty = torch.empty(0, dtype=query.dtype, device=query.device)
-    return (_merge_heads(dq.to(query.dtype), input_layout),
-            _merge_heads(dk.to(key.dtype), input_layout),
-            _merge_heads(dv.to(value.dtype), input_layout), empty, empty)  # fmt: skip
+    return (
+        _merge_heads(dq.to(query.dtype), input_layout),
+        _merge_heads(dk.to(key.dtype), input_layout),
+        _merge_heads(dv.to(value.dtype), input_layout),
+        empty,
+        empty,
+    )
 
 
 def npu_ring_attention_update(
@@ -594,9 +608,14 @@ def npu_fast_gelu(input):  # noqa: A002 - torch_npu's parameter name
 #: "2" ("1" = broadcast), grouped by the x layout they imply (torch_npu docs, half mode):
 #: x BNSD: 11SD, B1SD, BNSD; x BSND: 1S1D, BS1D, BSND; x SBND: S11D, SB1D, SBND.
 _ROTARY_HALF_LAYOUTS = {
-    "11SD": (None, None, 2), "B1SD": (0, None, 2), "1S1D": (None, 1, None),
-    "BS1D": (0, 1, None), "S11D": (0, None, None), "SB1D": (0, 1, None), "full": (0, 1, 2),
-}  # fmt: skip
+    "11SD": (None, None, 2),
+    "B1SD": (0, None, 2),
+    "1S1D": (None, 1, None),
+    "BS1D": (0, 1, None),
+    "S11D": (0, None, None),
+    "SB1D": (0, 1, None),
+    "full": (0, 1, 2),
+}
 #: interleave mode takes only the sequence-broadcast layouts
 _ROTARY_INTERLEAVE_LAYOUTS = ("11SD", "1S1D", "S11D")
 #: the S axis of x each r layout implies (None: any layout)
@@ -792,12 +811,30 @@ def _group_ends(op, group_list, group_list_type, groups):
 
 
 def npu_grouped_matmul(
-    x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-    antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-    activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-    group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
-    weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None,
-):  # fmt: skip
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+    x_dtype=None,
+    weight_dtype=None,
+    scale_dtype=None,
+    per_token_scale_dtype=None,
+):
     """Emulates ``torch_npu.npu_grouped_matmul`` for floating-point inputs.
 
     ``group_type`` -1/None: ``x[i] @ weight[i]`` per pair. 0 (split M): one ``x`` [M, K] whose
@@ -809,11 +846,16 @@ def npu_grouped_matmul(
     antiquant, per-token scale, fused activation) are not emulated and are refused by name.
     """
     op = "npu_grouped_matmul"
-    quantised = {"scale": scale, "offset": offset, "antiquant_scale": antiquant_scale,
-                 "antiquant_offset": antiquant_offset, "per_token_scale": per_token_scale,
-                 "activation_input": activation_input,
-                 "activation_quant_scale": activation_quant_scale,
-                 "activation_quant_offset": activation_quant_offset}  # fmt: skip
+    quantised = {
+        "scale": scale,
+        "offset": offset,
+        "antiquant_scale": antiquant_scale,
+        "antiquant_offset": antiquant_offset,
+        "per_token_scale": per_token_scale,
+        "activation_input": activation_input,
+        "activation_quant_scale": activation_quant_scale,
+        "activation_quant_offset": activation_quant_offset,
+    }
     used = [k for k, v in quantised.items() if v is not None]
     if used or act_type not in (0, None) or output_dtype not in (None, 0, 1, 27):
         raise NotImplementedError(
@@ -885,10 +927,21 @@ def npu_grouped_matmul(
 
 
 def npu_moe_gating_top_k(
-    x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
-    group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+    x,
+    k,
+    *,
+    bias=None,
+    input_ids=None,
+    tid2eid=None,
+    k_group=1,
+    group_count=1,
+    group_select_mode=0,
+    renorm=0,
+    norm_type=0,
+    out_flag=False,
+    routed_scaling_factor=1.0,
     eps=1e-20,
-):  # fmt: skip
+):
     """Emulates ``torch_npu.npu_moe_gating_top_k`` (the documented CPU golden's steps).
 
     Scores are the fp32 softmax (``norm_type`` 0) or sigmoid (1) of ``x`` [tokens, experts].
@@ -911,19 +964,23 @@ def npu_moe_gating_top_k(
     if not 2 <= experts <= 2048:
         raise ValueError(f"{op}: the expert count must be in [2, 2048], got {experts}")
     if norm_type not in (0, 1) or renorm != 0 or group_select_mode not in (0, 1):
-        raise ValueError(f"{op}: norm_type must be 0 or 1, renorm 0, group_select_mode 0 or 1 "
-                         f"(got {norm_type}, {renorm}, {group_select_mode})")  # fmt: skip
+        raise ValueError(
+            f"{op}: norm_type must be 0 or 1, renorm 0, group_select_mode 0 or 1 "
+            f"(got {norm_type}, {renorm}, {group_select_mode})"
+        )
     if group_count < 1 or experts % group_count or not 1 <= k_group <= group_count:
-        raise ValueError(f"{op}: group_count {group_count} must divide the {experts} experts "
-                         f"and 1 <= k_group {k_group} <= group_count")  # fmt: skip
+        raise ValueError(
+            f"{op}: group_count {group_count} must divide the {experts} experts "
+            f"and 1 <= k_group {k_group} <= group_count"
+        )
     per_group = experts // group_count
     if group_select_mode == 1 and group_count > 1 and per_group < 2:
         raise ValueError(f"{op}: group_select_mode 1 needs at least 2 experts per group")
     if not 1 <= k <= per_group * k_group:
-        raise ValueError(f"{op}: k {k} must be in [1, experts per group x k_group = "
-                         f"{per_group * k_group}]")  # fmt: skip
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != experts or
-                             bias.dtype != x.dtype):  # fmt: skip
+        raise ValueError(
+            f"{op}: k {k} must be in [1, experts per group x k_group = {per_group * k_group}]"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != experts or bias.dtype != x.dtype):
         raise ValueError(f"{op}: bias must be 1-D [{experts}] in x's dtype")
     scores = torch.softmax(x.float(), dim=-1) if norm_type == 0 else torch.sigmoid(x.float())
     chooser = scores if bias is None else scores + bias.float()
@@ -980,11 +1037,14 @@ _INDEX_DTYPES = (torch.bool, torch.int8)
 
 def _routing_map(op: str, routing_map: torch.Tensor, tokens_num: int | None = None) -> torch.Tensor:
     if routing_map.dim() != 2 or routing_map.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{op}: routing_map must be a 2-D bool or int8 tensor, got "
-                        f"{routing_map.dim()}-D {_name(routing_map.dtype)}")  # fmt: skip
+        raise TypeError(
+            f"{op}: routing_map must be a 2-D bool or int8 tensor, got "
+            f"{routing_map.dim()}-D {_name(routing_map.dtype)}"
+        )
     if tokens_num is not None and routing_map.shape[0] != tokens_num:
-        raise ValueError(f"{op}: routing_map has {routing_map.shape[0]} rows for "
-                         f"{tokens_num} tokens")  # fmt: skip
+        raise ValueError(
+            f"{op}: routing_map has {routing_map.shape[0]} rows for {tokens_num} tokens"
+        )
     return routing_map.bool()
 
 
@@ -1012,18 +1072,22 @@ def npu_moe_token_permute_with_routing_map(
     if probs is not None:
         _float_dtype(op, "probs", probs)
         if probs.shape != chosen.shape:
-            raise ValueError(f"{op}: probs {tuple(probs.shape)} must match routing_map "
-                             f"{tuple(chosen.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{op}: probs {tuple(probs.shape)} must match routing_map {tuple(chosen.shape)}"
+            )
         if probs.dtype != tokens.dtype and not (
             probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16
         ):
-            raise TypeError(f"{op}: probs {_name(probs.dtype)} with tokens "
-                            f"{_name(tokens.dtype)}: only float32 probs may differ "
-                            f"(with bfloat16 tokens)")  # fmt: skip
+            raise TypeError(
+                f"{op}: probs {_name(probs.dtype)} with tokens "
+                f"{_name(tokens.dtype)}: only float32 probs may differ "
+                f"(with bfloat16 tokens)"
+            )
     out_tokens = tokens_num if num_out_tokens is None else int(num_out_tokens)
     if not 0 <= out_tokens <= tokens_num * experts_num:
-        raise ValueError(f"{op}: num_out_tokens {out_tokens} is outside [0, "
-                         f"{tokens_num * experts_num}]")  # fmt: skip
+        raise ValueError(
+            f"{op}: num_out_tokens {out_tokens} is outside [0, {tokens_num * experts_num}]"
+        )
     if drop_and_pad:
         capacity = out_tokens // experts_num
         rows = []  # per expert: its selected tokens in order, then the rest as padding
@@ -1038,9 +1102,11 @@ def npu_moe_token_permute_with_routing_map(
         topk = out_tokens // tokens_num if tokens_num else 0
         per_row = chosen.sum(dim=1)
         if tokens_num and not bool((per_row == topk).all()):
-            raise ValueError(f"{op}: without drop_and_pad every routing_map row must select "
-                             f"topK = num_out_tokens // tokens_num = {topk} experts; rows select "
-                             f"{sorted(set(per_row.tolist()))}")  # fmt: skip
+            raise ValueError(
+                f"{op}: without drop_and_pad every routing_map row must select "
+                f"topK = num_out_tokens // tokens_num = {topk} experts; rows select "
+                f"{sorted(set(per_row.tolist()))}"
+            )
         pairs = chosen.t().nonzero()  # (expert, token), expert-major: the output rows
         expert_of_row, token_of_row = pairs[:, 0], pairs[:, 1]
         # slot t * topK + k is the k-th row (in output order) that copies token t
@@ -1051,9 +1117,14 @@ def npu_moe_token_permute_with_routing_map(
 
 
 def npu_moe_token_unpermute_with_routing_map(
-    permuted_tokens, sorted_indices, restore_shape, *, probs=None, routing_map=None,
+    permuted_tokens,
+    sorted_indices,
+    restore_shape,
+    *,
+    probs=None,
+    routing_map=None,
     drop_and_pad=False,
-):  # fmt: skip
+):
     """Emulates ``torch_npu.npu_moe_token_unpermute_with_routing_map``: the inverse of the
     permute, summing each token's copies (weighted by ``probs[token, expert]`` when given) into
     a ``restore_shape`` [tokens_num, hidden] tensor.
@@ -1070,20 +1141,25 @@ def npu_moe_token_unpermute_with_routing_map(
     if permuted_tokens.dim() != 2:
         raise ValueError(f"{op}: permuted_tokens must be 2-D, got {tuple(permuted_tokens.shape)}")
     if sorted_indices.dtype != torch.int32 or sorted_indices.dim() != 1:
-        raise TypeError(f"{op}: sorted_indices must be a 1-D int32 tensor, got "
-                        f"{sorted_indices.dim()}-D {_name(sorted_indices.dtype)}")  # fmt: skip
+        raise TypeError(
+            f"{op}: sorted_indices must be a 1-D int32 tensor, got "
+            f"{sorted_indices.dim()}-D {_name(sorted_indices.dtype)}"
+        )
     tokens_num, hidden = (int(v) for v in restore_shape)
     rows = permuted_tokens.shape[0]
     if permuted_tokens.shape[1] != hidden:
-        raise ValueError(f"{op}: permuted_tokens are {permuted_tokens.shape[1]} wide, "
-                         f"restore_shape {hidden}")  # fmt: skip
+        raise ValueError(
+            f"{op}: permuted_tokens are {permuted_tokens.shape[1]} wide, restore_shape {hidden}"
+        )
     if probs is not None and routing_map is None:
         raise ValueError(f"{op}: probs need routing_map")
     index = sorted_indices.long()
     if drop_and_pad:
         if index.numel() != rows:
-            raise ValueError(f"{op}: drop_and_pad needs one sorted index per permuted row "
-                             f"({index.numel()} for {rows})")  # fmt: skip
+            raise ValueError(
+                f"{op}: drop_and_pad needs one sorted index per permuted row "
+                f"({index.numel()} for {rows})"
+            )
         token_of_row = index
         weight = None
         if probs is not None:
@@ -1097,8 +1173,10 @@ def npu_moe_token_unpermute_with_routing_map(
     else:
         topk = rows // tokens_num if tokens_num else 0
         if index.numel() != tokens_num * topk:
-            raise ValueError(f"{op}: sorted_indices has {index.numel()} slots for "
-                             f"{tokens_num} tokens x topK {topk}")  # fmt: skip
+            raise ValueError(
+                f"{op}: sorted_indices has {index.numel()} slots for "
+                f"{tokens_num} tokens x topK {topk}"
+            )
         used = index >= 0
         slot_token = torch.arange(index.numel(), device=index.device) // max(topk, 1)
         token_of_row = torch.full((rows,), -1, dtype=torch.long, device=index.device)
@@ -1108,8 +1186,10 @@ def npu_moe_token_unpermute_with_routing_map(
             chosen = _routing_map(op, routing_map, tokens_num)
             pairs = chosen.t().nonzero()  # the permute's rows: (expert, token), expert-major
             if pairs.shape[0] != rows:
-                raise ValueError(f"{op}: routing_map selects {pairs.shape[0]} (token, expert) "
-                                 f"pairs for {rows} permuted rows")  # fmt: skip
+                raise ValueError(
+                    f"{op}: routing_map selects {pairs.shape[0]} (token, expert) "
+                    f"pairs for {rows} permuted rows"
+                )
             weight = probs[pairs[:, 1], pairs[:, 0]]
         keep = token_of_row >= 0
         source, token_of_row = permuted_tokens[keep], token_of_row[keep]

@@ -189,11 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rotary-percent", type=_finite, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument(
-        "--transformer-impl", choices=("local", "transformer_engine"), default="local",
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
         help="the layer spec: Megatron's local modules, or its Transformer Engine spec (TE's "
         "layer names and checkpoint keys; the adaptor serves its classes without TE). "
         "Megatron-LM's own default is transformer_engine",
-    )  # fmt: skip
+    )
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=_finite, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -201,17 +203,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=_finite, default=0.02)
     g.add_argument(
-        "--use-cpu-initialization", action="store_true",
+        "--use-cpu-initialization",
+        action="store_true",
         help="build the initial weights in host memory and move the model afterwards (Megatron's "
         "host path); default: allocate on the device",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--layout-independent-init", action="store_true",
+        "--layout-independent-init",
+        action="store_true",
         help="the same initial weights in every TP/PP/DP/EP layout and on every device, from one "
         "CPU stream re-seeded per layer (training/weight_init.py), for layout and device "
         "comparisons; default: Megatron-LM's initialisation, the weights pretrain_gpt.py draws "
         "with the same options",
-    )  # fmt: skip
+    )
     g.add_argument("--attention-dropout", type=_finite, default=0.1)
     g.add_argument("--hidden-dropout", type=_finite, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
@@ -225,90 +229,119 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("mixture of experts (Megatron-LM's names and defaults)")
     g.add_argument(
-        "--num-experts", type=_positive, default=None,
+        "--num-experts",
+        type=_positive,
+        default=None,
         help="experts per MoE layer (every layer is an MoE layer); default: a dense model",
-    )  # fmt: skip
+    )
     g.add_argument("--moe-router-topk", type=_positive, default=2)
     g.add_argument(
-        "--moe-ffn-hidden-size", type=_positive, default=None,
+        "--moe-ffn-hidden-size",
+        type=_positive,
+        default=None,
         help="each expert's FFN size; default --ffn-hidden-size",
-    )  # fmt: skip
+    )
     g.add_argument("--expert-model-parallel-size", type=_positive, default=1)
     g.add_argument(
-        "--expert-tensor-parallel-size", type=_positive, default=None,
+        "--expert-tensor-parallel-size",
+        type=_positive,
+        default=None,
         help="tensor parallelism inside each expert; default: the TP size (Megatron's default)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather",
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall"),
+        default="allgather",
         help="how tokens reach their experts' ranks (Megatron's flex dispatcher needs DeepEP, "
         "which is CUDA-only)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"),
+        "--moe-router-load-balancing-type",
+        choices=("aux_loss", "seq_aux_loss", "none"),
         default="aux_loss",
-    )  # fmt: skip
+    )
     g.add_argument("--moe-aux-loss-coeff", type=_finite, default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=_finite, default=None)
-    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
-                   default="softmax")  # fmt: skip
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     g.add_argument("--moe-router-topk-scaling-factor", type=_finite, default=None)
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
     g.add_argument(
-        "--moe-router-num-groups", type=_positive, default=None,
+        "--moe-router-num-groups",
+        type=_positive,
+        default=None,
         help="group-limited routing: experts in this many groups ...",
-    )  # fmt: skip
-    g.add_argument("--moe-router-group-topk", type=_positive, default=None,
-                   help="... of which each token may use this many")  # fmt: skip
+    )
     g.add_argument(
-        "--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+        "--moe-router-group-topk",
+        type=_positive,
+        default=None,
+        help="... of which each token may use this many",
+    )
+    g.add_argument(
+        "--moe-router-dtype",
+        choices=("fp32", "fp64"),
+        default=None,
         help="the router's logits and probabilities in this dtype (default: the model's)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-layer-freq", default=1,
+        "--moe-layer-freq",
+        default=1,
         help="which layers are MoE layers: N for every N-th layer (from the first), or a list "
         "expression of 0 (dense) and 1 (MoE) per layer such as '([1]*3+[0]*1)*2'",
-    )  # fmt: skip
+    )
     g.add_argument("--moe-expert-capacity-factor", type=_finite, default=None)
     g.add_argument(
-        "--moe-pad-expert-input-to-capacity", action="store_true",
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
         help="with a capacity factor: every expert gets exactly its capacity (padded)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+        "--moe-token-drop-policy",
+        choices=("probs", "position"),
+        default="probs",
         help="with a capacity factor: drop the lowest-probability tokens or the latest ones",
-    )  # fmt: skip
+    )
     g.add_argument("--moe-shared-expert-intermediate-size", type=_positive, default=None)
     g.add_argument(
-        "--moe-grouped-gemm", action="store_true",
+        "--moe-grouped-gemm",
+        action="store_true",
         help="all local experts as one grouped GEMM per direction (npu_grouped_matmul)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-router-fusion", action="store_true",
+        "--moe-router-fusion",
+        action="store_true",
         help="the router's top-k fused (npu_moe_gating_top_k where its routing is Megatron's)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--moe-permute-fusion", action="store_true",
+        "--moe-permute-fusion",
+        action="store_true",
         help="the dispatcher's token permutation fused (npu_moe_token_permute / unpermute)",
-    )  # fmt: skip
+    )
 
     g = parser.add_argument_group(
         "fusions (Megatron-LM's flags and defaults; on npu / npu-emulated they route to the "
         "fused-op patches)"
     )
     g.add_argument(
-        "--bias-swiglu-fusion", action=argparse.BooleanOptionalAction, default=True,
+        "--bias-swiglu-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="with --swiglu: fused bias-SwiGLU (npu_swiglu on the NPU)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=True,
+        "--bias-gelu-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="without --swiglu: fused bias-GeLU, tanh approximation (off with "
         "--disable-bias-linear, as in Megatron-LM)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--masked-softmax-fusion", action=argparse.BooleanOptionalAction, default=True,
+        "--masked-softmax-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="fp16/bf16 attention softmax through the fused scaled-masked softmax "
         "(npu_scaled_masked_softmax on the NPU) where the kernel's shape rule allows it",
-    )  # fmt: skip
+    )
 
     g = parser.add_argument_group("fused attention (the Ascend guide's large-kernel options)")
     g.add_argument("--use-flash-attn", action="store_true")
@@ -494,9 +527,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def fused_attention_requests(args: argparse.Namespace) -> list[str]:
     """The options in ``args`` whose values only the fused attention kernel implements."""
     return FusedAttentionSettings(
-        use_flash_attn=args.use_flash_attn, shape_order=args.shape_order,
-        pre_tokens=args.pre_tokens, next_tokens=args.next_tokens,
-    ).fused_only_options()  # fmt: skip
+        use_flash_attn=args.use_flash_attn,
+        shape_order=args.shape_order,
+        pre_tokens=args.pre_tokens,
+        next_tokens=args.next_tokens,
+    ).fused_only_options()
 
 
 def fused_attention_patch_ids() -> list[str]:
@@ -594,11 +629,15 @@ def check(args: argparse.Namespace) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     problems = context_parallel_problems(
-        cp=args.context_parallel_size, comm_types=comm_types_of(args.cp_comm_type),
-        transformer_impl=args.transformer_impl, seq_length=args.seq_length,
-        heads=args.num_attention_heads, tp=tp, window=False,
+        cp=args.context_parallel_size,
+        comm_types=comm_types_of(args.cp_comm_type),
+        transformer_impl=args.transformer_impl,
+        seq_length=args.seq_length,
+        heads=args.num_attention_heads,
+        tp=tp,
+        window=False,
         hierarchical=args.hierarchical_context_parallel_sizes,
-    )  # fmt: skip
+    )
     if problems:
         raise ArgumentError("; ".join(problems))
     if args.bf16:
@@ -653,11 +692,15 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         layout = "TP x PP" if args.context_parallel_size == 1 else "TP x PP x CP"
         raise ArgumentError(f"world size {world_size} is not divisible by {layout} = {replicas}")
     problems = moe_option_problems(
-        num_experts=args.num_experts, topk=args.moe_router_topk,
-        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        world_size=world_size, sequence_parallel=args.sequence_parallel,
-    )  # fmt: skip
+        num_experts=args.num_experts,
+        topk=args.moe_router_topk,
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        world_size=world_size,
+        sequence_parallel=args.sequence_parallel,
+    )
     if problems:
         raise ArgumentError("; ".join(problems))
     args.world_size = world_size

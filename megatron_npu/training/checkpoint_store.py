@@ -205,8 +205,13 @@ def commit(
         files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
     if fault is not None:
         fault(work)
-    manifest = {"schema": MANIFEST_SCHEMA, "version": 1, "iteration": iteration,
-                **manifest_fields, "files": files}  # fmt: skip
+    manifest = {
+        "schema": MANIFEST_SCHEMA,
+        "version": 1,
+        "iteration": iteration,
+        **manifest_fields,
+        "files": files,
+    }
     write_private(os.path.join(work, MANIFEST), json.dumps(manifest, indent=1) + "\n")
     security.harden_tree(work)
     for dirpath, _dirs, _names in os.walk(work):

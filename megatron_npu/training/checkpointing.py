@@ -234,9 +234,15 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
         if with_optimizer:
             _materialize_optimizer_state(optimizer, distributed_only=False)
         state = _state_dict(
-            args, model, optimizer, scheduler, iteration,
-            loading=False, with_optimizer=with_optimizer, with_rng=not args.no_save_rng,
-        )  # fmt: skip
+            args,
+            model,
+            optimizer,
+            scheduler,
+            iteration,
+            loading=False,
+            with_optimizer=with_optimizer,
+            with_rng=not args.no_save_rng,
+        )
         dist_checkpointing.save(
             state, store.partial_dir(root, iteration), sharded_strategy=("torch_dist", 1)
         )
@@ -406,9 +412,15 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     if has_optim:  # every optimizer: a fresh one has no state for the checkpoint's to land in
         _materialize_optimizer_state(optimizer, distributed_only=False)
     state = _state_dict(
-        args, model, optimizer, scheduler, iteration,
-        loading=True, with_optimizer=has_optim, with_rng=has_rng,
-    )  # fmt: skip
+        args,
+        model,
+        optimizer,
+        scheduler,
+        iteration,
+        loading=True,
+        with_optimizer=has_optim,
+        with_rng=has_rng,
+    )
     guard = safe_load.restricted_objects() if args.safe_load else contextlib.nullcontext()
     with guard:
         loaded = dist_checkpointing.load(state, path, sharded_strategy=None)

@@ -67,9 +67,13 @@ _spawned: list[subprocess.Popen] = []
 def _spawnv_passfds(path: str, args: list[str], passfds) -> int:
     """``multiprocessing.util.spawnv_passfds`` with the parent-death signal armed."""
     proc = subprocess.Popen(
-        list(args), executable=path, pass_fds=tuple(sorted(map(int, passfds))), close_fds=True,
-        restore_signals=False, preexec_fn=arm_preexec(os.getpid()),
-    )  # fmt: skip
+        list(args),
+        executable=path,
+        pass_fds=tuple(sorted(map(int, passfds))),
+        close_fds=True,
+        restore_signals=False,
+        preexec_fn=arm_preexec(os.getpid()),
+    )
     _spawned.append(proc)
     return proc.pid
 

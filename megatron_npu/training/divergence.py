@@ -60,9 +60,13 @@ class Guard:
         return self.enabled and bool(self.nonfinite_run)
 
     def after_step(
-        self, step: int, loss: float | None, skipped: bool, lr: float,
+        self,
+        step: int,
+        loss: float | None,
+        skipped: bool,
+        lr: float,
         loss_scale: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Record one step (``loss_scale``: the scale after it); raise when the loss has been
         NaN/inf, or the update skipped at the smallest loss scale, for ``steps_limit`` steps."""
         self.first = step if self.first is None else self.first
@@ -135,5 +139,9 @@ class Guard:
 
     def record(self, stop: TrainingStopped) -> dict:
         """What the metrics file records about ``stop``."""
-        return {"reason": stop.reason, "message": str(stop), "iteration": self.last,
-                "exit_status": STOPPED_EXIT_STATUS}  # fmt: skip
+        return {
+            "reason": stop.reason,
+            "message": str(stop),
+            "iteration": self.last,
+            "exit_status": STOPPED_EXIT_STATUS,
+        }

@@ -30,9 +30,17 @@ import sys
 from megatron_npu.data.errors import TrainingInputError
 
 __all__ = [
-    "ERROR_FD_ENV", "EXIT_STATUS", "PREFIX", "STOPPED_EXIT_STATUS", "STOPPED_PREFIX",
-    "TrainingInputError", "TrainingStopped", "collect", "exit_status", "report",
-]  # fmt: skip
+    "ERROR_FD_ENV",
+    "EXIT_STATUS",
+    "PREFIX",
+    "STOPPED_EXIT_STATUS",
+    "STOPPED_PREFIX",
+    "TrainingInputError",
+    "TrainingStopped",
+    "collect",
+    "exit_status",
+    "report",
+]
 
 #: Exit status of a run stopped by a :class:`TrainingInputError` (argparse uses 2 as well).
 EXIT_STATUS = 2

@@ -135,11 +135,17 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
         # torchrun's rule: several ranks on one host must not each spawn a thread per core.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-    env.update({
-        "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(args.node_rank),
-        RUN_ID_ENV: run_id(args, port), preflight.DONE_ENV: "1",
-    })  # fmt: skip
+    env.update(
+        {
+            "MASTER_ADDR": args.master_addr,
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(args.node_rank),
+            RUN_ID_ENV: run_id(args, port),
+            preflight.DONE_ENV: "1",
+        }
+    )
     command = [sys.executable, "-m", module, *strip_launch_options(argv)]
     procs: list[subprocess.Popen] = []
     error_pipes: list[int] = []  # read ends, one per rank (nothing on disk to leave behind)
@@ -154,12 +160,18 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             rank = args.node_rank * nproc + local
             read_end, write_end = os.pipe()
             error_pipes.append(read_end)
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local),
-                        errors.ERROR_FD_ENV: str(write_end)}  # fmt: skip
+            rank_env = {
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+                errors.ERROR_FD_ENV: str(write_end),
+            }
             try:
-                procs.append(subprocess.Popen(
-                    command, env=rank_env, preexec_fn=preexec, pass_fds=(write_end,)
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        command, env=rank_env, preexec_fn=preexec, pass_fds=(write_end,)
+                    )
+                )
             finally:
                 os.close(write_end)
         return _watch(procs, args.node_rank * nproc, error_pipes)
@@ -269,8 +281,10 @@ def init_process_group(env: DistEnv, device: Device, timeout_minutes: int) -> No
             torch.distributed.init_process_group(
                 backend=device.dist_backend,
                 store=torch.distributed.PrefixStore(f"megatron-npu/{namespace}/", store),
-                rank=env.rank, world_size=env.world_size, timeout=timeout,
-            )  # fmt: skip
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
             return
         torch.distributed.init_process_group(
             backend=device.dist_backend,
@@ -359,8 +373,9 @@ class RankFailure(RuntimeError):
     """A rank started by :func:`run_warm` failed; the message ends with its log's tail."""
 
 
-def _warm_rank(target: Callable[[Any], None], payload: Any, env: dict[str, str],
-               log_path: str) -> None:  # fmt: skip
+def _warm_rank(
+    target: Callable[[Any], None], payload: Any, env: dict[str, str], log_path: str
+) -> None:
     """A rank's first steps after the fork: die with the fork server (which dies with the
     process that started it), take the rank's environment, write stdout and stderr to its log,
     use the thread count its environment asks for (the fork server imported torch before)."""
@@ -376,9 +391,15 @@ def _warm_rank(target: Callable[[Any], None], payload: Any, env: dict[str, str],
     target(payload)
 
 
-def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
-             timeout_s: float = 900.0, log: Path | None = None,
-             env: Mapping[str, str] | None = None) -> None:  # fmt: skip
+def run_warm(
+    target: Callable[[Any], None],
+    payload: Any,
+    world: int = 1,
+    *,
+    timeout_s: float = 900.0,
+    log: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """Run ``target(payload)`` on ``world`` local ranks, each with torchrun's environment, and
     wait; the first rank to fail stops the others and raises :class:`RankFailure` with its log's
     tail. The ranks fork from a fork server that has imported :data:`WARM_MODULES` once, so a
@@ -395,9 +416,14 @@ def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
         procs, logs = [], []
         for rank in range(world):
             rank_env = dict(base)  # torchrun's variables, one rank too (as torchrun sets them)
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port))  # fmt: skip
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
             logs.append(Path(tmp) / f"rank{rank}.log")
             proc = ctx.Process(target=_warm_rank, args=(target, payload, rank_env, str(logs[-1])))
             proc.start()
@@ -418,8 +444,9 @@ def run_warm(target: Callable[[Any], None], payload: Any, world: int = 1, *,
                 if proc.exitcode is None:
                     proc.kill()
                 proc.join()
-        texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else ""
-                 for p in logs]  # fmt: skip
+        texts = [
+            p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs
+        ]
     if log is not None:
         write_private(log, "\n".join(texts))
     if failed is not None:

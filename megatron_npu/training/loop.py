@@ -312,9 +312,15 @@ class Trainer:
     def step(self, step: int, iterators):
         """One training step (:func:`train_step`): ``(loss, grad norm, lr, skipped)``."""
         return train_step(
-            self.args, step, self.forward_backward, iterators, self.model, self.optimizer,
-            self.scheduler, self.device,
-        )  # fmt: skip
+            self.args,
+            step,
+            self.forward_backward,
+            iterators,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.device,
+        )
 
 
 def build_trainer(args, env, device) -> Trainer:
@@ -333,8 +339,17 @@ def build_trainer(args, env, device) -> Trainer:
     weight_nudge.nudge(model, args.init_ulp_nudge)
     optimizer, scheduler = optim_mod.build(args, model)
     configure_schedule(args, config, model, optimizer)
-    return Trainer(args, device, train_data, vocab, model, config, optimizer, scheduler,
-                   get_forward_backward_func())  # fmt: skip
+    return Trainer(
+        args,
+        device,
+        train_data,
+        vocab,
+        model,
+        config,
+        optimizer,
+        scheduler,
+        get_forward_backward_func(),
+    )
 
 
 def _rss_note(summary: dict) -> str:
@@ -461,8 +476,17 @@ def _train(args, env, device) -> int:
                         f"loss scale now {record.loss_scale:.1f}"
                     )
                 progress.update(step, loss, log_now)
-            _guarded(guard.after_step, guard, args, run_metrics if rank0 else None,
-                     step, loss, skipped, lr, record.loss_scale)  # fmt: skip
+            _guarded(
+                guard.after_step,
+                guard,
+                args,
+                run_metrics if rank0 else None,
+                step,
+                loss,
+                skipped,
+                lr,
+                record.loss_scale,
+            )
             if args.save and args.save_interval and step % args.save_interval == 0:
                 if guard.diverging:  # keep the last good checkpoint the latest
                     if rank0:
@@ -483,10 +507,12 @@ def _train(args, env, device) -> int:
     # [allocator peak, process peak RSS]: torch's allocator statistics on an accelerator, the
     # profiled step on the host (where max_memory_allocated answers the resident set)
     peaks = torch.tensor(
-        [host_step_peak, device.accelerator.max_memory_allocated()] if on_host
+        [host_step_peak, device.accelerator.max_memory_allocated()]
+        if on_host
         else [device.accelerator.max_memory_allocated(), 0],
-        dtype=torch.int64, device=devices.current_torch_device(),
-    )  # fmt: skip
+        dtype=torch.int64,
+        device=devices.current_torch_device(),
+    )
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     if rank0:
         run_metrics.peak_memory_bytes = int(peaks[0].item())

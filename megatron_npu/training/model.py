@@ -194,8 +194,9 @@ def _gated_fc1_linear(cls: type) -> type:
 
 def _gated_mlp(spec: Any) -> Any:
     """A dense or shared-expert MLP spec whose FC1 is cut as a gated FC1."""
-    return _with_submodules(spec, lambda sub: dataclasses.replace(
-        sub, linear_fc1=_gated_fc1_linear(sub.linear_fc1)))  # fmt: skip
+    return _with_submodules(
+        spec, lambda sub: dataclasses.replace(sub, linear_fc1=_gated_fc1_linear(sub.linear_fc1))
+    )
 
 
 @contextlib.contextmanager
@@ -234,14 +235,20 @@ def _seed_experts(mlp: Any, config_gated: bool) -> Any:
 
     def moe(submodules):
         experts = submodules.experts
-        inner = experts.keywords["submodules"] if isinstance(experts, functools.partial) \
-            else experts.submodules  # fmt: skip
+        inner = (
+            experts.keywords["submodules"]
+            if isinstance(experts, functools.partial)
+            else experts.submodules
+        )
         if dataclasses.is_dataclass(inner) and hasattr(inner, "linear_fc1"):
-            experts = _with_submodules(experts, lambda mlp_sub: dataclasses.replace(
-                mlp_sub,
-                linear_fc1=_seeded_expert_linear(mlp_sub.linear_fc1, first=True),
-                linear_fc2=_seeded_expert_linear(mlp_sub.linear_fc2, first=False),
-            ))  # fmt: skip
+            experts = _with_submodules(
+                experts,
+                lambda mlp_sub: dataclasses.replace(
+                    mlp_sub,
+                    linear_fc1=_seeded_expert_linear(mlp_sub.linear_fc1, first=True),
+                    linear_fc2=_seeded_expert_linear(mlp_sub.linear_fc2, first=False),
+                ),
+            )
         shared = submodules.shared_experts
         if shared is not None and config_gated:
             shared = _gated_mlp(shared)

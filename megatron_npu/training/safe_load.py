@@ -28,9 +28,23 @@ import re
 from megatron_npu.training.errors import TrainingInputError
 
 _BUILTINS = frozenset(
-    {"set", "frozenset", "slice", "list", "dict", "tuple", "bytes", "bytearray", "int", "float",
-     "str", "bool", "complex", "range"}
-)  # fmt: skip
+    {
+        "set",
+        "frozenset",
+        "slice",
+        "list",
+        "dict",
+        "tuple",
+        "bytes",
+        "bytearray",
+        "int",
+        "float",
+        "str",
+        "bool",
+        "complex",
+        "range",
+    }
+)
 
 
 def _allowed(module: str, name: str) -> bool:

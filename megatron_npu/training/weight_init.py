@@ -76,10 +76,14 @@ def gated_fc1() -> Iterator[None]:
 def _tensor_parallel() -> tuple[int, int]:
     """(world size, rank) of the group the weight being drawn is split over."""
     if _in_expert:
-        return (parallel_state.get_expert_tensor_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_rank())  # fmt: skip
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())  # fmt: skip
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
 
 
 class LayoutIndependentInit:

@@ -90,11 +90,19 @@ def _dropout_params(draw):
     heads = draw(st.sampled_from([2, 4]))
     groups = draw(st.sampled_from([1, 2]))
     return _edge(
-        mask=draw(st.sampled_from(["causal", "padding"])), seq=seq, kv_seq=seq, head_dim=seq,
-        heads=heads, groups=groups, dropout=draw(st.sampled_from([0.1, 0.3])),
-        training=True, sp=groups == 2 and draw(st.booleans()), batch=draw(st.integers(1, 2)),
-        layout=draw(st.sampled_from(["SBH", "BSH"])), seed=draw(st.integers(0, 2**16)),
-    )  # fmt: skip
+        mask=draw(st.sampled_from(["causal", "padding"])),
+        seq=seq,
+        kv_seq=seq,
+        head_dim=seq,
+        heads=heads,
+        groups=groups,
+        dropout=draw(st.sampled_from([0.1, 0.3])),
+        training=True,
+        sp=groups == 2 and draw(st.booleans()),
+        batch=draw(st.integers(1, 2)),
+        layout=draw(st.sampled_from(["SBH", "BSH"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def _all_params():
@@ -133,18 +141,29 @@ def _inputs(p):
 def _config(p, ctx: Context, reference: bool):
     import torch
 
-    half = {} if reference else {
-        "fp16": ctx.dtype == torch.float16, "bf16": ctx.dtype == torch.bfloat16,
-    }  # fmt: skip
+    half = (
+        {}
+        if reference
+        else {
+            "fp16": ctx.dtype == torch.float16,
+            "bf16": ctx.dtype == torch.bfloat16,
+        }
+    )
     # sequence parallelism only changes whether dropout runs inside the RNG fork; the config
     # needs a tensor-parallel size for it, the module itself runs on one rank
     sp = {"sequence_parallel": True, "tensor_model_parallel_size": 2} if p["sp"] else {}
     return megatron_config(
-        hidden_size=p["heads"] * p["head_dim"], num_attention_heads=p["heads"],
-        num_query_groups=p["groups"], kv_channels=p["head_dim"],
-        attention_dropout=p["dropout"], masked_softmax_fusion=False, params_dtype=ctx.dtype,
-        apply_query_key_layer_scaling=p["layer_scaling"], **half, **sp,
-    )  # fmt: skip
+        hidden_size=p["heads"] * p["head_dim"],
+        num_attention_heads=p["heads"],
+        num_query_groups=p["groups"],
+        kv_channels=p["head_dim"],
+        attention_dropout=p["dropout"],
+        masked_softmax_fusion=False,
+        params_dtype=ctx.dtype,
+        apply_query_key_layer_scaling=p["layer_scaling"],
+        **half,
+        **sp,
+    )
 
 
 def _mask_type(p):
@@ -173,9 +192,12 @@ def _module(p, ctx: Context, reference: bool):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     module = DotProductAttention(
-        _config(p, ctx, reference), layer_number=p["layer_number"], attn_mask_type=_mask_type(p),
-        attention_type="self", softmax_scale=p["softmax_scale"],
-    )  # fmt: skip
+        _config(p, ctx, reference),
+        layer_number=p["layer_number"],
+        attn_mask_type=_mask_type(p),
+        attention_type="self",
+        softmax_scale=p["softmax_scale"],
+    )
     return module.train(p["training"])
 
 
@@ -287,11 +309,25 @@ def _reference(ctx: Context, inputs):
 
 def _edge(**kw):
     base = {
-        "layout": "SBH", "mask": "causal", "pre": FULL, "next": FULL, "seq": 32, "kv_seq": 32,
-        "batch": 2, "heads": 4, "groups": 2, "head_dim": 16, "qk_scale": 1.0,
-        "softmax_scale": None, "layer_scaling": False, "layer_number": 1, "dropout": 0.0,
-        "training": True, "sp": False, "seed": 11,
-    }  # fmt: skip
+        "layout": "SBH",
+        "mask": "causal",
+        "pre": FULL,
+        "next": FULL,
+        "seq": 32,
+        "kv_seq": 32,
+        "batch": 2,
+        "heads": 4,
+        "groups": 2,
+        "head_dim": 16,
+        "qk_scale": 1.0,
+        "softmax_scale": None,
+        "layer_scaling": False,
+        "layer_number": 1,
+        "dropout": 0.0,
+        "training": True,
+        "sp": False,
+        "seed": 11,
+    }
     base.update(kw)
     return base
 

@@ -55,9 +55,13 @@ def _p2p_inputs(p):
 
 
 _P2P_CALLS = (
-    "send_forward", "recv_forward", "send_backward", "recv_backward",
-    "send_forward_recv_backward", "send_backward_recv_forward",
-)  # fmt: skip
+    "send_forward",
+    "recv_forward",
+    "send_backward",
+    "recv_backward",
+    "send_forward_recv_backward",
+    "send_backward_recv_forward",
+)
 
 
 def _p2p_communicator(group, config):
@@ -83,9 +87,11 @@ def _p2p_run(ctx: Context, inputs):
     p = ctx.params
     group = parallel_state.get_pipeline_model_parallel_group()
     config = ModelParallelConfig(
-        pipeline_model_parallel_size=2, pipeline_dtype=ctx.dtype,
-        batch_p2p_comm=p["batched"], variable_seq_lengths=p["variable_seq_lengths"],
-    )  # fmt: skip
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=ctx.dtype,
+        batch_p2p_comm=p["batched"],
+        variable_seq_lengths=p["variable_seq_lengths"],
+    )
     comm = _p2p_communicator(group, config)
     shape = (p["seq"], p["batch"], p["hidden"])
     zeros = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
@@ -207,9 +213,11 @@ def _tp_run(ctx: Context, inputs):
     record("sp_gather", m.gather_from_sequence_parallel_region(x), x, upstream(f"g{r}"))
     x = leaf(f"x{r}")  # fwd reduce-scatter the sequence, bwd all-gather
     record(
-        "sp_reduce_scatter", m.reduce_scatter_to_sequence_parallel_region(x), x,
+        "sp_reduce_scatter",
+        m.reduce_scatter_to_sequence_parallel_region(x),
+        x,
         upstream("g_full", 0),
-    )  # fmt: skip
+    )
     return out
 
 

@@ -93,8 +93,12 @@ def _inputs(p):
     def randn(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    return {"query": randn(s, b, n, d), "key": randn(s, b, ng, d), "value": randn(s, b, ng, d),
-            "grad_out": randn(s, b, n * d)}  # fmt: skip
+    return {
+        "query": randn(s, b, n, d),
+        "key": randn(s, b, ng, d),
+        "value": randn(s, b, ng, d),
+        "grad_out": randn(s, b, n * d),
+    }
 
 
 def _run(ctx: Context, inputs):
@@ -107,22 +111,34 @@ def _run(ctx: Context, inputs):
     p = ctx.params
     cp = ctx.parallel.cp
     config = megatron_config(
-        hidden_size=p["heads"] * p["head_dim"], num_attention_heads=p["heads"],
-        num_query_groups=p["groups"], kv_channels=p["head_dim"], attention_dropout=0.0,
-        masked_softmax_fusion=False, params_dtype=ctx.dtype, context_parallel_size=cp,
+        hidden_size=p["heads"] * p["head_dim"],
+        num_attention_heads=p["heads"],
+        num_query_groups=p["groups"],
+        kv_channels=p["head_dim"],
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        params_dtype=ctx.dtype,
+        context_parallel_size=cp,
         window_size=None if p["window"] is None else (p["window"], 0),
-        fp16=ctx.dtype == torch.float16, bf16=ctx.dtype == torch.bfloat16,
-    )  # fmt: skip
+        fp16=ctx.dtype == torch.float16,
+        bf16=ctx.dtype == torch.bfloat16,
+    )
     mask_type = AttnMaskType.causal if p["causal"] else AttnMaskType.no_mask
     with megatron_parallel(), fused_attention_settings(use_flash_attn=p["flash"]):
         group = parallel_state.get_context_parallel_group()
         rank = group.rank()
         module = importlib.import_module(_EXT).TEDotProductAttention(
-            config, layer_number=1, attn_mask_type=mask_type, attention_type="self",
-            softmax_scale=p["softmax_scale"], cp_comm_type=p["comm"],
-        )  # fmt: skip
-        q, k, v = (local_rows(ctx.tensor(inputs[n]), cp, rank).detach().requires_grad_()
-                   for n in ("query", "key", "value"))  # fmt: skip
+            config,
+            layer_number=1,
+            attn_mask_type=mask_type,
+            attention_type="self",
+            softmax_scale=p["softmax_scale"],
+            cp_comm_type=p["comm"],
+        )
+        q, k, v = (
+            local_rows(ctx.tensor(inputs[n]), cp, rank).detach().requires_grad_()
+            for n in ("query", "key", "value")
+        )
         out = module(q, k, v, None, attn_mask_type=mask_type)
         upstream = local_rows(ctx.tensor(inputs["grad_out"]), cp, rank)
         result = {"out": out, **grads(out, upstream, query=q, key=k, value=v)}
@@ -166,10 +182,16 @@ def _reference(ctx: Context, inputs):
     dk = gemm("bnst,sbnd->tbnd", dscores, q)
     dv = gemm("bnst,sbnd->tbnd", probs, grad_out)
     dk, dv = (t.unflatten(2, (ng, group)).sum(3) for t in (dk, dv))
-    result = {"out": out.reshape(s, -1, n * d), "grad_query": dq.to(dtype),
-              "grad_key": dk.to(dtype), "grad_value": dv.to(dtype)}  # fmt: skip
-    return {name: torch.stack([_megatron_rows(t, cp, r) for r in range(cp)])
-            for name, t in result.items()}  # fmt: skip
+    result = {
+        "out": out.reshape(s, -1, n * d),
+        "grad_query": dq.to(dtype),
+        "grad_key": dk.to(dtype),
+        "grad_value": dv.to(dtype),
+    }
+    return {
+        name: torch.stack([_megatron_rows(t, cp, r) for r in range(cp)])
+        for name, t in result.items()
+    }
 
 
 def _megatron_rows(x, cp: int, rank: int):
@@ -182,9 +204,19 @@ def _megatron_rows(x, cp: int, rank: int):
 
 
 def _edge(**kw):
-    base = {"comm": "p2p", "causal": True, "window": None, "heads": 4, "groups": 2,
-            "seq": _CHUNK * 2, "batch": 2, "head_dim": 8, "softmax_scale": None,
-            "flash": False, "seed": 1}  # fmt: skip
+    base = {
+        "comm": "p2p",
+        "causal": True,
+        "window": None,
+        "heads": 4,
+        "groups": 2,
+        "seq": _CHUNK * 2,
+        "batch": 2,
+        "head_dim": 8,
+        "softmax_scale": None,
+        "flash": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 

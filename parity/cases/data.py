@@ -106,7 +106,7 @@ BUILD_SAMPLE_IDX = _case(
             "extra": st.booleans(),
             "seed": st.integers(0, 2**16),
         }
-    ),  # fmt: skip
+    ),
     "the [num_samples + 1, 2] (document, offset) sample index",
     edge_cases=(
         {
@@ -118,7 +118,7 @@ BUILD_SAMPLE_IDX = _case(
             "extra": True,
             "seed": 0,
         },
-    ),  # fmt: skip
+    ),
 )
 BUILD_BLENDING_INDICES = _case(
     "build_blending_indices",

@@ -21,8 +21,12 @@ from megatron_npu.parity.cases._common import generator
 
 
 def _dims() -> dict[str, Any]:
-    return {"n": st.integers(1, 24), "k": st.integers(1, 48), "m": st.integers(1, 24),
-            "seed": st.integers(0, 2**16)}  # fmt: skip
+    return {
+        "n": st.integers(1, 24),
+        "k": st.integers(1, 48),
+        "m": st.integers(1, 24),
+        "seed": st.integers(0, 2**16),
+    }
 
 
 def _randn(p: dict[str, Any], *shapes: tuple[int, ...]) -> list:
@@ -159,41 +163,70 @@ def _no_out(edges: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
 
 
 TORCH_MATMUL = _product_case(
-    "torch-matmul", _torch("matmul"), _matmul_shapes, _FORMS, True,
-    "torch.matmul's product and the grads of both operands", _MATMUL_EDGES,
-)  # fmt: skip
+    "torch-matmul",
+    _torch("matmul"),
+    _matmul_shapes,
+    _FORMS,
+    True,
+    "torch.matmul's product and the grads of both operands",
+    _MATMUL_EDGES,
+)
 TENSOR_MATMUL = _product_case(
-    "tensor-matmul", _tensor_method, _matmul_shapes, _FORMS, False,
+    "tensor-matmul",
+    _tensor_method,
+    _matmul_shapes,
+    _FORMS,
+    False,
     "Tensor.matmul's product (Megatron's linear backward) and the grads of both operands",
     _no_out(_MATMUL_EDGES),
-)  # fmt: skip
+)
 TENSOR_MATMUL_OPERATOR = _product_case(
-    "tensor-matmul-operator", _operator, _matmul_shapes, _FORMS, False,
-    "a @ b and the grads of both operands", _no_out(_MATMUL_EDGES),
-)  # fmt: skip
+    "tensor-matmul-operator",
+    _operator,
+    _matmul_shapes,
+    _FORMS,
+    False,
+    "a @ b and the grads of both operands",
+    _no_out(_MATMUL_EDGES),
+)
 TORCH_MM = _product_case(
-    "torch-mm", _torch("mm"), lambda p: ((p["n"], p["k"]), (p["k"], p["m"])), {}, True,
+    "torch-mm",
+    _torch("mm"),
+    lambda p: ((p["n"], p["k"]), (p["k"], p["m"])),
+    {},
+    True,
     "torch.mm's product and the grads of both operands",
     (_edge(out=False), _edge(n=1, k=1, m=1, out=False, seed=3), _edge(out=True, seed=4)),
-)  # fmt: skip
+)
 TORCH_BMM = _product_case(
-    "torch-bmm", _torch("bmm"), lambda p: ((3, p["n"], p["k"]), (3, p["k"], p["m"])), {}, True,
+    "torch-bmm",
+    _torch("bmm"),
+    lambda p: ((3, p["n"], p["k"]), (3, p["k"], p["m"])),
+    {},
+    True,
     "torch.bmm's product (attention's probs @ values) and the grads of both operands",
     (_edge(out=False), _edge(n=1, k=1, m=1, out=False, seed=3), _edge(out=True, seed=4)),
-)  # fmt: skip
+)
 TORCH_BADDBMM = _product_case(
-    "torch-baddbmm", _baddbmm,
+    "torch-baddbmm",
+    _baddbmm,
     lambda p: ((3, p["n"], p["m"]), (3, p["n"], p["k"]), (3, p["k"], p["m"])),
-    {"beta": st.sampled_from([0.0, 1.0]), "alpha": st.sampled_from([1.0, 0.125])}, True,
+    {"beta": st.sampled_from([0.0, 1.0]), "alpha": st.sampled_from([1.0, 0.125])},
+    True,
     "beta * input + alpha * (batch1 @ batch2) (attention's scores at beta 0) and the grads of "
     "all three operands",
-    (_edge(beta=0.0, alpha=0.125, out=False), _edge(beta=1.0, alpha=1.0, out=False, seed=2),
-     _edge(beta=0.0, alpha=1.0, out=True, seed=4)),
-)  # fmt: skip
+    (
+        _edge(beta=0.0, alpha=0.125, out=False),
+        _edge(beta=1.0, alpha=1.0, out=False, seed=2),
+        _edge(beta=0.0, alpha=1.0, out=True, seed=4),
+    ),
+)
 FUNCTIONAL_LINEAR = _product_case(
-    "functional-linear", _linear,
+    "functional-linear",
+    _linear,
     lambda p: ((2, p["n"], p["k"]), (p["m"], p["k"])) + (((p["m"],),) if p["bias"] else ()),
-    {"bias": st.booleans()}, False,
+    {"bias": st.booleans()},
+    False,
     "F.linear's output (x @ weight.T + bias) and the grads of input, weight and bias",
     (_edge(bias=True), _edge(bias=False, seed=2), _edge(bias=True, n=1, k=1, m=1, seed=3)),
-)  # fmt: skip
+)

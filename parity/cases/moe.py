@@ -67,16 +67,18 @@ def _router_takes_bias() -> bool:
 
 
 def _router_params():
-    return st.fixed_dictionaries({
-        "tokens": st.integers(1, 24),
-        "batch": st.sampled_from([None, 1, 2]),
-        "hidden": st.integers(1, 48),
-        "experts": st.integers(1, 16),
-        "bias": st.booleans(),
-        # fp32 is Megatron's --moe-router-dtype fp32; "input" routes in the input's dtype
-        "router_dtype": st.sampled_from(["fp32", "input"]),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "tokens": st.integers(1, 24),
+            "batch": st.sampled_from([None, 1, 2]),
+            "hidden": st.integers(1, 48),
+            "experts": st.integers(1, 16),
+            "bias": st.booleans(),
+            # fp32 is Megatron's --moe-router-dtype fp32; "input" routes in the input's dtype
+            "router_dtype": st.sampled_from(["fp32", "input"]),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _router_inputs(p):
@@ -124,8 +126,15 @@ def _router_reference(ctx: Context, inputs):
 
 
 def _router_edge(**kw):
-    base = {"tokens": 8, "batch": 2, "hidden": 32, "experts": 8, "bias": False,
-            "router_dtype": "fp32", "seed": 1}  # fmt: skip
+    base = {
+        "tokens": 8,
+        "batch": 2,
+        "hidden": 32,
+        "experts": 8,
+        "bias": False,
+        "router_dtype": "fp32",
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -152,13 +161,15 @@ ROUTER_GATING = ParityCase(
 
 
 def _gemm_params():
-    return st.fixed_dictionaries({
-        "loads": _loads(6, 12),
-        "k": st.integers(1, 32),
-        "n": st.integers(1, 32),
-        "trans_b": st.booleans(),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "loads": _loads(6, 12),
+            "k": st.integers(1, 32),
+            "n": st.integers(1, 32),
+            "trans_b": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _gemm_inputs(p):
@@ -232,15 +243,17 @@ GROUPED_GEMM = ParityCase(
 
 
 def _linear_params():
-    return st.fixed_dictionaries({
-        "loads": _loads(4, 10),
-        "in": st.integers(1, 24),
-        "out": st.integers(1, 24),
-        "bias": st.booleans(),
-        "skip_bias_add": st.booleans(),
-        "parallel": st.sampled_from(["column", "row"]),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "loads": _loads(4, 10),
+            "in": st.integers(1, 24),
+            "out": st.integers(1, 24),
+            "bias": st.booleans(),
+            "skip_bias_add": st.booleans(),
+            "parallel": st.sampled_from(["column", "row"]),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _linear_inputs(p):
@@ -287,9 +300,15 @@ def _linear_run(ctx: Context, inputs):
     with megatron_parallel():
         config = megatron_config(params_dtype=ctx.dtype)
         module = getattr(_module(_EXT), name)(
-            groups, p["in"], p["out"], config=config, init_method=torch.nn.init.zeros_,
-            bias=p["bias"], skip_bias_add=p["skip_bias_add"], is_expert=True,
-        )  # fmt: skip
+            groups,
+            p["in"],
+            p["out"],
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=p["bias"],
+            skip_bias_add=p["skip_bias_add"],
+            is_expert=True,
+        )
         with torch.no_grad():
             for i in range(groups):
                 getattr(module, f"weight{i}").copy_(ctx.value(inputs["weight"][i]))
@@ -299,9 +318,11 @@ def _linear_run(ctx: Context, inputs):
         x = ctx.tensor(inputs["x"], grad=True)
         out, bias_out = module(x, list(p["loads"]))
         out.backward(ctx.tensor(inputs["grad_out"]).to(out.dtype))
-        result = {"out": out, "grad_x": x.grad,
-                  "grad_weight": torch.stack([getattr(module, f"weight{i}").grad
-                                              for i in range(groups)])}  # fmt: skip
+        result = {
+            "out": out,
+            "grad_x": x.grad,
+            "grad_weight": torch.stack([getattr(module, f"weight{i}").grad for i in range(groups)]),
+        }
         if p["bias"] and not p["skip_bias_add"]:
             result["grad_bias"] = torch.stack(
                 [getattr(module, f"bias{i}").grad for i in range(groups)]
@@ -336,8 +357,15 @@ def _linear_reference(ctx: Context, inputs):
 
 
 def _linear_edge(**kw):
-    base = {"loads": [3, 0, 5, 2], "in": 16, "out": 8, "bias": True, "skip_bias_add": False,
-            "parallel": "column", "seed": 1}  # fmt: skip
+    base = {
+        "loads": [3, 0, 5, 2],
+        "in": 16,
+        "out": 8,
+        "bias": True,
+        "skip_bias_add": False,
+        "parallel": "column",
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -366,16 +394,18 @@ _ROUTINGS = ("topk", "dropped", "local", "pad")
 
 
 def _permute_params():
-    return st.fixed_dictionaries({
-        "tokens": st.integers(1, 16),
-        "experts": st.integers(1, 8),
-        "topk": st.integers(1, 8),
-        "routing": st.sampled_from(_ROUTINGS),
-        "capacity": st.integers(1, 16),
-        "probs_at": st.sampled_from(["permute", "unpermute", "none"]),
-        "hidden": st.integers(1, 16),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "tokens": st.integers(1, 16),
+            "experts": st.integers(1, 8),
+            "topk": st.integers(1, 8),
+            "routing": st.sampled_from(_ROUTINGS),
+            "capacity": st.integers(1, 16),
+            "probs_at": st.sampled_from(["permute", "unpermute", "none"]),
+            "hidden": st.integers(1, 16),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _routing_map(p, g):
@@ -427,16 +457,25 @@ def _permute_run(ctx: Context, inputs):
     rows = inputs["row_scale"].shape[0]
     num_out = rows if pad else int(chosen.sum())
     permuted, permuted_probs, index_map = utils.permute(
-        x, chosen, probs=probs if p["probs_at"] == "permute" else None, num_out_tokens=num_out,
-        fused=True, drop_and_pad=pad,
-    )[:3]  # fmt: skip
+        x,
+        chosen,
+        probs=probs if p["probs_at"] == "permute" else None,
+        num_out_tokens=num_out,
+        fused=True,
+        drop_and_pad=pad,
+    )[:3]
     y = permuted * ctx.tensor(inputs["row_scale"]).to(permuted.dtype)
     if permuted_probs is not None:
         y = y * permuted_probs.unsqueeze(-1).to(y.dtype)
     out = utils.unpermute(
-        y, index_map, x.shape, probs=probs if p["probs_at"] == "unpermute" else None,
-        routing_map=chosen, fused=True, drop_and_pad=pad,
-    )  # fmt: skip
+        y,
+        index_map,
+        x.shape,
+        probs=probs if p["probs_at"] == "unpermute" else None,
+        routing_map=chosen,
+        fused=True,
+        drop_and_pad=pad,
+    )
     result = {"permuted": permuted.detach(), "out": out}
     if permuted_probs is not None:
         result["permuted_probs"] = permuted_probs.detach()
@@ -483,8 +522,16 @@ def _permute_reference(ctx: Context, inputs):
 
 
 def _permute_edge(**kw):
-    base = {"tokens": 8, "experts": 4, "topk": 2, "routing": "topk", "capacity": 4,
-            "probs_at": "permute", "hidden": 8, "seed": 1}  # fmt: skip
+    base = {
+        "tokens": 8,
+        "experts": 4,
+        "topk": 2,
+        "routing": "topk",
+        "capacity": 4,
+        "probs_at": "permute",
+        "hidden": 8,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -513,19 +560,21 @@ TOKEN_PERMUTATION = ParityCase(
 
 
 def _top_k_params():
-    return st.fixed_dictionaries({
-        "tokens": st.integers(1, 12),
-        "groups": st.sampled_from([0, 2, 4]),  # 0: no group-limited routing
-        "per_group": st.integers(2, 4),  # experts per group (the expert count without groups)
-        "group_topk": st.integers(1, 4),
-        "topk_per_group": st.integers(1, 3),  # Megatron's topk // group_topk
-        "score_function": st.sampled_from(["sigmoid", "softmax"]),
-        "use_pre_softmax": st.booleans(),
-        "expert_bias": st.booleans(),
-        "scaling_factor": st.sampled_from([None, 2.5]),
-        "router_dtype": st.sampled_from(["fp32", "input"]),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "tokens": st.integers(1, 12),
+            "groups": st.sampled_from([0, 2, 4]),  # 0: no group-limited routing
+            "per_group": st.integers(2, 4),  # experts per group (the expert count without groups)
+            "group_topk": st.integers(1, 4),
+            "topk_per_group": st.integers(1, 3),  # Megatron's topk // group_topk
+            "score_function": st.sampled_from(["sigmoid", "softmax"]),
+            "use_pre_softmax": st.booleans(),
+            "expert_bias": st.booleans(),
+            "scaling_factor": st.sampled_from([None, 2.5]),
+            "router_dtype": st.sampled_from(["fp32", "input"]),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _top_k_setup(p) -> dict:
@@ -534,11 +583,19 @@ def _top_k_setup(p) -> dict:
         experts = p["groups"] * p["per_group"]
         group_topk = min(p["group_topk"], p["groups"])
         topk = group_topk * min(p["topk_per_group"], p["per_group"])
-        return {"experts": experts, "topk": topk, "num_groups": p["groups"],
-                "group_topk": group_topk}  # fmt: skip
+        return {
+            "experts": experts,
+            "topk": topk,
+            "num_groups": p["groups"],
+            "group_topk": group_topk,
+        }
     experts = 2 * p["per_group"]
-    return {"experts": experts, "topk": min(p["topk_per_group"], experts), "num_groups": None,
-            "group_topk": None}  # fmt: skip
+    return {
+        "experts": experts,
+        "topk": min(p["topk_per_group"], experts),
+        "num_groups": None,
+        "group_topk": None,
+    }
 
 
 def _top_k_inputs(p):
@@ -567,10 +624,16 @@ def _top_k_run(ctx: Context, inputs):
     routed = logits.float() if p["router_dtype"] == "fp32" else logits
     bias = inputs["expert_bias"].to(torch.float32).to(ctx.device) if p["expert_bias"] else None
     probs, routing_map = _module(_UTILS).topk_routing_with_score_function(
-        routed, s["topk"], use_pre_softmax=p["use_pre_softmax"], num_groups=s["num_groups"],
-        group_topk=s["group_topk"], scaling_factor=p["scaling_factor"],
-        score_function=p["score_function"], expert_bias=bias, fused=True,
-    )  # fmt: skip
+        routed,
+        s["topk"],
+        use_pre_softmax=p["use_pre_softmax"],
+        num_groups=s["num_groups"],
+        group_topk=s["group_topk"],
+        scaling_factor=p["scaling_factor"],
+        score_function=p["score_function"],
+        expert_bias=bias,
+        fused=True,
+    )
     out = {"probs": probs, "routing_map": routing_map.to(torch.int64)}
     return {**out, **grads(probs, ctx.tensor(inputs["grad_out"]).to(probs.dtype), logits=logits)}
 
@@ -603,8 +666,9 @@ def _top_k_reference(ctx: Context, inputs):
         best = per_group.sort(dim=-1, descending=True).values[..., : topk // s["group_topk"]]
         kept = best.sum(dim=-1).topk(s["group_topk"], dim=-1).indices
         allowed = torch.zeros_like(best[..., 0], dtype=torch.bool).scatter(1, kept, True)
-        choice = choice.masked_fill(~allowed.repeat_interleave(experts // s["num_groups"], 1),
-                                    float("-inf"))  # fmt: skip
+        choice = choice.masked_fill(
+            ~allowed.repeat_interleave(experts // s["num_groups"], 1), float("-inf")
+        )
     chosen = choice.topk(topk, dim=-1).indices
     weights = scores.gather(1, chosen)
     if p["score_function"] == "sigmoid" and topk > 1:
@@ -620,9 +684,19 @@ def _top_k_reference(ctx: Context, inputs):
 
 
 def _top_k_edge(**kw):
-    base = {"tokens": 8, "groups": 0, "per_group": 4, "group_topk": 1, "topk_per_group": 2,
-            "score_function": "sigmoid", "use_pre_softmax": False, "expert_bias": True,
-            "scaling_factor": 2.5, "router_dtype": "fp32", "seed": 1}  # fmt: skip
+    base = {
+        "tokens": 8,
+        "groups": 0,
+        "per_group": 4,
+        "group_topk": 1,
+        "topk_per_group": 2,
+        "score_function": "sigmoid",
+        "use_pre_softmax": False,
+        "expert_bias": True,
+        "scaling_factor": 2.5,
+        "router_dtype": "fp32",
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -653,22 +727,24 @@ ROUTER_TOP_K = ParityCase(
 
 
 def _layer_params():
-    return st.fixed_dictionaries({
-        "seq": st.integers(1, 6),
-        "batch": st.sampled_from([1, 2]),
-        "hidden": st.sampled_from([8, 16]),
-        "ffn": st.sampled_from([4, 8]),
-        "experts": st.sampled_from([2, 4, 8]),
-        "topk": st.sampled_from([1, 2, 8]),
-        "score_function": st.sampled_from(["softmax", "sigmoid"]),
-        # None: no token dropping; with a factor, the lowest-probability tokens over each
-        # expert's capacity are dropped (Megatron's default policy), or the experts are padded
-        "capacity_factor": st.sampled_from([None, 0.5, 1.0]),
-        "pad": st.booleans(),
-        "grouped": st.booleans(),  # the TE spec's grouped experts, else the local spec's loop
-        "router_fusion": st.booleans(),
-        "seed": st.integers(0, 2**16),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "seq": st.integers(1, 6),
+            "batch": st.sampled_from([1, 2]),
+            "hidden": st.sampled_from([8, 16]),
+            "ffn": st.sampled_from([4, 8]),
+            "experts": st.sampled_from([2, 4, 8]),
+            "topk": st.sampled_from([1, 2, 8]),
+            "score_function": st.sampled_from(["softmax", "sigmoid"]),
+            # None: no token dropping; with a factor, the lowest-probability tokens over each
+            # expert's capacity are dropped (Megatron's default policy), or the experts are padded
+            "capacity_factor": st.sampled_from([None, 0.5, 1.0]),
+            "pad": st.booleans(),
+            "grouped": st.booleans(),  # the TE spec's grouped experts, else the local spec's loop
+            "router_fusion": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
 
 
 def _layer_setup(p) -> dict:
@@ -697,8 +773,10 @@ def _expert_linears(layer, grouped: bool, e: int):
     """(fc1 weight, fc2 weight) of expert ``e``: TE's ``weight{e}`` of the grouped linears, or
     the local spec's per-expert MLP."""
     if grouped:
-        return (getattr(layer.experts.linear_fc1, f"weight{e}"),
-                getattr(layer.experts.linear_fc2, f"weight{e}"))  # fmt: skip
+        return (
+            getattr(layer.experts.linear_fc1, f"weight{e}"),
+            getattr(layer.experts.linear_fc2, f"weight{e}"),
+        )
     mlp = layer.experts.local_experts[e]
     return mlp.linear_fc1.weight, mlp.linear_fc2.weight
 
@@ -716,20 +794,34 @@ def _layer_run(ctx: Context, inputs):
     extra = {"moe_router_fusion": p["router_fusion"]} if "moe_router_fusion" in fields else {}
     with megatron_parallel():
         config = megatron_config(
-            hidden_size=p["hidden"], ffn_hidden_size=p["ffn"], moe_ffn_hidden_size=p["ffn"],
-            num_moe_experts=p["experts"], moe_router_topk=s["topk"],
-            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0, moe_router_score_function=p["score_function"],
+            hidden_size=p["hidden"],
+            ffn_hidden_size=p["ffn"],
+            moe_ffn_hidden_size=p["ffn"],
+            num_moe_experts=p["experts"],
+            moe_router_topk=s["topk"],
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_score_function=p["score_function"],
             moe_router_pre_softmax=s["pre_softmax"],
-            moe_router_dtype="fp32", moe_expert_capacity_factor=p["capacity_factor"],
-            moe_pad_expert_input_to_capacity=s["pad"], moe_token_drop_policy="probs",
-            moe_permute_fusion=True, moe_grouped_gemm=p["grouped"], gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=True,
-            params_dtype=ctx.dtype, hidden_dropout=0.0, **extra,
-        )  # fmt: skip
+            moe_router_dtype="fp32",
+            moe_expert_capacity_factor=p["capacity_factor"],
+            moe_pad_expert_input_to_capacity=s["pad"],
+            moe_token_drop_policy="probs",
+            moe_permute_fusion=True,
+            moe_grouped_gemm=p["grouped"],
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            bias_activation_fusion=True,
+            params_dtype=ctx.dtype,
+            hidden_dropout=0.0,
+            **extra,
+        )
         if p["grouped"]:
             layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-                num_experts=p["experts"], moe_grouped_gemm=True)  # fmt: skip
+                num_experts=p["experts"], moe_grouped_gemm=True
+            )
         else:
             layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=p["experts"])
         layer = build_from_spec(layer_spec.submodules.mlp, config)
@@ -749,10 +841,12 @@ def _layer_run(ctx: Context, inputs):
 
         linears = [_expert_linears(layer, p["grouped"], e) for e in range(p["experts"])]
         return {
-            "out": out.detach(), "grad_x": x.grad, "grad_router": grad_of(layer.router.weight),
+            "out": out.detach(),
+            "grad_x": x.grad,
+            "grad_router": grad_of(layer.router.weight),
             "grad_fc1": torch.stack([grad_of(fc1) for fc1, _ in linears]),
             "grad_fc2": torch.stack([grad_of(fc2) for _, fc2 in linears]),
-        }  # fmt: skip
+        }
 
 
 def _layer_reference(ctx: Context, inputs):
@@ -807,9 +901,20 @@ def _layer_reference(ctx: Context, inputs):
 
 
 def _layer_edge(**kw):
-    base = {"seq": 4, "batch": 2, "hidden": 16, "ffn": 8, "experts": 4, "topk": 2,
-            "score_function": "softmax", "capacity_factor": None, "pad": False,
-            "grouped": False, "router_fusion": False, "seed": 1}  # fmt: skip
+    base = {
+        "seq": 4,
+        "batch": 2,
+        "hidden": 16,
+        "ffn": 8,
+        "experts": 4,
+        "topk": 2,
+        "score_function": "softmax",
+        "capacity_factor": None,
+        "pad": False,
+        "grouped": False,
+        "router_fusion": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -842,6 +947,6 @@ MOE_LAYER = ParityCase(
             router_fusion=True,
             score_function="sigmoid",
             seed=6,
-        ),  # fmt: skip
+        ),
     ),
 )

@@ -81,9 +81,11 @@ def _config(p, tested: bool):
     if tested and p["sp"]:  # the config wants a TP size for SP; the norm runs on one rank
         options.update(sequence_parallel=True, tensor_model_parallel_size=2, num_attention_heads=2)
     return megatron_config(
-        hidden_size=max(p["hidden"], 1), normalization=p["normalization"],
-        layernorm_epsilon=p["eps"], **options,
-    )  # fmt: skip
+        hidden_size=max(p["hidden"], 1),
+        normalization=p["normalization"],
+        layernorm_epsilon=p["eps"],
+        **options,
+    )
 
 
 def _sp_marks(module, ctx: Context):
@@ -121,9 +123,17 @@ def _reference(ctx: Context, inputs):
 
 def _edge(**kw):
     base = {
-        "normalization": "RMSNorm", "seq": 4, "batch": 2, "hidden": 64, "scale": 1.0,
-        "offset": 0.0, "eps": 1e-5, "zero_centered": False, "sp": False, "seed": 1,
-    }  # fmt: skip
+        "normalization": "RMSNorm",
+        "seq": 4,
+        "batch": 2,
+        "hidden": 64,
+        "scale": 1.0,
+        "offset": 0.0,
+        "eps": 1e-5,
+        "zero_centered": False,
+        "sp": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 

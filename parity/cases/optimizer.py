@@ -102,9 +102,13 @@ def _adam_steps(make_optimizer, ctx: Context, inputs):
     ]
     initial = torch.cat([ctx.value(inputs[f"param{i}"]).reshape(-1) for i in range(p["tensors"])])
     opt = make_optimizer(
-        params, lr=p["lr"], betas=(p["beta1"], p["beta2"]), eps=p["eps"],
-        weight_decay=p["weight_decay"], amsgrad=p["amsgrad"],
-    )  # fmt: skip
+        params,
+        lr=p["lr"],
+        betas=(p["beta1"], p["beta2"]),
+        eps=p["eps"],
+        weight_decay=p["weight_decay"],
+        amsgrad=p["amsgrad"],
+    )
     for step in range(p["steps"]):
         for i, param in enumerate(params):
             param.grad = ctx.tensor(inputs[f"grad{i}_{step}"]).to(dtype)
@@ -142,9 +146,17 @@ def _adam_reference(ctx: Context, inputs):
 
 def _adam_edge(**kw):
     base = {
-        "tensors": 5, "steps": 3, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-        "weight_decay": 0.1, "amsgrad": False, "grad_scale": 1.0, "seed": 1,
-    }  # fmt: skip
+        "tensors": 5,
+        "steps": 3,
+        "lr": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": False,
+        "grad_scale": 1.0,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -354,7 +366,7 @@ def _norm_reference(ctx: Context, inputs):
                     torch.linalg.vector_norm(ctx.tensor(inputs[f"grad{r}_{i}"]).to(dtype))
                     for i in range(p["tensors"])
                 ]
-            )  # fmt: skip
+            )
             for r in range(world)
         ]
     )

@@ -75,9 +75,12 @@ def _run(ctx: Context, inputs):
     t = ctx.tensor(inputs["t"], grad=True)
     freqs = inputs["freqs"].to(device=ctx.device, dtype=torch.float32)
     out = rope_utils._apply_rotary_pos_emb_bshd(
-        t, freqs, rotary_interleaved=p["interleaved"], multi_latent_attention=p["mla"],
+        t,
+        freqs,
+        rotary_interleaved=p["interleaved"],
+        multi_latent_attention=p["mla"],
         mscale=p["mscale"],
-    )  # fmt: skip
+    )
     return {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), t=t)}
 
 
@@ -101,9 +104,17 @@ def _reference(ctx: Context, inputs):
 
 def _edge(**kw):
     base = {
-        "seq": 16, "batch": 2, "heads": 2, "head_dim": 32, "rot_dim": 32, "interleaved": False,
-        "mla": False, "mscale": 1.0, "per_batch": False, "seed": 1,
-    }  # fmt: skip
+        "seq": 16,
+        "batch": 2,
+        "heads": 2,
+        "head_dim": 32,
+        "rot_dim": 32,
+        "interleaved": False,
+        "mla": False,
+        "mscale": 1.0,
+        "per_batch": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 

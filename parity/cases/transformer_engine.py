@@ -159,9 +159,12 @@ def _norm_config(p, dtype):
     if p["sp"]:  # the config wants a TP size for SP; the norm runs on one rank
         options.update(sequence_parallel=True, tensor_model_parallel_size=2, num_attention_heads=2)
     return megatron_config(
-        hidden_size=p["hidden"], normalization=p["normalization"], layernorm_epsilon=p["eps"],
-        params_dtype=dtype, **options,
-    )  # fmt: skip
+        hidden_size=p["hidden"],
+        normalization=p["normalization"],
+        layernorm_epsilon=p["eps"],
+        params_dtype=dtype,
+        **options,
+    )
 
 
 def _norm_run(ctx: Context, inputs):
@@ -205,8 +208,17 @@ def _norm_reference_case(ctx: Context, inputs):
 
 
 def _norm_edge(**kw):
-    base = {"normalization": "RMSNorm", "seq": 4, "batch": 2, "hidden": 64, "scale": 1.0,
-            "eps": 1e-5, "zero_centered": False, "sp": False, "seed": 1}  # fmt: skip
+    base = {
+        "normalization": "RMSNorm",
+        "seq": 4,
+        "batch": 2,
+        "hidden": 64,
+        "scale": 1.0,
+        "eps": 1e-5,
+        "zero_centered": False,
+        "sp": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 
@@ -298,8 +310,9 @@ def _mode(p, kind: str) -> str:
 def _linear_keys(p, kind: str) -> list[str]:
     norm = []
     if kind == "layernorm-column":
-        norm = ["layer_norm_weight"] + (["layer_norm_bias"] if p["normalization"] == "LayerNorm"
-                                        else [])  # fmt: skip
+        norm = ["layer_norm_weight"] + (
+            ["layer_norm_bias"] if p["normalization"] == "LayerNorm" else []
+        )
     return [*norm, "weight", *(["bias"] if p["bias"] else []), "_extra_state"]
 
 
@@ -315,20 +328,32 @@ def _linear_config(p, tp: int, dtype, kind: str):
     sp = p["sp"]
     options = {}
     if kind == "layernorm-column":
-        options.update(normalization=p["normalization"], layernorm_epsilon=p["eps"],
-                       layernorm_zero_centered_gamma=p["zero_centered"])  # fmt: skip
+        options.update(
+            normalization=p["normalization"],
+            layernorm_epsilon=p["eps"],
+            layernorm_zero_centered_gamma=p["zero_centered"],
+        )
     return megatron_config(
-        hidden_size=p["fan_in"], num_attention_heads=2, params_dtype=dtype,
-        sequence_parallel=sp, tensor_model_parallel_size=max(tp, 2) if sp else tp, **options,
-    )  # fmt: skip
+        hidden_size=p["fan_in"],
+        num_attention_heads=2,
+        params_dtype=dtype,
+        sequence_parallel=sp,
+        tensor_model_parallel_size=max(tp, 2) if sp else tp,
+        **options,
+    )
 
 
 def _build_linear(p, kind: str, config):
     import torch
 
     te = _te()
-    common = dict(config=config, init_method=torch.nn.init.zeros_, bias=p["bias"],
-                  skip_bias_add=p["skip_bias_add"], is_expert=False)  # fmt: skip
+    common = dict(
+        config=config,
+        init_method=torch.nn.init.zeros_,
+        bias=p["bias"],
+        skip_bias_add=p["skip_bias_add"],
+        is_expert=False,
+    )
     i, o = p["fan_in"], p["fan_out"]
     if kind == "layernorm-column":
         return te.TELayerNormColumnParallelLinear(i, o, gather_output=False, **common)
@@ -336,8 +361,7 @@ def _build_linear(p, kind: str, config):
         return te.TEColumnParallelLinear(i, o, gather_output=False, **common)
     if kind == "row":
         return te.TERowParallelLinear(i, o, input_is_parallel=True, **common)
-    return te.TELinear(i, o, parallel_mode=p["mode"], skip_weight_param_allocation=False,
-                       **common)  # fmt: skip
+    return te.TELinear(i, o, parallel_mode=p["mode"], skip_weight_param_allocation=False, **common)
 
 
 def _split(t, how: str, tp: int, rank: int, sp: bool, dim_features: int = -1):
@@ -414,16 +438,20 @@ def _linear_run(kind: str):
             loss.backward(ctx.tensor(grad_out.contiguous()).to(out.dtype))
             result = {"out": _collect(out, layout["out"], group, sp)}
             if out_bias is not None:
-                result["output_bias"] = _collect(out_bias, "features" if layout["bias"] == 0
-                                                 else "full", group, sp)  # fmt: skip
+                result["output_bias"] = _collect(
+                    out_bias, "features" if layout["bias"] == 0 else "full", group, sp
+                )
             result["grad_x"] = _collect(x.grad, layout["x"], group, sp)
             for name in ("weight", "bias"):
                 param = getattr(module, name, None)
                 if param is None:
                     continue
                 dim = layout[name]
-                result[f"grad_{name}"] = (_finalized(param, config, group) if dim is None
-                                          else gather(_grad(param), group, dim=dim))  # fmt: skip
+                result[f"grad_{name}"] = (
+                    _finalized(param, config, group)
+                    if dim is None
+                    else gather(_grad(param), group, dim=dim)
+                )
             if mode == "layernorm-column":
                 result["grad_layer_norm_weight"] = _finalized(
                     module.layer_norm_weight, config, group
@@ -447,7 +475,8 @@ def _linear_structure(module, p, kind: str):
     if kind == "linear":  # the stand-in a TELinear of this parallel_mode builds
         te = _te()
         want = {"column": te.TEColumnParallelLinear, "row": te.TERowParallelLinear}.get(
-            p["mode"], te.TELinear)  # fmt: skip
+            p["mode"], te.TELinear
+        )
         parts.append(torch.tensor([int(type(module) is want)]))
     if p["sp"]:
         marks = [int(getattr(q, "sequence_parallel", False)) for q in module.parameters()]
@@ -471,12 +500,20 @@ def _linear_reference(kind: str):
         hidden = x
         if mode == "layernorm-column":
             lnw = ctx.tensor(_stored_gamma(ctx, inputs["ln_weight"]), grad=True)
-            lnb = ctx.tensor(inputs["ln_bias"], grad=True) if p["normalization"] == "LayerNorm" \
-                else None  # fmt: skip
+            lnb = (
+                ctx.tensor(inputs["ln_bias"], grad=True)
+                if p["normalization"] == "LayerNorm"
+                else None
+            )
             leaves.update(layer_norm_weight=lnw, layer_norm_bias=lnb)
             # per sequence shard under SP: the norm's weight grads are sums of per-shard sums
-            hidden = torch.cat([_norm_reference(xj, lnw, lnb, p, ctx.dtype)
-                                for xj in x.chunk(tp if sp else 1, dim=0)], dim=0)  # fmt: skip
+            hidden = torch.cat(
+                [
+                    _norm_reference(xj, lnw, lnb, p, ctx.dtype)
+                    for xj in x.chunk(tp if sp else 1, dim=0)
+                ],
+                dim=0,
+            )
         add = None if p["skip_bias_add"] else b
 
         def per_rank(t, fn):
@@ -517,8 +554,17 @@ def _linear_reference(kind: str):
 
 
 def _linear_edge(kind: str, **kw):
-    base = {"seq": 8, "batch": 2, "fan_in": 32, "fan_out": 24, "bias": True,
-            "skip_bias_add": False, "sp": False, "scale": 1.0, "seed": 1}  # fmt: skip
+    base = {
+        "seq": 8,
+        "batch": 2,
+        "fan_in": 32,
+        "fan_out": 24,
+        "bias": True,
+        "skip_bias_add": False,
+        "sp": False,
+        "scale": 1.0,
+        "seed": 1,
+    }
     if kind == "layernorm-column":
         base.update(normalization="LayerNorm", zero_centered=False, eps=1e-5)
     if kind == "linear":
@@ -559,7 +605,7 @@ TE_LAYERNORM_COLUMN_PARALLEL_LINEAR = _linear_case(
         _linear_edge(_LN, zero_centered=True, sp=True, seed=4),  # LayerNorm under SP
         _linear_edge(
             _LN, normalization="RMSNorm", sp=True, skip_bias_add=True, eps=1e-2, scale=10.0, seed=5
-        ),  # fmt: skip
+        ),
         _linear_edge(_LN, seq=2, batch=1, fan_in=4, fan_out=2, sp=True, bias=False, seed=6),
     ),
 )
@@ -576,7 +622,7 @@ TE_COLUMN_PARALLEL_LINEAR = _linear_case(
         _linear_edge("column", sp=True, seed=4),
         _linear_edge(
             "column", seq=2, batch=1, fan_in=2, fan_out=2, sp=True, skip_bias_add=True, seed=5
-        ),  # fmt: skip
+        ),
     ),
 )
 TE_ROW_PARALLEL_LINEAR = _linear_case(
@@ -593,7 +639,7 @@ TE_ROW_PARALLEL_LINEAR = _linear_case(
         _linear_edge("row", sp=True, seed=4),
         _linear_edge(
             "row", seq=2, batch=1, fan_in=2, fan_out=2, sp=True, skip_bias_add=True, seed=5
-        ),  # fmt: skip
+        ),
     ),
 )
 TE_LINEAR = _linear_case(
@@ -663,8 +709,11 @@ def _attention_inputs(p):
 def _attention_mask_type(p):
     from megatron.core.transformer.enums import AttnMaskType
 
-    return {"causal": AttnMaskType.causal, "padding": AttnMaskType.padding,
-            "none": AttnMaskType.no_mask}[p["mask"]]  # fmt: skip
+    return {
+        "causal": AttnMaskType.causal,
+        "padding": AttnMaskType.padding,
+        "none": AttnMaskType.no_mask,
+    }[p["mask"]]
 
 
 def _attention_run(ctx: Context, inputs):
@@ -672,27 +721,36 @@ def _attention_run(ctx: Context, inputs):
 
     p = ctx.params
     config = megatron_config(
-        hidden_size=p["heads"] * p["head_dim"], num_attention_heads=p["heads"],
-        num_query_groups=p["groups"], kv_channels=p["head_dim"], attention_dropout=0.0,
-        masked_softmax_fusion=False, params_dtype=ctx.dtype,
-        fp16=ctx.dtype == torch.float16, bf16=ctx.dtype == torch.bfloat16,
-    )  # fmt: skip
+        hidden_size=p["heads"] * p["head_dim"],
+        num_attention_heads=p["heads"],
+        num_query_groups=p["groups"],
+        kv_channels=p["head_dim"],
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        params_dtype=ctx.dtype,
+        fp16=ctx.dtype == torch.float16,
+        bf16=ctx.dtype == torch.bfloat16,
+    )
     mask_type = _attention_mask_type(p)
     with megatron_parallel(), fused_attention_settings(use_flash_attn=p["flash"]):
         module = _te().TEDotProductAttention(
-            config, layer_number=1, attn_mask_type=mask_type, attention_type="self",
+            config,
+            layer_number=1,
+            attn_mask_type=mask_type,
+            attention_type="self",
             softmax_scale=p["softmax_scale"],
-        )  # fmt: skip
+        )
         q, k, v = (ctx.tensor(inputs[n], grad=True) for n in ("query", "key", "value"))
         mask = inputs["mask"].to(ctx.device) if p["mask"] == "padding" else None
         out = module(q, k, v, mask, attn_mask_type=mask_type)
-        result = {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), query=q, key=k,
-                                      value=v)}  # fmt: skip
+        result = {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), query=q, key=k, value=v)}
         # _extra_state in the state_dict; none of it in the sharded one (megatron-core 0.15+)
-        result["structure"] = torch.cat([
-            key_flags(_state_keys(module), ["_extra_state"]),
-            torch.tensor([len(_sharded_keys(module))]),
-        ])  # fmt: skip
+        result["structure"] = torch.cat(
+            [
+                key_flags(_state_keys(module), ["_extra_state"]),
+                torch.tensor([len(_sharded_keys(module))]),
+            ]
+        )
     return result
 
 
@@ -726,8 +784,18 @@ def _attention_reference(ctx: Context, inputs):
 
 
 def _attention_edge(**kw):
-    base = {"heads": 4, "groups": 2, "seq": 16, "batch": 2, "head_dim": 16, "mask": "causal",
-            "softmax_scale": None, "qk_scale": 1.0, "flash": False, "seed": 1}  # fmt: skip
+    base = {
+        "heads": 4,
+        "groups": 2,
+        "seq": 16,
+        "batch": 2,
+        "head_dim": 16,
+        "mask": "causal",
+        "softmax_scale": None,
+        "qk_scale": 1.0,
+        "flash": False,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 

@@ -64,9 +64,13 @@ def _run(ctx: Context, inputs):
         weight.main_grad = inputs["main_grad"].to(_main_grad_dtype(ctx)).to(ctx.device)
         bias = ctx.tensor(inputs["bias"]) if ctx.params["bias"] else None
         out = linear_with_grad_accumulation_and_async_allreduce(
-            x, weight, bias, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+            x,
+            weight,
+            bias,
+            gradient_accumulation_fusion=True,
+            allreduce_dgrad=False,
             sequence_parallel=False,
-        )  # fmt: skip
+        )
         out.backward(ctx.tensor(inputs["grad_out"]))
     return {"out": out, "grad_x": x.grad, "main_grad": weight.main_grad}
 
@@ -88,8 +92,15 @@ def _reference(ctx: Context, inputs):
 
 
 def _edge(**kw):
-    base = {"seq": 8, "batch": 2, "fan_in": 32, "fan_out": 24, "main_grad_fp32": True,
-            "bias": True, "seed": 1}  # fmt: skip
+    base = {
+        "seq": 8,
+        "batch": 2,
+        "fan_in": 32,
+        "fan_out": 24,
+        "main_grad_fp32": True,
+        "bias": True,
+        "seed": 1,
+    }
     base.update(kw)
     return base
 

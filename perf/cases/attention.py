@@ -32,13 +32,17 @@ def _setup(cell: Cell):
     model_parallel_cuda_manual_seed(0)
     dtype = cell.torch_dtype
     config = TransformerConfig(
-        num_layers=1, hidden_size=n * d, num_attention_heads=n, use_cpu_initialization=True,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
+        num_layers=1,
+        hidden_size=n * d,
+        num_attention_heads=n,
+        use_cpu_initialization=True,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        masked_softmax_fusion=False,
         attention_dropout=0.0,
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
-               for _ in range(3))  # fmt: skip
+    q, k, v = (torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     return config, q, k, v
 
 
@@ -47,8 +51,9 @@ def build(cell: Cell) -> Built:
     from megatron.core.transformer.enums import AttnMaskType
 
     config, q, k, v = _setup(cell)
-    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                 attention_type="self")  # fmt: skip
+    module = DotProductAttention(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     if cell.path != "megatron":
         settings.set_fused_attention(use_flash_attn=True)
     forward = implementation(cell)
@@ -77,13 +82,15 @@ def build_te(cell: Cell) -> Built:
     config, q, k, v = _setup(cell)
     causal = AttnMaskType.causal
     if cell.path == "megatron":  # the local spec's core attention, Megatron's own forward
-        module = DotProductAttention(config, layer_number=1, attn_mask_type=causal,
-                                     attention_type="self")  # fmt: skip
+        module = DotProductAttention(
+            config, layer_number=1, attn_mask_type=causal, attention_type="self"
+        )
         forward = patcher.original(get_patch("attention.dot-product"))
         return Built(lambda: forward(module, q, k, v, None, causal), (q, k, v))
     settings.set_fused_attention(use_flash_attn=True)
-    module = installed_of(cell)(config, layer_number=1, attn_mask_type=causal,
-                                attention_type="self")  # fmt: skip
+    module = installed_of(cell)(
+        config, layer_number=1, attn_mask_type=causal, attention_type="self"
+    )
     return Built(lambda: module(q, k, v, None, attn_mask_type=causal), (q, k, v))
 
 

@@ -46,14 +46,20 @@ def _case(op: str, build, full: dict, quick: dict) -> BenchCase:
 
 
 BUILD_SAMPLE_IDX = _case(
-    "sample-index", _sample_idx,
+    "sample-index",
+    _sample_idx,
     {"docs": 2_000_000, "max_doc": 1000, "epochs": 1, "seq": 2048},
     {"docs": 20_000, "max_doc": 1000, "epochs": 1, "seq": 2048},
-)  # fmt: skip
+)
 BUILD_BLENDING_INDICES = _case(
-    "blending-index", _blending, {"datasets": 4, "size": 20_000_000},
+    "blending-index",
+    _blending,
+    {"datasets": 4, "size": 20_000_000},
     {"datasets": 4, "size": 200_000},
-)  # fmt: skip
+)
 BUILD_EXHAUSTIVE_BLENDING_INDICES = _case(
-    "exhaustive-blending-index", _exhaustive, {"datasets": 4}, {"datasets": 4},
-)  # fmt: skip
+    "exhaustive-blending-index",
+    _exhaustive,
+    {"datasets": 4},
+    {"datasets": 4},
+)

@@ -60,8 +60,13 @@ def _norm(cell: Cell) -> Built:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s, b, h = (cell.shape[k] for k in ("seq", "batch", "hidden"))
-    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=1,
-                               normalization="RMSNorm", use_cpu_initialization=True)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=1,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+    )
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     new = implementation(cell)
@@ -87,12 +92,18 @@ def _softmax(cell: Cell) -> Built:
     module = FusedScaleMaskSoftmax(
         input_in_fp16=cell.torch_dtype == torch.float16,
         input_in_bf16=cell.torch_dtype == torch.bfloat16,
-        attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=True,
-        mask_func=attention_mask_func, softmax_in_fp32=True, scale=None,
-    )  # fmt: skip
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=True,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
     scores = _randn(cell, b, n, s, s)
-    forward = (module.forward_torch_softmax if cell.path == "megatron"
-               else lambda x, mask: implementation(cell)(module, x, mask))  # fmt: skip
+    forward = (
+        module.forward_torch_softmax
+        if cell.path == "megatron"
+        else lambda x, mask: implementation(cell)(module, x, mask)
+    )
     # a fresh tensor per call, as the attention scores are (Megatron's mask fills in place)
     return Built(lambda: forward(scores * 1, None), (scores,))
 
@@ -151,9 +162,14 @@ def _stand_in_or_local(cell: Cell, local: Callable) -> Callable:
 def _te_config(cell: Cell, hidden: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8,
-                             normalization="RMSNorm", use_cpu_initialization=True,
-                             params_dtype=cell.torch_dtype)  # fmt: skip
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        params_dtype=cell.torch_dtype,
+    )
 
 
 def _stock_norm(config, hidden: int, eps: float):
@@ -188,8 +204,9 @@ def _te_linear(kind: str) -> Callable[[Cell], Built]:
 
         s, b, i, o = (cell.shape[k] for k in ("seq", "batch", "fan_in", "fan_out"))
         config = _te_config(cell, i)
-        common = dict(config=config, init_method=_init, bias=True, skip_bias_add=False,
-                      is_expert=False)  # fmt: skip
+        common = dict(
+            config=config, init_method=_init, bias=True, skip_bias_add=False, is_expert=False
+        )
         if cell.path == "megatron":
             if kind == "row":
                 linear = RowParallelLinear(i, o, input_is_parallel=True, **common)
@@ -207,8 +224,9 @@ def _te_linear(kind: str) -> Callable[[Cell], Built]:
             if kind == "row":
                 module = cls(i, o, input_is_parallel=True, **common)
             elif kind == "duplicated":
-                module = cls(i, o, parallel_mode="duplicated", skip_weight_param_allocation=False,
-                             **common)  # fmt: skip
+                module = cls(
+                    i, o, parallel_mode="duplicated", skip_weight_param_allocation=False, **common
+                )
             else:
                 module = cls(i, o, gather_output=False, **common)
 
@@ -226,8 +244,10 @@ _HIDDEN = {"full": 1024, "quick": 256}
 
 
 def _gemm_shapes(fan_in: Callable[[int], int], fan_out: Callable[[int], int]):
-    return {k: {"seq": _SEQ[k], "batch": 1, "fan_in": fan_in(h), "fan_out": fan_out(h)}
-            for k, h in _HIDDEN.items()}  # fmt: skip
+    return {
+        k: {"seq": _SEQ[k], "batch": 1, "fan_in": fan_in(h), "fan_out": fan_out(h)}
+        for k, h in _HIDDEN.items()
+    }
 
 
 _GEMM_NOTE = "fp32 only: this CPU has no bf16 matrix units (module docstring)"

@@ -62,10 +62,14 @@ def _scores(with_input: bool):
     return build
 
 
-_PROJECTION = {"full": {"tokens": 2048, "hidden": 1024, "out": 1024},
-               "quick": {"tokens": 128, "hidden": 64, "out": 64}}  # fmt: skip
-_SCORES = {"full": {"heads": 8, "seq": 2048, "head_dim": 128},
-           "quick": {"heads": 2, "seq": 128, "head_dim": 32}}  # fmt: skip
+_PROJECTION = {
+    "full": {"tokens": 2048, "hidden": 1024, "out": 1024},
+    "quick": {"tokens": 128, "hidden": 64, "out": 64},
+}
+_SCORES = {
+    "full": {"heads": 8, "seq": 2048, "head_dim": 128},
+    "quick": {"heads": 2, "seq": 128, "head_dim": 32},
+}
 
 
 def _case(op: str, shapes: dict, build: Callable[[Cell], Built]) -> BenchCase:

@@ -173,10 +173,16 @@ def _te_grouped_mlp(cell: Cell) -> Built:
     e, m, h, f = (cell.shape[key] for key in ("experts", "tokens", "hidden", "ffn"))
     sizes = _expert_sizes(m, e)
     model_parallel_cuda_manual_seed(0)  # the grouped linears initialise in the expert RNG fork
-    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=8,
-                               ffn_hidden_size=f, num_moe_experts=e, add_bias_linear=False,
-                               use_cpu_initialization=True,
-                               params_dtype=cell.torch_dtype)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=8,
+        ffn_hidden_size=f,
+        num_moe_experts=e,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=cell.torch_dtype,
+    )
     common = dict(config=config, init_method=_init, bias=False, is_expert=True)
     x = _randn(cell, m, h)
     if cell.path == "megatron":
@@ -194,23 +200,32 @@ def _te_grouped_mlp(cell: Cell) -> Built:
     return Built(lambda: forward(x), (x, *module.parameters()))
 
 
-def _sequential_mlp(common: dict, experts: int, hidden: int, ffn: int,
-                    sizes: list[int]) -> tuple[Callable, torch.nn.Module]:  # fmt: skip
+def _sequential_mlp(
+    common: dict, experts: int, hidden: int, ffn: int, sizes: list[int]
+) -> tuple[Callable, torch.nn.Module]:
     """SequentialMLP's loop: each expert's stock ColumnParallelLinear FC1 and RowParallelLinear
     FC2 on its rows, the outputs concatenated."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     experts_fc = torch.nn.ModuleList(
-        torch.nn.ModuleList([
-            ColumnParallelLinear(hidden, ffn, gather_output=False, skip_bias_add=False, **common),
-            RowParallelLinear(ffn, hidden, input_is_parallel=True, skip_bias_add=True, **common),
-        ])
+        torch.nn.ModuleList(
+            [
+                ColumnParallelLinear(
+                    hidden, ffn, gather_output=False, skip_bias_add=False, **common
+                ),
+                RowParallelLinear(
+                    ffn, hidden, input_is_parallel=True, skip_bias_add=True, **common
+                ),
+            ]
+        )
         for _ in range(experts)
-    )  # fmt: skip
+    )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        outs = [fc2(fc1(rows)[0])[0]
-                for (fc1, fc2), rows in zip(experts_fc, torch.split(x, sizes, dim=0))]  # fmt: skip
+        outs = [
+            fc2(fc1(rows)[0])[0]
+            for (fc1, fc2), rows in zip(experts_fc, torch.split(x, sizes, dim=0))
+        ]
         return torch.cat(outs, dim=0)
 
     return forward, experts_fc
@@ -250,10 +265,12 @@ def _token_permutation(cell: Cell) -> Built:
     probs = probs.to(cell.torch_dtype).requires_grad_()
 
     def step() -> torch.Tensor:
-        rows, row_probs, index_map = permute(x, routing_map, probs=probs, num_out_tokens=t * k,
-                                             fused=fused)[:3]  # fmt: skip
-        return unpermute(rows * row_probs.unsqueeze(-1), index_map, x.shape,
-                         routing_map=routing_map, fused=fused)  # fmt: skip
+        rows, row_probs, index_map = permute(
+            x, routing_map, probs=probs, num_out_tokens=t * k, fused=fused
+        )[:3]
+        return unpermute(
+            rows * row_probs.unsqueeze(-1), index_map, x.shape, routing_map=routing_map, fused=fused
+        )
 
     return Built(step, (x, probs))
 
@@ -287,8 +304,16 @@ def _router_top_k(cell: Cell) -> Built:
     bias = torch.randn(e, generator=torch.Generator().manual_seed(2)) * 0.01
 
     def step() -> torch.Tensor:
-        return route(logits, k, num_groups=groups, group_topk=group_topk, scaling_factor=2.5,
-                     score_function="sigmoid", expert_bias=bias, fused=fused)[0]  # fmt: skip
+        return route(
+            logits,
+            k,
+            num_groups=groups,
+            group_topk=group_topk,
+            scaling_factor=2.5,
+            score_function="sigmoid",
+            expert_bias=bias,
+            fused=fused,
+        )[0]
 
     return Built(step, (logits,))
 
@@ -322,24 +347,41 @@ def _moe_layer_step(cell: Cell) -> Built:
     adaptor = cell.path != "megatron"
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(
-        num_layers=1, hidden_size=h, num_attention_heads=8, ffn_hidden_size=f,
-        moe_ffn_hidden_size=f, num_moe_experts=e, moe_router_topk=k,
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
-        moe_router_dtype="fp32", moe_grouped_gemm=adaptor, moe_permute_fusion=adaptor,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=True, use_cpu_initialization=True, params_dtype=cell.torch_dtype,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=8,
+        ffn_hidden_size=f,
+        moe_ffn_hidden_size=f,
+        num_moe_experts=e,
+        moe_router_topk=k,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=adaptor,
+        moe_permute_fusion=adaptor,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=True,
+        use_cpu_initialization=True,
+        params_dtype=cell.torch_dtype,
+    )
     if adaptor:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=e, moe_grouped_gemm=True)  # fmt: skip
+            num_experts=e, moe_grouped_gemm=True
+        )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=e)
     layer = build_from_spec(spec.submodules.mlp, config).to(cell.torch_dtype).train()
     x = _randn(cell, t, 1, h)
-    active = flops.active_ffn_hidden_size(f, num_experts=e, moe_ffn_hidden_size=f,
-                                          moe_router_topk=k)  # fmt: skip
-    return Built(lambda: layer(x)[0], (x, *layer.parameters()),
-                 forward_flops=flops.mlp_forward_flops(t, h, active, swiglu=True))  # fmt: skip
+    active = flops.active_ffn_hidden_size(
+        f, num_experts=e, moe_ffn_hidden_size=f, moe_router_topk=k
+    )
+    return Built(
+        lambda: layer(x)[0],
+        (x, *layer.parameters()),
+        forward_flops=flops.mlp_forward_flops(t, h, active, swiglu=True),
+    )
 
 
 MOE_LAYER_STEP = BenchCase(

@@ -28,8 +28,11 @@ def _adamw(cell: Cell) -> Built:
     for p, g in zip(params, _tensors(cell, 1)):
         p.grad = g
     cls = implementation(cell)
-    opt = cls(params, lr=1e-4, weight_decay=0.1, foreach=True) if cell.path == "megatron" \
-        else cls(params, lr=1e-4, weight_decay=0.1)  # fmt: skip
+    opt = (
+        cls(params, lr=1e-4, weight_decay=0.1, foreach=True)
+        if cell.path == "megatron"
+        else cls(params, lr=1e-4, weight_decay=0.1)
+    )
     return Built(opt.step)
 
 
@@ -74,8 +77,9 @@ _SHAPES = {"full": {"tensors": 24, "side": 1024}, "quick": {"tensors": 24, "side
 
 
 def _case(op: str, build, paths=("megatron", "native", "npu-binding")) -> BenchCase:
-    return BenchCase(op=op, shapes=_SHAPES, build=build, dtypes=("float32",),
-                     directions=("step",), paths=paths)  # fmt: skip
+    return BenchCase(
+        op=op, shapes=_SHAPES, build=build, dtypes=("float32",), directions=("step",), paths=paths
+    )
 
 
 _NO_KERNEL = ("megatron", "native")  # no torch_npu kernel: the op layer's torch code everywhere

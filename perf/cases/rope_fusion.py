@@ -14,13 +14,19 @@ def _build(cell: Cell) -> Built:
     from megatron_npu.registry import all_patches
 
     s, b, n, d = (cell.shape[k] for k in ("seq", "batch", "heads", "head_dim"))
-    t = (torch.randn(s, b, n, d, generator=torch.Generator().manual_seed(0))
-         .to(cell.torch_dtype).requires_grad_(True))  # fmt: skip
+    t = (
+        torch.randn(s, b, n, d, generator=torch.Generator().manual_seed(0))
+        .to(cell.torch_dtype)
+        .requires_grad_(True)
+    )
     freqs = torch.randn(s, 1, 1, d, generator=torch.Generator().manual_seed(1))
     if cell.path == "megatron":  # no TE: Megatron's config refuses the fusion; unfused it is
         version = patcher.megatron_core_version()
-        stock = next(p for p in all_patches() if p.target.endswith("._apply_rotary_pos_emb_bshd")
-                     and p.applies_to_version(version))  # fmt: skip
+        stock = next(
+            p
+            for p in all_patches()
+            if p.target.endswith("._apply_rotary_pos_emb_bshd") and p.applies_to_version(version)
+        )
         unfused = patcher.original(stock)
         return Built(lambda: unfused(t, freqs), (t,))
     fused = installed_of(cell)

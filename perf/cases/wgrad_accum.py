@@ -38,7 +38,7 @@ GRADIENT_ACCUMULATION_FUSION = BenchCase(
     shapes={
         "full": {"tokens": 2048, "in": 4096, "out": 8192},
         "quick": {"tokens": 256, "in": 256, "out": 512},
-    },  # fmt: skip
+    },
     build=_build,
     paths=("megatron", "native"),
     directions=("fwd",),

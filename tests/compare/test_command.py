@@ -47,11 +47,19 @@ optional = true
 
 def _metrics(spec, device, losses):
     args = {
-        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-        "num_query_groups": 4, "seq_length": 128, "max_position_embeddings": 128, "seed": 1234,
-        "global_batch_size": 8, "tensor_model_parallel_size": spec.tensor_parallel,
-        "pipeline_model_parallel_size": 1, "init_method_std": 0.02,
-    }  # fmt: skip
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_query_groups": 4,
+        "seq_length": 128,
+        "max_position_embeddings": 128,
+        "seed": 1234,
+        "global_batch_size": 8,
+        "tensor_model_parallel_size": spec.tensor_parallel,
+        "pipeline_model_parallel_size": 1,
+        "init_method_std": 0.02,
+    }
     steps = [
         {
             "step": i + 1,
@@ -63,14 +71,24 @@ def _metrics(spec, device, losses):
         for i, loss in enumerate(losses)
     ]
     summary = {
-        "first_lm_loss": losses[0], "last_lm_loss": losses[-1], "model_flops_per_step": 1e9,
-        "peak": {"tflops": 0.05, "source": "user"}, "peak_devices": 1, "peak_memory_bytes": 100 * 2**20,
-    }  # fmt: skip
+        "first_lm_loss": losses[0],
+        "last_lm_loss": losses[-1],
+        "model_flops_per_step": 1e9,
+        "peak": {"tflops": 0.05, "source": "user"},
+        "peak_devices": 1,
+        "peak_memory_bytes": 100 * 2**20,
+    }
     config = {
-        "arguments": args, "padded_vocab_size": 512, "device": device,
-        "device_emulated": device == "npu-emulated", "world_size": spec.tensor_parallel,
-        "data": {"source": "default-corpus", "description": "corpus /x/stdlib_docs_ab_text_document, vocab 257"},
-    }  # fmt: skip
+        "arguments": args,
+        "padded_vocab_size": 512,
+        "device": device,
+        "device_emulated": device == "npu-emulated",
+        "world_size": spec.tensor_parallel,
+        "data": {
+            "source": "default-corpus",
+            "description": "corpus /x/stdlib_docs_ab_text_document, vocab 257",
+        },
+    }
     return {"config": config, "steps": steps, "summary": summary}
 
 

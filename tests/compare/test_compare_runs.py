@@ -71,10 +71,16 @@ def compared(tmp_path_factory):
         path.write_text(MATRIX)
         matrix = m.load(path)
         first = command.run_compare(matrix, folder / "out", echo=io.StringIO())
-        second = command.run_compare(m.load(path).__class__(
-            source=matrix.source, settings=matrix.settings,
-            runs=tuple(r for r in matrix.runs if r.name in ("base", "base-rerun")), notes=matrix.notes,
-        ), folder / "out", echo=io.StringIO())  # fmt: skip
+        second = command.run_compare(
+            m.load(path).__class__(
+                source=matrix.source,
+                settings=matrix.settings,
+                runs=tuple(r for r in matrix.runs if r.name in ("base", "base-rerun")),
+                notes=matrix.notes,
+            ),
+            folder / "out",
+            echo=io.StringIO(),
+        )
     finally:
         mp.undo()
     return first, second

@@ -62,9 +62,11 @@ def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dic
     rows = dataclasses.replace(
         rows,
         settings=dataclasses.replace(rows.settings, baseline=names[0]),
-        runs=tuple(dataclasses.replace(r, reference=None, judged=False)
-                   if r.name == names[0] else r for r in rows.runs),
-    )  # fmt: skip
+        runs=tuple(
+            dataclasses.replace(r, reference=None, judged=False) if r.name == names[0] else r
+            for r in rows.runs
+        ),
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
     document, status = command.run_compare(rows, tmp_path / "out", echo=io.StringIO())
@@ -77,8 +79,9 @@ def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dic
 def test_te_spec_rows_pass_their_rules(tmp_path, monkeypatch):
     """The Transformer Engine spec on the reference path and the NPU path agree by the
     approximate rule, and its TP2 and CP2 runs agree with its one-rank run by the layout rule."""
-    verdicts = _rows_alone(tmp_path, monkeypatch, "ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2",
-                           "npu-fp32-te-cp2")  # fmt: skip
+    verdicts = _rows_alone(
+        tmp_path, monkeypatch, "ref-fp32-te", "npu-fp32-te", "npu-fp32-te-tp2", "npu-fp32-te-cp2"
+    )
     assert verdicts[("npu-fp32-te", "approximate")]["status"] == "pass"
     assert verdicts[("npu-fp32-te-tp2", "layout")]["status"] == "pass"
     assert verdicts[("npu-fp32-te-cp2", "layout")]["status"] == "pass"

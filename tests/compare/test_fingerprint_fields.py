@@ -20,13 +20,26 @@ H100_TINY = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
 #: one query group per head without --group-query-attention, the NullTokenizer's N + 1 tokens
 #: padded to a multiple of 128)
 EXPECTED = {
-    "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024, "num_attention_heads": 8,
-    "num_query_groups": 8, "kv_channels": 32, "seq_length": 256, "max_position_embeddings": 256,
-    "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-    "swiglu": False, "bias_linear": True, "tied_embeddings": True, "init_method_std": 0.02,
-    "attention_window": "causal, pre full, next full", "experts": "dense",
-    "padded_vocab_size": 1024, "seed": 1234, "tokenizer": "NullTokenizer",
-}  # fmt: skip
+    "num_layers": 4,
+    "hidden_size": 256,
+    "ffn_hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_query_groups": 8,
+    "kv_channels": 32,
+    "seq_length": 256,
+    "max_position_embeddings": 256,
+    "position_embedding_type": "learned_absolute",
+    "normalization": "LayerNorm",
+    "swiglu": False,
+    "bias_linear": True,
+    "tied_embeddings": True,
+    "init_method_std": 0.02,
+    "attention_window": "causal, pre full, next full",
+    "experts": "dense",
+    "padded_vocab_size": 1024,
+    "seed": 1234,
+    "tokenizer": "NullTokenizer",
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +62,10 @@ def test_the_fields_cover_the_fingerprint(h100_fingerprint):
 def test_bias_is_read_under_either_trainers_name():
     """Megatron-LM dumps ``add_bias_linear`` (False with --disable-bias-linear); megatron-npu
     train keeps ``disable_bias_linear``."""
-    for args, bias in (({"add_bias_linear": False}, False), ({"add_bias_linear": True}, True),
-                       ({"disable_bias_linear": True}, False), ({}, True)):  # fmt: skip
+    for args, bias in (
+        ({"add_bias_linear": False}, False),
+        ({"add_bias_linear": True}, True),
+        ({"disable_bias_linear": True}, False),
+        ({}, True),
+    ):
         assert fp.fingerprint({"arguments": args})["bias_linear"] is bias

@@ -136,8 +136,10 @@ def test_matrix_import_and_script_keys(tmp_path):
     spec = load('[[run]]\nname = "g"\nimport = "logs/g.log"\nhardware = "8x H200"\n').run("g")
     assert spec.kind == "import" and spec.path == str(tmp_path / "logs" / "g.log")
     assert spec.devices == () and spec.options == {} and spec.hardware == "8x H200"
-    script = load('[[run]]\nname = "s"\nscript = "mlm/pretrain_gpt.py"\nargs = ["--num-layers", 2]\n'
-                  'nproc_per_node = 2\ndevice = "npu-emulated"\n').run("s")  # fmt: skip
+    script = load(
+        '[[run]]\nname = "s"\nscript = "mlm/pretrain_gpt.py"\nargs = ["--num-layers", 2]\n'
+        'nproc_per_node = 2\ndevice = "npu-emulated"\n'
+    ).run("s")
     assert script.kind == "script" and script.script_args == ("--num-layers", "2")
     assert script.nproc_per_node == 2 and script.path == str(tmp_path / "mlm" / "pretrain_gpt.py")
     for text, needle in [
@@ -174,17 +176,27 @@ def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, mon
     )
     spec = m.load(tmp_path / "m.toml").run("mlm")
     assert runner.script_command(spec) == [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "-m", "megatron_npu.run_script", str(script), "--num-layers", "2", "--bf16",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_npu.run_script",
+        str(script),
+        "--num-layers",
+        "2",
+        "--bf16",
+    ]
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     env = runner.script_environment(spec, "npu-emulated")
     assert env["MEGATRON_NPU_DEVICE"] == "npu-emulated"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(script.parent), "/somewhere/else"]
     # a script that logs no Megatron-LM line is a failed run naming its log, not an empty curve
     monkeypatch.setattr(runner, "script_command", lambda spec, *_: [sys.executable, str(spec.path)])
-    outcome = runner.execute_script(spec, "npu-emulated", tmp_path / "run", timeout_s=60,
-                                    echo=io.StringIO(), session="s")  # fmt: skip
+    outcome = runner.execute_script(
+        spec, "npu-emulated", tmp_path / "run", timeout_s=60, echo=io.StringIO(), session="s"
+    )
     assert outcome.status == "failed"
     assert outcome.error.startswith(
         f"its log cannot be read: {tmp_path / 'run' / 'train.log'}: no argument dump"

@@ -76,9 +76,15 @@ def test_runs_are_typed_and_reruns_copy_their_original(tmp_path):
     a, b, a2 = matrix.runs
     assert matrix.settings.baseline == "a" and a.reference is None
     assert b.devices == ("npu", "npu-emulated") and b.reference == "a"
-    assert m.option_argv({k: v for k, v in b.options.items() if k != "make-vocab-size-divisible-by"}) == [
-        "--num-layers", "2", "--bf16", "--lr", "0.002",
-    ]  # fmt: skip
+    assert m.option_argv(
+        {k: v for k, v in b.options.items() if k != "make-vocab-size-divisible-by"}
+    ) == [
+        "--num-layers",
+        "2",
+        "--bf16",
+        "--lr",
+        "0.002",
+    ]
     assert (
         a2.options == a.options
         and a2.devices == a.devices

@@ -122,8 +122,11 @@ def test_truncated_corrupt_and_wrong_logs_are_named_with_their_line(tmp_path):
     twice = tmp_path / "twice.log"
     twice.write_text(text + EMU_LOG.read_text())  # two runs' logs in one file
     message = _error(twice)
-    assert re.fullmatch(rf"{re.escape(str(twice))}:\d+: iteration 1 is logged again with other figures "
-                        rf"than at line {first} \(two runs in one log\?\)", message), message  # fmt: skip
+    assert re.fullmatch(
+        rf"{re.escape(str(twice))}:\d+: iteration 1 is logged again with other figures "
+        rf"than at line {first} \(two runs in one log\?\)",
+        message,
+    ), message
 
 
 def test_damaged_event_files_are_named(tmp_path):

@@ -20,8 +20,10 @@ PRINTED = 1.5e-6
 def test_h100_log_losses_are_its_tensorboard_losses_step_by_step(precision):
     """Native core_v0.16.1 runs with ``--log-interval 1``: iteration 2's logged loss is the mean
     of iterations 1 and 2; imported, every iteration is TensorBoard's own value."""
-    log = {r["iteration"]: r for r in mlm_log.parse(GPT345M / f"mlm-native-{precision}.log")
-           ["iterations"]}  # fmt: skip
+    log = {
+        r["iteration"]: r
+        for r in mlm_log.parse(GPT345M / f"mlm-native-{precision}.log")["iterations"]
+    }
     board = tensorboard_events.read(GPT345M / f"mlm-native-{precision}-tb")["scalars"]["lm loss"]
     assert set(log) == set(board) and len(log) > 2
     worst = max(abs(log[i]["lm_loss"] - board[i]) / board[i] for i in log)
@@ -38,10 +40,12 @@ MARKER = "  fake_process_group .............................. False\n"
 
 def _line(it: int, loss: float | None, ms: float, skipped: int) -> str:
     lm = f" lm loss: {loss:.6E} |" if loss is not None else ""
-    return (f" [2026-11-28 00:00:00] iteration {it:8d}/       8 | consumed samples: {4 * it:12d} "
-            f"| elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-03 | global "
-            f"batch size:     4 |{lm} loss scale: 1.0 | grad norm: 0.500 | number of skipped "
-            f"iterations: {skipped:3d} | number of nan iterations:   0 |\n")  # fmt: skip
+    return (
+        f" [2026-11-28 00:00:00] iteration {it:8d}/       8 | consumed samples: {4 * it:12d} "
+        f"| elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-03 | global "
+        f"batch size:     4 |{lm} loss scale: 1.0 | grad norm: 0.500 | number of skipped "
+        f"iterations: {skipped:3d} | number of nan iterations:   0 |\n"
+    )
 
 
 def _log(tmp_path: Path, interval: int, marker: str, lines: list[str], restart: list[str]) -> dict:

@@ -57,8 +57,10 @@ def test_a_candidate_near_the_edge_at_every_step_fails_on_the_mean():
 
 
 def test_the_grad_norm_has_its_own_band():
-    reruns = {k: rules.Curve(c.iterations, c.losses, [1.0, 1.0 + 1e-6, 1.0, 1.0, 1.0, 1.0],
-                             c.step_times) for k, c in RERUNS.items()}  # fmt: skip
+    reruns = {
+        k: rules.Curve(c.iterations, c.losses, [1.0, 1.0 + 1e-6, 1.0, 1.0, 1.0, 1.0], c.step_times)
+        for k, c in RERUNS.items()
+    }
     cand = rules.Curve(list(range(1, 7)), REF, [1.0, 1.0, 1.01, 1.0, 1.0, 1.0], [0.1] * 6)
     verdict = noise.noise("c", "ref", curve(REF), reruns, cand)
     assert verdict.status == rules.FAIL

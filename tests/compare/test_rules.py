@@ -130,7 +130,7 @@ def _setup(**changes):
         layout="TP1 PP1 DP1",
         shape={"seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8},
     )
-    return rules.SpeedSetup(**{**fields, **changes})  # fmt: skip
+    return rules.SpeedSetup(**{**fields, **changes})
 
 
 def test_speed_is_judged_like_for_like_only():
@@ -160,13 +160,26 @@ def test_speed_is_judged_like_for_like_only():
 
 def _config(**overrides):
     arguments = {
-        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-        "num_query_groups": 4, "kv_channels": None, "seq_length": 128, "max_position_embeddings": 128,
-        "position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
-        "disable_bias_linear": False, "untie_embeddings_and_output_weights": False,
-        "init_method_std": 0.02, "seed": 1234, "tokenizer_type": None, "split": None,
-        "data_path": None, "mock_data": False,
-    }  # fmt: skip
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_query_groups": 4,
+        "kv_channels": None,
+        "seq_length": 128,
+        "max_position_embeddings": 128,
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "swiglu": False,
+        "disable_bias_linear": False,
+        "untie_embeddings_and_output_weights": False,
+        "init_method_std": 0.02,
+        "seed": 1234,
+        "tokenizer_type": None,
+        "split": None,
+        "data_path": None,
+        "mock_data": False,
+    }
     arguments.update(overrides.pop("arguments", {}))
     config = {
         "arguments": arguments,
@@ -254,10 +267,16 @@ def test_performance_holds_like_for_like_peak_memory_to_ten_percent():
     assert verdict.status == rules.FAIL and "more peak memory than a beyond 10%" in verdict.detail
     assert "1.12x" in verdict.detail
     within = rules.PeakMemory(1090 * 2**20, "allocator")
-    assert rules.performance("b", "a", times, times, base_memory=base,
-                             cand_memory=within).status == rules.PASS  # fmt: skip
-    assert rules.performance("b", "a", times, times, base_memory=base, cand_memory=more,
-                             memory_threshold=0.15).status == rules.PASS  # fmt: skip
+    assert (
+        rules.performance("b", "a", times, times, base_memory=base, cand_memory=within).status
+        == rules.PASS
+    )
+    assert (
+        rules.performance(
+            "b", "a", times, times, base_memory=base, cand_memory=more, memory_threshold=0.15
+        ).status
+        == rules.PASS
+    )
     # another measure (process RSS against the allocator's peak) is not compared
     rss = rules.PeakMemory(5000 * 2**20, "rss")
     verdict = rules.performance("b", "a", times, times, base_memory=base, cand_memory=rss)

@@ -22,12 +22,40 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).with_name("fixtures") / "megatron-lm"
 #: fixtures/megatron-lm/README.md: the arguments its logs were written with
 ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
-    "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--train-iters", "12", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "1024", "--transformer-impl", "local", "--eval-iters", "0", "--log-interval", "1",
-    "--eval-interval", "1000", "--tensor-model-parallel-size", "2",
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "12",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1024",
+    "--transformer-impl",
+    "local",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--tensor-model-parallel-size",
+    "2",
+]
 
 
 def _megatron_lm() -> Path:

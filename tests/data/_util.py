@@ -35,10 +35,29 @@ def write_tiny_gpt2_files(directory: os.PathLike | str) -> tuple[str, str, dict[
 
 
 BERT_VOCAB = [
-    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
-    "hello", "world", "the", "un", "##aff", "##able", "play", "##ing", "##s",
-    ",", "!", ".", "-", "中", "文", "cafe", "Hello",
-]  # fmt: skip
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "hello",
+    "world",
+    "the",
+    "un",
+    "##aff",
+    "##able",
+    "play",
+    "##ing",
+    "##s",
+    ",",
+    "!",
+    ".",
+    "-",
+    "中",
+    "文",
+    "cafe",
+    "Hello",
+]
 
 
 def write_bert_vocab(directory: os.PathLike | str) -> str:

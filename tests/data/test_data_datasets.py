@@ -96,9 +96,16 @@ def test_multiple_epochs_and_splits(corpora, tmp_path):
     tokens = sum(map(len, _doc_tokens(texts)))
     many = 3 * tokens // SEQ  # forces several epochs
     train, valid, test = build_gpt_datasets(
-        [prefix], SEQ, 7, ByteLevelTokenizer(), many, 10, 10, split="80,10,10",
+        [prefix],
+        SEQ,
+        7,
+        ByteLevelTokenizer(),
+        many,
+        10,
+        10,
+        split="80,10,10",
         path_to_cache=tmp_path / "cache",
-    )  # fmt: skip
+    )
     assert len(train) >= many
     n_train = int(round(0.8 * len(texts)))
     assert set(np.asarray(train.document_index).tolist()) == set(range(n_train))
@@ -107,9 +114,16 @@ def test_multiple_epochs_and_splits(corpora, tmp_path):
     assert any(f.endswith("sample_index.npy") for f in os.listdir(tmp_path / "cache"))
     # the cached indices are reused: same samples on a second build
     again, _, _ = build_gpt_datasets(
-        [prefix], SEQ, 7, ByteLevelTokenizer(), many, 10, 10, split="80,10,10",
+        [prefix],
+        SEQ,
+        7,
+        ByteLevelTokenizer(),
+        many,
+        10,
+        10,
+        split="80,10,10",
         path_to_cache=tmp_path / "cache",
-    )  # fmt: skip
+    )
     assert all(torch.equal(train[i]["tokens"], again[i]["tokens"]) for i in range(0, len(train), 7))
 
 
@@ -233,7 +247,7 @@ def test_two_ranks_build_identical_datasets(corpora, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for rank in range(2)
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]

@@ -202,10 +202,18 @@ def _compile_helpers_cpp(build_dir: str):
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     target = os.path.join(build_dir, "helpers_cpp" + suffix)
     cmd = [
-        compiler, "-O3", "-Wall", "-shared", "-std=c++11", "-fPIC",
-        f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-        source, "-o", target,
-    ]  # fmt: skip
+        compiler,
+        "-O3",
+        "-Wall",
+        "-shared",
+        "-std=c++11",
+        "-fPIC",
+        f"-I{pybind11.get_include()}",
+        f"-I{sysconfig.get_paths()['include']}",
+        source,
+        "-o",
+        target,
+    ]
     built = subprocess.run(cmd, capture_output=True, text=True)
     assert built.returncode == 0, f"building helpers_cpp failed: {built.stderr[-3000:]}"
     spec = importlib.util.spec_from_file_location("helpers_cpp", target)

@@ -195,14 +195,20 @@ def test_cli_arguments(tmp_path):
     parser = add_preprocess_args(argparse.ArgumentParser())
     args = parser.parse_args(
         [
-            "--input", src,
-            "--output-prefix", str(tmp_path / "cli"),
-            "--tokenizer-type", "GPT2BPETokenizer",
-            "--vocab-file", vocab,
-            "--merge-file", merges,
-            "--json-keys", "text",
+            "--input",
+            src,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            vocab,
+            "--merge-file",
+            merges,
+            "--json-keys",
+            "text",
         ]
-    )  # fmt: skip
+    )
     summary = run_preprocess(args)
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
     assert _read_back(summary["prefix"]) == [

@@ -122,8 +122,16 @@ def test_gpt2_bpe_bad_files(tmp_path):
 
 def test_bert_basic_tokenizer():
     assert bert_basic_tokenize("Héllo, WORLD! 中文 un-affable\x00\u200b") == [
-        "hello", ",", "world", "!", "中", "文", "un", "-", "affable",
-    ]  # fmt: skip
+        "hello",
+        ",",
+        "world",
+        "!",
+        "中",
+        "文",
+        "un",
+        "-",
+        "affable",
+    ]
     assert bert_basic_tokenize("Héllo,  World", lower_case=False) == ["Héllo", ",", "World"]
 
 
@@ -133,9 +141,23 @@ def test_wordpiece_lower_case(tmp_path):
     text = "Hello, unaffable WORLD! Playing plays xyzzy 中文 Café."
     tokens = tok.text_to_tokens(text)
     assert tokens == [
-        "hello", ",", "un", "##aff", "##able", "world", "!", "play", "##ing", "play", "##s",
-        "[UNK]", "中", "文", "cafe", ".",
-    ]  # fmt: skip
+        "hello",
+        ",",
+        "un",
+        "##aff",
+        "##able",
+        "world",
+        "!",
+        "play",
+        "##ing",
+        "play",
+        "##s",
+        "[UNK]",
+        "中",
+        "文",
+        "cafe",
+        ".",
+    ]
     ids = tok.tokenize(text)
     assert ids == [BERT_VOCAB.index(t) for t in tokens]
     assert tok.detokenize(ids) == "hello , unaffable world ! playing plays [UNK] 中 文 cafe ."

@@ -56,8 +56,14 @@ def test_binding_names_are_the_ones_torch_npu_registers(wheel):
     registered = torch_npu_wheel.registered_schemas(wheel)
     compared = 0
     for name in sorted(torch_npu_schema.kernel_names() & registered.keys()):
-        base = next((o for o in torch_npu_schema.overloads(name)
-                     if not o.has_out and o.schema.startswith(name + "(")), None)  # fmt: skip
+        base = next(
+            (
+                o
+                for o in torch_npu_schema.overloads(name)
+                if not o.has_out and o.schema.startswith(name + "(")
+            ),
+            None,
+        )
         if base is None:
             continue
         theirs = [arg.split("=")[0].split()[-1] for arg in _arguments(registered[name])]
@@ -103,10 +109,12 @@ def signature_mismatch(fn, name: str) -> str | None:
     for overload in torch_npu_schema.overloads(name):
         theirs = overload.signature
         if overload.has_out and overload.out_name in ours.parameters:
-            theirs = theirs.replace(parameters=[
-                p.replace(default=inspect.Parameter.empty) if p.name == overload.out_name else p
-                for p in theirs.parameters.values()
-            ])  # fmt: skip
+            theirs = theirs.replace(
+                parameters=[
+                    p.replace(default=inspect.Parameter.empty) if p.name == overload.out_name else p
+                    for p in theirs.parameters.values()
+                ]
+            )
         if _params(ours) == _params(theirs):
             return None
         forms.append(str(theirs))
@@ -163,41 +171,86 @@ def _examples() -> dict[str, tuple[tuple, dict, bool]]:
     var, m, v = rand(6), torch.zeros(6), torch.zeros(6)
     angle = rand(1, 4, 1, 8)
     return {
-        "npu_fusion_attention": ((rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), 2, "BSH"),
-                                 {"scale": 0.25}, False),
+        "npu_fusion_attention": (
+            (rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), 2, "BSH"),
+            {"scale": 0.25},
+            False,
+        ),
         "npu_fusion_attention_grad": (
             (rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), rand(2, 4, 16), 2, "BSH"),
-            {"softmax_max": torch.zeros(2, 2, 4, 8), "softmax_sum": torch.full((2, 2, 4, 8), 4.0),
-             "attention_in": rand(2, 4, 16), "scale_value": 0.25}, False),
+            {
+                "softmax_max": torch.zeros(2, 2, 4, 8),
+                "softmax_sum": torch.full((2, 2, 4, 8), 4.0),
+                "attention_in": rand(2, 4, 16),
+                "scale_value": 0.25,
+            },
+            False,
+        ),
         "npu_ring_attention_update": (
-            (rand(4, 2, 16), torch.zeros(2, 2, 4, 8), torch.ones(2, 2, 4, 8), rand(4, 2, 16),
-             torch.zeros(2, 2, 4, 8), torch.ones(2, 2, 4, 8)), {"input_layout": "SBH"}, False),
+            (
+                rand(4, 2, 16),
+                torch.zeros(2, 2, 4, 8),
+                torch.ones(2, 2, 4, 8),
+                rand(4, 2, 16),
+                torch.zeros(2, 2, 4, 8),
+                torch.ones(2, 2, 4, 8),
+            ),
+            {"input_layout": "SBH"},
+            False,
+        ),
         "npu_rms_norm": ((rand(3, 8), torch.ones(8)), {"epsilon": 1e-5}, False),
         "npu_swiglu": ((rand(3, 8),), {"dim": -1}, False),
         "npu_rotary_mul": ((rand(2, 4, 3, 8), angle.cos(), angle.sin()), {}, False),
         "npu_scaled_masked_softmax": (
-            (rand(1, 1, 32, 32), torch.zeros(1, 1, 32, 32, dtype=torch.bool), 0.5, False), {},
+            (rand(1, 1, 32, 32), torch.zeros(1, 1, 32, 32, dtype=torch.bool), 0.5, False),
+            {},
             False,
         ),
         "npu_fast_gelu": ((rand(5),), {}, False),
         "npu_gelu": ((rand(5),), {"approximate": "tanh"}, False),
-        "npu_grouped_matmul": (([rand(5, 4)], [rand(2, 4, 3)]), {
-            "group_list": torch.tensor([2, 3]), "split_item": 3, "group_type": 0,
-            "group_list_type": 1}, False),
-        "npu_apply_adam_w": ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, rand(6), None, False,
-                              False), {"out": (var, m, v)}, True),
-        "npu_moe_gating_top_k": ((rand(3, 8), 2), {"bias": rand(8), "k_group": 2,
-                                                    "group_count": 4, "group_select_mode": 1,
-                                                    "norm_type": 1, "out_flag": True}, False),
+        "npu_grouped_matmul": (
+            ([rand(5, 4)], [rand(2, 4, 3)]),
+            {
+                "group_list": torch.tensor([2, 3]),
+                "split_item": 3,
+                "group_type": 0,
+                "group_list_type": 1,
+            },
+            False,
+        ),
+        "npu_apply_adam_w": (
+            (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, rand(6), None, False, False),
+            {"out": (var, m, v)},
+            True,
+        ),
+        "npu_moe_gating_top_k": (
+            (rand(3, 8), 2),
+            {
+                "bias": rand(8),
+                "k_group": 2,
+                "group_count": 4,
+                "group_select_mode": 1,
+                "norm_type": 1,
+                "out_flag": True,
+            },
+            False,
+        ),
         "npu_moe_gating_top_k_backward": (
             (rand(3, 8), rand(3, 2), torch.tensor([[0, 1]] * 3, dtype=torch.int32)),
-            {"norm_type": 1, "routed_scaling_factor": 2.5}, False),
-        "npu_moe_token_permute_with_routing_map": ((rand(3, 4), torch.ones(3, 2, dtype=torch.int8)),
-                                                   {"num_out_tokens": 6}, False),
+            {"norm_type": 1, "routed_scaling_factor": 2.5},
+            False,
+        ),
+        "npu_moe_token_permute_with_routing_map": (
+            (rand(3, 4), torch.ones(3, 2, dtype=torch.int8)),
+            {"num_out_tokens": 6},
+            False,
+        ),
         "npu_moe_token_unpermute_with_routing_map": (
             (rand(6, 4), torch.tensor([0, 3, 1, 4, 2, 5], dtype=torch.int32), [3, 4]),
-            {"probs": rand(3, 2), "routing_map": torch.ones(3, 2, dtype=torch.bool)}, False),
-    }  # fmt: skip
+            {"probs": rand(3, 2), "routing_map": torch.ones(3, 2, dtype=torch.bool)},
+            False,
+        ),
+    }
 
 
 def test_every_emulated_kernel_has_an_example():
@@ -221,21 +274,33 @@ REJECTED = {
     "str for bool": ("npu_scaled_masked_softmax", lambda x: ((x, x, 1.0, "no"), {})),
     "required argument missing": ("npu_fast_gelu", lambda x: ((), {})),
     "arguments reordered": ("npu_fusion_attention", lambda x: ((x, x, x, "BSH", 2), {})),
-    "keyword dropped from a call": ("npu_apply_adam_w", lambda x: (
-        (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False), {"out": (x, x, x)})),
-    "out= of the wrong arity": ("npu_apply_adam_w", lambda x: (
-        (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False, False), {"out": (x, x)})),
-    "optional without default is still required": ("npu_apply_adam_w", lambda x: (
-        (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x), {"out": (x, x, x)})),
-}  # fmt: skip
+    "keyword dropped from a call": (
+        "npu_apply_adam_w",
+        lambda x: ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False), {"out": (x, x, x)}),
+    ),
+    "out= of the wrong arity": (
+        "npu_apply_adam_w",
+        lambda x: (
+            (0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x, None, False, False),
+            {"out": (x, x)},
+        ),
+    ),
+    "optional without default is still required": (
+        "npu_apply_adam_w",
+        lambda x: ((0.9, 0.999, 1e-3, 0.0, 0.9, 0.999, 1e-8, x), {"out": (x, x, x)}),
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(REJECTED))
 def test_the_emulation_rejects_what_the_kernel_would(case):
     name, make_call = REJECTED[case]
     args, kwargs = make_call(torch.ones(4, 8))
-    with pytest.raises(torch_npu_schema.KernelCallError, match=f"torch_npu.{name} call would "
-                       f"not bind on torch_npu {torch_npu_schema.pinned_version()}"):  # fmt: skip
+    with pytest.raises(
+        torch_npu_schema.KernelCallError,
+        match=f"torch_npu.{name} call would "
+        f"not bind on torch_npu {torch_npu_schema.pinned_version()}",
+    ):
         getattr(emulation, name)(*args, **kwargs)
 
 
@@ -268,10 +333,17 @@ def needing_planned(ids):
 
 def _npu_without(kernel: str) -> Device:
     """An ``npu`` device whose torch_npu (the emulation's functions) lacks ``kernel``."""
-    kernels = SimpleNamespace(**{k: getattr(emulation, k) for k in emulation.KERNELS
-                                 if k != kernel})  # fmt: skip
-    return Device(name=NPU, torch_type="cpu", dist_backend="gloo", accelerator=CpuAccelerator(),
-                  kernels=kernels, kernels_source="torch_npu 2.1.0")  # fmt: skip
+    kernels = SimpleNamespace(
+        **{k: getattr(emulation, k) for k in emulation.KERNELS if k != kernel}
+    )
+    return Device(
+        name=NPU,
+        torch_type="cpu",
+        dist_backend="gloo",
+        accelerator=CpuAccelerator(),
+        kernels=kernels,
+        kernels_source="torch_npu 2.1.0",
+    )
 
 
 def test_a_patch_needing_a_kernel_the_npu_lacks_is_refused_by_name():

@@ -94,13 +94,47 @@ def test_cloze_candidates_end_on_their_answer_word():
 
 
 def test_evaluate_refuses_bad_invocations(tmp_path, capsys):
-    assert command.main(["--task", "lambada", "--num-layers", "1", "--hidden-size", "8",
-                         "--num-attention-heads", "2", "--seq-length", "16"]) == 2  # fmt: skip
+    assert (
+        command.main(
+            [
+                "--task",
+                "lambada",
+                "--num-layers",
+                "1",
+                "--hidden-size",
+                "8",
+                "--num-attention-heads",
+                "2",
+                "--seq-length",
+                "16",
+            ]
+        )
+        == 2
+    )
     assert "--load CKPT is required" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{}\n")
-    assert command.main(["--task", "lambada", "--load", str(tmp_path), "--valid-data", str(bad), "--num-layers", "1",
-                         "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "16"]) == 2  # fmt: skip
+    assert (
+        command.main(
+            [
+                "--task",
+                "lambada",
+                "--load",
+                str(tmp_path),
+                "--valid-data",
+                str(bad),
+                "--num-layers",
+                "1",
+                "--hidden-size",
+                "8",
+                "--num-attention-heads",
+                "2",
+                "--seq-length",
+                "16",
+            ]
+        )
+        == 2
+    )
     assert f"{bad}:1" in capsys.readouterr().err
 
 

@@ -42,11 +42,31 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_NPU_PEAK_TFLOPS": "1"}
     ckpt = tmp_path / "ckpt"
     _cli(
-        "train", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", *MODEL,
-        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "12", "--lr", "3e-3",
-        "--log-interval", "6", "--save", str(ckpt), "--no-save-optim", "--progress", "none",
-        "--default-corpus-dir", str(tmp_path / "corpus"), env=env,
-    )  # fmt: skip
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        *MODEL,
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "12",
+        "--lr",
+        "3e-3",
+        "--log-interval",
+        "6",
+        "--save",
+        str(ckpt),
+        "--no-save-optim",
+        "--progress",
+        "none",
+        "--default-corpus-dir",
+        str(tmp_path / "corpus"),
+        env=env,
+    )
     results = {}
     # TP2 pads the vocabulary to 128 x 2: a TP1 load pads to 256 to hold the same model.
     for name, layout in {
@@ -55,9 +75,17 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
     }.items():
         out = tmp_path / f"{name}.json"
         printed = _cli(
-            "evaluate", "--task", "lambada", "--load", str(ckpt), *MODEL, *layout,
-            "--results-out", str(out), env=env,
-        )  # fmt: skip
+            "evaluate",
+            "--task",
+            "lambada",
+            "--load",
+            str(ckpt),
+            *MODEL,
+            *layout,
+            "--results-out",
+            str(out),
+            env=env,
+        )
         # the default data is the corpus cloze set, and says so (it is not LAMBADA)
         assert "validation results on the corpus cloze set (LAMBADA format" in printed
         results[name] = json.loads(out.read_text())

@@ -20,14 +20,39 @@ TIMEOUT_S = 300
 #: The smallest model a real run trains here (fp32, no dropout: resumes into another DP size
 #: are exact; 4 iterations, global batch 4; 256 token ids, EOD included).
 TINY = [
-    "--device", "cpu", "--layout-independent-init",
-    "--mock-data", "--vocab-size", str(null_vocab_size_for(256)),
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--train-iters", "4", "--seed", "1234",
-    "--log-interval", "1", "--progress", "plain",
-]  # fmt: skip
+    "--device",
+    "cpu",
+    "--layout-independent-init",
+    "--mock-data",
+    "--vocab-size",
+    str(null_vocab_size_for(256)),
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--train-iters",
+    "4",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+    "--progress",
+    "plain",
+]
 
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -43,15 +68,19 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "MEGATRON_NPU_ERROR_FD",
         "MEGATRON_NPU_RUN_ID",
     ):
-        env.pop(key, None)  # fmt: skip
+        env.pop(key, None)
     return env
 
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "megatron_npu.train", *args],
-        cwd=REPO, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=run_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:

@@ -54,9 +54,12 @@ def _data(tmp: Path, corrupt=None) -> list[str]:
     if corrupt:
         corrupt(Path(f"{prefix}.idx"), Path(f"{prefix}.bin"))
     return [
-        *[a for a in TINY if a != "--mock-data"], "--tokenizer-type", "ByteLevel",
-        "--data-path", str(prefix),
-    ]  # fmt: skip
+        *[a for a in TINY if a != "--mock-data"],
+        "--tokenizer-type",
+        "ByteLevel",
+        "--data-path",
+        str(prefix),
+    ]
 
 
 def _empty_dataset(tmp: Path) -> str:
@@ -345,10 +348,14 @@ def test_fault_is_one_named_error_before_any_rank(
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--ckpt-step", "2"], ["--train-iters", "8", "--override-opt_param-scheduler"],
-     ["--train-iters", "8", "--use-checkpoint-opt_param-scheduler"],
-     ["--train-iters", "8", "--no-load-optim"]],
-)  # fmt: skip
+    [
+        [],
+        ["--ckpt-step", "2"],
+        ["--train-iters", "8", "--override-opt_param-scheduler"],
+        ["--train-iters", "8", "--use-checkpoint-opt_param-scheduler"],
+        ["--train-iters", "8", "--no-load-optim"],
+    ],
+)
 def test_control_intact_inputs_reach_the_launcher(
     extra, tmp_path, good_checkpoint, capsys, monkeypatch
 ):

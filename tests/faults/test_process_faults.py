@@ -55,9 +55,16 @@ def assert_checkpoint_passes_checks(save: Path) -> None:
 def test_rank_killed_late_in_save_keeps_previous_checkpoint(tmp_path):
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
     code, out = run(
-        *TINY, *TWO_RANKS, "--save", str(save), "--save-interval", "2",
-        "--metrics-out", str(metrics), env={FAULT_ENV: "save-sigkill:4:1"},
-    )  # fmt: skip
+        *TINY,
+        *TWO_RANKS,
+        "--save",
+        str(save),
+        "--save-interval",
+        "2",
+        "--metrics-out",
+        str(metrics),
+        env={FAULT_ENV: "save-sigkill:4:1"},
+    )
     assert code == 1, out
     assert "rank 1 was killed by SIGKILL; stopped the other ranks" in out, out
     assert "Traceback" not in out, out
@@ -80,9 +87,14 @@ def test_rank_killed_late_in_save_keeps_previous_checkpoint(tmp_path):
 def test_disk_full_mid_save_is_a_named_error(tmp_path):
     save = tmp_path / "ckpt"
     code, out = run(
-        *TINY, *TWO_RANKS, "--save", str(save), "--save-interval", "2",
+        *TINY,
+        *TWO_RANKS,
+        "--save",
+        str(save),
+        "--save-interval",
+        "2",
         env={FAULT_ENV: "save-enospc:4"},
-    )  # fmt: skip
+    )
     assert code == 2, out
     assert "Traceback" not in out, out
     errors = [line for line in out.splitlines() if "error:" in line]
@@ -110,8 +122,18 @@ def _rank_pid(launcher: int, rank: int) -> int:
 
 def _long_run(tmp_path: Path, name: str):
     marker = tmp_path / f"{name}.metrics.json"
-    proc = start(*TINY[:-8], "--train-iters", "100000", "--log-interval", "1",
-                 "--progress", "plain", *TWO_RANKS, "--metrics-out", str(marker))  # fmt: skip
+    proc = start(
+        *TINY[:-8],
+        "--train-iters",
+        "100000",
+        "--log-interval",
+        "1",
+        "--progress",
+        "plain",
+        *TWO_RANKS,
+        "--metrics-out",
+        str(marker),
+    )
     lines: list[str] = []
     wait_for_line(proc, "iteration        1/", lines)
     return proc, marker, lines
@@ -184,9 +206,12 @@ def test_forked_writer_dies_with_its_rank(protected, method, tmp_path):
         "    time.sleep(600)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     assert proc.stdout.readline().strip() == "forked"
     tree = descendants(proc.pid)
     assert len(tree) == (1 if method == "fork" else 2), tree  # spawn: the child and the tracker

@@ -84,19 +84,33 @@ def test_preprocess_warns_about_an_empty_input(tmp_path, capsys):
     from megatron_npu import cli
 
     (tmp_path / "empty.jsonl").write_text("")
-    code = cli.main([
-        "preprocess", "--input", str(tmp_path / "empty.jsonl"), "--output-prefix",
-        str(tmp_path / "out"), "--tokenizer-type", "ByteLevel",
-    ])  # fmt: skip
+    code = cli.main(
+        [
+            "preprocess",
+            "--input",
+            str(tmp_path / "empty.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer-type",
+            "ByteLevel",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0
     assert "megatron-npu preprocess: warning: " in err and "0 documents and 0 tokens" in err, err
     assert "megatron-npu train refuses an empty dataset" in err
     (tmp_path / "text.jsonl").write_text('{"text": "hello"}\n')
-    cli.main([
-        "preprocess", "--input", str(tmp_path / "text.jsonl"), "--output-prefix",
-        str(tmp_path / "full"), "--tokenizer-type", "ByteLevel",
-    ])  # fmt: skip
+    cli.main(
+        [
+            "preprocess",
+            "--input",
+            str(tmp_path / "text.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "full"),
+            "--tokenizer-type",
+            "ByteLevel",
+        ]
+    )
     assert "warning" not in capsys.readouterr().err  # the control: text, no warning
 
 
@@ -127,13 +141,16 @@ def test_guard_stops_after_n_consecutive_nonfinite_losses():
 @pytest.mark.parametrize(
     ("steps", "reason", "words"),
     [
-        ([(2.0, False, 1.0), (NAN, False, 1.0), (NAN, False, 1.0)], "nonfinite-loss",
-         "at the last 2 iterations of this run (2..3)"),
+        (
+            [(2.0, False, 1.0), (NAN, False, 1.0), (NAN, False, 1.0)],
+            "nonfinite-loss",
+            "at the last 2 iterations of this run (2..3)",
+        ),
         ([(NAN, True, 1.0)] * 2, "nonfinite-loss", "at every iteration of this run (1..2)"),
         ([(5.0, True, 1.0)] * 4, "all-skipped", "skipped the update at every iteration"),
         ([(5.0, False, 0.0)] * 4, "zero-lr", "learning rate was 0 at every iteration"),
     ],
-)  # fmt: skip
+)
 def test_guard_end_of_run_rules(steps, reason, words):
     with pytest.raises(TrainingStopped) as info:
         _feed(divergence.Guard(steps_limit=5), steps)
@@ -173,9 +190,15 @@ def test_guard_says_when_a_save_would_keep_diverged_weights():
 
 def test_guard_lets_a_healthy_run_end():
     # warm-up starts at lr 0, an early overflow is skipped, a NaN in the middle recovers
-    _feed(divergence.Guard(steps_limit=3), [
-        (5.0, False, 0.0), (4.0, True, 1e-3), (NAN, False, 1e-3), (3.0, False, 1e-3),
-    ])  # fmt: skip
+    _feed(
+        divergence.Guard(steps_limit=3),
+        [
+            (5.0, False, 0.0),
+            (4.0, True, 1e-3),
+            (NAN, False, 1e-3),
+            (3.0, False, 1e-3),
+        ],
+    )
 
 
 # --- one live run per --metrics-out, a busy --master-port ---------------------------------------
@@ -183,17 +206,26 @@ def test_guard_lets_a_healthy_run_end():
 
 @pytest.mark.parametrize(
     ("flag", "name", "lock"),
-    [("--metrics-out", "metrics.json", "metrics.json.lock"),
-     ("--save", "ckpt", "ckpt/.megatron-npu.lock")],
-)  # fmt: skip
+    [
+        ("--metrics-out", "metrics.json", "metrics.json.lock"),
+        ("--save", "ckpt", "ckpt/.megatron-npu.lock"),
+    ],
+)
 def test_output_held_by_a_live_run_is_refused(flag, name, lock, tmp_path, capsys, monkeypatch):
     target, lock = tmp_path / name, tmp_path / lock
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom megatron_npu.training import run_lock\n"
-         f"run_lock.hold({str(target)!r}, {flag!r}, directory={flag == '--save'})\n"
-         "print('held', flush=True)\ntime.sleep(300)"],
-        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom megatron_npu.training import run_lock\n"
+            f"run_lock.hold({str(target)!r}, {flag!r}, directory={flag == '--save'})\n"
+            "print('held', flush=True)\ntime.sleep(300)",
+        ],
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         code, out = run_main([*TINY, flag, str(target)], capsys, monkeypatch)

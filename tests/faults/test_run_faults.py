@@ -147,9 +147,15 @@ def test_diverged_run_stops_with_exit_3_through_the_launcher(tmp_path):
     argv = list(TINY)
     argv[argv.index("--lr") + 1] = "1e30"
     code, out = run(
-        *argv, *TWO_RANKS, "--metrics-out", str(metrics), "--save", str(save),
-        "--save-interval", "2",
-    )  # fmt: skip
+        *argv,
+        *TWO_RANKS,
+        "--metrics-out",
+        str(metrics),
+        "--save",
+        str(save),
+        "--save-interval",
+        "2",
+    )
     assert code == 3 and "Traceback" not in out, out[-3000:]
     lines = _error_lines(out)
     assert len(lines) == 1 and lines[0].startswith(
@@ -202,9 +208,13 @@ def test_resume_past_the_checkpoint_schedule_at_lr_0_stops(tmp_path, good_checkp
     argv = list(TINY)
     argv[argv.index("--train-iters") + 1] = "8"
     code, out = run(
-        *argv, "--load", str(ckpt), "--use-checkpoint-opt_param-scheduler",
-        "--metrics-out", str(metrics),
-    )  # fmt: skip
+        *argv,
+        "--load",
+        str(ckpt),
+        "--use-checkpoint-opt_param-scheduler",
+        "--metrics-out",
+        str(metrics),
+    )
     assert code == 3, out[-3000:]
     data = _strict(metrics)
     assert [s["step"] for s in data["steps"]] == [5, 6, 7, 8]

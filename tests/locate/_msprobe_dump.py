@@ -62,10 +62,19 @@ def main() -> None:
 
     config = Path(out) / "config.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps({
-        "task": task, "dump_path": str(Path(out) / "dump"), "rank": [], "step": [],
-        "level": level, "async_dump": False, task: {"scope": [], "list": [], "data_mode": ["all"]},
-    }))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "task": task,
+                "dump_path": str(Path(out) / "dump"),
+                "rank": [],
+                "step": [],
+                "level": level,
+                "async_dump": False,
+                task: {"scope": [], "list": [], "data_mode": ["all"]},
+            }
+        )
+    )
     torch.manual_seed(0)
     model = Model("--plant" in sys.argv)
     tokens = torch.randint(0, VOCAB, (4, 16))

@@ -38,22 +38,39 @@ def main() -> None:
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
         bias_activation_fusion=False,
-    )  # fmt: skip
+    )
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB, max_sequence_length=SEQ,
-    )  # fmt: skip
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
     settings = Path(out) / "config.json"
     settings.parent.mkdir(parents=True, exist_ok=True)
-    settings.write_text(json.dumps({
-        "task": "tensor", "dump_path": str(Path(out) / "dump"), "rank": [], "step": [],
-        "level": "L0", "async_dump": False,
-        "tensor": {"scope": [], "list": [], "data_mode": ["all"]},
-    }))  # fmt: skip
+    settings.write_text(
+        json.dumps(
+            {
+                "task": "tensor",
+                "dump_path": str(Path(out) / "dump"),
+                "rank": [],
+                "step": [],
+                "level": "L0",
+                "async_dump": False,
+                "tensor": {"scope": [], "list": [], "data_mode": ["all"]},
+            }
+        )
+    )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     position_ids = torch.arange(SEQ).expand(BATCH, -1)

@@ -120,8 +120,17 @@ def test_locate_reads_a_compare_pair_of_script_runs(tmp_path, monkeypatch):
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    args = parser.parse_args(["--compare-dir", str(tmp_path / "out"), "--pair", "mlm-cpu",
-                              "mlm-npu", "--out", str(tmp_path / "loc")])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--compare-dir",
+            str(tmp_path / "out"),
+            "--pair",
+            "mlm-cpu",
+            "mlm-npu",
+            "--out",
+            str(tmp_path / "loc"),
+        ]
+    )
     data = command.locate(args, echo=lambda s: None)
     assert data["candidate"]["script"] == str(script)
     assert (data["reference"]["device"], data["candidate"]["device"]) == ("cpu", "npu-emulated")

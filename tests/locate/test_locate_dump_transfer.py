@@ -23,8 +23,22 @@ TINY = (
 def test_a_reference_dump_taken_elsewhere_locates_the_bug(tmp_path):
     common = f"{TINY} --default-corpus-dir {tmp_path / 'corpus'}"
     there = tmp_path / "machine-a"
-    code = main(["locate", "--common", common, "--reference", "--device cpu", "--candidate",
-                 "--device npu-emulated", "--step", "2", "--dump-only", "--out", str(there)])  # fmt: skip
+    code = main(
+        [
+            "locate",
+            "--common",
+            common,
+            "--reference",
+            "--device cpu",
+            "--candidate",
+            "--device npu-emulated",
+            "--step",
+            "2",
+            "--dump-only",
+            "--out",
+            str(there),
+        ]
+    )
     assert code == 0
     meta = json.loads((there / "dumps" / "reference" / "locate-dump.json").read_text())
     assert meta["format"] == "megatron-npu-locate-dump" and meta["step"] == 2
@@ -35,16 +49,46 @@ def test_a_reference_dump_taken_elsewhere_locates_the_bug(tmp_path):
     shutil.copytree(there / "dumps" / "reference", copied)
     shutil.rmtree(there)  # nothing of machine A's folder is read by machine B
     here = tmp_path / "machine-b"
-    code = main(["locate", "--common", common, "--reference", "--device cpu", "--candidate",
-                 "--device cpu", "--plant-candidate", "rmsnorm-wrong-eps", "--step", "2",
-                 "--reference-dump", str(copied), "--out", str(here)])  # fmt: skip
+    code = main(
+        [
+            "locate",
+            "--common",
+            common,
+            "--reference",
+            "--device cpu",
+            "--candidate",
+            "--device cpu",
+            "--plant-candidate",
+            "rmsnorm-wrong-eps",
+            "--step",
+            "2",
+            "--reference-dump",
+            str(copied),
+            "--out",
+            str(here),
+        ]
+    )
     assert code == 0
     data = json.loads((here / "locate.json").read_text())
     assert data["replayed_step"] == 2
     assert data["divergent"]["module"] == "decoder.layers.0.input_layernorm"
     assert data["culprit"]["culprits"] == ["norm.wrapped-torch-norm"]
     # a dump of another step is refused by name
-    code = main(["locate", "--common", common, "--reference", "--device cpu", "--candidate",
-                 "--device cpu", "--step", "3", "--reference-dump", str(copied),
-                 "--out", str(tmp_path / "c")])  # fmt: skip
+    code = main(
+        [
+            "locate",
+            "--common",
+            common,
+            "--reference",
+            "--device cpu",
+            "--candidate",
+            "--device cpu",
+            "--step",
+            "3",
+            "--reference-dump",
+            str(copied),
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
     assert code == 2

@@ -27,12 +27,14 @@ pytestmark = pytest.mark.slow
 MAKE = Path(__file__).with_name("_msprobe_dump.py")
 PLANTED = "Module.layers.1.norm.RMSNorm.forward.0"
 DUMPS = {  # name -> (level, task, planted)
-    "ref-L0-tensor": ("L0", "tensor", False), "cand-L0-tensor": ("L0", "tensor", True),
+    "ref-L0-tensor": ("L0", "tensor", False),
+    "cand-L0-tensor": ("L0", "tensor", True),
     "ref2-L0-tensor": ("L0", "tensor", False),
-    "ref-mix-tensor": ("mix", "tensor", False), "cand-mix-tensor": ("mix", "tensor", True),
+    "ref-mix-tensor": ("mix", "tensor", False),
+    "cand-mix-tensor": ("mix", "tensor", True),
     "ref-L0-statistics": ("L0", "statistics", False),
     "cand-L0-statistics": ("L0", "statistics", True),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,9 @@ def dumps(xdist_shared) -> Path:
     def build(root: Path) -> None:
         for name, (level, task, planted) in DUMPS.items():
             argv = [sys.executable, str(MAKE), level, task, str(root / name)]
-            done = subprocess.run(argv + (["--plant"] if planted else []), capture_output=True,
-                                  text=True, timeout=300)  # fmt: skip
+            done = subprocess.run(
+                argv + (["--plant"] if planted else []), capture_output=True, text=True, timeout=300
+            )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     return built_once(xdist_shared, "msprobe-dumps", build)
@@ -61,8 +64,11 @@ def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
     data = _locate(tmp_path, dumps / f"ref-{kind}" / "dump", dumps / f"cand-{kind}" / "dump")
     row = data["divergent"]
     assert (row["name"], row["module"], row["phase"], row["rank"]) == (
-        PLANTED, PLANTED, "forward", "step0/rank0",
-    )  # fmt: skip
+        PLANTED,
+        PLANTED,
+        "forward",
+        "step0/rank0",
+    )
     assert row["input"] == 0 and row["output"] > row["tolerance"]
     assert row["patches"] == []  # a plain torch model: no adaptor patch reaches it
     rows = {r["name"]: r for r in data["rows"]}
@@ -106,8 +112,9 @@ def test_the_patches_a_row_reaches_come_from_the_registry():
     """Megatron's module and API names map to the patches whose targets or kernels they are."""
     layer = "Module.decoder.layers.0"
     assert msprobe_dumps.patches_reaching(f"{layer}.input_layernorm.TENorm.forward.0") == [
-        "transformer-engine.gpt-spec-norm", "transformer-engine.norm",
-    ]  # fmt: skip
+        "transformer-engine.gpt-spec-norm",
+        "transformer-engine.norm",
+    ]
     softmax = f"{layer}.self_attention.core_attention.scale_mask_softmax"
     assert "softmax.fused" in msprobe_dumps.patches_reaching(
         f"{softmax}.FusedScaleMaskSoftmax.forward.0"
@@ -127,8 +134,12 @@ def test_statistics_give_a_lower_bound_of_the_error(seed):
     cand = ref + torch.randn(64, 16, generator=generator) * 10 ** (-seed)
 
     def info(t: torch.Tensor) -> msprobe_dumps.TensorInfo:
-        stats = {"Max": t.max().item(), "Min": t.min().item(), "Mean": t.mean().item(),
-                 "Norm": t.norm().item()}  # fmt: skip
+        stats = {
+            "Max": t.max().item(),
+            "Min": t.min().item(),
+            "Mean": t.mean().item(),
+            "Norm": t.norm().item(),
+        }
         return msprobe_dumps.TensorInfo(tuple(t.shape), "torch.float32", stats, None)
 
     bound = msprobe_dumps.statistics_bound(info(cand), info(ref))
@@ -157,8 +168,10 @@ def _edit(dump_json: Path, change) -> None:
     dump_json.write_text(json.dumps(document))
 
 
-@pytest.mark.parametrize("mismatch", ["statistics-side", "missing-file", "other-step",
-                                      "other-model-rows", "other-model-shape"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mismatch",
+    ["statistics-side", "missing-file", "other-step", "other-model-rows", "other-model-shape"],
+)
 def test_mismatched_dumps_are_one_named_error(dumps, tmp_path, capsys, mismatch):
     ref = dumps / "ref-L0-tensor" / "dump"
     cand, dump_json = _copy(dumps, "cand-L0-tensor", tmp_path)
@@ -179,8 +192,11 @@ def test_mismatched_dumps_are_one_named_error(dumps, tmp_path, capsys, mismatch)
     else:  # a wider layer 0 norm weight in the candidate
 
         def widen(data):
-            row = next(v for k, v in data.items() if k.startswith("Module.layers.0.norm.")
-                       and k.endswith("forward.0"))  # fmt: skip
+            row = next(
+                v
+                for k, v in data.items()
+                if k.startswith("Module.layers.0.norm.") and k.endswith("forward.0")
+            )
             next(t for t in row["output"] if isinstance(t, dict))["shape"][-1] += 1
 
         _edit(dump_json, widen)
@@ -207,8 +223,9 @@ def test_a_module_served_by_another_class_is_still_paired(dumps, tmp_path):
     construct = dump_json.with_name("construct.json")
     if construct.is_file():
         parents = json.loads(construct.read_text())
-        construct.write_text(json.dumps({renamed.get(k, k): renamed.get(v, v)
-                                         for k, v in parents.items()}))  # fmt: skip
+        construct.write_text(
+            json.dumps({renamed.get(k, k): renamed.get(v, v) for k, v in parents.items()})
+        )
     data = _locate(tmp_path / "out", dumps / "ref-L0-tensor" / "dump", cand)
     assert data["divergent"]["name"] == PLANTED.replace(".RMSNorm.", ".NpuRMSNorm.")
     assert not data["unmatched"]
@@ -222,8 +239,12 @@ def msprobe_compare(target: Path, golden: Path, out: Path) -> dict[str, dict[str
     import shutil
 
     binary = shutil.which("msprobe") or str(Path(sys.executable).with_name("msprobe"))
-    done = subprocess.run([binary, "compare", "-tp", str(target), "-gp", str(golden), "-o",
-                           str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [binary, "compare", "-tp", str(target), "-gp", str(golden), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     [table] = out.glob("compare_result_*.csv")
     with table.open(newline="") as f:
@@ -259,8 +280,13 @@ def megatron_dumps(xdist_shared) -> Path:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             if plant:
                 env.update(plant_env(plant))
-            done = subprocess.run([sys.executable, str(MEGATRON_MAKE), device, str(root / device)],
-                                  capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, str(MEGATRON_MAKE), device, str(root / device)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+            )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     return built_once(xdist_shared, "msprobe-megatron-dumps", build)

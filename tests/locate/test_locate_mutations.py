@@ -53,54 +53,96 @@ TP2 = "--nproc-per-node 2 --tensor-model-parallel-size 2"
 CASES = {
     # norm
     "rmsnorm-wrong-eps": (
-        "cpu", "--normalization RMSNorm", "norm", "decoder.layers.0.input_layernorm", "forward",
+        "cpu",
+        "--normalization RMSNorm",
+        "norm",
+        "decoder.layers.0.input_layernorm",
+        "forward",
         {"norm.wrapped-torch-norm"},
     ),
     # attention (the NPU kernel's binding, flash path)
     "attention-scale-dropped": (
-        "npu-emulated", "--use-flash-attn --init-method-std 0.2", "attention",
-        "decoder.layers.0.self_attention.core_attention", "forward", {"attention.dot-product"},
+        "npu-emulated",
+        "--use-flash-attn --init-method-std 0.2",
+        "attention",
+        "decoder.layers.0.self_attention.core_attention",
+        "forward",
+        {"attention.dot-product"},
     ),
     # rotary: the NPU kernel's binding, and the native op
     "rotary-kernel-r1-r2-swapped": (
-        "npu-emulated", f"--position-embedding-type rope {WIDE}", "attention",
-        "decoder.layers.0.self_attention", "forward", {"rotary.apply-bshd"},
+        "npu-emulated",
+        f"--position-embedding-type rope {WIDE}",
+        "attention",
+        "decoder.layers.0.self_attention",
+        "forward",
+        {"rotary.apply-bshd"},
     ),
     "rotary-wrong-mode": (
-        "cpu", f"--position-embedding-type rope {WIDE}", "attention",
-        "decoder.layers.0.self_attention", "forward", {"rotary.apply-bshd"},
+        "cpu",
+        f"--position-embedding-type rope {WIDE}",
+        "attention",
+        "decoder.layers.0.self_attention",
+        "forward",
+        {"rotary.apply-bshd"},
     ),
     # activation
     "swiglu-swapped-halves": (
-        "cpu", f"--swiglu {WIDE}", "mlp", "decoder.layers.0.mlp", "forward",
+        "cpu",
+        f"--swiglu {WIDE}",
+        "mlp",
+        "decoder.layers.0.mlp",
+        "forward",
         {"activation.bias-swiglu"},
     ),
     # softmax (the fused path: 16-bit only)
     "softmax-causal-masks-diagonal": (
-        "npu-emulated", f"--bf16 {WIDE} --lr 1e-2 --train-iters 16", "softmax",
-        "decoder.layers.0.self_attention.core_attention.scale_mask_softmax", "forward", SOFTMAX,
+        "npu-emulated",
+        f"--bf16 {WIDE} --lr 1e-2 --train-iters 16",
+        "softmax",
+        "decoder.layers.0.self_attention.core_attention.scale_mask_softmax",
+        "forward",
+        SOFTMAX,
     ),
     # cross entropy, and TP communication: its SUM all-reduces over the TP group dropped
     "cross-entropy-tp-sum-dropped": (
-        "cpu", TP2, "loss", "model", "forward", {"cross-entropy.vocab-parallel"},
+        "cpu",
+        TP2,
+        "loss",
+        "model",
+        "forward",
+        {"cross-entropy.vocab-parallel"},
     ),
     # optimizer
     "adamw-bias-correction-dropped": ("cpu", "", "optimizer", None, "update", ADAMW),
     "adamw-eps-inside-sqrt": ("cpu", "--adam-eps 1e-6", "optimizer", None, "update", ADAMW),
-}  # fmt: skip
+}
 
 
 #: planted bugs of a kind another default case covers already (the norm: a planted
 #: ``npu_rms_norm`` in tests/locate/test_locate_compare_dir.py names the same module and patch)
-SWEEP_ONLY = {"rotary-wrong-mode", "swiglu-swapped-halves", "softmax-causal-masks-diagonal",
-              "adamw-bias-correction-dropped", "rmsnorm-wrong-eps"}  # fmt: skip
+SWEEP_ONLY = {
+    "rotary-wrong-mode",
+    "swiglu-swapped-halves",
+    "softmax-causal-masks-diagonal",
+    "adamw-bias-correction-dropped",
+    "rmsnorm-wrong-eps",
+}
 
 
 def _args(out, reference: str, candidate: str, common: str, plant: str | None):
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    argv = ["--reference", reference, "--candidate", candidate, "--common", common,
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        "--reference",
+        reference,
+        "--candidate",
+        candidate,
+        "--common",
+        common,
+        "--out",
+        str(out),
+    ]
     if plant:
         argv += ["--plant-candidate", plant]
     return parser.parse_args(argv)
@@ -169,9 +211,11 @@ def test_locate_on_two_agreeing_runs_names_nothing(tmp_path, corpus_dir):
     assert data["divergent"] is None and data["culprit"] is None
     assert data["replayed_step"] == 1 and len(data["modules"]) > 20
     worst = max(
-        r[p]["output"] for r in data["modules"] for p in ("forward", "backward", "update")
+        r[p]["output"]
+        for r in data["modules"]
+        for p in ("forward", "backward", "update")
         if p in r and isinstance(r[p]["output"], float)
-    )  # fmt: skip
+    )
     assert 0 < worst < data["rule"]["base"]  # the two paths do differ, well inside the rule
 
 
@@ -179,12 +223,23 @@ def test_locate_on_two_agreeing_runs_names_nothing(tmp_path, corpus_dir):
 #: (hooks on each stage, rows named by shard) and fp16 (its skipped first updates put the first
 #: divergent step after them, so the replay resumes from a checkpoint saved before any update)
 LAYOUT_CASES = {
-    "pp2": ("rmsnorm-wrong-eps", "--normalization RMSNorm --nproc-per-node 2 "
-            "--pipeline-model-parallel-size 2", "norm", "decoder.layers.0.input_layernorm",
-            "tp0.pp0.dp0", {"norm.wrapped-torch-norm"}),
-    "fp16": ("swiglu-swapped-halves", f"--fp16 --swiglu {WIDE}", "mlp", "decoder.layers.0.mlp",
-             "", {"activation.bias-swiglu"}),
-}  # fmt: skip
+    "pp2": (
+        "rmsnorm-wrong-eps",
+        "--normalization RMSNorm --nproc-per-node 2 --pipeline-model-parallel-size 2",
+        "norm",
+        "decoder.layers.0.input_layernorm",
+        "tp0.pp0.dp0",
+        {"norm.wrapped-torch-norm"},
+    ),
+    "fp16": (
+        "swiglu-swapped-halves",
+        f"--fp16 --swiglu {WIDE}",
+        "mlp",
+        "decoder.layers.0.mlp",
+        "",
+        {"activation.bias-swiglu"},
+    ),
+}
 
 
 @pytest.mark.extended
@@ -213,9 +268,12 @@ MOE_EXPERTS = {
     # megatron-core's legacy GroupedMLP (up to 0.16), grouped_gemm.ops.gmm
     "grouped-mlp": ("", "grouped-gemm-last-expert-dropped", ["moe.grouped-gemm-ops"]),
     # the TE spec's TEGroupedMLP, the adaptor's grouped linears (every release)
-    "te-grouped-mlp": ("--transformer-impl transformer_engine",
-                       "te-grouped-linear-last-expert-dropped", None),
-}  # fmt: skip
+    "te-grouped-mlp": (
+        "--transformer-impl transformer_engine",
+        "te-grouped-linear-last-expert-dropped",
+        None,
+    ),
+}
 
 
 @pytest.mark.parametrize(
@@ -236,10 +294,17 @@ def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
     spec, plant, named = MOE_EXPERTS[experts]
     if not spec and Version(megatron_core_version()) >= Version("0.17"):
         pytest.skip("megatron-core 0.17+ has no GroupedMLP (te-grouped-mlp covers the experts)")
-    moe = (f"--bf16 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear "
-           f"--moe-token-dispatcher-type alltoall {spec}")  # fmt: skip
-    args = _args(tmp_path, "--device cpu", "--device cpu",
-                 f"{TINY} --default-corpus-dir {corpus_dir} {moe}", plant)  # fmt: skip
+    moe = (
+        f"--bf16 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear "
+        f"--moe-token-dispatcher-type alltoall {spec}"
+    )
+    args = _args(
+        tmp_path,
+        "--device cpu",
+        "--device cpu",
+        f"{TINY} --default-corpus-dir {corpus_dir} {moe}",
+        plant,
+    )
     args.step, args.max_trials = 1, 4
     data = command.locate(args, echo=lambda s: None)
     found = data["divergent"]
@@ -262,10 +327,16 @@ def test_locate_on_a_context_parallel_run(tmp_path, corpus_dir):
     ranks' own rows (shards named ``.cp0`` / ``.cp1``), names the core attention of rank 1 in the
     forward, and the context-parallel attention patch, which TE's attention cannot run without
     under CP (a suspect)."""
-    cp = (f"--transformer-impl transformer_engine --context-parallel-size 2 "
-          f"--nproc-per-node 2 {WIDE}")  # fmt: skip
-    args = _args(tmp_path, "--device cpu", "--device cpu",
-                 f"{TINY} --default-corpus-dir {corpus_dir} {cp}", "ring-lower-block-whole")  # fmt: skip
+    cp = (
+        f"--transformer-impl transformer_engine --context-parallel-size 2 --nproc-per-node 2 {WIDE}"
+    )
+    args = _args(
+        tmp_path,
+        "--device cpu",
+        "--device cpu",
+        f"{TINY} --default-corpus-dir {corpus_dir} {cp}",
+        "ring-lower-block-whole",
+    )
     args.step, args.max_trials = 1, 2
     data = command.locate(args, echo=lambda s: None)
     found = data["divergent"]

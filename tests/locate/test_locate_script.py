@@ -23,12 +23,28 @@ from tests.megatron_lm._client import TINY, megatron_lm_folder
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 LLAMA = (
-    "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--group-query-attention", "--num-query-groups", "2",
-)  # fmt: skip
-COMMON = (*TINY, *LLAMA, "--mock-data", "--train-iters", "4", "--hidden-dropout", "0",
-          "--attention-dropout", "0")  # fmt: skip
+    "--position-embedding-type",
+    "rope",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+)
+COMMON = (
+    *TINY,
+    *LLAMA,
+    "--mock-data",
+    "--train-iters",
+    "4",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+)
 
 
 def _locate(tmp_path: Path, monkeypatch, plant: str | None) -> tuple[int, dict]:
@@ -41,12 +57,20 @@ def _locate(tmp_path: Path, monkeypatch, plant: str | None) -> tuple[int, dict]:
         monkeypatch.delenv("MEGATRON_NPU_TEST_PLANT", raising=False)
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    args = parser.parse_args([
-        "--script", str(megatron_lm_folder() / "pretrain_gpt.py"),
-        "--common", shlex.join(COMMON),
-        "--reference", "--device cpu", "--candidate", "--device npu-emulated",
-        "--out", str(tmp_path / "loc"),
-    ])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--script",
+            str(megatron_lm_folder() / "pretrain_gpt.py"),
+            "--common",
+            shlex.join(COMMON),
+            "--reference",
+            "--device cpu",
+            "--candidate",
+            "--device npu-emulated",
+            "--out",
+            str(tmp_path / "loc"),
+        ]
+    )
     status = command.main(args)
     return status, json.loads((tmp_path / "loc" / "locate.json").read_text())
 
@@ -92,16 +116,30 @@ def test_locate_on_a_healthy_pretrain_gpt_pair_names_nothing(tmp_path, monkeypat
         assert logged.losses[i] == pytest.approx(hooked.losses[i], rel=1.5e-6)
         assert logged.grad_norms[i] == pytest.approx(hooked.grad_norms[i], abs=5e-4)
     finding = curves.first_divergent_step(
-        logged, curves.read_curve(logs / "curve-candidate.log"),
+        logged,
+        curves.read_curve(logs / "curve-candidate.log"),
         resolution=curves.printed_resolution(logs / "curve-reference.log"),
-    )  # fmt: skip
+    )
     assert finding.step is None, finding
     # the Llama-style fingerprint fields, read off Megatron-LM's own argument dump
     from megatron_npu.compare import fingerprint, imports
 
     print_ = fingerprint.fingerprint(imports.load(logs / "curve-reference.log").metrics["config"])
-    assert {k: print_[k] for k in ("bias_linear", "tied_embeddings", "swiglu", "normalization",
-                                   "position_embedding_type", "num_query_groups")} == {
-        "bias_linear": False, "tied_embeddings": False, "swiglu": True,
-        "normalization": "RMSNorm", "position_embedding_type": "rope", "num_query_groups": 2,
-    }  # fmt: skip
+    assert {
+        k: print_[k]
+        for k in (
+            "bias_linear",
+            "tied_embeddings",
+            "swiglu",
+            "normalization",
+            "position_embedding_type",
+            "num_query_groups",
+        )
+    } == {
+        "bias_linear": False,
+        "tied_embeddings": False,
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "position_embedding_type": "rope",
+        "num_query_groups": 2,
+    }

@@ -268,14 +268,14 @@ def _locate_json(tmp_path, comp):
             "device": "npu-emulated",
             "argv": [],
             "plant": "demo",
-        },  # fmt: skip
+        },
         "step": {
             "step": 2,
             "quantity": "loss",
             "rel_error": 0.1,
             "threshold": 0.05,
             "approximate": {"status": "fail"},
-        },  # fmt: skip
+        },
         "replayed_step": 2,
         "modules": [r.as_dict() for r in comp.rows],
         "divergent": comp.first_dict(),
@@ -284,7 +284,7 @@ def _locate_json(tmp_path, comp):
             "candidate_sets": [],
             "trials": [],
             "note": "",
-        },  # fmt: skip
+        },
         "reproduce": "megatron-npu locate --step 2 --out x",
     }
     return result.write(tmp_path / "loc", data)
@@ -392,9 +392,14 @@ def test_wrappers_sharing_one_code_count_for_the_patch_whose_original_they_wrap(
         return wrapper
 
     mm, bmm = wrap(torch.mm), wrap(torch.bmm)
-    tracer = Tracer({mm.__code__: ("matmul.mm", "matmul.bmm")}, classes={},
-                    closures={"matmul.mm": {"original": id(torch.mm)},
-                              "matmul.bmm": {"original": id(torch.bmm)}})  # fmt: skip
+    tracer = Tracer(
+        {mm.__code__: ("matmul.mm", "matmul.bmm")},
+        classes={},
+        closures={
+            "matmul.mm": {"original": id(torch.mm)},
+            "matmul.bmm": {"original": id(torch.bmm)},
+        },
+    )
     with tracer.active():
         tracer.enter("attention")
         bmm(torch.ones(1, 2, 2), torch.ones(1, 2, 2))
@@ -465,11 +470,24 @@ def test_patch_code_objects_cover_the_applied_patches():
 def test_clean_argv_takes_the_layout_and_switches_and_drops_what_locate_sets():
     from megatron_npu.locate.command import clean_argv
 
-    argv, world, disable = clean_argv([
-        "--device", "cpu", "--nproc-per-node", "2", "--metrics-out", "m.json", "--save", "ck",
-        "--no-save-optim", "--disable-patch=norm.wrapped-torch-norm", "--tensor-model-parallel-size",
-        "2", "--progress", "plain",
-    ])  # fmt: skip
+    argv, world, disable = clean_argv(
+        [
+            "--device",
+            "cpu",
+            "--nproc-per-node",
+            "2",
+            "--metrics-out",
+            "m.json",
+            "--save",
+            "ck",
+            "--no-save-optim",
+            "--disable-patch=norm.wrapped-torch-norm",
+            "--tensor-model-parallel-size",
+            "2",
+            "--progress",
+            "plain",
+        ]
+    )
     assert argv == ["--device", "cpu", "--tensor-model-parallel-size", "2"]
     assert (world, disable) == (2, ["norm.wrapped-torch-norm"])
 
@@ -480,10 +498,26 @@ def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
     run = tmp_path / "runs" / "npu-fp32"
     run.mkdir(parents=True)
     (run / "metrics.json").write_text('{"steps": []}')
-    (run / "run.json").write_text(json.dumps({"command": [
-        "python", "-m", "megatron_npu.cli", "train", "--num-layers", "2", "--device",
-        "npu-emulated", "--metrics-out", str(run / "metrics.json"), "--progress", "plain",
-    ]}))  # fmt: skip
+    (run / "run.json").write_text(
+        json.dumps(
+            {
+                "command": [
+                    "python",
+                    "-m",
+                    "megatron_npu.cli",
+                    "train",
+                    "--num-layers",
+                    "2",
+                    "--device",
+                    "npu-emulated",
+                    "--metrics-out",
+                    str(run / "metrics.json"),
+                    "--progress",
+                    "plain",
+                ]
+            }
+        )
+    )
     side, metrics = side_from_compare(tmp_path, "npu-fp32")
     assert side.argv == ["--num-layers", "2", "--device", "npu-emulated"]
     assert side.device == "npu-emulated" and metrics == run / "metrics.json"
@@ -494,8 +528,17 @@ def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
 def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
     from megatron_npu.cli import main
 
-    code = main(["locate", "--reference", "--train-iters 2", "--candidate", "--device cpu "
-                 "--train-iters 2", "--out", str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "locate",
+            "--reference",
+            "--train-iters 2",
+            "--candidate",
+            "--device cpu --train-iters 2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["megatron-npu locate: --reference options must name --device"]
@@ -543,14 +586,22 @@ def test_read_curve_takes_a_megatron_lm_log_and_its_printed_digits(tmp_path):
         "[rank0]: -------------------- end of arguments ---------------------\n"
     )
     ref, cand = tmp_path / "gpu.log", tmp_path / "npu.log"
-    ref.write_text(head + line.format(i=1, s=4, loss="7.060161E+00", norm="0.543")
-                   + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527"))  # fmt: skip
-    cand.write_text(head + line.format(i=1, s=4, loss="7.060161E+00", norm="0.544")
-                    + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527"))  # fmt: skip
+    ref.write_text(
+        head
+        + line.format(i=1, s=4, loss="7.060161E+00", norm="0.543")
+        + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527")
+    )
+    cand.write_text(
+        head
+        + line.format(i=1, s=4, loss="7.060161E+00", norm="0.544")
+        + line.format(i=2, s=8, loss="7.033757E+00", norm="0.527")
+    )
     curve = curves.read_curve(ref)
     assert (curve.iterations, curve.losses, curve.grad_norms) == (
-        [1, 2], [7.060161, 7.033757], [0.543, 0.527],
-    )  # fmt: skip
+        [1, 2],
+        [7.060161, 7.033757],
+        [0.543, 0.527],
+    )
     assert curves.printed_resolution(ref) == {"grad_norm": 5e-4}
     assert curves.printed_resolution(tmp_path / "x.json") == {}
     resolution = curves.printed_resolution(ref)
@@ -568,13 +619,28 @@ def test_read_curve_takes_a_megatron_lm_log_and_its_printed_digits(tmp_path):
 def test_script_sides_keep_the_users_arguments_and_replays_add_megatron_lms_own():
     from megatron_npu.locate import script_runs
 
-    argv, device, world, disable = script_runs.split_options([
-        "--device", "npu", "--nproc-per-node=2", "--disable-patch", "softmax.fused",
-        "--num-layers", "2", "--save", "/ckpt", "--save-interval=5", "--no-save-optim", "--bf16",
-    ])  # fmt: skip
+    argv, device, world, disable = script_runs.split_options(
+        [
+            "--device",
+            "npu",
+            "--nproc-per-node=2",
+            "--disable-patch",
+            "softmax.fused",
+            "--num-layers",
+            "2",
+            "--save",
+            "/ckpt",
+            "--save-interval=5",
+            "--no-save-optim",
+            "--bf16",
+        ]
+    )
     assert (argv, device, world, disable) == (
-        ["--num-layers", "2", "--bf16"], "npu", 2, ["softmax.fused"],
-    )  # fmt: skip
+        ["--num-layers", "2", "--bf16"],
+        "npu",
+        2,
+        ["softmax.fused"],
+    )
     with pytest.raises(ValueError, match="--device needs a value"):
         script_runs.split_options(["--bf16", "--device"])
     base = {"script_args": ["--train-iters", "10"], "stop": 7, "hook_step": 7}
@@ -624,9 +690,18 @@ def test_a_rank_folder_is_an_msprobe_dump_that_msprobe_and_locate_msprobe_read(t
     msprobe = json.loads((bad / "rank0" / "dump.json").read_text())
     assert (msprobe["task"], msprobe["level"], msprobe["framework"]) == ("tensor", "L0", "pytorch")
     rows = msprobe["data"]
-    files = {t["data_name"] for row in rows.values() for slot in row.values()
-             for t in (slot if isinstance(slot, list) else
-                       [x for v in slot.values() for x in v] if isinstance(slot, dict) else [])}  # fmt: skip
+    files = {
+        t["data_name"]
+        for row in rows.values()
+        for slot in row.values()
+        for t in (
+            slot
+            if isinstance(slot, list)
+            else [x for v in slot.values() for x in v]
+            if isinstance(slot, dict)
+            else []
+        )
+    }
     placed = {e["data_name"] for e in index["entries"] if e["module"] != dump.OPTIMIZER}
     assert files == placed and len(files) == len(placed)
     for entry in index["entries"]:
@@ -639,8 +714,9 @@ def test_a_rank_folder_is_an_msprobe_dump_that_msprobe_and_locate_msprobe_read(t
     assert grads and all(isinstance(rows[name], dict) for name in grads)
     construct = json.loads((bad / "rank0" / "construct.json").read_text())
     assert construct[f"{layer}.forward.0"].startswith("Module.model.")
-    found = msprobe_dumps.compare(msprobe_dumps.read_dump(ref), msprobe_dumps.read_dump(bad),
-                                  modules.rule_for("float32"))  # fmt: skip
+    found = msprobe_dumps.compare(
+        msprobe_dumps.read_dump(ref), msprobe_dumps.read_dump(bad), modules.rule_for("float32")
+    )
     assert found["divergent"]["name"] == f"{layer}.forward.0"
 
 

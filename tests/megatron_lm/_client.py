@@ -21,13 +21,35 @@ SHARED = Path(os.environ.get("MEGATRON_LM_ROOT", REPO.parent / "shared" / "megat
 #: the shared README's tiny GPT, with Megatron's own defaults otherwise (gradient-accumulation
 #: fusion, bias-GELU / masked-softmax / bias-dropout fusions, dropout 0.1, jit warm-up)
 TINY = (
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "128", "--max-position-embeddings", "128",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
-    "--transformer-impl", "local", "--eval-iters", "0", "--eval-interval", "1000",
-    "--log-interval", "1",
-)  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1024",
+    "--transformer-impl",
+    "local",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--log-interval",
+    "1",
+)
 
 
 def client_devices() -> tuple[str, ...]:
@@ -53,10 +75,13 @@ def megatron_lm_folder() -> Path:
     installed = Version(megatron_core_version())
     exact = SHARED / f"core_v{installed}"
     same_line = sorted(
-        (f for f in SHARED.glob(f"core_v{installed.major}.{installed.minor}.*")
-         if (f / "pretrain_gpt.py").is_file()),
+        (
+            f
+            for f in SHARED.glob(f"core_v{installed.major}.{installed.minor}.*")
+            if (f / "pretrain_gpt.py").is_file()
+        ),
         key=lambda f: Version(f.name.removeprefix("core_v")),
-    )  # fmt: skip
+    )
     folder = exact if (exact / "pretrain_gpt.py").is_file() else (same_line or [exact])[-1]
     if not (folder / "pretrain_gpt.py").is_file():
         raise AssertionError(
@@ -93,18 +118,35 @@ class Run:
 
 
 def pretrain_gpt(
-    tmp: Path, *args: str, nproc: int = 1, device: str = "cpu", name: str = "run",
-    tensorboard: bool = True, env: dict[str, str] | None = None, timeout: int = 600,
-) -> Run:  # fmt: skip
+    tmp: Path,
+    *args: str,
+    nproc: int = 1,
+    device: str = "cpu",
+    name: str = "run",
+    tensorboard: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+) -> Run:
     """Launch ``pretrain_gpt.py ARGS`` on ``nproc`` ranks of ``device``; return its log."""
     folder = megatron_lm_folder()
     tb = tmp / f"{name}-tb"
     extra = ("--tensorboard-dir", str(tb), "--tensorboard-log-interval", "1") if tensorboard else ()
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "megatron_npu.run_script", str(folder / "pretrain_gpt.py"), *args, *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_npu.run_script",
+        str(folder / "pretrain_gpt.py"),
+        *args,
+        *extra,
+    ]
     run_env = {
         **os.environ,
         "MEGATRON_NPU_DEVICE": device,
@@ -116,9 +158,14 @@ def pretrain_gpt(
         **(env or {}),
     }
     proc = subprocess.run(
-        command, cwd=tmp, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+        command,
+        cwd=tmp,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     (tmp / f"{name}.log").write_text(proc.stdout)
     run = Run(proc.returncode, proc.stdout, tensorboard=tb if tensorboard else None)
     try:  # compare's Megatron-LM log importer: one reading of that log for product and tests

@@ -38,8 +38,9 @@ def test_pretrain_gpt_on_npu_emulated_reproduces_the_h100_curve(tmp_path, precis
     steps = 60
     if precision == "bf16":
         args += ["--bf16"]
-    run = pretrain_gpt(tmp_path, *args, device="npu-emulated", name=precision, tensorboard=False,
-                       timeout=900)  # fmt: skip
+    run = pretrain_gpt(
+        tmp_path, *args, device="npu-emulated", name=precision, tensorboard=False, timeout=900
+    )
     assert run.returncode == 0, run.tail()
     gpu = _losses(H100_TINY / f"gpt-{precision}.log")
     here = _losses(tmp_path / f"{precision}.log")

@@ -41,9 +41,12 @@ def megatron_lm_null_tokenizers() -> dict[int, list[int]]:
     folder = megatron_lm_folder()
     proc = subprocess.run(
         [sys.executable, "-c", BUILD, *map(str, SIZES)],
-        cwd=folder, env={"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=folder,
+        env={"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("SIZES ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {int(k): v for k, v in json.loads(line.removeprefix("SIZES ")).items()}
@@ -53,11 +56,29 @@ def megatron_lm_null_tokenizers() -> dict[int, list[int]]:
 def test_vocab_size_builds_megatron_lms_null_tokenizer(megatron_lm_null_tokenizers, size):
     ours = null_tokenizer(size)
     assert [int(ours.vocab_size), int(ours.eod)] == megatron_lm_null_tokenizers[size]
-    args = arguments.parse_args([
-        "--device", "cpu", "--mock-data", "--vocab-size", str(size), "--num-layers", "2",
-        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
-    ])  # fmt: skip
+    args = arguments.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--mock-data",
+            "--vocab-size",
+            str(size),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "1",
+            "--lr",
+            "1e-3",
+        ]
+    )
     assert preflight.tokenizer_vocab_size(args) == megatron_lm_null_tokenizers[size][0]
 
 

@@ -19,15 +19,27 @@ from ._client import TINY, Run, check_trained, client_devices, client_specs, pre
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 LLAMA = (
-    "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--group-query-attention", "--num-query-groups", "2",
-)  # fmt: skip
+    "--position-embedding-type",
+    "rope",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+)
 #: Megatron-LM's default layer spec: Transformer Engine's classes (TINY asks for ``local``)
 TE = ("--transformer-impl", "transformer_engine")
 #: the NPU kernels a Llama-style bf16 step reaches through the adaptor
-LLAMA_KERNELS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
-                 "npu_apply_adam_w")  # fmt: skip
+LLAMA_KERNELS = (
+    "npu_fusion_attention",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+    "npu_apply_adam_w",
+)
 
 
 def _curve(run: Run, iterations: range) -> rules.Curve:
@@ -48,9 +60,18 @@ def test_pretrain_gpt_tp2_resume_is_bitwise(tmp_path, device):
     check_trained(straight, 20)
     ckpt = str(tmp_path / "ckpt")
     first = pretrain_gpt(
-        tmp_path, *args, "--save", ckpt, "--save-interval", "10", "--exit-interval", "10",
-        nproc=2, device=device, name="first",
-    )  # fmt: skip
+        tmp_path,
+        *args,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "10",
+        "--exit-interval",
+        "10",
+        nproc=2,
+        device=device,
+        name="first",
+    )
     assert first.returncode == 0, first.tail()
     assert max(first.skipped) == 10, first.tail()
     resumed = pretrain_gpt(tmp_path, *args, "--load", ckpt, nproc=2, device=device, name="resumed")
@@ -76,9 +97,14 @@ def test_flash_attn_routes_to_the_npu_kernel(tmp_path):
     for name, extra in (("flash", ("--use-flash-attn",)), ("unfused", ())):
         env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
         runs[name] = pretrain_gpt(
-            tmp_path, *args, *extra, device="npu-emulated", name=name, env=env,
+            tmp_path,
+            *args,
+            *extra,
+            device="npu-emulated",
+            name=name,
+            env=env,
             tensorboard=False,
-        )  # fmt: skip
+        )
         check_trained(runs[name], 20)
     flash, unfused = _kernel_counts(tmp_path, "flash"), _kernel_counts(tmp_path, "unfused")
     # 2 layers x 2 micro-batches x 20 iterations (the jit warm-up runs no attention)
@@ -93,9 +119,18 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
     each master weight whole and slices it), no dropout: TP1 and TP2 losses agree per step within
     the layout rule's 1e-5 (``megatron_npu.compare.rules.layout``)."""
     args = (
-        *TINY, "--mock-data", "--train-iters", "12", "--vocab-size", "1279",
-        "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
-    )  # fmt: skip
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "12",
+        "--vocab-size",
+        "1279",
+        "--use-cpu-initialization",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    )
     tp1 = pretrain_gpt(tmp_path, *args, name="tp1")
     tp2 = pretrain_gpt(tmp_path, *args, "--tensor-model-parallel-size", "2", nproc=2, name="tp2")
     for run in (tp1, tp2):
@@ -112,37 +147,87 @@ def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
     "name, nproc, extra",
     [
         # + Megatron's straggler detector (timers, and NVML's readings reported as 0 here)
-        pytest.param("pp2", 2, ("--pipeline-model-parallel-size", "2", "--log-straggler"),
-                     marks=pytest.mark.extended),
-        pytest.param("tp2-sp-distopt", 2, ("--tensor-model-parallel-size", "2",
-                     "--sequence-parallel", "--use-distributed-optimizer"),
-                     marks=pytest.mark.extended),
+        pytest.param(
+            "pp2",
+            2,
+            ("--pipeline-model-parallel-size", "2", "--log-straggler"),
+            marks=pytest.mark.extended,
+        ),
+        pytest.param(
+            "tp2-sp-distopt",
+            2,
+            (
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--use-distributed-optimizer",
+            ),
+            marks=pytest.mark.extended,
+        ),
         # DP2 with Megatron-LM's overlap, recompute, evaluation and logging options
-        ("dp2-options", 2, ("--use-distributed-optimizer", "--overlap-grad-reduce",
-                            "--overlap-param-gather", "--recompute-granularity", "full",
-                            "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                            "--eval-iters", "2", "--eval-interval", "5", "--log-throughput",
-                            "--timing-log-level", "2", "--log-params-norm",
-                            "--log-num-zeros-in-grad", "--tensorboard-dir", "tb",
-                            "--log-memory-to-tensorboard", "--log-timers-to-tensorboard",
-                            "--log-validation-ppl-to-tensorboard")),
+        (
+            "dp2-options",
+            2,
+            (
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+                "--eval-iters",
+                "2",
+                "--eval-interval",
+                "5",
+                "--log-throughput",
+                "--timing-log-level",
+                "2",
+                "--log-params-norm",
+                "--log-num-zeros-in-grad",
+                "--tensorboard-dir",
+                "tb",
+                "--log-memory-to-tensorboard",
+                "--log-timers-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard",
+            ),
+        ),
         # the interleaved schedule: on gloo its sent outputs must outlive Megatron's early free
         # (patches/pipeline.py; NaN losses in about half the runs without it)
-        ("vpp", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")),
+        (
+            "vpp",
+            2,
+            (
+                "--num-layers",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "8",
+            ),
+        ),
         # bf16 alone: the Llama-style run trains in bf16 too
         pytest.param("bf16", 1, ("--bf16",), marks=pytest.mark.extended),
         # a Llama-style model with Megatron-LM's default rope fusion (TE's fused RoPE here);
         # test_te_spec_runs reaches the same kernels with TP2 by default
-        pytest.param("llama-tp2", 2, ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16",
-                     "--use-flash-attn"), marks=pytest.mark.extended),
+        pytest.param(
+            "llama-tp2",
+            2,
+            ("--tensor-model-parallel-size", "2", *LLAMA, "--bf16", "--use-flash-attn"),
+            marks=pytest.mark.extended,
+        ),
         ("fp16", 1, ("--fp16",)),
         # Megatron-LM's default spec (Transformer Engine's layers, served by the adaptor) under
         # PP2: the TE spec runs by default in the TE-spec tests, the pipeline in vpp
-        pytest.param("te-pp2", 2, (*TE, "--pipeline-model-parallel-size", "2"),
-                     marks=pytest.mark.extended),
+        pytest.param(
+            "te-pp2", 2, (*TE, "--pipeline-model-parallel-size", "2"), marks=pytest.mark.extended
+        ),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("device", client_devices())
 @pytest.mark.parametrize("spec", client_specs())
 def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device, spec):
@@ -152,10 +237,20 @@ def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device, spec
     iterations = 30 if name == "fp16" else 20
     env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
-        tmp_path, *TINY, "--mock-data", "--train-iters", str(iterations),
-        "--transformer-impl", spec, *extra, nproc=nproc, device=device, name=name,
-        tensorboard=False, env=env,
-    )  # fmt: skip
+        tmp_path,
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        str(iterations),
+        "--transformer-impl",
+        spec,
+        *extra,
+        nproc=nproc,
+        device=device,
+        name=name,
+        tensorboard=False,
+        env=env,
+    )
     check_trained(run, iterations)
     if name.startswith("llama") and device == "npu-emulated":
         counts = _kernel_counts(tmp_path, name)
@@ -168,10 +263,22 @@ def test_layouts_and_precisions_train(tmp_path, name, nproc, extra, device, spec
 
 def _preprocess(jsonl, prefix) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_npu.cli", "preprocess", "--input", str(jsonl),
-         "--output-prefix", str(prefix), "--tokenizer-type", "ByteLevel"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_npu.cli",
+            "preprocess",
+            "--input",
+            str(jsonl),
+            "--output-prefix",
+            str(prefix),
+            "--tokenizer-type",
+            "ByteLevel",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return f"{prefix}_text_document"
 
@@ -193,10 +300,23 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
     whole = _preprocess(jsonl, tmp_path / "data" / "stdlib")
     part = _preprocess(head, tmp_path / "data" / "head")
     run = pretrain_gpt(
-        tmp_path, *TINY, "--train-iters", "20", "--vocab-size", "257",
-        "--data-path", "0.7", whole, "0.3", part, "--split", "100,0,0",
-        device=device, name="indexed", tensorboard=False,
-    )  # fmt: skip
+        tmp_path,
+        *TINY,
+        "--train-iters",
+        "20",
+        "--vocab-size",
+        "257",
+        "--data-path",
+        "0.7",
+        whole,
+        "0.3",
+        part,
+        "--split",
+        "100,0,0",
+        device=device,
+        name="indexed",
+        tensorboard=False,
+    )
     check_trained(run, 20)
     assert "BlendedDataset" in run.log, run.tail()
 
@@ -204,30 +324,51 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
 @pytest.mark.parametrize(
     "extra, options, header",
     [
-        (("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
-         ("--moe-token-dispatcher-type flex",), "cannot run these Megatron-LM options"),
+        (
+            ("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
+            ("--moe-token-dispatcher-type flex",),
+            "cannot run these Megatron-LM options",
+        ),
         # three MoE mistakes at once: one line names them all (Megatron asserts on every rank)
-        (("--num-experts", "4", "--moe-router-topk", "6", "--expert-model-parallel-size", "3"),
-         ("--moe-router-topk 6", "--num-experts 4", "does not divide the 2 ranks"),
-         "these Megatron-LM options do not work together"),
+        (
+            ("--num-experts", "4", "--moe-router-topk", "6", "--expert-model-parallel-size", "3"),
+            ("--moe-router-topk 6", "--num-experts 4", "does not divide the 2 ranks"),
+            "these Megatron-LM options do not work together",
+        ),
         # context parallelism with the local spec (Megatron asserts in DotProductAttention on
         # every rank) and a sequence that 2 x CP does not divide
-        pytest.param(("--context-parallel-size", "2", "--seq-length", "126",
-                      "--max-position-embeddings", "128"),
-                     ("--transformer-impl local", "--seq-length 126"),
-                     "these Megatron-LM options do not work together",
-                     marks=pytest.mark.extended),
+        pytest.param(
+            (
+                "--context-parallel-size",
+                "2",
+                "--seq-length",
+                "126",
+                "--max-position-embeddings",
+                "128",
+            ),
+            ("--transformer-impl local", "--seq-length 126"),
+            "these Megatron-LM options do not work together",
+            marks=pytest.mark.extended,
+        ),
     ],
     ids=["moe-flex-dispatcher", "moe-topk-and-ep-sizes", "cp-local-spec-and-sequence"],
-)  # fmt: skip
+)
 def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header):
     """An option the adaptor cannot serve, or options that cannot work together, stop every rank
     before anything is built, with one line naming the options, exit status 2, and no per-rank
     traceback."""
     run = pretrain_gpt(
-        tmp_path, *TINY, "--mock-data", "--train-iters", "2", *extra, nproc=2,
-        device="npu-emulated", name="refused", tensorboard=False,
-    )  # fmt: skip
+        tmp_path,
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "2",
+        *extra,
+        nproc=2,
+        device="npu-emulated",
+        name="refused",
+        tensorboard=False,
+    )
     assert run.returncode != 0
     lines = [line for line in run.log.splitlines() if line.startswith("megatron-npu: ")]
     assert len(lines) == 1, run.tail()
@@ -244,9 +385,18 @@ def test_context_parallel_trains_and_matches_cp1(tmp_path):
     the a2a run's attention is ``npu_fusion_attention`` (one call per layer and micro-batch) and
     the ring's blocks on npu-emulated the ring kernels."""
     args = (
-        *TINY, *TE, *LLAMA, "--mock-data", "--train-iters", "12", "--use-cpu-initialization",
-        "--attention-dropout", "0", "--hidden-dropout", "0",
-    )  # fmt: skip
+        *TINY,
+        *TE,
+        *LLAMA,
+        "--mock-data",
+        "--train-iters",
+        "12",
+        "--use-cpu-initialization",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    )
     cp1 = pretrain_gpt(tmp_path, *args, name="cp1")
     check_trained(cp1, 12, min_applied=12)
     runs = {
@@ -255,8 +405,17 @@ def test_context_parallel_trains_and_matches_cp1(tmp_path):
     }
     for name, (device, extra) in runs.items():
         env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
-        run = pretrain_gpt(tmp_path, *args, "--context-parallel-size", "2", *extra, nproc=2,
-                           device=device, name=name, env=env)  # fmt: skip
+        run = pretrain_gpt(
+            tmp_path,
+            *args,
+            "--context-parallel-size",
+            "2",
+            *extra,
+            nproc=2,
+            device=device,
+            name=name,
+            env=env,
+        )
         check_trained(run, 12, min_applied=12)
         verdict = rules.layout(name, "cp1", _curve(cp1, range(1, 13)), _curve(run, range(1, 13)))
         assert verdict.status == rules.PASS, (name, verdict.detail)
@@ -268,43 +427,97 @@ def test_context_parallel_trains_and_matches_cp1(tmp_path):
 
 #: a Mixtral-style MoE block: 4 experts, top-2, SwiGLU experts without biases, aux loss
 MOE = (
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-    "--swiglu", "--disable-bias-linear", "--expert-model-parallel-size", "2",
-)  # fmt: skip
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--expert-model-parallel-size",
+    "2",
+)
 
 
 @pytest.mark.parametrize(
     "name, device, extra",
     [
         # the local spec, alltoall dispatch over gloo, EP2; the first layer dense, the second MoE
-        ("ep2-alltoall", "cpu", ("--moe-token-dispatcher-type", "alltoall",
-                                 "--moe-layer-freq", "[0]+[1]")),
+        (
+            "ep2-alltoall",
+            "cpu",
+            ("--moe-token-dispatcher-type", "alltoall", "--moe-layer-freq", "[0]+[1]"),
+        ),
         # allgather dispatch with token dropping at capacity factor 1, and DeepSeek-V3-style
         # routing: sigmoid scores, expert bias, group-limited top-k, scaling, fp32 router, z-loss,
         # the fused router (npu_moe_gating_top_k) and the fused permutation (Megatron's unfused
         # code here: the allgather dispatcher permutes only the local experts' tokens)
-        ("allgather-capacity", "npu-emulated", (
-            "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0",
-            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-            "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-            "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
-            "--moe-z-loss-coeff", "1e-3", "--moe-router-fusion", "--moe-permute-fusion")),
+        (
+            "allgather-capacity",
+            "npu-emulated",
+            (
+                "--moe-token-dispatcher-type",
+                "allgather",
+                "--moe-expert-capacity-factor",
+                "1.0",
+                "--moe-router-score-function",
+                "sigmoid",
+                "--moe-router-enable-expert-bias",
+                "--moe-router-num-groups",
+                "2",
+                "--moe-router-group-topk",
+                "1",
+                "--moe-router-topk-scaling-factor",
+                "2.5",
+                "--moe-router-dtype",
+                "fp32",
+                "--moe-z-loss-coeff",
+                "1e-3",
+                "--moe-router-fusion",
+                "--moe-permute-fusion",
+            ),
+        ),
         # megatron-core's legacy GroupedMLP (grouped_gemm.ops.gmm; up to 0.16), bf16 as it asks;
         # the fused permutation with experts padded to their capacity
-        ("local-grouped-gemm", "npu-emulated", (
-            "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--bf16",
-            "--moe-permute-fusion", "--moe-expert-capacity-factor", "1.0",
-            "--moe-pad-expert-input-to-capacity")),
+        (
+            "local-grouped-gemm",
+            "npu-emulated",
+            (
+                "--moe-token-dispatcher-type",
+                "alltoall",
+                "--moe-grouped-gemm",
+                "--bf16",
+                "--moe-permute-fusion",
+                "--moe-expert-capacity-factor",
+                "1.0",
+                "--moe-pad-expert-input-to-capacity",
+            ),
+        ),
         # the default TE spec: TP2 + SP with EP2 / ETP1, TE's grouped linears, the fused
         # permutation, a shared expert
-        ("te-grouped-gemm", "npu-emulated", (
-            *TE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-            "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall",
-            "--moe-grouped-gemm", "--moe-permute-fusion",
-            "--moe-shared-expert-intermediate-size", "128", "--bf16")),
+        (
+            "te-grouped-gemm",
+            "npu-emulated",
+            (
+                *TE,
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "1",
+                "--moe-token-dispatcher-type",
+                "alltoall",
+                "--moe-grouped-gemm",
+                "--moe-permute-fusion",
+                "--moe-shared-expert-intermediate-size",
+                "128",
+                "--bf16",
+            ),
+        ),
     ],
     ids=["ep2-alltoall", "allgather-capacity", "local-grouped-gemm", "te-grouped-gemm"],
-)  # fmt: skip
+)
 def test_moe_trains(tmp_path, name, device, extra):
     """Mixture-of-experts layers through Megatron-LM's own ``pretrain_gpt.py``: 12 iterations,
     falling loss, the load-balancing loss logged every step, exit 0; with ``--moe-grouped-gemm`` on
@@ -319,9 +532,18 @@ def test_moe_trains(tmp_path, name, device, extra):
     iterations = 12
     env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
-        tmp_path, *TINY, "--mock-data", "--train-iters", str(iterations), *MOE, *extra,
-        nproc=2, device=device, name=name, env=env,
-    )  # fmt: skip
+        tmp_path,
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        str(iterations),
+        *MOE,
+        *extra,
+        nproc=2,
+        device=device,
+        name=name,
+        env=env,
+    )
     check_trained(run, iterations)
     # Megatron-LM writes the aux loss to TensorBoard on every release (to the console from 0.14)
     aux = run.scalars("load_balancing_loss")
@@ -359,10 +581,26 @@ def test_te_spec_runs(tmp_path):
     name = "te-llama-tp2-sp"
     env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
     run = pretrain_gpt(
-        tmp_path, *TINY, "--mock-data", "--train-iters", "20", *TE, *LLAMA,
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--use-flash-attn",
-        "--qk-layernorm", "--attention-softmax-in-fp32", nproc=2, device="npu-emulated", name=name, tensorboard=False, env=env,
-    )  # fmt: skip
+        tmp_path,
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "20",
+        *TE,
+        *LLAMA,
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--bf16",
+        "--use-flash-attn",
+        "--qk-layernorm",
+        "--attention-softmax-in-fp32",
+        nproc=2,
+        device="npu-emulated",
+        name=name,
+        tensorboard=False,
+        env=env,
+    )
     check_trained(run, 20)
     counts = _kernel_counts(tmp_path, name)
     assert all(counts.get(k, 0) > 0 for k in LLAMA_KERNELS), counts
@@ -376,21 +614,41 @@ def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
     checkpoint written at TP2 after 6 steps resumes at TP1, and steps 7-12 agree with the
     straight TP1 run by the layout rule (1e-5)."""
     args = (
-        *TINY, "--mock-data", "--train-iters", "12", "--vocab-size", "1279",
-        "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
-    )  # fmt: skip
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "12",
+        "--vocab-size",
+        "1279",
+        "--use-cpu-initialization",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    )
     te = pretrain_gpt(tmp_path, *args, *TE, name="te")
     local = pretrain_gpt(tmp_path, *args, name="local")
     ckpt = str(tmp_path / "ckpt")
     saved = pretrain_gpt(
-        tmp_path, *args, *TE, "--tensor-model-parallel-size", "2", "--save", ckpt,
-        "--save-interval", "6", "--exit-interval", "6", nproc=2, name="tp2-saved",
-    )  # fmt: skip
+        tmp_path,
+        *args,
+        *TE,
+        "--tensor-model-parallel-size",
+        "2",
+        "--save",
+        ckpt,
+        "--save-interval",
+        "6",
+        "--exit-interval",
+        "6",
+        nproc=2,
+        name="tp2-saved",
+    )
     # the RNG states are saved per TP rank; up to megatron-core 0.15 Megatron-LM cannot map them
     # onto another layout and stops (exit 0) unless told not to load them (no dropout here)
     resumed = pretrain_gpt(
         tmp_path, *args, *TE, "--load", ckpt, "--no-load-rng", name="tp1-resumed"
-    )  # fmt: skip
+    )
     for run in (te, local, saved, resumed):
         assert run.returncode == 0, run.tail()
     assert saved.skipped and max(saved.skipped) == 6, saved.tail()

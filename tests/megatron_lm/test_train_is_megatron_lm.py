@@ -25,17 +25,51 @@ from tests.training._runner import train
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 COMMON = (
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--lr", "1e-3", "--vocab-size", "1024", "--mock-data",
-    "--train-iters", "4", "--log-interval", "1", "--attention-dropout", "0.1",
-    "--hidden-dropout", "0.1", "--seed", "1234", "--transformer-impl", "local",
-)  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--vocab-size",
+    "1024",
+    "--mock-data",
+    "--train-iters",
+    "4",
+    "--log-interval",
+    "1",
+    "--attention-dropout",
+    "0.1",
+    "--hidden-dropout",
+    "0.1",
+    "--seed",
+    "1234",
+    "--transformer-impl",
+    "local",
+)
 LLAMA = (
-    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
-    "--untie-embeddings-and-output-weights", "--use-cpu-initialization",
-)  # fmt: skip
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--untie-embeddings-and-output-weights",
+    "--use-cpu-initialization",
+)
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
@@ -45,8 +79,16 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
     ids=["gpt-device-init", "llama-host-init"],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
-    ours = train(tmp_path / "train", "--device", "cpu", *COMMON, *extra, "--progress", "plain",
-                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    ours = train(
+        tmp_path / "train",
+        "--device",
+        "cpu",
+        *COMMON,
+        *extra,
+        "--progress",
+        "plain",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     script = pretrain_gpt(tmp_path, *COMMON, *extra, *SCRIPT_ONLY)
     assert script.returncode == 0, script.tail()
     theirs = script.scalars("lm loss")

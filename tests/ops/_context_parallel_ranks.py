@@ -55,8 +55,10 @@ def hierarchical_groups(sizes: tuple[int, int]) -> list:
     if sizes not in _HIERARCHICAL:
         inner, outer = sizes
         rank, mine = dist.get_rank(), []
-        for ranks in ([list(range(j * inner, (j + 1) * inner)) for j in range(outer)],
-                      [list(range(i, inner * outer, inner)) for i in range(inner)]):  # fmt: skip
+        for ranks in (
+            [list(range(j * inner, (j + 1) * inner)) for j in range(outer)],
+            [list(range(i, inner * outer, inner)) for i in range(inner)],
+        ):
             for members in ranks:
                 group = dist.new_group(members)
                 if rank in members:
@@ -75,9 +77,12 @@ def _run_cp(case, q, k, v, dout, cp, rank):
     if case["comm"] == "a2a+p2p":
         group = hierarchical_groups(tuple(case["sizes"]))
     out = context_parallel_attention(
-        *leaves, group, comm_type=case["comm"], causal=case["causal"],
+        *leaves,
+        group,
+        comm_type=case["comm"],
+        causal=case["causal"],
         **({} if window is None else {"pre_tokens": window, "next_tokens": 0}),
-    )  # fmt: skip
+    )
     out.backward(local_rows(dout, cp, rank).to(dtype))
     return out, [t.grad for t in leaves]
 
@@ -90,10 +95,12 @@ def _run_single(case, q, k, v, dout):
     window = case.get("window")
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     out = fused_attention(
-        *(t.flatten(2) for t in leaves), head_num=q.shape[2], input_layout="SBH",
-        causal=case["causal"], **({} if window is None else {"pre_tokens": window,
-                                                             "next_tokens": 0}),
-    )  # fmt: skip
+        *(t.flatten(2) for t in leaves),
+        head_num=q.shape[2],
+        input_layout="SBH",
+        causal=case["causal"],
+        **({} if window is None else {"pre_tokens": window, "next_tokens": 0}),
+    )
     out.backward(dout.to(dtype))
     return out, [t.grad for t in leaves]
 
@@ -116,13 +123,12 @@ def check_case(case: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
     result = {
         "errors": _errors(
             out, grads, want, [t.grad for t in full], lambda x: local_rows(x, cp, rank)
-        ),  # fmt: skip
+        ),
         "kernels": dict(calls),
     }
     if case["dtype"] != "float32":
         single, single_grads = _run_single(case, q, k, v, dout)
-        result["single"] = _errors(single, single_grads, want, [t.grad for t in full],
-                                   lambda x: x)  # fmt: skip
+        result["single"] = _errors(single, single_grads, want, [t.grad for t in full], lambda x: x)
     return result
 
 
@@ -140,32 +146,38 @@ def dropout_gradient_check(case: dict[str, Any], cp: int, rank: int) -> dict[str
 
     def loss(tensors):
         torch.manual_seed(1234)
-        out = context_parallel_attention(*tensors, dist.group.WORLD, comm_type=case["comm"],
-                                         causal=case["causal"], dropout_p=0.3)  # fmt: skip
+        out = context_parallel_attention(
+            *tensors, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"], dropout_p=0.3
+        )
         return (out.double() * dout.double()).sum()
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     value = loss(leaves)
     value.backward()
-    analytic = sum(float((t.grad.double() * d.double()).sum())
-                   for t, d in zip(leaves, directions))  # fmt: skip
+    analytic = sum(float((t.grad.double() * d.double()).sum()) for t, d in zip(leaves, directions))
     eps = case["eps"]
     plus = loss([t + eps * d for t, d in zip((q, k, v), directions)])
     minus = loss([t - eps * d for t, d in zip((q, k, v), directions)])
-    no_dropout = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type=case["comm"],
-                                            causal=case["causal"])  # fmt: skip
+    no_dropout = context_parallel_attention(
+        q, k, v, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"]
+    )
     torch.manual_seed(1234)
-    again = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type=case["comm"],
-                                       causal=case["causal"], dropout_p=0.3)  # fmt: skip
+    again = context_parallel_attention(
+        q, k, v, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"], dropout_p=0.3
+    )
     torch.manual_seed(1234)
-    first = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type=case["comm"],
-                                       causal=case["causal"], dropout_p=0.3)  # fmt: skip
+    first = context_parallel_attention(
+        q, k, v, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"], dropout_p=0.3
+    )
     # every rank's share of the loss: the difference quotient is over the whole objective
     totals = torch.tensor([analytic, float(plus - minus) / (2 * eps)], dtype=torch.float64)
     dist.all_reduce(totals)
-    return {"analytic": float(totals[0]), "numeric": float(totals[1]),
-            "repeatable": bool(torch.equal(again, first)),
-            "dropped": float((first - no_dropout).abs().max())}  # fmt: skip
+    return {
+        "analytic": float(totals[0]),
+        "numeric": float(totals[1]),
+        "repeatable": bool(torch.equal(again, first)),
+        "dropped": float((first - no_dropout).abs().max()),
+    }
 
 
 def worker(rank: int, world: int, store: str, device: str, jobs: list, results: Any) -> None:

@@ -43,12 +43,39 @@ def main(device_name: str, pre: int, nxt: int) -> dict:
     from megatron_npu.training import arguments, data, launch, loop
 
     argv = [
-        "--device", device_name, "--mock-data", "--vocab-size", "256", "--num-layers", "2",
-        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10",
-        "--lr", "1e-4", "--attention-dropout", "0", "--hidden-dropout", "0", "--use-flash-attn",
-        "--log-interval", "1000", "--progress", "plain", "--make-vocab-size-divisible-by", "128",
-    ]  # fmt: skip
+        "--device",
+        device_name,
+        "--mock-data",
+        "--vocab-size",
+        "256",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-4",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--use-flash-attn",
+        "--log-interval",
+        "1000",
+        "--progress",
+        "plain",
+        "--make-vocab-size-divisible-by",
+        "128",
+    ]
     args = arguments.parse_args(argv)
     megatron_npu.apply(device_name)
     device = devices.require_active()
@@ -91,9 +118,11 @@ def main(device_name: str, pre: int, nxt: int) -> dict:
         kernels.npu_fusion_attention = kernel
     return {
         "config": f"{device_name}:{pre}:{nxt}",
-        "attention_calls": attention_calls, "kernel_calls": kernel_calls,
-        "syncs_in_step": syncs, "attention_syncs": blamed,
-    }  # fmt: skip
+        "attention_calls": attention_calls,
+        "kernel_calls": kernel_calls,
+        "syncs_in_step": syncs,
+        "attention_syncs": blamed,
+    }
 
 
 if __name__ == "__main__":

@@ -162,9 +162,23 @@ def make_mask(kind, b, n, sq, skv, gen):
 @settings(max_examples=30, deadline=None)
 @given(case=attention_cases())
 # one key: dq is zero in exact arithmetic, and |dP| of about 10 leaves 1.44e-6 of float32 noise
-@example(case={"layout": "SBH", "batch": 1, "heads": 4, "kv_heads": 2, "sq": 3, "skv": 1,
-               "dim": 16, "causal": False, "pre": 2_147_483_647, "nxt": 2_147_483_647,
-               "mask_kind": None, "scale": None, "seed": 7})  # fmt: skip
+@example(
+    case={
+        "layout": "SBH",
+        "batch": 1,
+        "heads": 4,
+        "kv_heads": 2,
+        "sq": 3,
+        "skv": 1,
+        "dim": 16,
+        "causal": False,
+        "pre": 2_147_483_647,
+        "nxt": 2_147_483_647,
+        "mask_kind": None,
+        "scale": None,
+        "seed": 7,
+    }
+)
 def test_forward_and_backward_match_fp64_reference(path, dtype_name, case):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(case["seed"])
@@ -209,11 +223,13 @@ def test_forward_and_backward_match_fp64_reference(path, dtype_name, case):
     # a query's gradient sums over the keys; a key's (and value's) over the rows of every
     # query head that shares it
     dq_size, dk_size = zero_gradient_magnitudes(q, k, v, grad_out, case["scale"])
-    require_gradient(from_layout(qs.grad, layout, n), rq.grad, dtype, "dq", terms=skv,
-                     magnitude=dq_size)  # fmt: skip
+    require_gradient(
+        from_layout(qs.grad, layout, n), rq.grad, dtype, "dq", terms=skv, magnitude=dq_size
+    )
     kv_terms = sq * (n // nkv)
-    require_gradient(from_layout(ks.grad, layout, nkv), rk.grad, dtype, "dk", terms=kv_terms,
-                     magnitude=dk_size)  # fmt: skip
+    require_gradient(
+        from_layout(ks.grad, layout, nkv), rk.grad, dtype, "dk", terms=kv_terms, magnitude=dk_size
+    )
     require_gradient(from_layout(vs.grad, layout, nkv), rv.grad, dtype, "dv", terms=kv_terms)
 
 

@@ -52,13 +52,31 @@ CASES = [
 #: the difference quotient is exact to ~1e-9 in float64 (native blocks); the emulated kernels
 #: take fp32 only, where it is good to about 1 % (a wrong dropout mask is off by ~100 %)
 DROPOUT = [
-    {"comm": "p2p", "causal": True, "dtype": "float64", "eps": 1e-4, "rel": 1e-6,
-     "devices": ("cpu",)},
-    {"comm": "p2p", "causal": False, "dtype": "float64", "eps": 1e-4, "rel": 1e-6,
-     "devices": ("cpu",)},
-    {"comm": "p2p", "causal": True, "dtype": "float32", "eps": 3e-3, "rel": 3e-2,
-     "devices": ("npu-emulated",)},
-]  # fmt: skip
+    {
+        "comm": "p2p",
+        "causal": True,
+        "dtype": "float64",
+        "eps": 1e-4,
+        "rel": 1e-6,
+        "devices": ("cpu",),
+    },
+    {
+        "comm": "p2p",
+        "causal": False,
+        "dtype": "float64",
+        "eps": 1e-4,
+        "rel": 1e-6,
+        "devices": ("cpu",),
+    },
+    {
+        "comm": "p2p",
+        "causal": True,
+        "dtype": "float32",
+        "eps": 3e-3,
+        "rel": 3e-2,
+        "devices": ("npu-emulated",),
+    },
+]
 
 
 def _case_id(case: dict) -> str:
@@ -70,8 +88,10 @@ def run_ranks(world: int, device: str, jobs: list, timeout_s: float = 240.0) -> 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="cp-store-"), "store")
-    procs = [ctx.Process(target=ranks.worker, args=(r, world, store, device, jobs, results))
-             for r in range(world)]  # fmt: skip
+    procs = [
+        ctx.Process(target=ranks.worker, args=(r, world, store, device, jobs, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     outcomes = [[None] * world for _ in jobs]
@@ -95,8 +115,10 @@ def _cp2(device: str) -> dict:
     jobs = [("case", c) for c in CASES] + [
         ("dropout", c) for c in DROPOUT if device in c["devices"]
     ]
-    return {_job_id(kind, case): outcome
-            for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs))}  # fmt: skip
+    return {
+        _job_id(kind, case): outcome
+        for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs))
+    }
 
 
 def _job_id(kind: str, case: dict) -> str:
@@ -131,9 +153,10 @@ def test_the_ring_calls_one_kernel_per_block_on_the_npu_path(device):
 
 
 @pytest.mark.parametrize(
-    ("device", "case"), [(d, c) for c in DROPOUT for d in c["devices"]],
+    ("device", "case"),
+    [(d, c) for c in DROPOUT for d in c["devices"]],
     ids=[f"{d}-{_case_id(c)}" for c in DROPOUT for d in c["devices"]],
-)  # fmt: skip
+)
 def test_ring_dropout_backward_is_the_derivative_of_its_forward(device, case):
     for outcome in _cp2(device)[_job_id("dropout", case)]:
         assert "raised" not in outcome, outcome["raised"]
@@ -178,12 +201,14 @@ def test_ring_steps_cover_each_causal_pair_once():
     half = local // 2
     for rank in range(cp):
         seen = torch.zeros(2 * cp * half, 2 * cp * half, dtype=torch.int64)
-        q_pos = torch.tensor([p for c in (rank, 2 * cp - 1 - rank) for p in
-                              range(c * half, (c + 1) * half)])  # fmt: skip
+        q_pos = torch.tensor(
+            [p for c in (rank, 2 * cp - 1 - rank) for p in range(c * half, (c + 1) * half)]
+        )
         for i, step in enumerate(ring_steps(rank, cp, local, causal=True)):
             src = (rank - i) % cp
-            k_pos = torch.tensor([p for c in (src, 2 * cp - 1 - src) for p in
-                                  range(c * half, (c + 1) * half)])  # fmt: skip
+            k_pos = torch.tensor(
+                [p for c in (src, 2 * cp - 1 - src) for p in range(c * half, (c + 1) * half)]
+            )
             for qi in q_pos[step.q_rows]:
                 for ki in k_pos[step.kv_rows]:
                     if not step.causal or ki <= qi:
@@ -202,10 +227,12 @@ def test_natural_order_round_trips():
 
 @pytest.mark.parametrize(
     "comm, rows, match",
-    [("a2a+p2p", 4, "pair of hierarchical context-parallel groups"),
-     ("ring", 4, "unknown --cp-comm-type"),
-     ("p2p", 3, "even count")],
-)  # fmt: skip
+    [
+        ("a2a+p2p", 4, "pair of hierarchical context-parallel groups"),
+        ("ring", 4, "unknown --cp-comm-type"),
+        ("p2p", 3, "even count"),
+    ],
+)
 def test_bad_calls_are_named_errors(comm, rows, match):
     q = torch.randn(rows, 1, 2, 4)
     with pytest.raises(ContextParallelError, match=match):
@@ -214,17 +241,44 @@ def test_bad_calls_are_named_errors(comm, rows, match):
 
 def test_option_problems_name_each_option():
     problems = context_parallel_problems(
-        cp=2, comm_types=comm_types_of(["p2p", "a2a", "a2a+p2p"]), transformer_impl="local",
-        seq_length=30, heads=6, tp=2, window=True,
-    )  # fmt: skip
+        cp=2,
+        comm_types=comm_types_of(["p2p", "a2a", "a2a+p2p"]),
+        transformer_impl="local",
+        seq_length=30,
+        heads=6,
+        tp=2,
+        window=True,
+    )
     text = "; ".join(problems)
-    for expected in ("--transformer-impl local", "--seq-length 30",
-                     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
-                     "--cp-comm-type a2a: the 3 attention heads", "--cp-comm-type p2p with "
-                     "--window-size"):  # fmt: skip
+    for expected in (
+        "--transformer-impl local",
+        "--seq-length 30",
+        "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
+        "--cp-comm-type a2a: the 3 attention heads",
+        "--cp-comm-type p2p with --window-size",
+    ):
         assert expected in text, text
-    assert context_parallel_problems(cp=1, comm_types=["x"], transformer_impl="local",
-                                     seq_length=3, heads=1, tp=1, window=True) == []  # fmt: skip
-    assert context_parallel_problems(cp=2, comm_types=["p2p"],
-                                     transformer_impl="transformer_engine", seq_length=64,
-                                     heads=4, tp=1, window=False) == []  # fmt: skip
+    assert (
+        context_parallel_problems(
+            cp=1,
+            comm_types=["x"],
+            transformer_impl="local",
+            seq_length=3,
+            heads=1,
+            tp=1,
+            window=True,
+        )
+        == []
+    )
+    assert (
+        context_parallel_problems(
+            cp=2,
+            comm_types=["p2p"],
+            transformer_impl="transformer_engine",
+            seq_length=64,
+            heads=4,
+            tp=1,
+            window=False,
+        )
+        == []
+    )

@@ -31,9 +31,12 @@ def profiled_steps():
     for name in ("MEGATRON_NPU_DEVICE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(name, None)  # one rank on a free port, the device each configuration names
     proc = subprocess.run(
-        [sys.executable, str(worker), *CONFIGS], capture_output=True, text=True, env=env,
+        [sys.executable, str(worker), *CONFIGS],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {row["config"]: row for row in rows}
@@ -90,13 +93,21 @@ def test_a_fully_masked_row_still_outputs_zero_without_a_host_check():
     mask[..., 3, :] = True  # query 3 sees nothing
     for path in ("native", "npu"):
         if path == "native":
-            out = att.native_fused_attention(q, k, v, head_num=2, input_layout="BNSD",
-                                             causal=True, attention_mask=mask)  # fmt: skip
+            out = att.native_fused_attention(
+                q, k, v, head_num=2, input_layout="BNSD", causal=True, attention_mask=mask
+            )
         else:
             from megatron_npu.testing import torch_npu_emulation
 
-            out = att.npu_fused_attention(torch_npu_emulation, q, k, v, head_num=2,
-                                          input_layout="BNSD", causal=True,
-                                          attention_mask=mask)  # fmt: skip
+            out = att.npu_fused_attention(
+                torch_npu_emulation,
+                q,
+                k,
+                v,
+                head_num=2,
+                input_layout="BNSD",
+                causal=True,
+                attention_mask=mask,
+            )
         assert torch.all(out[:, :, 3] == 0), path
         assert torch.isfinite(out).all() and out[:, :, 4].abs().sum() > 0, path

@@ -85,19 +85,33 @@ def test_unpermute_inverts_permute_and_skips_unused_slots():
 @pytest.mark.parametrize(
     "call, error",
     [
-        (lambda: emulation.npu_moe_token_permute_with_routing_map(
-            TOKENS, torch.tensor([[1, 1], [1, 0], [0, 1]], dtype=torch.int8), num_out_tokens=6),
-         "every routing_map row must select topK = num_out_tokens // tokens_num = 2"),
-        (lambda: emulation.npu_moe_token_permute_with_routing_map(
-            TOKENS, BOTH.float(), num_out_tokens=6), "routing_map must be a 2-D bool or int8"),
-        (lambda: emulation.npu_moe_token_unpermute_with_routing_map(
-            TOKENS, torch.tensor([0, 1, 2]), [3, 4]), "sorted_indices must be a 1-D int32"),
-        (lambda: emulation.npu_moe_token_unpermute_with_routing_map(
-            TOKENS, torch.tensor([0, 1, 2], dtype=torch.int32), [3, 4], probs=TOKENS[:, :2]),
-         "probs need routing_map"),
+        (
+            lambda: emulation.npu_moe_token_permute_with_routing_map(
+                TOKENS, torch.tensor([[1, 1], [1, 0], [0, 1]], dtype=torch.int8), num_out_tokens=6
+            ),
+            "every routing_map row must select topK = num_out_tokens // tokens_num = 2",
+        ),
+        (
+            lambda: emulation.npu_moe_token_permute_with_routing_map(
+                TOKENS, BOTH.float(), num_out_tokens=6
+            ),
+            "routing_map must be a 2-D bool or int8",
+        ),
+        (
+            lambda: emulation.npu_moe_token_unpermute_with_routing_map(
+                TOKENS, torch.tensor([0, 1, 2]), [3, 4]
+            ),
+            "sorted_indices must be a 1-D int32",
+        ),
+        (
+            lambda: emulation.npu_moe_token_unpermute_with_routing_map(
+                TOKENS, torch.tensor([0, 1, 2], dtype=torch.int32), [3, 4], probs=TOKENS[:, :2]
+            ),
+            "probs need routing_map",
+        ),
     ],
     ids=["uneven-rows", "float-map", "int64-indices", "probs-without-map"],
-)  # fmt: skip
+)
 def test_calls_the_kernel_would_reject_are_named(call, error):
     with pytest.raises((ValueError, TypeError), match=error):
         call()

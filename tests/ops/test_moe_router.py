@@ -26,8 +26,9 @@ def _definition(x, k, bias, scale):
 def test_sigmoid_gating_chooses_by_the_biased_scores_and_weights_by_the_unbiased():
     x = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.0, 5.0])  # expert 3 is chosen for its bias alone
-    y, idx, scores = emulation.npu_moe_gating_top_k(x, 2, bias=bias, norm_type=1,
-                                                    out_flag=True, routed_scaling_factor=2.0)  # fmt: skip
+    y, idx, scores = emulation.npu_moe_gating_top_k(
+        x, 2, bias=bias, norm_type=1, out_flag=True, routed_scaling_factor=2.0
+    )
     assert idx.dtype == torch.int32 and idx.tolist() == [[3, 0]]
     s = torch.sigmoid(x)[0]
     assert torch.allclose(y[0], torch.stack([s[3], s[0]]) / (s[3] + s[0]) * 2.0)
@@ -37,10 +38,12 @@ def test_sigmoid_gating_chooses_by_the_biased_scores_and_weights_by_the_unbiased
 def test_groups_are_kept_by_their_best_or_their_two_best():
     # two groups of 3: group 0 holds the single best expert, group 1 the better pair
     x = torch.tensor([[3.0, -3.0, -3.0, 1.5, 1.5, -3.0]])
-    _, best, _ = emulation.npu_moe_gating_top_k(x, 1, k_group=1, group_count=2,
-                                                group_select_mode=0, norm_type=1)  # fmt: skip
-    _, pair, _ = emulation.npu_moe_gating_top_k(x, 1, k_group=1, group_count=2,
-                                                group_select_mode=1, norm_type=1)  # fmt: skip
+    _, best, _ = emulation.npu_moe_gating_top_k(
+        x, 1, k_group=1, group_count=2, group_select_mode=0, norm_type=1
+    )
+    _, pair, _ = emulation.npu_moe_gating_top_k(
+        x, 1, k_group=1, group_count=2, group_select_mode=1, norm_type=1
+    )
     assert best.tolist() == [[0]] and pair.tolist() == [[3]]
 
 
@@ -51,27 +54,34 @@ def test_the_backward_kernel_is_the_gradient_of_the_definition():
     grad = torch.randn(5, 3, generator=g)
     y, chosen = _definition(x, 3, bias, 2.5)
     (y * grad).sum().backward()
-    _, idx, scores = emulation.npu_moe_gating_top_k(x.detach(), 3, bias=bias, norm_type=1,
-                                                    out_flag=True, routed_scaling_factor=2.5)  # fmt: skip
+    _, idx, scores = emulation.npu_moe_gating_top_k(
+        x.detach(), 3, bias=bias, norm_type=1, out_flag=True, routed_scaling_factor=2.5
+    )
     assert torch.equal(idx.long(), chosen)
-    got = emulation.npu_moe_gating_top_k_backward(scores, grad, idx, norm_type=1,
-                                                  routed_scaling_factor=2.5)  # fmt: skip
+    got = emulation.npu_moe_gating_top_k_backward(
+        scores, grad, idx, norm_type=1, routed_scaling_factor=2.5
+    )
     assert torch.allclose(got, x.grad, atol=1e-6)
 
 
 @pytest.mark.parametrize(
     "call, error",
     [
-        (lambda: emulation.npu_moe_gating_top_k(torch.zeros(2, 6), 2, group_count=4),
-         "group_count 4 must divide the 6 experts"),
+        (
+            lambda: emulation.npu_moe_gating_top_k(torch.zeros(2, 6), 2, group_count=4),
+            "group_count 4 must divide the 6 experts",
+        ),
         (lambda: emulation.npu_moe_gating_top_k(torch.zeros(2, 6), 7), "k 7 must be in"),
         (lambda: emulation.npu_moe_gating_top_k(torch.zeros(2, 6), 2, renorm=1), "renorm 0"),
-        (lambda: emulation.npu_moe_gating_top_k_backward(
-            torch.zeros(2, 6), torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.int32)),
-         "only norm_type 1"),
+        (
+            lambda: emulation.npu_moe_gating_top_k_backward(
+                torch.zeros(2, 6), torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.int32)
+            ),
+            "only norm_type 1",
+        ),
     ],
     ids=["groups", "k", "renorm", "softmax-backward"],
-)  # fmt: skip
+)
 def test_calls_the_kernel_would_reject_are_named(call, error):
     with pytest.raises((ValueError, TypeError), match=error):
         call()
@@ -88,7 +98,7 @@ def test_calls_the_kernel_would_reject_are_named(call, error):
         (torch.float32, 2, "softmax", (None, None), None),  # no softmax backward kernel
         (torch.bfloat16, 2, "sigmoid", (None, None), None),  # Megatron rounds before choosing
     ],
-)  # fmt: skip
+)
 def test_the_kernel_serves_only_routings_that_are_megatrons(dtype, topk, score, groups, expected):
     logits = torch.zeros(3, 16, dtype=dtype)
     assert gating_kernel_groups(logits, topk, score, *groups) == expected

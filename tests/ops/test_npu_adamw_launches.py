@@ -35,11 +35,24 @@ def _lists(n, seed=0):
 
 #: ops that only make a new view of existing memory: no kernel runs for them
 _METADATA_ONLY = {
-    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::split", "aten::split_with_sizes",
-    "aten::as_strided", "aten::alias", "aten::detach", "aten::expand", "aten::slice",
-    "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose",
-    "aten::permute", "aten::_unsafe_view",
-}  # fmt: skip
+    "aten::view",
+    "aten::reshape",
+    "aten::_reshape_alias",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::as_strided",
+    "aten::alias",
+    "aten::detach",
+    "aten::expand",
+    "aten::slice",
+    "aten::select",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::t",
+    "aten::transpose",
+    "aten::permute",
+    "aten::_unsafe_view",
+}
 
 
 def _launches(fn):
@@ -47,9 +60,10 @@ def _launches(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return Counter(
-        e.name for e in prof.events()
+        e.name
+        for e in prof.events()
         if e.cpu_parent is None and e.name.startswith("aten::") and e.name not in _METADATA_ONLY
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("n", [3, 40])
@@ -92,8 +106,9 @@ def test_large_groups_are_cut_into_chunks_at_tensor_boundaries(monkeypatch):
 def test_fused_adamw_on_npu_emulated_matches_torch_adamw_over_steps(amsgrad, maximize):
     """Flat moments (FusedAdamW's), gathered params and grads: same numbers as torch's AdamW."""
     ours, ref = _params(9), _params(9)
-    options = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad,
-                   maximize=maximize)  # fmt: skip
+    options = dict(
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize
+    )
     megatron_npu.apply("npu-emulated")
     try:
         opt = FusedAdamW(ours, **options)

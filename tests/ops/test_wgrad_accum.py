@@ -40,9 +40,11 @@ def test_fp16_kernel_rounds_once_into_a_16_bit_main_grad():
 
 @pytest.mark.parametrize(
     "kernel, main_dtype, message",
-    [("wgrad_gemm_accum_fp32", torch.bfloat16, "must be float32"),
-     ("wgrad_gemm_accum_fp16", torch.float32, "must be float16 or bfloat16")],
-)  # fmt: skip
+    [
+        ("wgrad_gemm_accum_fp32", torch.bfloat16, "must be float32"),
+        ("wgrad_gemm_accum_fp16", torch.float32, "must be float16 or bfloat16"),
+    ],
+)
 def test_kernels_refuse_the_wrong_main_grad_dtype(kernel, main_dtype, message):
     x, go, mg = _data()
     with pytest.raises(TypeError, match=message):

@@ -33,8 +33,10 @@ def _rcfile(out: Path) -> Path:
     them from there, so they measure the same sources with branches as this process."""
     sources = "\n    ".join(str(REPO / "megatron_npu" / s) for s in SOURCES)
     rc = out / "coveragerc"
-    rc.write_text(f"[run]\nbranch = True\nparallel = True\nconcurrency = multiprocessing, thread\n"
-                  f"data_file = {out / 'coverage.dat'}\nsource =\n    {sources}\n")  # fmt: skip
+    rc.write_text(
+        f"[run]\nbranch = True\nparallel = True\nconcurrency = multiprocessing, thread\n"
+        f"data_file = {out / 'coverage.dat'}\nsource =\n    {sources}\n"
+    )
     return rc
 
 
@@ -65,17 +67,28 @@ def main(out: Path) -> None:
                 if cell.parallel.world > 1:
                     if cell.patch.id in single:
                         continue
-                    job = Job(cell.patch.id, cell.device, dtype_name(cell.dtype), cell.parallel,
-                              case_examples(cell.case.name, "quick"))  # fmt: skip
+                    job = Job(
+                        cell.patch.id,
+                        cell.device,
+                        dtype_name(cell.dtype),
+                        cell.parallel,
+                        case_examples(cell.case.name, "quick"),
+                    )
                     record = evaluate(job, pools.get(cell.parallel.world, cell.device))
                     if record.verdict.status == "error":
                         errors.append(cell.id)
                     if cell.device == NPU_EMULATED:
-                        kernels[cell.patch.id] |= {k for k, n in (record.kernels or {}).items()
-                                                   if n}  # fmt: skip
+                        kernels[cell.patch.id] |= {
+                            k for k, n in (record.kernels or {}).items() if n
+                        }
                     continue
-                job = Job(cell.patch.id, cell.device, dtype_name(cell.dtype), cell.parallel,
-                          case_examples(cell.case.name, "quick"))  # fmt: skip
+                job = Job(
+                    cell.patch.id,
+                    cell.device,
+                    dtype_name(cell.dtype),
+                    cell.parallel,
+                    case_examples(cell.case.name, "quick"),
+                )
                 with count_kernel_calls() as calls:
                     record = evaluate(job)
                 if record.verdict.status == "error":

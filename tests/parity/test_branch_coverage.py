@@ -48,8 +48,10 @@ FLOOR = 0.69
 def traced(tmp_path_factory):
     """(coverage data file, cells.json contents) of a fresh-process trace."""
     out = tmp_path_factory.mktemp("branch-coverage")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     proc = subprocess.run(
         [sys.executable, str(HERE / "_coverage_trace.py"), str(out)],
         cwd=REPO,
@@ -135,8 +137,11 @@ def kernel_call_sites() -> set[tuple[str, int, str]]:
         if path.parent.name == "testing":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in known):  # fmt: skip
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in known
+            ):
                 sites.add((str(path), node.lineno, node.func.attr))
     return sites
 

@@ -110,8 +110,12 @@ def _pytest(*argv: str, **env: str) -> subprocess.CompletedProcess:
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _not_failed(nodes: list[str], stdout: str) -> list[str]:
@@ -147,9 +151,14 @@ def test_exempt_tests_fail_with_their_patches_disabled(tmp_path):
         plan_file = tmp_path / f"batch{number}.json"
         plan_file.write_text(json.dumps(plan))
         proc = _pytest(
-            "-rA", "--no-header", "-p", "disable_per_test", *plan,
-            PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]), DISABLE_PER_TEST=str(plan_file),
-        )  # fmt: skip
+            "-rA",
+            "--no-header",
+            "-p",
+            "disable_per_test",
+            *plan,
+            PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]),
+            DISABLE_PER_TEST=str(plan_file),
+        )
         for group in batch:
             if _not_failed(groups[group][1], proc.stdout):
                 unproven[group] = proc.stdout[-3000:]
@@ -189,9 +198,14 @@ def test_exemption_tests_run_in_the_default_suite():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line.strip() for line in proc.stdout.splitlines()}
     # a node is collected as itself, as its parametrised cases, or (``file::``) as its file's tests
-    missing = [n for n in nodes if not any(
-        c == n or c.startswith(n + "[") or (n.endswith("::") and c.startswith(n))
-        for c in collected)]  # fmt: skip
+    missing = [
+        n
+        for n in nodes
+        if not any(
+            c == n or c.startswith(n + "[") or (n.endswith("::") and c.startswith(n))
+            for c in collected
+        )
+    ]
     assert not missing, f"exemption tests the default suite leaves out: {missing}"
 
 
@@ -209,13 +223,33 @@ def test_each_batched_test_sees_only_its_own_disabled_patches(tmp_path):
         "def test_c(x):\n    assert _seen() == 'p.three'\n"
     )
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"test_plan.py::test_a": "p.one,p.two",
-                                "test_plan.py::test_c": "p.three"}))  # fmt: skip
+    plan.write_text(
+        json.dumps({"test_plan.py::test_a": "p.one,p.two", "test_plan.py::test_c": "p.three"})
+    )
     env = {**os.environ, "PYTHONPATH": str(HERE), "DISABLE_PER_TEST": str(plan)}
     env.pop("MEGATRON_NPU_DISABLE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-         "-p", "disable_per_test", "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-p",
+            "disable_per_test",
+            "--rootdir",
+            str(tmp_path),
+            "-c",
+            "/dev/null",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]

@@ -99,8 +99,11 @@ def test_stage1_metrics_equal_msprobe(name):
 
     assert np.array_equal(abs_bench_eps, np.abs(r) + np.asarray(ours.rel_eps, dtype=r.dtype))
     assert ours.max_abs_error == float(ms.get_max_abs_err(abs_err)[0])
-    for level, field in ((0.01, "dual_hundredth"), (0.001, "dual_thousandth"),
-                         (0.0001, "dual_ten_thousandth")):  # fmt: skip
+    for level, field in (
+        (0.01, "dual_hundredth"),
+        (0.001, "dual_thousandth"),
+        (0.0001, "dual_ten_thousandth"),
+    ):
         assert getattr(ours, field) == float(ms.get_rel_err_ratio(rel, level)[0]), field
     cos, _, _ = ms.cosine_sim(r, x)
     if x.size == 1 or (np.max(np.abs(x)) <= np.finfo(float).eps):
@@ -155,8 +158,11 @@ def test_the_battery_reaches_every_stage1_outcome():
     statuses = {_msprobe_stage1(a, r)[0] for a, r in BATTERY.values()}
     assert {"max_abs", "dual_hundredth", "rel_l2"} <= outcomes
     assert statuses == {"pass", "warning", "error"}
-    missed = [n for n, (a, r) in BATTERY.items()
-              if verdict(compare(a, r, a.dtype)).rule == "rel_l2" and _msprobe_stage1(a, r)[0] != "error"]  # fmt: skip  # noqa: E501
+    missed = [
+        n
+        for n, (a, r) in BATTERY.items()
+        if verdict(compare(a, r, a.dtype)).rule == "rel_l2" and _msprobe_stage1(a, r)[0] != "error"
+    ]  # noqa: E501
     assert missed, "the battery should show an error the msprobe shortcut lets through"
 
 
@@ -178,11 +184,18 @@ def test_non_finite_positions_departure(dtype):
     # our numbers equal msprobe's on the compared (finite) positions
     finite = torch.isfinite(actual.to(F64)) & torch.isfinite(reference.to(F64))
     sub = compare(actual[finite], reference[finite], dtype)
-    assert dataclasses.replace(ours, nonfinite_match_count=0, numel=5,
-                               actual_shape=(5,), reference_shape=(5,)) == sub  # fmt: skip
+    assert (
+        dataclasses.replace(
+            ours, nonfinite_match_count=0, numel=5, actual_shape=(5,), reference_shape=(5,)
+        )
+        == sub
+    )
 
-    mismatch = compare(torch.tensor([1.0, NAN] + [2.0] * 198, dtype=dtype),
-                       torch.tensor([1.0, 2.0] + [2.0] * 198, dtype=rd), dtype)  # fmt: skip
+    mismatch = compare(
+        torch.tensor([1.0, NAN] + [2.0] * 198, dtype=dtype),
+        torch.tensor([1.0, 2.0] + [2.0] * 198, dtype=rd),
+        dtype,
+    )
     assert (verdict(mismatch).status, verdict(mismatch).rule) == ("error", "inf_nan")
 
 
@@ -218,10 +231,14 @@ def test_benchmark_ratios_use_msprobe_floor_and_limits(dtype):
     bench = compare(ref.to(dtype), ref, dtype)
     res = benchmark_result(tested, bench, "L2")
     for key in ("rmse", "max_rel_error", "mean_rel_error", "small_value_error_share"):
-        assert res.ratios[key] == ms.calc_ratio(getattr(tested, key), getattr(bench, key),
-                                                str(dtype))  # fmt: skip
-    msprobe_names = {"rmse": "rmse", "max_rel_error": "max_rel_err",
-                     "mean_rel_error": "mean_rel_err"}  # fmt: skip
+        assert res.ratios[key] == ms.calc_ratio(
+            getattr(tested, key), getattr(bench, key), str(dtype)
+        )
+    msprobe_names = {
+        "rmse": "rmse",
+        "max_rel_error": "max_rel_err",
+        "mean_rel_error": "mean_rel_err",
+    }
     for level in LEVEL_LIMITS:
         for ours, theirs in msprobe_names.items():
             assert LEVEL_LIMITS[level][ours] == StandardConfig.get_benchmark_ratio_threshold(

@@ -15,9 +15,10 @@ from megatron_npu.registry import NPU_EMULATED, all_patches, get_patch
 
 #: the mutations of patches that apply to the installed megatron-core (tox runs each release's)
 HERE = sorted(
-    name for name, m in MUTATIONS.items()
+    name
+    for name, m in MUTATIONS.items()
     if get_patch(m.patch_id).applies_to_version(megatron_core_version())
-)  # fmt: skip
+)
 
 
 def _evaluate(mutation, with_bug, rank_pools):

@@ -121,8 +121,9 @@ class _MetaAccelerator(CpuAccelerator):
 
 def _meta_device() -> Device:
     """An off-CPU stand-in: the adaptor routes Megatron's "cuda" to the meta device."""
-    return Device(name="npu", torch_type="meta", dist_backend="gloo",
-                  accelerator=_MetaAccelerator())  # fmt: skip
+    return Device(
+        name="npu", torch_type="meta", dist_backend="gloo", accelerator=_MetaAccelerator()
+    )
 
 
 def test_references_stay_on_cpu_with_an_off_cpu_device_active():
@@ -135,8 +136,9 @@ def test_references_stay_on_cpu_with_an_off_cpu_device_active():
     inputs = case.make_inputs(params)
 
     def reference():
-        ctx = Context(params, torch.float32, torch.bfloat16, torch.device("cpu"),
-                      patcher.original(patch))  # fmt: skip
+        ctx = Context(
+            params, torch.float32, torch.bfloat16, torch.device("cpu"), patcher.original(patch)
+        )
         with reference_environment(patch) as hits:
             out = case.reference(ctx, inputs)
         assert hits == []

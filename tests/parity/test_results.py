@@ -464,10 +464,17 @@ def _bench(dtype: str = "bfloat16", scale: float = 1.0):
 def test_schema_2_record_with_kernels_and_benchmark_round_trips(tmp_path):
     tested, bres = _bench()
     rec = ParityRecord.build(
-        patch_id="p", target="m.f", case="c", dtype="bfloat16", parallel=PAR,
-        comparisons={"out": tested}, benchmarks={"out": bres}, benchmark_level="L0",
-        kernels={"npu_rms_norm": 3}, provenance=provenance("npu-emulated"),
-    )  # fmt: skip
+        patch_id="p",
+        target="m.f",
+        case="c",
+        dtype="bfloat16",
+        parallel=PAR,
+        comparisons={"out": tested},
+        benchmarks={"out": bres},
+        benchmark_level="L0",
+        kernels={"npu_rms_norm": 3},
+        provenance=provenance("npu-emulated"),
+    )
     assert rec.schema_version == 3
     assert (rec.kernels, rec.npu_kernel_exercised) == ({"npu_rms_norm": 3}, True)
     assert rec.tensors["out"].verdict.rule == "benchmark"
@@ -482,9 +489,15 @@ def test_benchmark_error_decides_a_bf16_tensor_that_stage_1_passes():
     tested, bres = _bench(scale=1.03)  # 3 % off everywhere: a bf16-only bug
     assert bres.status == "error" and "mean_rel_error" in bres.reason
     rec = ParityRecord.build(
-        patch_id="p", target="m.f", case="c", dtype="bfloat16", parallel=PAR,
-        comparisons={"out": tested}, benchmarks={"out": bres}, provenance=provenance(),
-    )  # fmt: skip
+        patch_id="p",
+        target="m.f",
+        case="c",
+        dtype="bfloat16",
+        parallel=PAR,
+        comparisons={"out": tested},
+        benchmarks={"out": bres},
+        provenance=provenance(),
+    )
     assert (rec.verdict.status, rec.verdict.rule) == ("error", "benchmark")
 
 
@@ -507,9 +520,15 @@ def test_schema_1_records_are_still_read(tmp_path):
 
 def test_crashed_cell_is_an_error_record_without_tensors(tmp_path):
     rec = ParityRecord.failed(
-        patch_id="p", target="m.f", case="c", dtype="float32", parallel=PAR,
-        provenance=provenance("npu-emulated"), rule="crash", reason="RuntimeError: boom",
-    )  # fmt: skip
+        patch_id="p",
+        target="m.f",
+        case="c",
+        dtype="float32",
+        parallel=PAR,
+        provenance=provenance("npu-emulated"),
+        rule="crash",
+        reason="RuntimeError: boom",
+    )
     assert (rec.verdict.status, rec.verdict.rule, rec.tensors) == ("error", "crash", {})
     write_record(rec, tmp_path)
     (back,) = read_records(tmp_path)

@@ -12,8 +12,11 @@ from megatron_npu.parity.results import read_records
 def _run(tmp_path, *args):
     return subprocess.run(
         [sys.executable, "-m", "megatron_npu.cli", "parity", "--results", str(tmp_path), *args],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
 
 
 def test_parity_cli_writes_records_and_a_summary(tmp_path):
@@ -67,8 +70,9 @@ def _job(patch, case):
     from megatron_npu.parity.harness import Job
     from megatron_npu.parity.matrix import case_examples
 
-    return Job(patch.id, "npu-emulated", "float32", case.parallel[0],
-               case_examples(case.name, "quick")[:1])  # fmt: skip
+    return Job(
+        patch.id, "npu-emulated", "float32", case.parallel[0], case_examples(case.name, "quick")[:1]
+    )
 
 
 def test_a_crashing_cell_is_an_error_record_counted_in_the_summary(monkeypatch, tmp_path):

@@ -28,8 +28,14 @@ def test_fused_attention_keeps_megatrons_sliding_window(device, window, skip_fre
     try:
         with megatron_parallel():
             options = {"window_attn_skip_freq": skip_freq} if skip_freq else {}
-            config = megatron_config(hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
-                                     masked_softmax_fusion=False, window_size=window, **options)  # fmt: skip
+            config = megatron_config(
+                hidden_size=16,
+                num_attention_heads=2,
+                attention_dropout=0.0,
+                masked_softmax_fusion=False,
+                window_size=window,
+                **options,
+            )
             gen = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(12, 2, 2, 8, generator=gen) for _ in range(3))
             for layer_number in (1, 2):

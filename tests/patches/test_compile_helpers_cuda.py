@@ -45,8 +45,9 @@ def test_no_makefile_is_one_line_not_an_exit(capsys, monkeypatch):
     entry = {p.id: p for p in all_patches()}["data.compile-helpers-cuda"]
     here = dataclasses.replace(entry, devices=frozenset({"cpu"}))
     made = []
-    monkeypatch.setattr(subprocess, "run",
-                        lambda *a, **k: made.append(a) or subprocess.CompletedProcess(a, 2))  # fmt: skip
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: made.append(a) or subprocess.CompletedProcess(a, 2)
+    )
     megatron_npu.apply("cpu", patches=[here])
     try:
         assert utils.compile_helpers() is None and made == []
@@ -61,8 +62,11 @@ def test_without_the_extension_the_numpy_helpers_serve(tmp_path, capsys, monkeyp
     installed = []
     monkeypatch.setattr(index_helpers, "install_numpy_helpers", lambda: installed.append(1))
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.endswith("helpers_cpp") else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.endswith("helpers_cpp") else real(name, *a),
+    )
     assert data._compile_where_possible(module.compile_helpers)() is None
     assert module.CALLS == [] and installed == [1]
     assert "numpy index helpers serve" in capsys.readouterr().err

@@ -24,8 +24,9 @@ def _megatron_optimizer(**options):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     half = {"bf16": True} if options.get("bf16") else {}
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                               use_cpu_initialization=True, **half)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True, **half
+    )
 
     class Tiny(MegatronModule):
         def __init__(self):

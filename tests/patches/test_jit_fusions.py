@@ -11,8 +11,9 @@ from megatron_npu.patches import jit_fusions
 
 _INSTALLED = patcher.megatron_core_version()
 _HERE = [p for p in jit_fusions.PATCHES if p.applies_to_version(_INSTALLED) and p.kind == "wrap"]
-_DECORATORS = [p for p in jit_fusions.PATCHES
-               if p.applies_to_version(_INSTALLED) and p.kind == "replace"]  # fmt: skip
+_DECORATORS = [
+    p for p in jit_fusions.PATCHES if p.applies_to_version(_INSTALLED) and p.kind == "replace"
+]
 
 
 @pytest.mark.parametrize("patch", _HERE, ids=lambda p: p.id)

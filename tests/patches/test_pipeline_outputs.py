@@ -28,8 +28,10 @@ def test_sent_output_data_lives_until_the_schedule_returns(device):
 
     megatron_npu.apply(device)
     try:
-        for name in ("forward_backward_pipelining_with_interleaving",
-                     "forward_backward_pipelining_without_interleaving"):  # fmt: skip
+        for name in (
+            "forward_backward_pipelining_with_interleaving",
+            "forward_backward_pipelining_without_interleaving",
+        ):
             installed = getattr(schedules, name)
             assert installed.__wrapped__ is not installed  # the releasing wrapper is in place
         pipeline._releasing_sent_outputs(schedule)(_output())

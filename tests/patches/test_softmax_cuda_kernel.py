@@ -39,11 +39,14 @@ def _softmax(causal=True, fusion=True, dtype=torch.float16):
     from megatron.core.transformer.utils import attention_mask_func
 
     return FusedScaleMaskSoftmax(
-        input_in_fp16=dtype == torch.float16, input_in_bf16=dtype == torch.bfloat16,
+        input_in_fp16=dtype == torch.float16,
+        input_in_bf16=dtype == torch.bfloat16,
         attn_mask_type=AttnMaskType.causal if causal else AttnMaskType.padding,
-        scaled_masked_softmax_fusion=fusion, mask_func=attention_mask_func,
-        softmax_in_fp32=True, scale=None,
-    )  # fmt: skip
+        scaled_masked_softmax_fusion=fusion,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
 
 
 def _reference(scores, mask):

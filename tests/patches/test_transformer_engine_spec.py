@@ -26,8 +26,14 @@ SEQ, VOCAB, BATCH, HIDDEN = 16, 64, 2, 32
 def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
-                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(overrides)
     return TransformerConfig(**base)
 
@@ -37,8 +43,9 @@ def _gpt(spec, config, seed: int = 1234):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=SEQ)  # fmt: skip
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ
+    )
 
 
 def _te_spec(**kwargs):
@@ -61,8 +68,12 @@ def _te_layer_keys(layer: int, layer_norm: bool, bias: bool = True) -> set[str]:
     norm = {"layer_norm_weight"} | ({"layer_norm_bias"} if layer_norm else set())
     linear = {"weight", "_extra_state"} | ({"bias"} if bias else set())
     keys = {f"{p}self_attention.core_attention._extra_state"}
-    for name, extra in (("self_attention.linear_qkv", norm), ("self_attention.linear_proj", ()),
-                        ("mlp.linear_fc1", norm), ("mlp.linear_fc2", ())):  # fmt: skip
+    for name, extra in (
+        ("self_attention.linear_qkv", norm),
+        ("self_attention.linear_proj", ()),
+        ("mlp.linear_fc1", norm),
+        ("mlp.linear_fc2", ()),
+    ):
         keys |= {f"{p}{name}.{k}" for k in linear | set(extra)}
     return keys
 
@@ -82,8 +93,11 @@ def test_te_spec_model_has_te_parameter_names(gloo_world_of_one, cpu_adaptor, no
     assert final == {f"decoder.final_layernorm.{k}" for k in norm_keys}
     qkv = model.decoder.layers[0].self_attention.linear_qkv
     names = [n for n, _ in qkv.named_parameters()]
-    assert names == (["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
-                     if normalization == "LayerNorm" else ["layer_norm_weight", "weight", "bias"])  # fmt: skip
+    assert names == (
+        ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
+        if normalization == "LayerNorm"
+        else ["layer_norm_weight", "weight", "bias"]
+    )
     assert qkv.weight.partition_dim == 0 and qkv.weight.tensor_model_parallel
     assert not getattr(qkv.layer_norm_weight, "tensor_model_parallel", False)
     proj = model.decoder.layers[0].self_attention.linear_proj
@@ -106,16 +120,17 @@ def test_te_spec_sharded_keys_leave_core_attention_extra_state_out(gloo_world_of
     assert extra.key == "decoder.layers.self_attention.linear_qkv._extra_state"  # layers stacked
 
 
-@pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False),
-                                                           ("RMSNorm", True)])  # fmt: skip
-def test_te_spec_computes_what_the_local_spec_computes(gloo_world_of_one, cpu_adaptor,
-                                                       normalization, zero_centered):  # fmt: skip
+@pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", True)])
+def test_te_spec_computes_what_the_local_spec_computes(
+    gloo_world_of_one, cpu_adaptor, normalization, zero_centered
+):
     """Same weights (the local spec's input / pre-MLP norms are the TE linears' fused norms):
     same loss and same gradients, forward and backward."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = _config(normalization=normalization, layernorm_zero_centered_gamma=zero_centered,
-                     qk_layernorm=True)  # fmt: skip
+    config = _config(
+        normalization=normalization, layernorm_zero_centered_gamma=zero_centered, qk_layernorm=True
+    )
     te = _gpt(_te_spec(qk_layernorm=True), config)
     local = _gpt(get_gpt_layer_local_spec(qk_layernorm=True, normalization=normalization), config)
     renamed = {
@@ -144,8 +159,13 @@ def test_te_spec_computes_what_the_local_spec_computes(gloo_world_of_one, cpu_ad
         target = name
         for old, new in renamed.items():
             target = target.replace(old, new)
-        torch.testing.assert_close(te_params[target].grad, param.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            te_params[target].grad,
+            param.grad,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
 
 
 def test_te_block_spec_builds_with_te_norm(gloo_world_of_one, cpu_adaptor):
@@ -202,11 +222,14 @@ def test_placeholders_come_back_and_no_transformer_engine_module_appears():
 
 @pytest.mark.parametrize(
     "state",
-    [None, torch.empty(0, dtype=torch.uint8),
-     torch.frombuffer(bytearray(pickle.dumps(None, protocol=4)), dtype=torch.uint8),
-     torch.frombuffer(bytearray(pickle.dumps({}, protocol=4)), dtype=torch.uint8)],
+    [
+        None,
+        torch.empty(0, dtype=torch.uint8),
+        torch.frombuffer(bytearray(pickle.dumps(None, protocol=4)), dtype=torch.uint8),
+        torch.frombuffer(bytearray(pickle.dumps({}, protocol=4)), dtype=torch.uint8),
+    ],
     ids=["none", "empty", "te2.0-pickled-none", "te-norm-pickled-empty-dict"],
-)  # fmt: skip
+)
 def test_extra_state_without_fp8_loads(state):
     te_layers.TEExtraState().set_extra_state(state)
 

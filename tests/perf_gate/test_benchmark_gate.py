@@ -22,10 +22,21 @@ def test_every_patch_has_a_benchmark_or_a_written_exemption():
 
 
 def test_the_gate_catches_a_patch_without_one():
-    bare = Patch(id="demo.no-benchmark", target="megatron.core.demo.fn", replacement=len,
-                 reason="demo", parity="megatron_npu.parity.cases.demo:DEMO")  # fmt: skip
-    exempt = Patch(id="demo.exempt", target="megatron.core.demo.fn", replacement=len,
-                   reason="demo", parity="megatron_npu.parity.cases.demo:DEMO", benchmark_exempt="plumbing")  # fmt: skip
+    bare = Patch(
+        id="demo.no-benchmark",
+        target="megatron.core.demo.fn",
+        replacement=len,
+        reason="demo",
+        parity="megatron_npu.parity.cases.demo:DEMO",
+    )
+    exempt = Patch(
+        id="demo.exempt",
+        target="megatron.core.demo.fn",
+        replacement=len,
+        reason="demo",
+        parity="megatron_npu.parity.cases.demo:DEMO",
+        benchmark_exempt="plumbing",
+    )
     assert _gaps([bare, exempt]) == ["demo.no-benchmark"]
 
 

@@ -44,8 +44,9 @@ def test_every_configuration_of_the_table_is_there(gpu_matrix):
             continue
         variant = "sparse" if "pre-tokens" in o else "flash"
         seen.add((precision, variant, o.get("shape-order", "SBH")))
-    sixteen_bit = {(p, v, s) for p in ("bf16", "fp16") for v in ("flash", "sparse")
-                   for s in ("SBH", "BSH")}  # fmt: skip
+    sixteen_bit = {
+        (p, v, s) for p in ("bf16", "fp16") for v in ("flash", "sparse") for s in ("SBH", "BSH")
+    }
     assert sixteen_bit | {(p, "unfused") for p in ("fp32", "bf16", "fp16")} <= seen
 
 

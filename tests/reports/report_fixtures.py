@@ -23,8 +23,14 @@ def parity_job(device: str, dtype: str, *, planted: bool = False) -> Any:
 
     mutation = MUTATIONS[PLANTED]
     assert mutation.patch_id == PARITY_PATCH
-    return Job(PARITY_PATCH, device, dtype, Parallel(), mutation.examples,
-               mutation=PLANTED if planted else None)  # fmt: skip
+    return Job(
+        PARITY_PATCH,
+        device,
+        dtype,
+        Parallel(),
+        mutation.examples,
+        mutation=PLANTED if planted else None,
+    )
 
 
 def write_parity_cell(directory: Path, device: str, dtype: str, *, planted: bool = False) -> Path:
@@ -142,8 +148,19 @@ def copy_results(source: Path, directory: Path, *, slower: float = 1.0) -> Path:
 #: suite (perf/, at its quick size), two ops, each on the Megatron path, the native path and the
 #: emulated NPU binding; never a hand-written JSON file.
 BENCH_SELECTION = "(bias-swiglu or bias-gelu) and float32 and fwd and not bwd"
-TIMING_KEYS = ("min", "max", "mean", "stddev", "median", "iqr", "q1", "q3", "ld15iqr",
-               "hd15iqr", "total")  # fmt: skip
+TIMING_KEYS = (
+    "min",
+    "max",
+    "mean",
+    "stddev",
+    "median",
+    "iqr",
+    "q1",
+    "q3",
+    "ld15iqr",
+    "hd15iqr",
+    "total",
+)
 
 
 def run_benchmarks(path: Path) -> Path:
@@ -160,11 +177,29 @@ def run_benchmarks(path: Path) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(root / "perf" / "test_patched_ops_bench.py"), "--perf-quick", "-k", BENCH_SELECTION,
-         f"--benchmark-json={path}", "--rootdir", str(root)],
-        cwd=root, capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            str(root / "perf" / "test_patched_ops_bench.py"),
+            "--perf-quick",
+            "-k",
+            BENCH_SELECTION,
+            f"--benchmark-json={path}",
+            "--rootdir",
+            str(root),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert path.is_file(), f"pytest-benchmark wrote no {path}:\n{done.stdout[-3000:]}"
     return path
@@ -209,8 +244,11 @@ def with_paths_relative(source: Path, target: Path, factors: dict[tuple[str, str
         return info["op"], info["dtype"], info["direction"], info["device"]
 
     def edit(data: dict[str, Any]) -> None:
-        megatron = {line(b["extra_info"]): dict(b["stats"]) for b in data["benchmarks"]
-                    if b["extra_info"]["path"] == "megatron"}  # fmt: skip
+        megatron = {
+            line(b["extra_info"]): dict(b["stats"])
+            for b in data["benchmarks"]
+            if b["extra_info"]["path"] == "megatron"
+        }
         for bench in data["benchmarks"]:
             info = bench["extra_info"]
             factor = factors.get((info["op"], info["path"]))

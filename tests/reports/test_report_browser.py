@@ -166,9 +166,10 @@ def test_report_in_chromium(browser, report, tmp_path):
 
     # the emulation label wherever an emulated device ran, and nowhere else
     labelled = page.eval_on_selector_all(
-        ".device", "els => els.map(e => [e.dataset.device, !!(e.nextElementSibling && "
+        ".device",
+        "els => els.map(e => [e.dataset.device, !!(e.nextElementSibling && "
         "e.nextElementSibling.classList.contains('emulated-label'))])",
-    )  # fmt: skip
+    )
     assert any(device == "npu-emulated" for device, _ in labelled)
     assert all(flag == (device == "npu-emulated") for device, flag in labelled)
 
@@ -179,8 +180,9 @@ def test_report_in_chromium(browser, report, tmp_path):
 
 
 def test_diff_report_in_chromium(browser, parity_runs, tmp_path):
-    out = build_report([parity_runs["planted"]], tmp_path / "diff.html",
-                       diff_base=[parity_runs["base"]])  # fmt: skip
+    out = build_report(
+        [parity_runs["planted"]], tmp_path / "diff.html", diff_base=[parity_runs["base"]]
+    )
     opened = Opened(browser, out)
     rows = opened.page.eval_on_selector_all(
         "#diff-new_errors > tbody > tr", "rs => rs.map(r => r.dataset.key)"

@@ -48,8 +48,9 @@ def test_speed_changes_skip_emulated(tmp_path, compare_dir, bench_file):
 
 
 def test_diff_page_shows_the_planted_cell(parity_runs, tmp_path):
-    out = build_report([parity_runs["planted"]], tmp_path / "d.html",
-                       diff_base=[parity_runs["base"]])  # fmt: skip
+    out = build_report(
+        [parity_runs["planted"]], tmp_path / "d.html", diff_base=[parity_runs["base"]]
+    )
     html = out.read_text()
     new_errors = html.split('id="diff-new_errors"')[1].split("</table>")[0]
     assert new_errors.count("<tr data-key=") == 1

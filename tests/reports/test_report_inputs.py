@@ -14,13 +14,20 @@ from megatron_npu.reports.inputs import load
 
 #: a schema-2 ``benchmark`` object as parity/results.py (i8-verdicts) writes it
 BENCHMARK_SECTION = {
-    "path": "stock Megatron path in the same dtype", "level": "L0", "unavailable": None,
-    "tensors": {"out": {
-        "level": "L0", "tested": {"max_rel_error": 0.02}, "benchmark": {"max_rel_error": 0.01},
-        "ratios": {"max_rel_error": 2.0}, "limits": {"max_rel_error": 10.0},
-        "verdict": {"status": "pass", "reason": "every ratio within L0"},
-    }},
-}  # fmt: skip
+    "path": "stock Megatron path in the same dtype",
+    "level": "L0",
+    "unavailable": None,
+    "tensors": {
+        "out": {
+            "level": "L0",
+            "tested": {"max_rel_error": 0.02},
+            "benchmark": {"max_rel_error": 0.01},
+            "ratios": {"max_rel_error": 2.0},
+            "limits": {"max_rel_error": 10.0},
+            "verdict": {"status": "pass", "reason": "every ratio within L0"},
+        }
+    },
+}
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -78,13 +85,27 @@ def test_schema_2_records_and_crash_records_are_read(parity_runs, tmp_path):
     folder = _copy(parity_runs["base"], tmp_path / "run")
     first, second = _records(folder)[:2]
     data = json.loads(first.read_text())
-    data.update(schema_version=2, kernels={"npu_swiglu": 3}, npu_kernel_exercised=True,
-                benchmark=BENCHMARK_SECTION)  # fmt: skip
+    data.update(
+        schema_version=2,
+        kernels={"npu_swiglu": 3},
+        npu_kernel_exercised=True,
+        benchmark=BENCHMARK_SECTION,
+    )
     first.write_text(json.dumps(data))
     crash = json.loads(second.read_text())
-    crash.update(schema_version=2, kernels={}, npu_kernel_exercised=False, benchmark=None,
-                 tensors={}, verdict={"status": "error", "rule": "crash", "override": False,
-                                      "reason": "RuntimeError: boom"})  # fmt: skip
+    crash.update(
+        schema_version=2,
+        kernels={},
+        npu_kernel_exercised=False,
+        benchmark=None,
+        tensors={},
+        verdict={
+            "status": "error",
+            "rule": "crash",
+            "override": False,
+            "reason": "RuntimeError: boom",
+        },
+    )
     second.write_text(json.dumps(crash))
     rs = load([folder])
     assert rs.skipped == []

@@ -14,9 +14,14 @@ from megatron_npu.reports.build import render
 from megatron_npu.reports.inputs import load
 
 JSON_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=5),
-    st.lists(st.integers(0, 2), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 def _leaves(data: Any, path: tuple = ()) -> list[tuple]:
@@ -40,8 +45,12 @@ def _damaged(original: Path, target: Path, choice: int, value: Any) -> None:
     target.write_text(json.dumps(_replace(data, leaves[choice % len(leaves)], value)))
 
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+SETTINGS = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @SETTINGS

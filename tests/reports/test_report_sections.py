@@ -22,8 +22,10 @@ def test_matrix_has_one_row_per_record(ctx, parity_runs):
         (r.patch_id, r.case, r.dtype, r.device, r.verdict.status)
         for r in read_records(parity_runs["base"])  # the harness's own reader
     }
-    rows = {(r["patch"], r["case"], r["dtype"], r["device"]["name"], r["status"])
-            for r in ctx["parity_rows"]}  # fmt: skip
+    rows = {
+        (r["patch"], r["case"], r["dtype"], r["device"]["name"], r["status"])
+        for r in ctx["parity_rows"]
+    }
     assert rows == expected
     assert ctx["parity_filters"]["device"] == sorted(fx.PARITY_DEVICES)
 
@@ -53,8 +55,9 @@ def test_coverage_lists_every_registry_patch(ctx):
 def test_emulated_devices_are_labelled_and_never_merged(ctx):
     parity = next(row for row in ctx["banner"] if row["kind"] == "parity cells")
     assert {d["name"]: d["emulated"] for d in parity["devices"]} == {
-        "cpu": False, "npu-emulated": True,
-    }  # fmt: skip
+        "cpu": False,
+        "npu-emulated": True,
+    }
     runs = next(row for row in ctx["banner"] if row["kind"] == "training runs")
     assert {d["name"]: d["emulated"] for d in runs["devices"]} == {
         device: emulated for _, device, emulated in fx.RUNS
@@ -62,14 +65,21 @@ def test_emulated_devices_are_labelled_and_never_merged(ctx):
 
 
 def _bench_rows(context_: dict) -> dict:
-    return {(line["op"], line["device"]["name"], r["path"]): r
-            for line in context_["bench_lines"] for r in line["rows"]}  # fmt: skip
+    return {
+        (line["op"], line["device"]["name"], r["path"]): r
+        for line in context_["bench_lines"]
+        for r in line["rows"]
+    }
 
 
 def test_benchmark_ratios_are_the_real_medians(ctx, bench_file):
     rows = _bench_rows(ctx)
-    medians = {(b["extra_info"]["op"], b["extra_info"]["device"], b["extra_info"]["path"]):
-               b["stats"]["median"] for b in fx.benchmarks(bench_file)}  # fmt: skip
+    medians = {
+        (b["extra_info"]["op"], b["extra_info"]["device"], b["extra_info"]["path"]): b["stats"][
+            "median"
+        ]
+        for b in fx.benchmarks(bench_file)
+    }
     for op in ("bias-swiglu", "bias-gelu"):
         native, megatron = medians[(op, "cpu", "native")], medians[(op, "cpu", "megatron")]
         assert rows[(op, "cpu", "native")]["ratio"] == f"{native / megatron:.3g}"
@@ -82,14 +92,18 @@ def test_benchmark_ratios_are_the_real_medians(ctx, bench_file):
 def test_benchmark_flags_need_separated_spreads(bench_file, tmp_path):
     """Real records with the native path moved to a known multiple of its line's Megatron
     timings: far enough that the spreads separate, whatever the machine's noise was."""
-    stats = {b["extra_info"]["op"]: b["stats"] for b in fx.benchmarks(bench_file)
-             if b["extra_info"]["path"] == "megatron"}  # fmt: skip
+    stats = {
+        b["extra_info"]["op"]: b["stats"]
+        for b in fx.benchmarks(bench_file)
+        if b["extra_info"]["path"] == "megatron"
+    }
     slow = 2 * stats["bias-swiglu"]["q3"] / stats["bias-swiglu"]["q1"]
     fast = stats["bias-gelu"]["q1"] / stats["bias-gelu"]["q3"] / 2
     known = fx.with_paths_relative(
-        bench_file, tmp_path / "b.json",
+        bench_file,
+        tmp_path / "b.json",
         {("bias-swiglu", "native"): slow, ("bias-gelu", "native"): fast},
-    )  # fmt: skip
+    )
     rows = _bench_rows(context(load([known])))
     assert rows[("bias-swiglu", "cpu", "native")]["ratio"] == f"{slow:.3g}"
     assert rows[("bias-swiglu", "cpu", "native")]["flag"] == "slower"
@@ -117,8 +131,11 @@ def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
     results = json.loads((compare_dir / "results.json").read_text())
     matrix = comp["verdict_matrix"]
     assert set(matrix["rules"]) == {v["rule"] for v in results["verdicts"]}
-    cells = {(r["candidate"], r["baseline"], rule): cell
-             for r in matrix["rows"] for rule, cell in r["cells"].items()}  # fmt: skip
+    cells = {
+        (r["candidate"], r["baseline"], rule): cell
+        for r in matrix["rows"]
+        for rule, cell in r["cells"].items()
+    }
     assert len(cells) == len(results["verdicts"])
     for v in results["verdicts"]:
         cell = cells[(v["candidate"], v["baseline"], v["rule"])]
@@ -221,8 +238,14 @@ def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
         {"name": "cuda-fp32", "reason": "none of its devices (cuda) is available here"}
     ]
     data["notes"] = ["vocabulary padding aligned to a multiple of 256"]
-    data["runs"][2].update(device=None, emulated=False, status="failed", steps=[], perf=None,
-                           error="no device of its list is available")  # fmt: skip
+    data["runs"][2].update(
+        device=None,
+        emulated=False,
+        status="failed",
+        steps=[],
+        perf=None,
+        error="no device of its list is available",
+    )
     (folder / "results.json").write_text(json.dumps(data))
     rs = load([folder])
     assert rs.skipped == []

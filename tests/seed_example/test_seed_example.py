@@ -59,9 +59,19 @@ def _torchrun(script: Path, args: list[str], device: str, tmp: Path) -> tuple[in
         "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE / "megatron_lm")]),
     }
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--log-dir", str(logs), "--redirects", "3", str(script), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        str(script),
+        *args,
+    ]
     proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     rank_logs = {p: p.read_text(errors="replace") for p in sorted(logs.rglob("*.log"))}
     everything = (

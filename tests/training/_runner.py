@@ -20,12 +20,37 @@ TIMEOUT_S = 240
 #: weights in every layout: --layout-independent-init); 256 token ids
 #: (EOD included), so every TP size up to 2 pads the vocabulary to the same 256.
 TINY = [
-    "--device", "cpu", "--mock-data", "--vocab-size", str(null_vocab_size_for(256)),
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-    "--log-interval", "5", "--progress", "plain", "--layout-independent-init",
-]  # fmt: skip
+    "--device",
+    "cpu",
+    "--mock-data",
+    "--vocab-size",
+    str(null_vocab_size_for(256)),
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "5",
+    "--progress",
+    "plain",
+    "--layout-independent-init",
+]
 
 
 @dataclass

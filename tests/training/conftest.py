@@ -56,10 +56,19 @@ def tp2_saved(shared_tmp) -> tuple[Run, Path]:
 
     def compute(directory: Path) -> Run:
         return train(
-            directory, *TINY, "--train-iters", "10", "--tensor-model-parallel-size", "2",
-            "--save", str(save), "--save-interval", "5",
-            nproc=2, name="tp2",
-        )  # fmt: skip
+            directory,
+            *TINY,
+            "--train-iters",
+            "10",
+            "--tensor-model-parallel-size",
+            "2",
+            "--save",
+            str(save),
+            "--save-interval",
+            "5",
+            nproc=2,
+            name="tp2",
+        )
 
     return _once(shared_tmp, "tp2", compute), save
 
@@ -72,10 +81,20 @@ def dp2_saved(shared_tmp) -> tuple[Run, Path]:
 
     def compute(directory: Path) -> Run:
         return train(
-            directory, *TINY, "--train-iters", "10", "--use-distributed-optimizer",
-            "--overlap-grad-reduce", "--overlap-param-gather",
-            "--save", str(save), "--save-interval", "5",
-            nproc=2, name="dp2-distopt-overlap", torchrun=True,
-        )  # fmt: skip
+            directory,
+            *TINY,
+            "--train-iters",
+            "10",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--save",
+            str(save),
+            "--save-interval",
+            "5",
+            nproc=2,
+            name="dp2-distopt-overlap",
+            torchrun=True,
+        )
 
     return _once(shared_tmp, "dp2", compute), save

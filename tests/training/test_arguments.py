@@ -39,9 +39,14 @@ def test_megatron_defaults_and_derived_sizes():
 
 def test_swiglu_ffn_size_and_virtual_pipeline():
     args = parse(
-        "--swiglu", "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
-    )  # fmt: skip
+        "--swiglu",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--global-batch-size",
+        "8",
+    )
     assert args.ffn_hidden_size == 128  # int(8 * 64 / 3 / 64) * 64
     assert args.virtual_pipeline_model_parallel_size == 2
     arguments.finalize(args, world_size=2)
@@ -93,8 +98,10 @@ def test_batch_must_divide_into_micro_batches():
 def test_fused_attention_options_need_an_attention_patch(capsys, monkeypatch):
     monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: [])
     err = error_of(capsys, "--pre-tokens", "2048")
-    assert "--pre-tokens 2048 needs the fused attention patch (attention.*), which this build " \
-        "does not have" in err  # fmt: skip
+    assert (
+        "--pre-tokens 2048 needs the fused attention patch (attention.*), which this build "
+        "does not have" in err
+    )
     assert "need the fused attention patch" in error_of(
         capsys, "--use-flash-attn", "--shape-order", "BSH"
     )
@@ -105,11 +112,15 @@ def test_fused_attention_options_need_an_attention_patch(capsys, monkeypatch):
 
 def test_fused_attention_gate_keys_off_the_registry(monkeypatch):
     monkeypatch.setattr(arguments, "fused_attention_patch_ids", lambda: ["attention.x"])
-    args = parse("--use-flash-attn", "--pre-tokens", "2048", "--next-tokens", "0",
-                 "--shape-order", "BSH")  # fmt: skip
+    args = parse(
+        "--use-flash-attn", "--pre-tokens", "2048", "--next-tokens", "0", "--shape-order", "BSH"
+    )
     assert arguments.fused_attention_requests(args) == [
-        "--use-flash-attn", "--pre-tokens 2048", "--next-tokens 0", "--shape-order BSH",
-    ]  # fmt: skip
+        "--use-flash-attn",
+        "--pre-tokens 2048",
+        "--next-tokens 0",
+        "--shape-order BSH",
+    ]
 
 
 def test_launcher_options_are_not_passed_to_workers():
@@ -143,8 +154,16 @@ def test_launcher_checks_world_size_rules_before_starting_ranks(capsys):
 
 
 def test_context_parallel_ranks_are_not_data_parallel_ranks():
-    args = parse("--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
-                 "--tensor-model-parallel-size", "2", "--global-batch-size", "8")  # fmt: skip
+    args = parse(
+        "--context-parallel-size",
+        "2",
+        "--transformer-impl",
+        "transformer_engine",
+        "--tensor-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
+    )
     arguments.finalize(args, world_size=8)
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     with pytest.raises(arguments.ArgumentError, match="not divisible by TP x PP x CP = 4"):
@@ -157,15 +176,42 @@ def test_moe_options_reach_megatrons_config():
     from megatron_npu.training import model
 
     args = parse(
-        "--num-experts", "8", "--moe-router-topk", "2", "--swiglu", "--moe-aux-loss-coeff",
-        "0.01", "--moe-token-dispatcher-type", "alltoall", "--moe-router-score-function",
-        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
-        "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff",
-        "1e-3", "--moe-shared-expert-intermediate-size", "64", "--expert-model-parallel-size", "2",
-        "--disable-bias-linear", "--moe-expert-capacity-factor", "1.5",
-        "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position",
-        "--moe-permute-fusion", "--num-layers", "4", "--moe-layer-freq", "([1]+[0])*2",
-    )  # fmt: skip
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--swiglu",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-num-groups",
+        "4",
+        "--moe-router-group-topk",
+        "2",
+        "--moe-router-dtype",
+        "fp32",
+        "--moe-z-loss-coeff",
+        "1e-3",
+        "--moe-shared-expert-intermediate-size",
+        "64",
+        "--expert-model-parallel-size",
+        "2",
+        "--disable-bias-linear",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--moe-pad-expert-input-to-capacity",
+        "--moe-token-drop-policy",
+        "position",
+        "--moe-permute-fusion",
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        "([1]+[0])*2",
+    )
     arguments.finalize(args, world_size=2)
     megatron_npu.apply("cpu")  # TransformerConfig accepts --moe-permute-fusion with it only
     try:
@@ -173,7 +219,10 @@ def test_moe_options_reach_megatrons_config():
     finally:
         megatron_npu.restore()
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
-        8, 2, args.ffn_hidden_size)  # fmt: skip
+        8,
+        2,
+        args.ffn_hidden_size,
+    )
     assert config.moe_token_dispatcher_type == "alltoall"
     assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
     assert (config.moe_router_num_groups, config.moe_router_group_topk) == (4, 2)
@@ -197,8 +246,16 @@ def test_moe_layer_freq_builds_dense_and_moe_layers_where_megatron_does(freq, pa
 
     from megatron_npu.training import model
 
-    args = parse("--num-experts", "4", "--swiglu", "--disable-bias-linear", "--num-layers", "4",
-                 "--moe-layer-freq", freq)  # fmt: skip
+    args = parse(
+        "--num-experts",
+        "4",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        freq,
+    )
     arguments.finalize(args, world_size=1)
     megatron_npu.apply("cpu")
     try:
@@ -226,9 +283,15 @@ _SWIGLU = ("--swiglu", "--disable-bias-linear")
         ((), "--bias-gelu-fusion: megatron-core's experts"),
         (("--swiglu",), "--bias-swiglu-fusion: megatron-core's experts"),
     ],
-    ids=["pattern-length", "pattern-values", "not-a-pattern", "pad-without-capacity",
-         "gelu-fusion", "biased-swiglu-fusion"],
-)  # fmt: skip
+    ids=[
+        "pattern-length",
+        "pattern-values",
+        "not-a-pattern",
+        "pad-without-capacity",
+        "gelu-fusion",
+        "biased-swiglu-fusion",
+    ],
+)
 def test_moe_layer_and_capacity_options_are_checked_by_name(capsys, extra, message):
     """One line naming the option, exit 2 (a traceback per rank in Megatron otherwise)."""
     assert re.search(message, error_of(capsys, "--num-experts", "4", "--num-layers", "2", *extra))
@@ -240,7 +303,7 @@ def test_moe_layer_and_capacity_options_are_checked_by_name(capsys, extra, messa
         (("--num-experts", "4", "--moe-router-topk", "5"), "--moe-router-topk 5"),
         (("--num-experts", "6", "--expert-model-parallel-size", "4"), "does not divide"),
     ],
-)  # fmt: skip
+)
 def test_broken_moe_options_are_one_named_error(extra, message, capsys):
     args = parse(*extra, "--swiglu", "--disable-bias-linear")
     with pytest.raises(arguments.ArgumentError, match=message.replace("-", r"\-")):

@@ -77,10 +77,18 @@ def test_metrics_file_is_private(tp2_saved):
 def test_resume_into_another_layout(name, nproc, layout, tp2_saved, train_tmp):
     uninterrupted, save = tp2_saved
     run = train(
-        train_tmp, *TINY, "--train-iters", "10", *layout,
-        "--load", str(save), "--ckpt-step", "5",
-        nproc=nproc, name=f"resume-{name}",
-    )  # fmt: skip
+        train_tmp,
+        *TINY,
+        "--train-iters",
+        "10",
+        *layout,
+        "--load",
+        str(save),
+        "--ckpt-step",
+        "5",
+        nproc=nproc,
+        name=f"resume-{name}",
+    )
     assert [s["step"] for s in run.steps] == list(RESUMED)
     assert run.metrics["config"]["resumed_from"].endswith("iter_0000005")
     assert "RNG state not restored" in run.stdout  # another (TP, PP) layout
@@ -93,10 +101,20 @@ def test_resume_distributed_optimizer_into_another_dp_and_tp(dp2_saved, train_tm
     """DP2 distributed-optimizer state (fully_reshardable) loads into TP2 x DP1."""
     uninterrupted, save = dp2_saved
     run = train(
-        train_tmp, *TINY, "--train-iters", "10", "--tensor-model-parallel-size", "2",
-        "--use-distributed-optimizer", "--load", str(save), "--ckpt-step", "5",
-        nproc=2, name="resume-distopt-tp2",
-    )  # fmt: skip
+        train_tmp,
+        *TINY,
+        "--train-iters",
+        "10",
+        "--tensor-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--load",
+        str(save),
+        "--ckpt-step",
+        "5",
+        nproc=2,
+        name="resume-distopt-tp2",
+    )
     assert [s["step"] for s in run.steps] == list(RESUMED)
     diff = max_abs_diff(run.losses, uninterrupted.losses, RESUMED)
     print(f"\nresume DP2 distopt@5 -> TP2 distopt: max |loss diff| over steps 6-10 = {diff:.3e}")
@@ -107,9 +125,16 @@ def test_optimizer_kind_mismatch_is_refused(dp2_saved, train_tmp):
     _, save = dp2_saved
     with pytest.raises(AssertionError, match="was saved with --use-distributed-optimizer"):
         train(
-            train_tmp, *TINY, "--train-iters", "6", "--load", str(save), "--ckpt-step", "5",
+            train_tmp,
+            *TINY,
+            "--train-iters",
+            "6",
+            "--load",
+            str(save),
+            "--ckpt-step",
+            "5",
             name="resume-kind-mismatch",
-        )  # fmt: skip
+        )
 
 
 def _with(args: list[str], **values: str) -> list[str]:
@@ -126,13 +151,27 @@ def test_resume_with_dropout_and_sgd_momentum_is_exact(train_tmp):
     args = [*_with(TINY, attention_dropout="0.1", hidden_dropout="0.1"), "--optimizer", "sgd"]
     save = train_tmp / "ckpt_sgd_dropout"
     whole = train(
-        train_tmp, *args, "--train-iters", "6", "--save", str(save), "--save-interval", "3",
+        train_tmp,
+        *args,
+        "--train-iters",
+        "6",
+        "--save",
+        str(save),
+        "--save-interval",
+        "3",
         name="sgd-dropout",
-    )  # fmt: skip
+    )
     resumed = train(
-        train_tmp, *args, "--train-iters", "6", "--load", str(save), "--ckpt-step", "3",
+        train_tmp,
+        *args,
+        "--train-iters",
+        "6",
+        "--load",
+        str(save),
+        "--ckpt-step",
+        "3",
         name="sgd-dropout-resumed",
-    )  # fmt: skip
+    )
     assert [s["step"] for s in resumed.steps] == [4, 5, 6]
     assert "RNG state not restored" not in resumed.stdout
     assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}

@@ -21,8 +21,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOLERANCE = 1e-5
 STEPS = 4
-COMMON = ["--transformer-impl", "transformer_engine", "--train-iters", str(STEPS),
-          "--log-interval", "1"]  # fmt: skip
+COMMON = [
+    "--transformer-impl",
+    "transformer_engine",
+    "--train-iters",
+    str(STEPS),
+    "--log-interval",
+    "1",
+]
 
 
 def _cp(comm: str) -> list[str]:
@@ -40,23 +46,47 @@ LAYOUTS = {
     "cp2-allgather": (2, (), _cp("allgather")),
     # the ring on the NPU path: npu_fusion_attention blocks merged by npu_ring_attention_update
     "cp2-p2p-flash-npu": (2, (), [*_cp("p2p"), "--device", "npu-emulated", "--use-flash-attn"]),
-    "tp2-sp-cp2-p2p": (4, (), [*_cp("p2p"), "--tensor-model-parallel-size", "2",
-                               "--sequence-parallel"]),
+    "tp2-sp-cp2-p2p": (
+        4,
+        (),
+        [*_cp("p2p"), "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ),
     "pp2-cp2-a2a": (4, (), [*_cp("a2a"), "--pipeline-model-parallel-size", "2"]),
     "dp2-cp2-allgather-distopt": (4, (), [*_cp("allgather"), "--use-distributed-optimizer"]),
     # hierarchical: an all-to-all within pairs of ranks, a ring over the two pairs (CP4)
-    "cp4-a2a-p2p": (4, (), ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
-                            "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "cp4-a2a-p2p": (
+        4,
+        (),
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+        ],
+    ),
     "rope-gqa-cp2-p2p": (2, LLAMA, _cp("p2p")),
-    "rope-gqa-cp2-a2a-flash-npu": (2, LLAMA, [*_cp("a2a"), "--device", "npu-emulated",
-                                              "--use-flash-attn"]),
-}  # fmt: skip
+    "rope-gqa-cp2-a2a-flash-npu": (
+        2,
+        LLAMA,
+        [*_cp("a2a"), "--device", "npu-emulated", "--use-flash-attn"],
+    ),
+}
 #: ``--extended``: CP beside the other parallel dimensions, the NPU path's kernels (which
 #: tests/ops/test_context_parallel.py checks against whole-sequence attention), and the plain CP2
 #: ring and all-to-all, which cp4-a2a-p2p (an all-to-all within pairs, a ring across them) and
 #: rope-gqa-cp2-p2p reach by default
-EXTENDED = {"cp2-p2p-flash-npu", "tp2-sp-cp2-p2p", "pp2-cp2-a2a", "dp2-cp2-allgather-distopt",
-            "rope-gqa-cp2-a2a-flash-npu", "cp2-p2p", "cp2-a2a"}  # fmt: skip
+EXTENDED = {
+    "cp2-p2p-flash-npu",
+    "tp2-sp-cp2-p2p",
+    "pp2-cp2-a2a",
+    "dp2-cp2-allgather-distopt",
+    "rope-gqa-cp2-a2a-flash-npu",
+    "cp2-p2p",
+    "cp2-a2a",
+}
 
 
 @pytest.fixture(scope="module")

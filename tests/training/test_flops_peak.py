@@ -143,17 +143,35 @@ def test_moe_flops_count_only_the_active_experts():
     """A token passes through top-k experts (and the shared one): an MoE model with 8 experts
     of width 128, top-2 and a 64-wide shared expert costs what a dense model of FFN width
     2 * 128 + 64 costs; the number of experts does not enter (idle experts do no work)."""
-    dense = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                 seq_length=32, padded_vocab_size=256, global_batch_size=8, swiglu=True,
-                 causal=True)  # fmt: skip
+    dense = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        seq_length=32,
+        padded_vocab_size=256,
+        global_batch_size=8,
+        swiglu=True,
+        causal=True,
+    )
     active = flops.active_ffn_hidden_size(
-        999, num_experts=8, moe_ffn_hidden_size=128, moe_router_topk=2,
+        999,
+        num_experts=8,
+        moe_ffn_hidden_size=128,
+        moe_router_topk=2,
         moe_shared_expert_intermediate_size=64,
-    )  # fmt: skip
+    )
     assert active == 320
-    assert flops.active_ffn_hidden_size(999, num_experts=64, moe_ffn_hidden_size=128,
-                                        moe_router_topk=2, moe_shared_expert_intermediate_size=64) \
-        == active  # fmt: skip
+    assert (
+        flops.active_ffn_hidden_size(
+            999,
+            num_experts=64,
+            moe_ffn_hidden_size=128,
+            moe_router_topk=2,
+            moe_shared_expert_intermediate_size=64,
+        )
+        == active
+    )
     assert flops.active_ffn_hidden_size(256) == 256  # a dense model
     moe = flops.gpt_model_flops_per_iteration(ffn_hidden_size=active, **dense)
     # the MLP GEMMs of one token: 3 of h x f per active expert width (SwiGLU), 2 FLOPs each,

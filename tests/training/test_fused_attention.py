@@ -20,9 +20,16 @@ SPARSE = ("--pre-tokens", "16", "--next-tokens", "0")
 @pytest.mark.parametrize("order", ["SBH", "BSH"])
 def test_fused_attention_matches_unfused_losses_fp32(baseline, train_tmp, order):
     run = train(
-        train_tmp, *TINY, "--train-iters", "10", "--use-flash-attn", "--shape-order", order,
-        *FLASH, name=f"fused-{order}",
-    )  # fmt: skip
+        train_tmp,
+        *TINY,
+        "--train-iters",
+        "10",
+        "--use-flash-attn",
+        "--shape-order",
+        order,
+        *FLASH,
+        name=f"fused-{order}",
+    )
     diff = max_abs_diff(baseline.losses, run.losses, range(1, 11))
     assert diff <= 1e-4, (order, diff, baseline.losses, run.losses)
 
@@ -37,21 +44,29 @@ PAIRWISE = [
     pytest.param("--fp16", SPARSE, "BSH", marks=pytest.mark.extended),
     ("--bf16", FLASH, "BSH"),
     pytest.param("--bf16", SPARSE, "SBH", marks=pytest.mark.extended),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
-    ("precision", "window", "order"), PAIRWISE,
+    ("precision", "window", "order"),
+    PAIRWISE,
     ids=["fp16-flash-SBH", "fp16-sparse-BSH", "bf16-flash-BSH", "bf16-sparse-SBH"],
-)  # fmt: skip
+)
 def test_seed_variants_train_with_falling_loss(train_tmp, precision, window, order):
     """30 iterations: with fp16, Megatron's dynamic loss scaler starts at 2**32 and skips the
     first ~16 steps while it backs off, so 20 left as few as 4 real updates."""
     run = train(
-        train_tmp, *TINY, precision, "--train-iters", "30", "--use-flash-attn",
-        "--shape-order", order, *window,
+        train_tmp,
+        *TINY,
+        precision,
+        "--train-iters",
+        "30",
+        "--use-flash-attn",
+        "--shape-order",
+        order,
+        *window,
         name=f"variant{precision}-{window[1]}-{order}",
-    )  # fmt: skip
+    )
     losses = [s["lm_loss"] for s in run.steps if not s["skipped"]]
     assert len(run.steps) == 30
     assert len(losses) >= 10, f"only {len(losses)} steps were applied"
@@ -62,9 +77,17 @@ def test_a_window_shorter_than_the_sequence_trains(train_tmp, baseline):
     """pre=8 on a 32-token sequence: the window bites, training still learns, and the losses
     differ from full attention (the window is really applied)."""
     run = train(
-        train_tmp, *TINY, "--train-iters", "10", "--use-flash-attn",
-        "--pre-tokens", "8", "--next-tokens", "0", name="window8",
-    )  # fmt: skip
+        train_tmp,
+        *TINY,
+        "--train-iters",
+        "10",
+        "--use-flash-attn",
+        "--pre-tokens",
+        "8",
+        "--next-tokens",
+        "0",
+        name="window8",
+    )
     losses = [run.losses[s] for s in range(1, 11)]
     assert losses[-1] < losses[0]
     assert max_abs_diff(baseline.losses, run.losses, range(2, 11)) > 1e-3

@@ -20,8 +20,20 @@ from megatron_npu.training.model import transformer_config
 
 from ._runner import REPO, TIMEOUT_S, TINY
 
-_BASE = ["--seq-length", "32", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "2"]  # fmt: skip
+_BASE = [
+    "--seq-length",
+    "32",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+]
 
 # one rank trains in-process under the counter and prints what was called
 _CHILD = """
@@ -43,8 +55,10 @@ def _parse(*extra):
 def test_flags_have_megatron_names_and_defaults():
     args = _parse()
     assert (args.bias_swiglu_fusion, args.bias_gelu_fusion, args.masked_softmax_fusion) == (
-        True, True, True,
-    )  # fmt: skip
+        True,
+        True,
+        True,
+    )
     args = _parse("--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion")
     assert not (args.bias_swiglu_fusion or args.bias_gelu_fusion or args.masked_softmax_fusion)
     # Megatron-LM: no bias, no bias-GeLU fusion
@@ -68,12 +82,19 @@ def test_transformer_config_carries_the_flags(extra, activation, softmax):
 
 def _kernels(*extra):
     argv = [a if a != "cpu" else "npu-emulated" for a in TINY] + [
-        *_BASE, "--fp16", "--train-iters", "1", *extra,
-    ]  # fmt: skip
+        *_BASE,
+        "--fp16",
+        "--train-iters",
+        "1",
+        *extra,
+    ]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, *argv], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-c", _CHILD, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=TIMEOUT_S,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("KERNELS="))

@@ -37,7 +37,7 @@ LAYOUTS = {
             "2",
             "--sequence-parallel",
         ],
-    ),  # fmt: skip
+    ),
     "tp2-pp2-sp": (
         4,
         [
@@ -47,7 +47,7 @@ LAYOUTS = {
             "2",
             "--sequence-parallel",
         ],
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -105,7 +105,7 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
     # PP2 with TP2 + SP, and the interleaved schedule: pretrain_gpt.py's run list has them too;
     # TP2 + SP with the local spec: te-tp2-sp runs the same layout by default
     with_extended(LAYOUTS, ("tp2-pp2-sp", "pp2-interleaved", "tp2-sp")),
-)  # fmt: skip
+)
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]
     run = train(train_tmp, *TINY, "--train-iters", "10", *extra, nproc=nproc, name=name)

@@ -20,22 +20,47 @@ TOLERANCE = 1e-5
 STEPS = 8
 #: 4 SwiGLU experts, top-2, alltoall dispatch, aux loss; 2 layers (every one an MoE layer)
 MOE = [
-    "--num-layers", "2", "--train-iters", str(STEPS), "--log-interval", "5",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-    "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--disable-bias-linear",
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--train-iters",
+    str(STEPS),
+    "--log-interval",
+    "5",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--swiglu",
+    "--disable-bias-linear",
+]
 
 LAYOUTS = {
     # experts spread over the TP ranks, whole within each (ETP1)
-    "tp2-sp-ep2-etp1": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    "tp2-sp-ep2-etp1": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "1",
+    ],
     # every expert split over the TP ranks (Megatron's default ETP = TP), EP1
     "tp2-sp-etp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     # EP2 on npu-emulated with the fused permutation: the torch_npu permute / unpermute kernels
     # must give the rows and sums of Megatron's unfused code on the CPU
-    "ep2-permute-fusion-npu": ["--expert-model-parallel-size", "2", "--moe-permute-fusion",
-                               "--device", "npu-emulated"],
-}  # fmt: skip
+    "ep2-permute-fusion-npu": [
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-permute-fusion",
+        "--device",
+        "npu-emulated",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +85,8 @@ def _aux_loss_over_the_same_tokens(layout: list[str]) -> bool:
     from megatron_npu.patcher import megatron_core_version
 
     return "--tensor-model-parallel-size" in layout or (
-        Version(megatron_core_version()) >= Version("0.14"))  # fmt: skip
+        Version(megatron_core_version()) >= Version("0.14")
+    )
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -69,8 +95,9 @@ def test_moe_layout_matches_ep1(tmp_path, moe_baseline, name):
     base, other = _figures(moe_baseline), _figures(run)
     assert sorted(other) == sorted(base) == list(range(1, STEPS + 1))
     compared = 2 if _aux_loss_over_the_same_tokens(LAYOUTS[name]) else 1  # loss (and aux loss)
-    worst = max(max(abs(a - b) for a, b in zip(base[s][:compared], other[s][:compared]))
-                for s in base)  # fmt: skip
+    worst = max(
+        max(abs(a - b) for a, b in zip(base[s][:compared], other[s][:compared])) for s in base
+    )
     print(f"\n{name}: max |loss or aux loss - EP1| over {STEPS} steps = {worst:.3e}")
     assert worst <= TOLERANCE, (base, other)
     assert base[STEPS][0] < base[1][0] - 0.1  # it learns

@@ -37,9 +37,15 @@ def test_derived_seeds_are_stable_and_distinct():
 
 def _record(step, loss=5.0, skipped=False, t=0.5):
     return metrics.StepRecord(
-        step=step, lm_loss=loss, grad_norm=None if skipped else 1.5, lr=1e-3, loss_scale=4096.0,
-        skipped=skipped, step_time_s=t, tokens_per_s=512 / t,
-    )  # fmt: skip
+        step=step,
+        lm_loss=loss,
+        grad_norm=None if skipped else 1.5,
+        lr=1e-3,
+        loss_scale=4096.0,
+        skipped=skipped,
+        step_time_s=t,
+        tokens_per_s=512 / t,
+    )
 
 
 def test_console_line_has_megatrons_fields():
@@ -49,10 +55,13 @@ def test_console_line_has_megatrons_fields():
     line = log.line(train_iters=20, consumed_samples=40, global_batch_size=8)
     assert line.startswith(" iteration        5/      20 | consumed samples:           40 |")
     for field in (
-        "elapsed time per iteration (ms): 500.0 |", "learning rate: 1.000000E-03 |",
-        "global batch size:     8 |", "lm loss: 5.500000E+00 |", "loss scale: 4096.0 |",
+        "elapsed time per iteration (ms): 500.0 |",
+        "learning rate: 1.000000E-03 |",
+        "global batch size:     8 |",
+        "lm loss: 5.500000E+00 |",
+        "loss scale: 4096.0 |",
         "number of skipped iterations:   1 |",
-    ):  # fmt: skip
+    ):
         assert field in line
     assert "grad norm" not in line  # the last step of the interval was skipped
 
@@ -71,9 +80,15 @@ def test_summary_excludes_warmup_steps_and_counts_skips(tmp_path):
     assert data["config"]["device"] == "npu-emulated"
     assert [s["step"] for s in data["steps"]] == [1, 2, 3, 4, 5]
     assert set(data["steps"][0]) == {
-        "step", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s",
+        "step",
+        "lm_loss",
+        "grad_norm",
+        "lr",
+        "loss_scale",
+        "skipped",
+        "step_time_s",
         "tokens_per_s",
-    }  # fmt: skip
+    }
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o640
     assert not [p for p in os.listdir(tmp_path) if p != "m.json"]  # no temp file left
 

@@ -23,13 +23,28 @@ def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tm
     Megatron's default --bias-swiglu-fusion; test_fusion_flags.py counts the kernel calls),
     RoPE, fused attention in BSH with a window."""
     run = train(
-        train_tmp, *[a if a != "cpu" else "npu-emulated" for a in TINY],
-        "--bf16", "--train-iters", "20", "--use-distributed-optimizer",
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--use-flash-attn", "--shape-order", "BSH",
-        "--pre-tokens", "16", "--next-tokens", "0",
-        nproc=2, name="bf16",
-    )  # fmt: skip
+        train_tmp,
+        *[a if a != "cpu" else "npu-emulated" for a in TINY],
+        "--bf16",
+        "--train-iters",
+        "20",
+        "--use-distributed-optimizer",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--use-flash-attn",
+        "--shape-order",
+        "BSH",
+        "--pre-tokens",
+        "16",
+        "--next-tokens",
+        "0",
+        nproc=2,
+        name="bf16",
+    )
     config = run.metrics["config"]
     assert config["arguments"]["bf16"] is True
     assert config["device"] == "npu-emulated" and config["device_emulated"] is True
@@ -40,10 +55,22 @@ def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tm
 
 def test_fp16_trains_and_a_forced_overflow_is_skipped(train_tmp):
     run = train(
-        train_tmp, *TINY, "--fp16", "--train-iters", "20", "--tensor-model-parallel-size", "2",
-        "--initial-loss-scale", "4096", "--hysteresis", "1", "--log-params-norm",
-        nproc=2, name="fp16", env=plant_env("overflow-at-step-3"),
-    )  # fmt: skip
+        train_tmp,
+        *TINY,
+        "--fp16",
+        "--train-iters",
+        "20",
+        "--tensor-model-parallel-size",
+        "2",
+        "--initial-loss-scale",
+        "4096",
+        "--hysteresis",
+        "1",
+        "--log-params-norm",
+        nproc=2,
+        name="fp16",
+        env=plant_env("overflow-at-step-3"),
+    )
     steps = {s["step"]: s for s in run.steps}
     assert len(steps) == 20
     assert [n for n, s in steps.items() if s["skipped"]] == [3]

@@ -16,14 +16,23 @@ from megatron_npu.training.launch import RankFailure, run_warm
 
 pytestmark = pytest.mark.multiprocess
 
-KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "WARM_TEST_MARK")  # fmt: skip
+KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WARM_TEST_MARK",
+)
 
 
 def _report(out: str) -> None:
     rank = os.environ.get("RANK", "0")
-    record = {"env": {k: os.environ.get(k) for k in KEYS},
-              "marker": getattr(builtins, "_warm_test_marker", None)}  # fmt: skip
+    record = {
+        "env": {k: os.environ.get(k) for k in KEYS},
+        "marker": getattr(builtins, "_warm_test_marker", None),
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     print(f"rank {rank} reporting")
 
@@ -67,8 +76,11 @@ def test_start_up_runs_under_the_environment_of_each_call(tmp_path):
         "import builtins, os\nbuiltins._warm_test_marker = os.environ.get('WARM_TEST_MARK')\n"
     )
     seen = []
-    for env in (_env(PYTHONPATH=str(site), WARM_TEST_MARK="a"),
-                _env(PYTHONPATH=str(site), WARM_TEST_MARK="b"), _env()):  # fmt: skip
+    for env in (
+        _env(PYTHONPATH=str(site), WARM_TEST_MARK="a"),
+        _env(PYTHONPATH=str(site), WARM_TEST_MARK="b"),
+        _env(),
+    ):
         out = tmp_path / f"run{len(seen)}"
         out.mkdir()
         run_warm(_report, str(out), 1, env=env)

@@ -42,9 +42,28 @@ def test_each_weight_moves_exactly_k_ulps_of_its_dtype(dtype, ulps):
 
 def test_the_nudge_is_refused_on_a_resumed_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
-                    "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1",
-                    "--lr", "1e-3", "--mock-data", "--init-ulp-nudge", "1",
-                    "--load", str(tmp_path)])  # fmt: skip
+        parse_args(
+            [
+                "--num-layers",
+                "1",
+                "--hidden-size",
+                "8",
+                "--num-attention-heads",
+                "2",
+                "--seq-length",
+                "8",
+                "--micro-batch-size",
+                "1",
+                "--train-iters",
+                "1",
+                "--lr",
+                "1e-3",
+                "--mock-data",
+                "--init-ulp-nudge",
+                "1",
+                "--load",
+                str(tmp_path),
+            ]
+        )
     assert stop.value.code == 2
     assert "--init-ulp-nudge moves initial weights" in capsys.readouterr().err

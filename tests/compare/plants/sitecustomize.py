@@ -55,25 +55,30 @@ elif _PLANT.startswith("overflow-at-step-"):
     _overflow_step = int(_PLANT.rpartition("-")[2])
     _original_train_step = _loop.train_step
 
-    def _overflowing_train_step(args, step, forward_backward, data_iterators, model, optimizer,
-                                *rest):  # fmt: skip
+    def _overflowing_train_step(
+        args, step, forward_backward, data_iterators, model, optimizer, *rest
+    ):
         if step != _overflow_step:
-            return _original_train_step(args, step, forward_backward, data_iterators, model,
-                                        optimizer, *rest)  # fmt: skip
+            return _original_train_step(
+                args, step, forward_backward, data_iterators, model, optimizer, *rest
+            )
         original_step = optimizer.step
 
         def step_after_overflow(*args, **kwargs):
             for chunk in model:
-                buffers = [*getattr(chunk, "buffers", []),
-                           *getattr(chunk, "expert_parallel_buffers", [])]  # fmt: skip
+                buffers = [
+                    *getattr(chunk, "buffers", []),
+                    *getattr(chunk, "expert_parallel_buffers", []),
+                ]
                 for buffer in buffers:
                     buffer.grad_data.view(-1)[0] = float("inf")
             return original_step(*args, **kwargs)
 
         optimizer.step = step_after_overflow
         try:
-            return _original_train_step(args, step, forward_backward, data_iterators, model,
-                                        optimizer, *rest)  # fmt: skip
+            return _original_train_step(
+                args, step, forward_backward, data_iterators, model, optimizer, *rest
+            )
         finally:
             del optimizer.step
 
