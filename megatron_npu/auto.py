@@ -2,9 +2,9 @@
 on the device named by ``$MEGATRON_NPU_DEVICE`` (auto-detected when unset).
 
 It is ``megatron_npu.apply(None, transfer=True)``: the registry patches plus transparent mode
-(:mod:`megatron_npu.transfer`), so the script's own ``torch.cuda.*`` calls, ``torch.device("cuda")``,
-``.cuda()`` / ``.to("cuda")``, ``init_process_group()`` with the ``nccl`` default and Megatron's
-``compile_helpers()`` all work on ``cpu``, ``npu-emulated`` and ``npu``.
+(:mod:`megatron_npu.transfer`), so the script's own ``torch.cuda.*`` calls,
+``torch.device("cuda")``, ``.cuda()`` / ``.to("cuda")``, ``init_process_group()`` with the ``nccl``
+default and Megatron's ``compile_helpers()`` all work on ``cpu``, ``npu-emulated`` and ``npu``.
 ``megatron_npu.restore()`` undoes it.
 """
 

@@ -157,7 +157,8 @@ def _ratio(tested: float, bench: float, floor: float) -> tuple[float, bool]:
 def benchmark_result(
     tested: TensorComparison, bench: TensorComparison, level: str
 ) -> BenchmarkResult:
-    """Judge ``tested`` (path under test vs reference) against ``bench`` (benchmark vs reference)."""
+    """Judge ``tested`` (path under test vs reference) against ``bench``
+    (benchmark vs reference)."""
     if tested.kind != "float" or bench.kind != "float":
         raise ValueError("the benchmark standard applies to float tensors only")
     if level not in LEVEL_LIMITS:

@@ -1,7 +1,8 @@
 """What a parity case is: the OpInfo-style description attached to a registry patch.
 
-A patch names its case by reference (``Patch.parity = "megatron_npu.parity.cases.norm:WRAPPED_TORCH_NORM"``)
-so the adaptor never imports the harness at run time; :func:`load_case` resolves it.
+A patch names its case by reference
+(``Patch.parity = "megatron_npu.parity.cases.norm:WRAPPED_TORCH_NORM"``) so the adaptor never
+imports the harness at run time; :func:`load_case` resolves it.
 
 A case says how to make inputs (a hypothesis strategy of parameter dicts plus explicit edge
 cases), how to run the patched path on the device under test, how to compute the reference on the

@@ -4,15 +4,15 @@
 patched path in the tested dtype (counting the emulated NPU kernels it calls) and, on rank 0,
 the reference in the upcast dtype and, as a benchmark, the same reference in the tested dtype:
 always for fp16/bf16 (msprobe's stage-2 benchmark), for fp32 only when an output exceeds the
-dtype's relative L2 floor (the benchmark then shows how ill-conditioned the output is). References and benchmarks run under :func:`reference_environment`:
-on the CPU, with Megatron's ``"cuda"`` allocations routed to the CPU, torch's own products
-(:func:`torch_products`) and every site of the patch under test replaced by a tripwire, so a
-reference that reaches the implementation is caught.
+dtype's relative L2 floor (the benchmark then shows how ill-conditioned the output is). References
+and benchmarks run under :func:`reference_environment`: on the CPU, with Megatron's ``"cuda"``
+allocations routed to the CPU, torch's own products (:func:`torch_products`) and every site of the
+patch under test replaced by a tripwire, so a reference that reaches the implementation is caught.
 
 :func:`evaluate` drives it in this process (world size 1) or through a
-:class:`megatron_npu.parity.ranks.RankPool` (real gloo process groups) and turns the worst outcome of each
-compared tensor across the examples into a record. A cell that raises, hangs past its deadline or
-whose reference touches the implementation still gives a record: an ``error`` with rule
+:class:`megatron_npu.parity.ranks.RankPool` (real gloo process groups) and turns the worst outcome
+of each compared tensor across the examples into a record. A cell that raises, hangs past its
+deadline or whose reference touches the implementation still gives a record: an ``error`` with rule
 ``crash``, ``timeout`` or ``reference_hygiene`` and possibly no tensors.
 """
 
@@ -60,8 +60,8 @@ class Job:
     dtype: str
     parallel: Parallel
     examples: tuple[dict[str, Any], ...]
-    #: a planted bug (a name in :data:`megatron_npu.parity.mutations.MUTATIONS`), active around ``case.run``
-    #: only, on every rank; None for real runs. Used by tests/parity/test_mutations.py.
+    #: a planted bug (a name in :data:`megatron_npu.parity.mutations.MUTATIONS`), active around
+    #: ``case.run`` only, on every rank; None for real runs. Used by tests/parity/test_mutations.py.
     mutation: str | None = None
 
     @property

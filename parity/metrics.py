@@ -4,8 +4,8 @@
 fp32: the *rule dtype*, the cell's dtype) against a reference computed on the CPU with the inputs
 upcast (fp16/bf16 -> fp32, fp32 -> fp64), as Ascend's msprobe API accuracy checker does
 (msprobe 26.2.0's ``api_accuracy_checker/compare/algorithm.py``, from the ``mindstudio-probe``
-package of the ``test`` extra; docs/parity-results.md lists the rules). It only measures; :mod:`megatron_npu.parity.verdict` turns a
-:class:`TensorComparison` into pass / warning / error.
+package of the ``test`` extra; docs/parity-results.md lists the rules). It only measures;
+:mod:`megatron_npu.parity.verdict` turns a :class:`TensorComparison` into pass / warning / error.
 
 The stage-1 numbers are computed the way msprobe 26.2.0 computes them (numpy arithmetic in the
 same dtypes, so the values are equal, not just close; ``tests/parity/test_msprobe_crosscheck.py``
@@ -31,8 +31,8 @@ non-finite position is an ``inf_nan_mismatch_count``, which the verdict makes an
   relative error is strictly below N = 0.01 / 0.001 / 0.0001.
 
 msprobe's "benchmark" standard numbers (used per side by the stage-2 benchmark rule, see
-:mod:`megatron_npu.parity.benchmark`): small values are ``|r| <= T`` (T = 2**-10 fp16/bf16, 2**-20 fp32) at
-among the compared positions;
+:mod:`megatron_npu.parity.benchmark`): small values are ``|r| <= T``
+(T = 2**-10 fp16/bf16, 2**-20 fp32) at among the compared positions;
 
 * ``max_rel_error`` / ``mean_rel_error``: max / mean of the relative error over the non-small
   positions (0.0 when there are none).
@@ -52,9 +52,10 @@ Added here (not msprobe): ``rel_l2 = ||x - r||_2 / max(||r||_2, sqrt(m) * T)`` o
 compared positions in float64, T the small-value threshold: where the reference is all small
 values, msprobe judges absolute rather than relative error, and so does this (an RMS error in
 units of T). It is
-the relative rule the max-abs shortcut cannot bypass (see :mod:`megatron_npu.parity.verdict`); its bound
-``rel_l2_bound`` is ``REL_L2_ROUNDINGS[dtype] * u``, raised by :func:`megatron_npu.parity.benchmark.with_benchmark`
-to a multiple of what the stock path in the same dtype reaches (``rel_l2_benchmark``).
+the relative rule the max-abs shortcut cannot bypass (see :mod:`megatron_npu.parity.verdict`); its
+bound ``rel_l2_bound`` is ``REL_L2_ROUNDINGS[dtype] * u``, raised by
+:func:`megatron_npu.parity.benchmark.with_benchmark` to a multiple of what the stock path in the
+same dtype reaches (``rel_l2_benchmark``).
 
 Integer and bool tensors are compared for exact equality (``kind == "exact"``); their float
 metrics are ``None``. Empty tensors give every share 1.0 and every error 0.0.

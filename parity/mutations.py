@@ -3,13 +3,14 @@
 Each :class:`Mutation` monkeypatches one function on the path a patch takes (an op, an op's NPU
 binding, the emulated kernel, or a name a patch module imported) for the duration of a ``with``
 block and restores it afterwards. :func:`planted` activates one by name; the harness does so
-around ``case.run`` only (never the reference) when a :class:`~megatron_npu.parity.harness.Job` carries
-``mutation=<name>``, on every rank of a rank pool, so a bug inside a collective is planted in
-every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
+around ``case.run`` only (never the reference) when a :class:`~megatron_npu.parity.harness.Job`
+carries ``mutation=<name>``, on every rank of a rank pool, so a bug inside a collective is planted
+in every worker. ``tests/parity/test_mutations.py`` runs each mutation's job with and without the
 bug and requires ``error`` only with it.
 
-The harness imports this module (never the reverse): :func:`megatron_npu.parity.harness.mutation_job` builds a
-mutation's job and :func:`megatron_npu.parity.harness.evaluate_mutation` runs it.
+The harness imports this module (never the reverse):
+:func:`megatron_npu.parity.harness.mutation_job` builds a mutation's job and
+:func:`megatron_npu.parity.harness.evaluate_mutation` runs it.
 
 A mutation with ``scope="job"`` is planted around the whole in-process evaluation instead (it
 changes the case itself, e.g. a reference that calls the patched implementation).

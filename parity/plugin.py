@@ -1,6 +1,7 @@
 """pytest plugin of the parity matrix: its options and session fixtures.
 
-Loaded by the project's ``conftest.py`` and by ``megatron-npu parity`` (``-p megatron_npu.parity.plugin``).
+Loaded by the project's ``conftest.py`` and by ``megatron-npu parity``
+(``-p megatron_npu.parity.plugin``).
 """
 
 from __future__ import annotations

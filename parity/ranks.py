@@ -5,10 +5,10 @@ gloo for ``cpu`` and ``npu-emulated``, hccl for ``npu``, nccl for ``cuda``; a po
 of every device with its backend.
 
 A :class:`RankPool` starts ``world`` spawned processes that join one process group and then run
-:class:`~megatron_npu.parity.harness.Job` s sent to them, each on Megatron's model-parallel groups for the job's
-layout. Every job has a deadline: a rank that raises surfaces with its traceback, a rank that
-hangs is named, and in both cases the whole pool is terminated at once, so no process outlives
-the failing case. Healthy pools are reused across cases and closed when the session ends.
+:class:`~megatron_npu.parity.harness.Job` s sent to them, each on Megatron's model-parallel groups
+for the job's layout. Every job has a deadline: a rank that raises surfaces with its traceback, a
+rank that hangs is named, and in both cases the whole pool is terminated at once, so no process
+outlives the failing case. Healthy pools are reused across cases and closed when the session ends.
 """
 
 from __future__ import annotations

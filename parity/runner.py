@@ -1,8 +1,8 @@
 """``megatron-npu parity``: run the parity matrix through pytest and print the summary table.
 
-pytest does the work (``-p megatron_npu.parity.plugin`` on :mod:`megatron_npu.parity.cells_test`, pytest-xdist for
-``-n``); every cell writes its record into a fresh run directory, which is read back at the end
-for the summary, so the table shows exactly what this run produced.
+pytest does the work (``-p megatron_npu.parity.plugin`` on :mod:`megatron_npu.parity.cells_test`,
+pytest-xdist for ``-n``); every cell writes its record into a fresh run directory, which is read
+back at the end for the summary, so the table shows exactly what this run produced.
 """
 
 from __future__ import annotations

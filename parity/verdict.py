@@ -1,5 +1,5 @@
-"""pass / warning / error for a :class:`~megatron_npu.parity.metrics.TensorComparison` (msprobe 26.2.0's
-accuracy-checker rules, see docs/parity-results.md).
+"""pass / warning / error for a :class:`~megatron_npu.parity.metrics.TensorComparison` (msprobe
+26.2.0's accuracy-checker rules, see docs/parity-results.md).
 
 Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that decides wins):
 
@@ -17,11 +17,11 @@ Stage 1 (msprobe's accuracy-checker rules, applied in order; the first that deci
    "dual-N fails" means the share of elements with relative error below N is not > 1 - N.
 8. otherwise pass.
 
-Stage 2 (fp16/bf16 cells with a benchmark, :mod:`megatron_npu.parity.benchmark`): when rules 1-5 gave no
-error, msprobe's "benchmark" standard decides pass or error in place of rules 6-8 (the max-abs
-shortcut and the dual-N shares), as msprobe's newer standard replaces its dual-N rules for float
-outputs; :func:`final_verdict` combines the two. Rules 6-8 are still computed and quoted in the
-reason.
+Stage 2 (fp16/bf16 cells with a benchmark, :mod:`megatron_npu.parity.benchmark`): when rules 1-5
+gave no error, msprobe's "benchmark" standard decides pass or error in place of rules 6-8 (the
+max-abs shortcut and the dual-N shares), as msprobe's newer standard replaces its dual-N rules for
+float outputs; :func:`final_verdict` combines the two. Rules 6-8 are still computed and quoted in
+the reason.
 
 A :class:`Tolerance` override may replace the cosine bound, the relative L2 bound, the abs-error
 pass bound and the dual-N levels used at error / warning level, and must carry a written reason;
@@ -302,8 +302,8 @@ def judge(
     ``reference``: the upcast computation (fp32/fp64 for 16-bit, fp64 for fp32);
     ``benchmark``: optionally the stock computation in ``dtype`` (the harness's benchmark),
     which raises the relative L2 bound of an ill-conditioned output and, for 16-bit, makes
-    msprobe's stage 2 decide at ``level`` (:mod:`megatron_npu.parity.benchmark`); without one, stage 1.
-    The op tests use this, so they and the parity matrix apply one set of rules.
+    msprobe's stage 2 decide at ``level`` (:mod:`megatron_npu.parity.benchmark`); without one,
+    stage 1. The op tests use this, so they and the parity matrix apply one set of rules.
     """
     comparison, result = compare(actual, reference, dtype), None
     if benchmark is not None:

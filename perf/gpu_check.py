@@ -48,8 +48,8 @@ FAIRNESS_TARGET = 1.25
 
 #: Megatron-LM's pretrain_gpt.py rows: the 4-layer GPT of shared/gpu-logs/h100-tiny (30 steps).
 #: gradient-accumulation fusion and the persistent layer norm are apex's: off, as a GPU without
-#: apex must run them; masked-softmax fusion stays Megatron-LM's default (softmax.cuda-kernel-missing
-#: serves it).
+#: apex must run them; masked-softmax fusion stays Megatron-LM's default
+#: (softmax.cuda-kernel-missing serves it).
 MLM_ARGS = [
     "--num-layers",
     "4",

@@ -1,8 +1,8 @@
 """Run one benchmark cell under pytest-benchmark and label it per the benchmarks interface.
 
-``extra_info`` keys (documented in ``perf/README.md``, section JSON): ``patch_id``, ``op``, ``path``, ``device``, ``emulated``,
-``dtype``, ``shape``, ``direction``, ``peak_memory_bytes``; ``group`` is the op name so the paths
-of one op line up in pytest-benchmark's tables.
+``extra_info`` keys (documented in ``perf/README.md``, section JSON): ``patch_id``, ``op``,
+``path``, ``device``, ``emulated``, ``dtype``, ``shape``, ``direction``, ``peak_memory_bytes``;
+``group`` is the op name so the paths of one op line up in pytest-benchmark's tables.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ two gloo ranks with the ring (``p2p``), Megatron's own ``get_batch_on_this_cp_ra
 sequence (``perf/_context_parallel_ranks.py``). Each cell records, per rank, the peak bytes torch
 allocated during one step (``peak_memory_bytes``: the largest rank's) and the median step time
 of three (``step_s``; the benchmark's own timing includes starting the ranks). The CP2 cell
-holds the target: its peak per rank is at most 0.6 x CP1's (``peak_memory_vs_cp1``). Times on this shared-core host are
-for like-for-like reading only (CP2's two ranks share the two cores CP1 has to itself).
+holds the target: its peak per rank is at most 0.6 x CP1's (``peak_memory_vs_cp1``). Times on this
+shared-core host are for like-for-like reading only (CP2's two ranks share the two cores CP1 has to
+itself).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Generated from :func:`megatron_npu.registry.all_patches`: a patch's ``benchmark`` names its
 :class:`perf.case.BenchCase`; patches for other megatron-core releases than the installed one
-have no cells (their target may not exist here). ``pytest perf --benchmark-only`` runs the sizes that matter;
-``--perf-quick`` the smoke sizes.
+have no cells (their target may not exist here). ``pytest perf --benchmark-only`` runs the sizes
+that matter; ``--perf-quick`` the smoke sizes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """pytest-benchmark JSON files (``--benchmark-json``) read for a report.
 
-Each benchmark's ``extra_info`` carries the keys documented in ``perf/README.md`` (``patch_id``, ``op``, ``path``,
-``device``, ``emulated``, ``dtype``, ``shape``, ``direction``, ``peak_memory_bytes``); any of them
-may be missing in older files, and the report then shows what it has (the group stands in for
-the op, ``unknown`` for a missing device).
+Each benchmark's ``extra_info`` carries the keys documented in ``perf/README.md`` (``patch_id``,
+``op``, ``path``, ``device``, ``emulated``, ``dtype``, ``shape``, ``direction``,
+``peak_memory_bytes``); any of them may be missing in older files, and the report then shows what it
+has (the group stands in for the op, ``unknown`` for a missing device).
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ def _lines(series: list[dict[str, Any]], y: str, label: str, fmt: str) -> go.Fig
                 mode="lines+markers",
                 name=line["legend"],
                 marker={"size": 4},
-                hovertemplate=f"step %{{x}}<br>{label} %{{y:{fmt}}}<extra>%{{fullData.name}}</extra>",
+                hovertemplate=(
+                    f"step %{{x}}<br>{label} %{{y:{fmt}}}<extra>%{{fullData.name}}</extra>"
+                ),
             )
         )
     return fig

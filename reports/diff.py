@@ -4,7 +4,8 @@
   whose verdict improved (fixed), other verdict changes, cells that appeared or disappeared, and
   metric shifts beyond tolerance: a judged metric (cosine, max abs error, the dual-N shares)
   that moved by more than half of its tolerance band, the gap between its ideal value and the
-  threshold the verdict applies (the override's, else the default of :mod:`megatron_npu.parity.verdict`);
+  threshold the verdict applies (the override's, else the default of
+  :mod:`megatron_npu.parity.verdict`);
 * end-to-end: rule verdicts whose status changed, and s/step changes where both 95 % intervals
   exist and do not overlap (emulated runs are never compared for speed);
 * benchmarks: median changes whose interquartile ranges do not overlap (not for emulated ones).

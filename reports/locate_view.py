@@ -4,11 +4,12 @@ or of the user's own script (``--script``), and ``locate-msprobe.json`` of two m
 
 For ``locate.json``: the model's module tree (indented by the dotted name; one row per module and
 shard), each row a heat strip of three cells -- forward, backward, update -- coloured by the
-module's error relative to its tolerance (``log10(error / tolerance)``: green well below, amber near, red beyond), with the
-error, its inputs' error and the ratio in the cell's tooltip; the named step, module and patch;
-the command that reproduces the search; msprobe's metrics of the named module's worst tensor.
-For ``locate-msprobe.json``: the first divergent row with msprobe's metrics and the patches it
-reaches, what statistics can conclude, and every compared row in dump order as a heat cell.
+module's error relative to its tolerance (``log10(error / tolerance)``: green well below, amber
+near, red beyond), with the error, its inputs' error and the ratio in the cell's tooltip; the named
+step, module and patch; the command that reproduces the search; msprobe's metrics of the named
+module's worst tensor. For ``locate-msprobe.json``: the first divergent row with msprobe's metrics
+and the patches it reaches, what statistics can conclude, and every compared row in dump order as a
+heat cell.
 """
 
 from __future__ import annotations

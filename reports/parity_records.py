@@ -1,7 +1,7 @@
 """Parity records (``docs/parity-results.md``, schema 1 and 2) read for a report.
 
-The harness's own reader (:func:`megatron_npu.parity.results.read_records`) stops at the first bad file; a
-report must instead show every good record and say which files it left out and why, so this
+The harness's own reader (:func:`megatron_npu.parity.results.read_records`) stops at the first bad
+file; a report must instead show every good record and say which files it left out and why, so this
 module validates each file on its own and turns a bad one into a :class:`Skipped` entry naming
 the file and the key. Schema 2 adds ``kernels``, ``npu_kernel_exercised``, ``benchmark`` and
 records of crashed or hung cells (verdict rule ``crash`` / ``timeout``, tensors possibly empty).
@@ -19,7 +19,8 @@ from megatron_npu.parity.results import PARALLEL_KEYS
 from megatron_npu.parity.verdict import STATUSES
 from megatron_npu.reports.errors import Skipped
 
-#: Parity record schema versions this reader understands (docs/parity-results.md: readers accept 1 and 2).
+#: Parity record schema versions this reader understands (docs/parity-results.md:
+#: readers accept 1 and 2).
 PARITY_SCHEMAS = (1, 2, 3)
 #: Verdict rules of a cell that produced no comparison (schema 2).
 FAILURE_RULES = ("crash", "timeout")

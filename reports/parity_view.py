@@ -20,7 +20,8 @@ def worst_status(statuses: list[str]) -> str | None:
 
 
 def default_tolerance(dtype: str) -> dict[str, Any]:
-    """The thresholds :func:`megatron_npu.parity.verdict.verdict` uses when a case has no override."""
+    """The thresholds :func:`megatron_npu.parity.verdict.verdict` uses when a case has
+    no override."""
     rules = importlib.import_module(
         "megatron_npu.parity.verdict"
     )  # megatron_npu.parity.verdict is also a function name

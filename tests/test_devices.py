@@ -73,7 +73,8 @@ def test_cli_reports_missing_cann_without_traceback(tmp_path):
     fake = tmp_path / "torch_npu"
     fake.mkdir()
     (fake / "__init__.py").write_text(
-        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n"
+        "raise ImportError('libhccl.so: cannot open shared object file: "
+        "No such file or directory')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path), devices.ENV_VAR: "npu"}
     proc = subprocess.run(

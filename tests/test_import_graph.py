@@ -73,7 +73,8 @@ def module_names() -> dict[str, Path]:
 
 
 def group(module: str) -> str:
-    """The folder a dotted module lives in: ``megatron_npu``, ``parity``, ``perf`` or ``reports``."""
+    """The folder a dotted module lives in: ``megatron_npu``, ``parity``, ``perf``
+    or ``reports``."""
     parts = module.split(".")
     if parts[0] == "megatron_npu" and len(parts) > 1 and parts[1] in BARE:
         return parts[1]

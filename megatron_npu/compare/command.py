@@ -327,7 +327,10 @@ def verdict_cell(result: RunResult, verdicts: list[rules.Verdict], baseline: str
     if not accuracy:
         return "; ".join(f"{v.rule}: {v.status}" for v in mine) or "-"
     head = accuracy[0]
-    cell = f"{'pass' if head.status == rules.PASS else head.status.upper()} {head.rule} vs {head.baseline}"
+    cell = (
+        f"{'pass' if head.status == rules.PASS else head.status.upper()} "
+        f"{head.rule} vs {head.baseline}"
+    )
     if any(v.rule == "noise" and v.status == rules.FAIL for v in mine):
         cell += "; OUTSIDE the rounding band"
     if any(v.rule == "performance" and v.status == rules.FAIL for v in mine):
@@ -428,8 +431,9 @@ def confirm_slowdown(
 ) -> rules.Verdict:
     """A speed ``fail`` between two runs trained here is re-timed: both are trained again back to
     back (reference first, no checkpoint, in ``runs/<name>/retime``) and the slowdown stands only
-    if it shows again: their medians differ beyond the threshold. Runs timed minutes apart on a shared machine can differ by more than any
-    threshold; two runs timed one right after the other share the machine's load."""
+    if it shows again: their medians differ beyond the threshold. Runs timed minutes apart on a
+    shared machine can differ by more than any threshold; two runs timed one right after the other
+    share the machine's load."""
     if verdict.status != rules.FAIL:
         return verdict
     cand, other = results[verdict.candidate], results[verdict.baseline]
@@ -439,7 +443,8 @@ def confirm_slowdown(
     session = uuid.uuid4().hex[:12]
     for _ in range(CONFIRM_ROUNDS):
         echo.write(
-            f" [compare] {cand.spec.name}: slower than {other.spec.name}; timing both again, back to back\n"
+            f" [compare] {cand.spec.name}: slower than {other.spec.name}; "
+            "timing both again, back to back\n"
         )
         retimed = {}
         for run in (other, cand):
@@ -474,7 +479,8 @@ def confirm_slowdown(
                 verdict.baseline,
                 "performance",
                 rules.PASS,
-                f"not confirmed: first timing {verdict.detail}; timed again back to back: {again.detail}",
+                f"not confirmed: first timing {verdict.detail}; "
+                f"timed again back to back: {again.detail}",
                 verdict.tolerance,
             )
         verdict = rules.Verdict(
@@ -518,7 +524,10 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
         )
     device = spec.devices[0] if spec.devices else imported.device
     if device is None:
-        error = f"{spec.path}: the file does not say which device ran it: set device = ... in the matrix"
+        error = (
+            f"{spec.path}: the file does not say which device ran it: "
+            "set device = ... in the matrix"
+        )
         echo.write(f" [compare] {spec.name}: FAILED to import ({error})\n")
         return RunResult(spec, None, runner.Outcome("failed", error, 0.0, [], ""))
     result = RunResult(
@@ -546,7 +555,8 @@ def build_report(out_dir: Path, echo: TextIO) -> Path | None:
         reports = importlib.import_module("megatron_npu.reports")
     except ImportError:
         echo.write(
-            " [compare] no report.html: the `reports` package is not importable here (results.json and table2.md are written)\n"
+            " [compare] no report.html: the `reports` package is not importable here "
+            "(results.json and table2.md are written)\n"
         )
         return None
     try:

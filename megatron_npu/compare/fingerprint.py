@@ -78,6 +78,8 @@ def _experts(args: dict[str, Any]) -> str:
     if not experts:
         return "dense"
     ffn = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+    groups = args.get("moe_router_num_groups")
+    freq = args.get("moe_layer_freq", 1)
     return (
         f"{experts} experts, top-{args.get('moe_router_topk', 2)}, ffn {ffn}, shared "
         f"{args.get('moe_shared_expert_intermediate_size') or 0}, capacity "
@@ -85,8 +87,8 @@ def _experts(args: dict[str, Any]) -> str:
         f"{args.get('moe_aux_loss_coeff') or 0}, router "
         f"{args.get('moe_router_score_function') or 'softmax'}"
         f"{' with expert bias' if args.get('moe_router_enable_expert_bias') else ''}"
-        f"{' grouped ' + str(args.get('moe_router_num_groups')) if args.get('moe_router_num_groups') else ''}"
-        f"{', layer freq ' + str(args.get('moe_layer_freq')) if args.get('moe_layer_freq', 1) != 1 else ''}"
+        f"{' grouped ' + str(groups) if groups else ''}"
+        f"{', layer freq ' + str(freq) if freq != 1 else ''}"
     )
 
 

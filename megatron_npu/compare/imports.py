@@ -82,7 +82,8 @@ def _read_json(path: Path, text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ImportedRunError(
-            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}): truncated or corrupt"
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}): "
+            "truncated or corrupt"
         ) from None
 
 

@@ -30,7 +30,8 @@ bf16 = false                   # true -> "--bf16"; false/absent -> left out
 
 [[run]]
 name = "ref-fp32"
-device = "cpu"                 # or a list: the first one available here, e.g. ["npu", "npu-emulated"]
+device = "cpu"                 # or a list: the first one available here, e.g.
+                               # ["npu", "npu-emulated"]
 options = { }                  # this run's train options, over [defaults]
 reference = "ref-fp32"         # what its verdict compares against (default: the baseline);
                                # false: a reference row only (no accuracy verdict of its own)
@@ -49,9 +50,10 @@ hardware = "8x H200"           # a label for Table 2 (default: the device)
 [[run]]                        # an imported run: results from another machine, not trained here
 name = "gpu-8p"
 import = "logs/gpu-8p.log"     # a Megatron-LM log, a TensorBoard event folder, or a megatron-npu
-device = "cuda"                # metrics.json / compare results.json (+ run = "NAME" for the latter);
-hardware = "8x H200"           # relative paths are relative to the matrix file; a log's MFU reads
-                               # against the datasheet peak of the GPU this names (compare/datasheet.py)
+device = "cuda"                # metrics.json / compare results.json (+ run = "NAME" for the
+hardware = "8x H200"           # latter); relative paths are relative to the matrix file; a log's
+                               # MFU reads against the datasheet peak of the GPU this names
+                               # (compare/datasheet.py)
 
 [[run]]                        # a user's Megatron-LM script, run through the adaptor
 name = "mlm-script"
@@ -250,7 +252,8 @@ def _settings(raw: dict, runs: list[dict], where: str) -> Settings:
     bad = sorted(set(vary) - set(FIELDS))
     if bad:
         raise MatrixError(
-            f"{where}: [compare] vary names unknown fingerprint field(s) {bad}: known are {list(FIELDS)}"
+            f"{where}: [compare] vary names unknown fingerprint field(s) {bad}: "
+            f"known are {list(FIELDS)}"
         )
     baseline = raw.get("baseline", runs[0].get("name") if runs else None)
     return Settings(baseline=str(baseline), vary=tuple(vary), **values)
@@ -266,7 +269,8 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
     unknown_tables = sorted(set(data) - {"compare", "defaults", "run"})
     if unknown_tables:
         raise MatrixError(
-            f"{source}: unknown top-level key(s) {unknown_tables}: use [compare], [defaults], [[run]]"
+            f"{source}: unknown top-level key(s) {unknown_tables}: "
+            "use [compare], [defaults], [[run]]"
         )
     settings = _settings(_table(data, "compare", source), raw_runs, source)
     defaults = _check_options(_table(data, "defaults", source), f"{source} [defaults]")

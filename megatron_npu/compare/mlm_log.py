@@ -43,7 +43,8 @@ PADDED_VOCAB = re.compile(
     r"padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)"
 )
 MEMORY = re.compile(
-    r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.eE+-]+) \| max allocated: ([\d.eE+-]+)"
+    r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) "
+    r"\| allocated: ([\d.eE+-]+) \| max allocated: ([\d.eE+-]+)"
 )
 #: The last field Megatron-LM writes on every iteration line: a line without it is cut short.
 LAST_FIELD = "number of skipped iterations"
@@ -198,7 +199,8 @@ def parse(path: str | Path) -> dict[str, Any]:
         )
     if not records:
         raise LogFormatError(
-            f"{path}: no 'iteration N/ M | ...' lines after the argument dump: the run logged no step"
+            f"{path}: no 'iteration N/ M | ...' lines after the argument dump: "
+            "the run logged no step"
         )
     if any(marker in arguments for marker in FIRST_LINE_SUMS_MARKERS):
         for logged in processes:

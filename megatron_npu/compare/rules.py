@@ -86,7 +86,8 @@ def _aligned(ref: Curve, cand: Curve) -> tuple[list[int], list[float], list[floa
     if ref.iterations != cand.iterations:
         return (
             f"the runs have different steps ({len(ref.iterations)} vs {len(cand.iterations)}, "
-            f"{ref.iterations[:1]}..{ref.iterations[-1:]} vs {cand.iterations[:1]}..{cand.iterations[-1:]})"
+            f"{ref.iterations[:1]}..{ref.iterations[-1:]} vs "
+            f"{cand.iterations[:1]}..{cand.iterations[-1:]})"
         )
     pairs = [
         (i, r, c)
@@ -119,7 +120,8 @@ def fingerprint_rule(
         "fingerprint",
         REFUSED,
         f"refused: differs from {reference} on {listed}; the matrix does not vary "
-        f"{'this field' if len(diffs) == 1 else 'these fields'} (align them, or list them in [compare] vary)",
+        f"{'this field' if len(diffs) == 1 else 'these fields'} "
+        "(align them, or list them in [compare] vary)",
         tol,
     )
 
@@ -236,7 +238,8 @@ def approximate(
     over = np.flatnonzero(err > rtol)
     if len(over):
         problems.append(
-            f"{len(over)} of {len(its)} steps beyond {rtol:.0%} (first at step {its[over[0]]}: {err[over[0]]:.2%})"
+            f"{len(over)} of {len(its)} steps beyond {rtol:.0%} "
+            f"(first at step {its[over[0]]}: {err[over[0]]:.2%})"
         )
     mean = float(err.mean())
     if mean >= mean_rtol:
@@ -244,8 +247,8 @@ def approximate(
     late_mean, growth = late_trend(err, window)
     if late_mean >= mean_rtol or growth >= late_growth:
         problems.append(
-            f"late divergence over the last {window} steps: mean {late_mean:.2%}, trend +{growth:.2%} "
-            f"(limits {mean_rtol:.0%} and +{late_growth:.0%})"
+            f"late divergence over the last {window} steps: mean {late_mean:.2%}, "
+            f"trend +{growth:.2%} (limits {mean_rtol:.0%} and +{late_growth:.0%})"
         )
     norms = [
         (i, a, b)
@@ -263,7 +266,10 @@ def approximate(
                 f"grad norm of {len(over)} of {len(norms)} steps beyond {grad_norm_rtol:.0%} "
                 f"(first at step {norm_its[over[0]]}: {norm_err[over[0]]:.2%})"
             )
-    summary = f"max {err.max():.2%}, mean {mean:.2%}, last {window} steps mean {late_mean:.2%} trend {growth:+.2%}"
+    summary = (
+        f"max {err.max():.2%}, mean {mean:.2%}, "
+        f"last {window} steps mean {late_mean:.2%} trend {growth:+.2%}"
+    )
     if norms:
         summary += f", grad norm max {float(norm_err.max()):.2%}"
     if problems:

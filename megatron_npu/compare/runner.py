@@ -202,7 +202,8 @@ def stream(
 #: a line where a run says why it stopped: the adaptor's named refusal, or a Python exception
 #: (a rank's, behind torchrun's ``[rankN]:`` prefix)
 _STOP_LINE = re.compile(
-    r"^(?:\[rank\d+\]:\s*)?((?:megatron-npu[\w -]*: |[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b:?).*)$"
+    r"^(?:\[rank\d+\]:\s*)?"
+    r"((?:megatron-npu[\w -]*: |[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b:?).*)$"
 )
 #: lines torchrun's elastic agent writes about a child's failure (its footer, its own traceback)
 _LAUNCHER_LINE = re.compile(r"torch\.distributed\.elastic|ChildFailedError|To enable traceback")

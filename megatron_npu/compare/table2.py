@@ -1,4 +1,5 @@
-"""Table 2 of Ascend's Megatron-LM adaptation guide ("competitor vs NPU: loss, s/step"), one row per run, as markdown.
+"""Table 2 of Ascend's Megatron-LM adaptation guide ("competitor vs NPU: loss, s/step"), one row per
+run, as markdown.
 
 Columns (:data:`COLUMNS`, labels with units): run, device (emulated marked ``*``, with its
 hardware label), layout, precision, first/last loss, s/step (median after warm-up, with its 95 %
@@ -32,7 +33,10 @@ COLUMNS = (
     ("noise_band", "rounding band"),  # shown when the matrix measured one (compare/noise.py)
     ("verdict", "verdict"),
 )
-EMULATED_NOTE = "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; its speed is not NPU performance (no MFU, no speed verdict)."
+EMULATED_NOTE = (
+    "`*` emulated: the NPU code path run on CPU through the torch_npu emulation; "
+    "its speed is not NPU performance (no MFU, no speed verdict)."
+)
 MEMORY_NOTE = (
     "peak allocated: the allocator's peak, largest over ranks (torch's max_memory_allocated on "
     "cuda/npu; on cpu and npu-emulated the profiler's count: live tensor storages plus the first "

@@ -8,8 +8,8 @@ Megatron-LM (``megatron/training/training.py`` ``training_log``, ``initialize.py
 text summary named after it, from which the fingerprint is taken; with ``--log-throughput``,
 ``throughput`` (TFLOP/s per GPU), which with ``iteration-time`` gives the step's model FLOPs
 (else Megatron-LM's formula over the arguments: :func:`.mlm_log.model_flops`, one count for logs
-and event folders). A curve needs ``lm loss``; step times need ``iteration-time``. Every problem is an :class:`EventFolderError` naming the
-folder (or file).
+and event folders). A curve needs ``lm loss``; step times need ``iteration-time``. Every problem is
+an :class:`EventFolderError` naming the folder (or file).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def check_records(file: Path) -> int:
         except errors.DataLossError as exc:
             reason = str(getattr(exc, "message", exc)).replace(str(file), "").strip()
             raise EventFolderError(
-                f"{file}: record {count + 1} is truncated or corrupt ({reason}), after {count} good ones"
+                f"{file}: record {count + 1} is truncated or corrupt ({reason}), "
+                f"after {count} good ones"
             ) from None
         count += 1
 

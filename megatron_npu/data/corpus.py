@@ -4,10 +4,11 @@
 fixed, sorted list of standard-library modules (:data:`STDLIB_MODULES`): for each module its own
 docstring and those of its top-level classes, functions and methods, each distinct docstring once.
 They are read from the module's source file with ``ast`` (only parent packages get imported, and
-monkeypatching by other libraries cannot change them); modules without Python source (``builtins``, ``math``, ...)
-are imported and their live docstrings used. That is about 1.2 MB of English technical prose on
-CPython 3.11. Each module is one document. The text is written as JSONL, tokenized with the
-byte-level tokenizer and indexed with :func:`megatron_npu.data.preprocess.preprocess`.
+monkeypatching by other libraries cannot change them); modules without Python source (``builtins``,
+``math``, ...) are imported and their live docstrings used. That is about 1.2 MB of English
+technical prose on CPython 3.11. Each module is one document. The text is written as JSONL,
+tokenized with the byte-level tokenizer and indexed with
+:func:`megatron_npu.data.preprocess.preprocess`.
 
 The result is deterministic for a given Python build (the docstrings are static text); a module
 that a build lacks (e.g. ``sqlite3``) is left out. Outputs are named by the SHA-256 of the corpus

@@ -112,7 +112,8 @@ def check_indexed_dataset(prefix: str, *, flag: str = "--data-path") -> None:
     have = os.path.getsize(binary)
     if have < needed:
         raise TrainingInputError(
-            f"indexed dataset file {binary}: truncated: {have} bytes, its index {idx} needs {needed}",
+            f"indexed dataset file {binary}: truncated: {have} bytes, "
+            f"its index {idx} needs {needed}",
             _REMEDY,
         )
 

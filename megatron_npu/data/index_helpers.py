@@ -16,18 +16,18 @@ function and looks the attribute up at call time)::
 
 So replacing these module attributes is enough (no module holds a ``from ... import`` copy):
 
-=========================================================================  ========================
-target                                                                     replacement (this module)
-=========================================================================  ========================
-``megatron.core.datasets.helpers.build_sample_idx``                        :func:`build_sample_idx`
-``megatron.core.datasets.helpers.build_blending_indices``                  :func:`build_blending_indices`
-``megatron.core.datasets.helpers.build_exhaustive_blending_indices``       :func:`build_exhaustive_blending_indices`
-=========================================================================  ========================
+============================================  =========================================
+target in ``megatron.core.datasets.helpers``  replacement (this module)
+============================================  =========================================
+``build_sample_idx``                          :func:`build_sample_idx`
+``build_blending_indices``                    :func:`build_blending_indices`
+``build_exhaustive_blending_indices``         :func:`build_exhaustive_blending_indices`
+============================================  =========================================
 
 ``helpers.build_sample_idx`` is a Python wrapper (it picks ``build_sample_idx_int32`` or
-``build_sample_idx_int64`` from ``helpers_cpp``); :func:`build_sample_idx` reproduces the wrapper, and
-:func:`build_sample_idx_int32` / :func:`build_sample_idx_int64` reproduce the two C++ functions. The
-two blending targets are pybind11 builtins (``inspect.signature`` cannot read them).
+``build_sample_idx_int64`` from ``helpers_cpp``); :func:`build_sample_idx` reproduces the wrapper,
+and :func:`build_sample_idx_int32` / :func:`build_sample_idx_int64` reproduce the two C++ functions.
+The two blending targets are pybind11 builtins (``inspect.signature`` cannot read them).
 
 ``build_mapping`` / ``build_blocks_mapping`` (BERT, T5 and ICT datasets; they need ``std::mt19937``
 streams) are not reimplemented: the GPT pipeline never calls them.

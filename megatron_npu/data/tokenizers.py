@@ -12,8 +12,8 @@ All subclass megatron-core 0.16.1's abstract :class:`megatron.core.tokenizers.Me
 (the type of ``BlendedMegatronDatasetConfig.tokenizer``) and provide what megatron-core's datasets
 read from ``config.tokenizer``: ``eod``, ``vocab_size``, ``pad`` (raising ``NotImplementedError``
 where the vocabulary has no pad token, which makes GPTDataset fall back to its -1 pad id), and
-``unique_identifiers`` (an ``OrderedDict`` serialized into the dataset cache key, so it contains only
-stable values: class name, file paths and options).
+``unique_identifiers`` (an ``OrderedDict`` serialized into the dataset cache key, so it contains
+only stable values: class name, file paths and options).
 
 The GPT-2 pre-tokenizer regex uses ``\\p{L}`` and ``\\p{N}``, which the standard ``re`` module
 lacks (the ``regex`` package is not a dependency). :func:`gpt2_pretokenize_pattern` builds the same

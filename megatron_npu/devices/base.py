@@ -44,7 +44,10 @@ class Device:
 
     def describe(self) -> str:
         note = " (NPU code path emulated on CPU; not an NPU result)" if self.emulated else ""
-        return f"{self.name}: tensors on {self.torch_type}, process groups on {self.dist_backend}{note}"
+        return (
+            f"{self.name}: tensors on {self.torch_type}, "
+            f"process groups on {self.dist_backend}{note}"
+        )
 
 
 class NoNvtx:

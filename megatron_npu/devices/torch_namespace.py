@@ -89,7 +89,8 @@ def route_device(factory: Any) -> Any:
 
 
 class _DeviceMeta(type):
-    """``torch.device`` look-alike: constructing maps CUDA to the active device; isinstance works."""
+    """``torch.device`` look-alike: constructing maps CUDA to the active device;
+    isinstance works."""
 
     def __call__(cls, type: Any = None, index: Any = None) -> torch.device:  # noqa: A002
         if isinstance(index, REAL_DEVICE):  # torch.device("cuda", torch.cuda.current_device())

@@ -271,7 +271,8 @@ def _evaluate(args, own, env, device) -> dict | None:
     from megatron_npu.evaluate.lambada import SET_TITLES, set_name
 
     line = (
-        f" validation results on {SET_TITLES[set_name(own.valid_data)]}{' (strict)' if own.strict_lambada else ''} | number correct: "
+        f" validation results on {SET_TITLES[set_name(own.valid_data)]}"
+        f"{' (strict)' if own.strict_lambada else ''} | number correct: "
         f"{correct:.4E} | total examples: {n:.4E} | avg accuracy: {accuracy:.4E}"
     )
     print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)

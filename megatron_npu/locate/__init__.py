@@ -6,8 +6,8 @@ One module per job (docs/locate.md has the whole method and the file formats):
 * :mod:`.trace` -- which adaptor patches each module reaches (built it, or ran inside it)
 * :mod:`.dump` -- hooks on every module of one rank; the dump folder (``.pt`` + JSON index)
 * :mod:`.worker` -- one run of one configuration in its own process(es): train, save, replay
-* :mod:`.modules` -- module-by-module comparison of two dumps (``megatron_npu.parity.metrics``) and the
-  input-explained error rule
+* :mod:`.modules` -- module-by-module comparison of two dumps (``megatron_npu.parity.metrics``) and
+  the input-explained error rule
 * :mod:`.culprit` -- delta debugging over the patches the divergent module reaches
 * :mod:`.result` -- ``locate.json`` (schema version, writer, reader)
 * :mod:`.command` -- the command line and the whole search

@@ -6,10 +6,10 @@ within tolerance. :func:`search` first checks that switching off the whole candi
 the module (otherwise the culprit is not among them and the next, wider set is tried), then
 narrows it with Zeller's ``ddmin`` (a replay that fails -- some patches cannot be switched off
 together, e.g. the device plumbing the optimizer step needs -- counts as "not fixed"; when the
-whole set cannot be switched off, each half is tried instead): split the set into ``n`` parts, keep a part (or the
-complement of a part) whose removal still fixes the module, and refine until no single patch can
-be dropped. The result is one patch, or a minimal set of patches that only together explain the
-divergence.
+whole set cannot be switched off, each half is tried instead): split the set into ``n`` parts, keep
+a part (or the complement of a part) whose removal still fixes the module, and refine until no
+single patch can be dropped. The result is one patch, or a minimal set of patches that only together
+explain the divergence.
 """
 
 from __future__ import annotations

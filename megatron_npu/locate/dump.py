@@ -31,8 +31,8 @@ sits beside it::
     <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"[, "cp"]}, "entries": [...],
                                  "modules": {name: {"kind", "depth", "patches": {own, total}}}}
     <dump>/rank<R>/dump.json    msprobe's rows: ``Module.<name>.<Class>.forward.<call>``
-                                 (``input_args``, ``output``), ``...backward.<call>`` (``input``: the
-                                 gradient reaching the outputs, ``output``: the one sent to the
+                                 (``input_args``, ``output``), ``...backward.<call>`` (``input``:
+                                 the gradient reaching the outputs, ``output``: the one sent to the
                                  inputs), ``...parameters_grad.0`` ({parameter: [gradient]})
     <dump>/rank<R>/construct.json  each row's parent row (msprobe's module tree)
     <dump>/rank<R>/stack.json   {} (no call stacks are recorded)

@@ -1,9 +1,9 @@
 """Module-by-module comparison of two dumps of the same step, and the input-explained rule.
 
 Every recorded tensor of the candidate is measured against the reference's with the parity
-harness's metrics (:func:`megatron_npu.parity.metrics.compare`, one implementation; the reference upcast to
-float64, the rule dtype the candidate tensor's). A module's error in a phase is the largest
-``rel_l2`` over its tensors of that phase:
+harness's metrics (:func:`megatron_npu.parity.metrics.compare`, one implementation; the reference
+upcast to float64, the rule dtype the candidate tensor's). A module's error in a phase is the
+largest ``rel_l2`` over its tensors of that phase:
 
 ==========  ===========================================  ==========================================
 phase       output error (what the module produced)       input error (what it was given)
@@ -44,8 +44,8 @@ from megatron_npu.locate import dump as dump_mod
 PHASES = ("forward", "backward", "update")
 
 #: the base tolerance of a module's relative-L2 error at depth 0 is this many times the parity
-#: harness's rel_l2 bound of the candidate's dtype (``megatron_npu.parity.metrics``: 64 u for fp32, 8 u for
-#: fp16/bf16): 1.5e-5 fp32 (two healthy fp32 paths differ by about 1e-7 per module),
+#: harness's rel_l2 bound of the candidate's dtype (``megatron_npu.parity.metrics``: 64 u for fp32,
+#: 8 u for fp16/bf16): 1.5e-5 fp32 (two healthy fp32 paths differ by about 1e-7 per module),
 #: 1.6e-2 fp16, 6.3e-2 bf16
 BASE_MULTIPLE = 4.0
 #: per-layer growth of the tolerance
@@ -149,8 +149,8 @@ def _ratio(out: float | None, inp: float) -> float | None:
 
 
 def tensor_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """``rel_l2`` of ``actual`` against ``reference`` (:func:`megatron_npu.parity.metrics.compare`); a
-    shape mismatch or a non-finite mismatch is an infinite error."""
+    """``rel_l2`` of ``actual`` against ``reference`` (:func:`megatron_npu.parity.metrics.compare`);
+    a shape mismatch or a non-finite mismatch is an infinite error."""
     from megatron_npu.parity.metrics import compare
 
     if tuple(actual.shape) != tuple(reference.shape):

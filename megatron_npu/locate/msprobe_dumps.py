@@ -328,7 +328,8 @@ def _check_comparable(reference: dict[str, RankDump], candidate: dict[str, RankD
                 for position in sorted(set(r_side) & set(c_side)):
                     if r_side[position].shape != c_side[position].shape:
                         raise MsprobeDumpError(
-                            f"{key}: the dumps are of other models: {cand[name].name} {position} has shape "
+                            f"{key}: the dumps are of other models: "
+                            f"{cand[name].name} {position} has shape "
                             f"{list(r_side[position].shape)} in the reference and "
                             f"{list(c_side[position].shape)} in the candidate"
                         )

@@ -26,9 +26,9 @@ from typing import Any
 
 def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
     """The code objects that run when ``obj`` (a patch's installed object) is used: a
-    function's, a class's methods (its own and those of its adaptor-defined bases), and -- for an adaptor object that routes attribute access,
-    e.g. a namespace whose ``optim.AdamW`` is the adaptor's AdamW -- those of the adaptor
-    objects it holds (a few levels deep)."""
+    function's, a class's methods (its own and those of its adaptor-defined bases), and -- for an
+    adaptor object that routes attribute access, e.g. a namespace whose ``optim.AdamW`` is the
+    adaptor's AdamW -- those of the adaptor objects it holds (a few levels deep)."""
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     if isinstance(obj, functools.partial):

@@ -56,8 +56,9 @@ class FP8StateError(ValueError):
 
 
 def _device() -> Any:
-    """Where Megatron's device-path initialisation puts a weight: its ``torch.cuda.current_device()``
-    as the device layer answers it (the NPU, the CPU for the stand-in devices)."""
+    """Where Megatron's device-path initialisation puts a weight: its
+    ``torch.cuda.current_device()`` as the device layer answers it (the NPU, the CPU for the
+    stand-in devices)."""
     return TORCH_NAMESPACE.cuda.current_device()
 
 

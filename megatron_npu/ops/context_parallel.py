@@ -79,7 +79,8 @@ def to_rank_order(x: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` ``[cp, ...]``: part ``j`` goes to rank ``j``; returns the parts received, ``[cp, ...]``."""
+    """``x`` ``[cp, ...]``: part ``j`` goes to rank ``j``;
+    returns the parts received, ``[cp, ...]``."""
     x = x.contiguous()
     out = torch.empty_like(x)  # after contiguous(): empty_like keeps a view's strides
     dist.all_to_all_single(out, x, group=group)

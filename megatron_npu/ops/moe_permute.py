@@ -12,9 +12,10 @@ rows. Their index map differs from Megatron's: without ``drop_and_pad`` it maps 
 (token, k-th expert) slot to its row, which needs every token to select the same number of
 experts. That holds for the alltoall dispatcher and for the allgather dispatcher with one
 expert-parallel rank, but not where tokens were dropped without padding or where the map holds
-only a rank's local experts, nor for fp32 probs with fp16 tokens; those calls go through Megatron's own unfused code (the check costs
-one host read of a flag per permutation). A kernel-made map is int32 (torch_npu's contract) and
-Megatron's own int64, which is how the unpermute tells which one it was handed.
+only a rank's local experts, nor for fp32 probs with fp16 tokens; those calls go through Megatron's
+own unfused code (the check costs one host read of a flag per permutation). A kernel-made map is
+int32 (torch_npu's contract) and Megatron's own int64, which is how the unpermute tells which one it
+was handed.
 """
 
 from __future__ import annotations

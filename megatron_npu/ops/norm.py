@@ -5,9 +5,10 @@
 The weight may be fp32 while x is fp16/bf16. Both paths compute in fp32 and round once.
 
 ``layer_norm`` returns ``(y, mean, rstd)`` with ``torch.native_layer_norm`` semantics on every
-device (on CPU, fp16/bf16 inputs are computed in fp32 with y rounded once and fp32 mean/rstd). torch_npu has no training layer-norm op in its own namespace (``npu_layer_norm_eval``
-is inference-only and slated for removal in favour of ``torch.nn.functional.layer_norm``); on an
-NPU the aten op itself is torch_npu's kernel, so there is no separate NPU binding.
+device (on CPU, fp16/bf16 inputs are computed in fp32 with y rounded once and fp32 mean/rstd).
+torch_npu has no training layer-norm op in its own namespace (``npu_layer_norm_eval`` is
+inference-only and slated for removal in favour of ``torch.nn.functional.layer_norm``); on an NPU
+the aten op itself is torch_npu's kernel, so there is no separate NPU binding.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ class FusedAttentionSettings:
             raise ValueError(f"shape_order must be SBH or BSH, got {self.shape_order!r}")
         if self.pre_tokens < 0 or self.next_tokens < 0:
             raise ValueError(
-                f"pre_tokens and next_tokens must be >= 0, got {self.pre_tokens}, {self.next_tokens}"
+                "pre_tokens and next_tokens must be >= 0, "
+                f"got {self.pre_tokens}, {self.next_tokens}"
             )
 
     @property

@@ -40,7 +40,9 @@ PATCHES = [
         id="cross-entropy.vocab-parallel",
         target="megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy",
         replacement=vocab_parallel_cross_entropy,
-        reason="Megatron's _VocabParallelCrossEntropy forward/backward -> one fp32 op with TP reduces",
+        reason=(
+            "Megatron's _VocabParallelCrossEntropy forward/backward -> one fp32 op with TP reduces"
+        ),
         versions=">=0.13,<0.19",
         parity="megatron_npu.parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
         benchmark="perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",

@@ -85,7 +85,8 @@ def _wrap_mock_getitem(original):
 
 
 def compile_helpers() -> None:
-    """Nothing to compile: the GPT index helpers are numpy (:mod:`megatron_npu.data.index_helpers`)."""
+    """Nothing to compile: the GPT index helpers are numpy
+    (:mod:`megatron_npu.data.index_helpers`)."""
     _logger.info("megatron-npu: dataset index helpers are numpy; nothing to compile")
 
 

@@ -66,7 +66,9 @@ MODULES = tuple(classify(cuda_using_modules("megatron.core"), ROUTED, NOT_ROUTED
 
 #: modules whose routing a parity case exercises on real process groups (the rest are exempt)
 _PARITY = {
-    "megatron.core.pipeline_parallel.p2p_communication": "megatron_npu.parity.cases.communication:P2P",
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        "megatron_npu.parity.cases.communication:P2P"
+    ),
     "megatron.core.tensor_parallel.mappings": "megatron_npu.parity.cases.communication:TP_MAPPINGS",
 }
 _EXEMPT = "device routing, no numerics of its own"

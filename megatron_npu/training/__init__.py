@@ -34,7 +34,10 @@ EXPECTED_WARNINGS = (
     r".*Transformer Engine and Apex are not installed.*",
     r"Apex is not installed.*",
     r"full scope is deprecated.*",
-    r"When using .* it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS.*",
+    (
+        r"When using .* it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS.*"
+    ),
 )
 
 #: torch 2.13 deprecates the collective names megatron-core 0.16 calls (once per rank and call

@@ -2,10 +2,10 @@
 
 Only what a GPT pretraining run on Megatron-Core needs is accepted; every option keeps the name
 (and, where it has one, the default) it has in Megatron-LM's ``arguments.py``, so a
-``pretrain_gpt_distributed*.sh`` command line carries over. The fused-attention options of Ascend's Megatron-LM adaptation guide
-(``--use-flash-attn``, ``--shape-order``, ``--pre-tokens``, ``--next-tokens``) are validated here
-against the patch registry: a value that needs the fused kernel fails unless a patch whose id
-starts with ``attention.`` is registered.
+``pretrain_gpt_distributed*.sh`` command line carries over. The fused-attention options of Ascend's
+Megatron-LM adaptation guide (``--use-flash-attn``, ``--shape-order``, ``--pre-tokens``,
+``--next-tokens``) are validated here against the patch registry: a value that needs the fused
+kernel fails unless a patch whose id starts with ``attention.`` is registered.
 
 :func:`parse_args` parses and checks what can be checked without knowing the world size;
 :func:`finalize` derives the data-parallel size, micro-batch count and virtual pipeline size once

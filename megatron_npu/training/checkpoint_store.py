@@ -314,7 +314,10 @@ def check_schedule(path: str | os.PathLike[str], manifest: dict, args: Namespace
     )
     lead = ""
     if saved_args.get("train_iters") not in (None, args.train_iters):
-        lead = f"--train-iters {args.train_iters} differs from the checkpoint's {saved_args['train_iters']}: "
+        lead = (
+            f"--train-iters {args.train_iters} differs from the checkpoint's "
+            f"{saved_args['train_iters']}: "
+        )
     raise TrainingInputError(
         f"{lead}checkpoint {path} was saved with another LR/WD schedule ({detail})",
         "pass --override-opt_param-scheduler to use this command line's schedule, or "

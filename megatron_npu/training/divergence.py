@@ -5,7 +5,8 @@ learning rate, whether the optimizer skipped the update), so every rank stops at
 and none waits in a collective for another. A stop raises
 :class:`~megatron_npu.training.errors.TrainingStopped` (exit status 3, distinct from bad input's
 2); the loop records the reason in the metrics file first, and skips any save while the last
-loss is NaN/inf (:attr:`Guard.diverging`), so the last good checkpoint stays the latest. ``--no-divergence-stop`` turns the guard off.
+loss is NaN/inf (:attr:`Guard.diverging`), so the last good checkpoint stays the latest.
+``--no-divergence-stop`` turns the guard off.
 
 The rules (``N`` = ``--divergence-steps``, default :data:`DEFAULT_STEPS`):
 

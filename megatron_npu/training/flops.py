@@ -25,7 +25,8 @@ and the bracket, with ``r = kv_channels * heads / h`` (1 when ``kv_channels = h 
   it, so ``ffn`` is the *active* size (:func:`active_ffn_hidden_size`: top-k times the expert
   FFN size, plus the shared expert's), as Megatron-LM counts it; the router's ``h x E`` gating
   GEMM is left out, being small next to the experts';
-* **logits** ``V / (2 L h)``: the output layer's ``h x V`` GEMM, once per model rather than per layer.
+* **logits** ``V / (2 L h)``: the output layer's ``h x V`` GEMM, once per model rather
+  than per layer.
 
 Not counted (as in Megatron-LM): embeddings lookups, norms, softmax, activations, the loss, the
 optimizer step, and recomputation. The result is the work of the *whole model* for one global batch

@@ -249,11 +249,12 @@ def _run(args, env) -> int:
 
 def _describe_layout(args, device) -> str:
     vpp = args.virtual_pipeline_model_parallel_size
+    cp = args.context_parallel_size
     return (
         f" megatron-npu train: {device.describe()} | world {args.world_size} = "
         f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
         f"{f' (VPP {vpp})' if vpp else ''}"
-        f"{f' x CP {args.context_parallel_size} ({args.cp_comm_type})' if args.context_parallel_size > 1 else ''}"
+        f"{f' x CP {cp} ({args.cp_comm_type})' if cp > 1 else ''}"
         f" x DP {args.data_parallel_size} | "
         f"{args.num_microbatches} micro-batches/step"
     )

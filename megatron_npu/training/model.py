@@ -6,14 +6,15 @@ Initial weights
 By default the weights are Megatron-LM's: ``pretrain_gpt.py``'s model provider with the same
 options draws the same values (megatron-core's own init methods, from the generators Megatron-LM
 seeds: ``seed + 100 * pp_rank``), so ``train`` and the script start from the same model and, in
-fp32 on cpu, give the same losses at every step (``tests/megatron_lm/test_train_is_megatron_lm.py``).
-Those weights depend on the layout. With ``use_cpu_initialization=True`` each tensor-parallel
-weight is built whole on every rank by ``_initialize_affine_weight_cpu`` (the master weight,
-drawn from the CPU generator) and each TP rank copies out its slices -- so TP and DP layouts
-agree; by default (the device path) each TP rank draws its own shard. Pipeline layouts never
-agree: the CPU generator is consumed layer after layer, so the first layer built on stage 1 of a
-PP2 run draws from where the PP1 run's layer 1 left off, not from where its layer ``L/2 + 1``
-did; and Megatron-LM also seeds each stage with ``seed + 100 * pp_rank``.
+fp32 on cpu, give the same losses at every step
+(``tests/megatron_lm/test_train_is_megatron_lm.py``). Those weights depend on the layout. With
+``use_cpu_initialization=True`` each tensor-parallel weight is built whole on every rank by
+``_initialize_affine_weight_cpu`` (the master weight, drawn from the CPU generator) and each TP rank
+copies out its slices -- so TP and DP layouts agree; by default (the device path) each TP rank draws
+its own shard. Pipeline layouts never agree: the CPU generator is consumed layer after layer, so the
+first layer built on stage 1 of a PP2 run draws from where the PP1 run's layer 1 left off, not from
+where its layer ``L/2 + 1`` did; and Megatron-LM also seeds each stage with
+``seed + 100 * pp_rank``.
 
 ``--layout-independent-init`` makes every TP/PP/DP/EP layout, and every device, start from the
 same global weights, so that a TP2 or PP2 run is the TP1 PP1 run computed differently (what a

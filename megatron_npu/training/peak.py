@@ -1,4 +1,5 @@
-"""The peak FLOP/s that MFU is measured against: a GEMM probe cached per machine, or the user's figure.
+"""The peak FLOP/s that MFU is measured against: a GEMM probe cached per machine, or
+the user's figure.
 
 ``measured_peak_flops(device, dtype)`` times square matrix multiplications on the device's torch
 backend (the largest of a few sizes, best of several repetitions, after a warm-up) and keeps the
@@ -9,10 +10,11 @@ probe runs once per machine and configuration. On the CPU the probe uses every c
 --peak-tflops``) states the peak instead and skips the probe.
 
 A probe taken while the machine is busy reads low (and MFU high): delete the cache file, or state
-the peak, to measure again. The peak is *per device*. On ``cpu`` and ``npu-emulated`` every rank shares one host, so the
-aggregate peak of a run is one host's; on ``npu`` and ``cuda`` it is the per-device peak times the
-world size (:func:`aggregate_devices`). A measured GEMM peak is what the hardware sustains on dense
-matmuls, below the datasheet figure; MFU against it reads higher than against a datasheet peak.
+the peak, to measure again. The peak is *per device*. On ``cpu`` and ``npu-emulated`` every rank
+shares one host, so the aggregate peak of a run is one host's; on ``npu`` and ``cuda`` it is the
+per-device peak times the world size (:func:`aggregate_devices`). A measured GEMM peak is what the
+hardware sustains on dense matmuls, below the datasheet figure; MFU against it reads higher than
+against a datasheet peak.
 """
 
 from __future__ import annotations
@@ -181,7 +183,8 @@ def resolve_peak(device: str, dtype: torch.dtype, stated_tflops: float | None = 
 
 
 def aggregate_devices(device: str, world_size: int) -> int:
-    """How many peaks a run of ``world_size`` ranks on ``device`` can draw on (1 for a shared host)."""
+    """How many peaks a run of ``world_size`` ranks on ``device`` can draw on
+    (1 for a shared host)."""
     return 1 if device in HOST_SHARED else max(1, world_size)
 
 

@@ -1,4 +1,5 @@
-"""File-permission hardening Ascend's Megatron-LM adaptation guide asks for (its section 6.3 and appendix C).
+"""File-permission hardening Ascend's Megatron-LM adaptation guide asks for (its section 6.3
+and appendix C).
 
 * the training process runs with umask 027, so what it creates is at most 0640 / 0750;
 * checkpoint files are set to 0640 and checkpoint directories to 0750 explicitly after a save,

@@ -33,7 +33,8 @@ INIT_STREAM = torch.Generator()
 
 
 def reseed(seed: int) -> None:
-    """Start the init stream (and, for code that draws on its own, the CPU generator) at ``seed``."""
+    """Start the init stream (and, for code that draws on its own, the CPU generator)
+    at ``seed``."""
     INIT_STREAM.manual_seed(seed)
     torch.default_generator.manual_seed(seed)
 

@@ -196,7 +196,8 @@ def _reference(ctx: Context, inputs):
 
 def _megatron_rows(x, cp: int, rank: int):
     """The reference's own statement of Megatron-LM's ``get_batch_on_this_cp_rank`` cut (the
-    reference calls no adaptor code): ``2 CP`` chunks, rank ``r`` keeps ``r`` and ``2 CP - 1 - r``."""
+    reference calls no adaptor code): ``2 CP`` chunks, rank ``r`` keeps ``r`` and
+    ``2 CP - 1 - r``."""
     import torch
 
     chunks = x.view(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
@@ -229,7 +230,8 @@ TE_CONTEXT_PARALLEL_ATTENTION = ParityCase(
     reference=_reference,
     compares="every CP rank's context output [s / CP, b, np*hn] and query/key/value grads "
     "(its load-balanced rows), all-gathered and stacked, per comm type (p2p ring, a2a, "
-    "allgather, a2a+p2p), causal or unmasked, with GQA, sliding windows and flash attention requested",
+    "allgather, a2a+p2p), causal or unmasked, with GQA, sliding windows and "
+    "flash attention requested",
     reference_kind="independent softmax(Q K^T * scale, masked) V over the whole sequence on CPU "
     "and its gradients written out as flash attention's backward forms them (rowsum(dO O) from "
     "the output in the tested dtype for the 16-bit benchmark), cut into each rank's rows",

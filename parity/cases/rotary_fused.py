@@ -3,9 +3,9 @@ adaptor provides in place of Transformer Engine's ``fused_apply_rotary_pos_emb``
 
 Megatron calls it only for the ``sbhd`` layout with ``mscale == 1`` and without multi-latent
 attention's regrouping (its other cases take the unfused function), so the examples are
-:mod:`megatron_npu.parity.cases.rotary`'s with those fixed; half and interleaved rotation, partial rotary dims
-and per-batch frequencies are all drawn. The reference is the same plain-torch statement of
-Megatron's rotation as the unfused case's.
+:mod:`megatron_npu.parity.cases.rotary`'s with those fixed; half and interleaved rotation, partial
+rotary dims and per-batch frequencies are all drawn. The reference is the same plain-torch statement
+of Megatron's rotation as the unfused case's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Megatron's core attention: stock unfused ``DotProductAttention`` vs the fused-attention op.
 
 ``megatron``: Megatron's own unfused path (baddbmm, its torch softmax with the causal mask,
-bmm), as Megatron runs without TransformerEngine. Attention dropout off (kernel vs kernel). ``native``/``npu-binding``: the same module with
-the fused kernel turned on (``--use-flash-attn``), causal, SBH layout. Hidden 1024 (16 heads x
-64), sequence 2048, batch 1.
+bmm), as Megatron runs without TransformerEngine. Attention dropout off (kernel vs kernel).
+``native``/``npu-binding``: the same module with the fused kernel turned on (``--use-flash-attn``),
+causal, SBH layout. Hidden 1024 (16 heads x 64), sequence 2048, batch 1.
 
 ``TE_DOT_PRODUCT_ATTENTION`` times the Transformer Engine stand-in (``TEDotProductAttention``,
 :mod:`megatron_npu.modules.te_layers`). Its patch replaces a ``MagicMock`` placeholder, which

@@ -57,9 +57,9 @@ with model FLOPs that count only the active experts (top-k x the expert FFN per 
 three GEMMs, :func:`megatron_npu.training.flops.mlp_forward_flops`), as Megatron-LM counts an
 MoE model; the router's small gating GEMM is left out, as there.
 
-The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``, ``MOE_LAYER_STEP``) run fp32 only: this CPU has no bf16 matrix
-units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so a bf16 figure
-would time the emulation of bf16 arithmetic, not the op.
+The GEMM cases (``GROUPED_GEMM``, ``TE_GROUPED_MLP``, ``MOE_LAYER_STEP``) run fp32 only: this CPU
+has no bf16 matrix units (a bf16 GEMM runs about 100x slower than fp32, see ``perf/README.md``), so
+a bf16 figure would time the emulation of bf16 arithmetic, not the op.
 """
 
 from __future__ import annotations

@@ -69,7 +69,10 @@ def test_runs_are_typed_and_reruns_copy_their_original(tmp_path):
         write(
             tmp_path,
             BASE
-            + '[[run]]\nname = "b"\ndevice = ["npu", "npu-emulated"]\noptions = { bf16 = true, lr = 2e-3 }\n'
+            + (
+                '[[run]]\nname = "b"\ndevice = ["npu", "npu-emulated"]\n'
+                "options = { bf16 = true, lr = 2e-3 }\n"
+            )
             + '[[run]]\nname = "a2"\nrerun_of = "a"\n',
         )
     )

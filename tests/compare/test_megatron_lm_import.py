@@ -105,7 +105,8 @@ def test_truncated_corrupt_and_wrong_logs_are_named_with_their_line(tmp_path):
     cut = tmp_path / "cut.log"
     cut.write_text("\n".join(lines[: number - 1] + [line[: len(line) // 2]]) + "\n")
     assert _error(cut) == (
-        f"{cut}:{number}: iteration line cut short (no 'number of skipped iterations' field): truncated log?"
+        f"{cut}:{number}: iteration line cut short "
+        "(no 'number of skipped iterations' field): truncated log?"
     )
     start = next(n for n, x in enumerate(lines, 1) if mlm_log.ARGS_START.search(x))
     cut.write_text("\n".join(lines[: start + 20]) + "\n")

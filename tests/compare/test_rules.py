@@ -186,7 +186,9 @@ def _config(**overrides):
         "padded_vocab_size": 384,
         "data": {
             "source": "default-corpus",
-            "description": "embedded default corpus (x) /a/b/stdlib_docs_1234_text_document, vocab 257",
+            "description": (
+                "embedded default corpus (x) /a/b/stdlib_docs_1234_text_document, vocab 257"
+            ),
         },
     }
     config.update(overrides)
@@ -200,7 +202,9 @@ def test_fingerprint_names_the_differing_fields():
     other_dir = _config(
         data={
             "source": "default-corpus",
-            "description": "embedded default corpus (x) /c/stdlib_docs_1234_text_document, vocab 257",
+            "description": (
+                "embedded default corpus (x) /c/stdlib_docs_1234_text_document, vocab 257"
+            ),
         }
     )
     assert fp.differences(ref, fp.fingerprint(other_dir)) == []

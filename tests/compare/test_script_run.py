@@ -102,7 +102,8 @@ TORCHRUN_FAILURE = """\
 [rank1]: AssertionError: persist_layer_norm not supported by torch LayerNorm
 [rank0]:   File "/m/megatron/core/transformer/torch_norm.py", line 30, in __new__
 [rank0]: AssertionError: persist_layer_norm not supported by torch LayerNorm
-E1127 05:01:02.000000 123 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: /usr/bin/python
+E1127 05:01:02.000000 123 torch/distributed/elastic/multiprocessing/api.py:900] \
+failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: /usr/bin/python
 Traceback (most recent call last):
   File "/usr/lib/python3.11/site-packages/torch/distributed/run.py", line 900, in main
     run(args)

@@ -187,7 +187,7 @@ def test_blending_verbose_prints_ratios(capsys):
     assert "building indices for blended datasets" in out and "achieved: 0.5" in out
 
 
-# -- against the compiled C++ helpers ------------------------------------------------------------------
+# -- against the compiled C++ helpers --------------------------------------------------------------
 
 
 def _compile_helpers_cpp(build_dir: str):
@@ -289,7 +289,7 @@ def test_exhaustive_blending_byte_identical_to_cpp(cpp):
         assert ours[1].tobytes() == theirs[1].tobytes()
 
 
-# -- installation ------------------------------------------------------------------------------------
+# -- installation ----------------------------------------------------------------------------------
 
 
 def test_install_and_restore_swap_exactly_the_helper_attributes():

@@ -57,7 +57,7 @@ def test_byte_level_specials():
         tok.pad  # noqa: B018 - no pad token: GPTDataset falls back to its -1 pad id
 
 
-# -- GPT-2 BPE ---------------------------------------------------------------------------------------
+# -- GPT-2 BPE -------------------------------------------------------------------------------------
 
 
 def test_bytes_to_unicode_is_a_bijection_onto_printables():
@@ -117,7 +117,7 @@ def test_gpt2_bpe_bad_files(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_path)
 
 
-# -- BERT WordPiece ------------------------------------------------------------------------------------
+# -- BERT WordPiece --------------------------------------------------------------------------------
 
 
 def test_bert_basic_tokenizer():
@@ -180,7 +180,7 @@ def test_wordpiece_needs_special_tokens(tmp_path):
         BertWordPieceTokenizer(path)
 
 
-# -- megatron-core interface --------------------------------------------------------------------------
+# -- megatron-core interface -----------------------------------------------------------------------
 
 
 def _all_tokenizers(tmp_path):

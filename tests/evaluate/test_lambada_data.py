@@ -13,10 +13,12 @@ from megatron_npu.evaluate import lambada as lb
 
 # Two lines in the public file's exact shape (one JSON object per line, a "text" key).
 PUBLIC = (
-    '{"text": "In my palm is a clear stone , and inside it is a small ivory statuette . a guardian angel . '
-    "\\\" figured if you 're going to be out at night getting hit by cars , you might as well have some "
+    '{"text": "In my palm is a clear stone , and inside it is a small ivory statuette . '
+    "a guardian angel . \\\" figured if you 're going to be out at night getting hit by cars , "
+    "you might as well have some "
     'extra protection . \\" the words on the card read \\" guardian \\""}\n'
-    '{"text": "he was going to be late for the train if he kept dawdling , so he ran to the station"}\n'
+    '{"text": "he was going to be late for the train if he kept dawdling , '
+    'so he ran to the station"}\n'
 )
 
 

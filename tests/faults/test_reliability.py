@@ -1,4 +1,5 @@
-"""Reliability faults checked in-process, each against its own rule (the fast half; test_run_faults.py runs them for real).
+"""Reliability faults checked in-process, each against its own rule (the fast half;
+test_run_faults.py runs them for real).
 
 * token ids outside the tokenizer's vocabulary: the index-file scan and the per-batch check;
 * an empty dataset: ``megatron-npu preprocess`` warns (and train refuses it, test_input_faults);

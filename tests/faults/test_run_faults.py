@@ -1,4 +1,5 @@
-"""Reliability faults on real runs of the smallest model, each as a careless or hostile user would meet it.
+"""Reliability faults on real runs of the smallest model, each as a careless or
+hostile user would meet it.
 
 * kill -9 of the launcher after the run has saved once: no rank, checkpoint writer, results
   ``Manager`` or resource tracker survives, and no ``megatron-npu-errors-*`` folder is left;

@@ -56,8 +56,9 @@ def reference_step(p, m, v, vmax, g, t, wd, amsgrad, maximize, lr, beta1, beta2,
 
 
 def spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The distance between ``dtype`` values around each |x| (one ULP, as megatron_npu.parity.metrics
-    counts it: 2**(e - mantissa bits), e = max(floor(log2 |x|), the dtype's least exponent))."""
+    """The distance between ``dtype`` values around each |x| (one ULP, as
+    megatron_npu.parity.metrics counts it: 2**(e - mantissa bits), e = max(floor(log2 |x|), the
+    dtype's least exponent))."""
     cfg = dtype_config(dtype)
     a = x.double().abs()
     e = torch.where(a > 0, torch.floor(torch.log2(torch.where(a > 0, a, 1.0))), 0.0)

@@ -1,4 +1,5 @@
-"""Gradient-accumulation fusion without apex: the kernel's contract and the linear layer using it."""
+"""Gradient-accumulation fusion without apex: the kernel's contract and the linear layer
+using it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Our stage-1 metrics and verdicts against Ascend msprobe's own functions (mindstudio-probe).
 
 A battery of tensors (fp16 / bf16 / fp32; ordinary, tiny, all-zero, single-element, with
-inf/nan, with errors at every dual-N level) goes through :func:`megatron_npu.parity.metrics.compare` and
-through msprobe 26.2.0's ``compare/algorithm.py`` functions and its stage-1 decision
+inf/nan, with errors at every dual-N level) goes through :func:`megatron_npu.parity.metrics.compare`
+and through msprobe 26.2.0's ``compare/algorithm.py`` functions and its stage-1 decision
 (``Comparator._compare_torch_tensor``). Equal numbers and verdicts are asserted, and every
 departure named in docs/parity-results.md is asserted explicitly, so a change on either side
 shows up here.
@@ -162,7 +162,7 @@ def test_the_battery_reaches_every_stage1_outcome():
         n
         for n, (a, r) in BATTERY.items()
         if verdict(compare(a, r, a.dtype)).rule == "rel_l2" and _msprobe_stage1(a, r)[0] != "error"
-    ]  # noqa: E501
+    ]
     assert missed, "the battery should show an error the msprobe shortcut lets through"
 
 

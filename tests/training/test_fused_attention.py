@@ -1,5 +1,6 @@
 """Training through the fused-attention patch: same losses as Megatron's unfused attention in
-fp32 (SBH and BSH), and the Ascend guide's eight fp16/bf16 x flash/sparse x SBH/BSH variants train."""
+fp32 (SBH and BSH), and the Ascend guide's eight fp16/bf16 x flash/sparse x SBH/BSH
+variants train."""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ def _falls(run) -> None:
 
 def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tmp):
     """bf16 + distributed optimizer, on the NPU code path (torch_npu kernels emulated on CPU),
-    with the model options of Ascend's Megatron-LM adaptation guide: RMSNorm, SwiGLU (through the fused bias-SwiGLU patch:
-    Megatron's default --bias-swiglu-fusion; test_fusion_flags.py counts the kernel calls),
-    RoPE, fused attention in BSH with a window."""
+    with the model options of Ascend's Megatron-LM adaptation guide: RMSNorm, SwiGLU (through the
+    fused bias-SwiGLU patch: Megatron's default --bias-swiglu-fusion; test_fusion_flags.py counts
+    the kernel calls), RoPE, fused attention in BSH with a window."""
     run = train(
         train_tmp,
         *[a if a != "cpu" else "npu-emulated" for a in TINY],
