@@ -197,7 +197,7 @@ def _adamw_with_update(update):
             amsgrad=False,
             maximize=False,
         ):
-            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
                 p.mul_(1.0 - lr * weight_decay)
                 m.mul_(beta1).add_(g, alpha=1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)

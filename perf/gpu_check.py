@@ -232,7 +232,7 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
                     "layout": layout,
                 }
                 pairs = [("out", fused, _to_layout(ref, layout), _to_layout(unfused, layout))]
-                for name, f, r, u in zip(("dq", "dk", "dv"), fin, ref_in, unf_in):
+                for name, f, r, u in zip(("dq", "dk", "dv"), fin, ref_in, unf_in, strict=True):
                     pairs.append(
                         (name, f.grad, _to_layout(r.grad, layout), _to_layout(u.grad, layout))
                     )

@@ -104,7 +104,7 @@ class PlainTrainer:
         loss = self.model(self.tokens, self.labels)
         loss.backward()
         if self.mixed:
-            for master, p in zip(self.master, params):
+            for master, p in zip(self.master, params, strict=True):
                 master.grad = p.grad.float()
         torch.nn.utils.clip_grad_norm_(self.master, 1.0, foreach=True)
         self.optimizer.step()

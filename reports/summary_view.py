@@ -100,7 +100,11 @@ def parity_provenance(rs: ResultSet) -> list[dict[str, Any]]:
                 "device": device_label(key[0]),
                 "commit": key[1] or "-",
                 "fields": dict(
-                    zip(_PARITY_PROVENANCE, (k if k is not None else "-" for k in key[2:]))
+                    zip(
+                        _PARITY_PROVENANCE,
+                        (k if k is not None else "-" for k in key[2:]),
+                        strict=True,
+                    )
                 ),
                 "records": len(cells),
                 "seeds": ", ".join(str(s) for s in seeds),

@@ -365,7 +365,7 @@ def _run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
         "steps": [
             {"iteration": i, "loss": loss, "grad_norm": g, "step_time_s": t}
             for i, loss, g, t in zip(
-                curve.iterations, curve.losses, curve.grad_norms, curve.step_times
+                curve.iterations, curve.losses, curve.grad_norms, curve.step_times, strict=True
             )
         ],
         "perf": perf_record(result, warmup),
@@ -648,7 +648,7 @@ def run_compare(
     entries = [_run_entry(r, s.warmup_steps) for r in results.values()]
     rows = [
         _table_row(r, e, verdict_cell(r, verdicts, s.baseline), noise_cell(r, verdicts))
-        for r, e in zip(results.values(), entries)
+        for r, e in zip(results.values(), entries, strict=True)
     ]
     document = results_mod.document(
         matrix=matrix.source,

@@ -44,7 +44,7 @@ MIN_RERUNS = 2
 def _deviations(ref: Curve, other: Curve, attr: str) -> dict[int, float]:
     """Per iteration, ``|other - ref| / |ref|`` of ``attr`` where both have a value."""
     out = {}
-    for i, a, b in zip(ref.iterations, getattr(ref, attr), getattr(other, attr)):
+    for i, a, b in zip(ref.iterations, getattr(ref, attr), getattr(other, attr), strict=False):
         if a is not None and b is not None:
             out[i] = float(relative_errors([a], [b])[0])
     return out
@@ -67,14 +67,16 @@ def _banded(
     """The steps where ``cand`` has ``attr`` beside the reference, its deviation there and the
     band there (``rerun_devs``: each rounding rerun's deviations of ``attr``)."""
     its = list(ref.iterations)
-    edge = dict(zip(its, np.maximum(floor, factor * envelope(its, rerun_devs)).tolist()))
+    edge = dict(
+        zip(its, np.maximum(floor, factor * envelope(its, rerun_devs)).tolist(), strict=True)
+    )
     mine = _deviations(ref, cand, attr)
     steps = [i for i in its if i in mine]
     return steps, [mine[i] for i in steps], [edge[i] for i in steps]
 
 
 def _outside(what: str, steps: list[int], devs: list[float], edges: list[float]) -> str | None:
-    out = [k for k, (d, e) in enumerate(zip(devs, edges)) if d > e]
+    out = [k for k, (d, e) in enumerate(zip(devs, edges, strict=True)) if d > e]
     if not out:
         return None
     k = out[0]
@@ -142,7 +144,7 @@ def noise(
         )
         problems.append(_outside("grad norm of ", norm_steps, norm_devs, norm_edges))
     problems = [p for p in problems if p]
-    widest = max(d / e for d, e in zip(devs, edges))
+    widest = max(d / e for d, e in zip(devs, edges, strict=True))
     summary = (
         f"mean deviation {mean:.3g} (rounding's {max(rerun_means):.3g}), at most "
         f"{widest:.2g}x its band; band from {', '.join(sorted(reruns))}"
@@ -176,7 +178,9 @@ def band_cell(verdict: Verdict) -> str:
     ratios = {}
     for prefix in ("", "grad_norm_"):
         its = steps.get(f"{prefix}iteration", [])
-        for i, d, b in zip(its, steps.get(f"{prefix}rel_diff", []), steps.get(f"{prefix}band", [])):
+        for i, d, b in zip(
+            its, steps.get(f"{prefix}rel_diff", []), steps.get(f"{prefix}band", []), strict=True
+        ):
             ratios[i] = max(ratios.get(i, 0.0), d / b if b > 0 else float("inf"))
     if verdict.status == PASS:
         return f"inside (at most {max(ratios.values()):.2g}x the band)"

@@ -91,12 +91,12 @@ def _aligned(ref: Curve, cand: Curve) -> tuple[list[int], list[float], list[floa
         )
     pairs = [
         (i, r, c)
-        for i, r, c in zip(ref.iterations, ref.losses, cand.losses)
+        for i, r, c in zip(ref.iterations, ref.losses, cand.losses, strict=True)
         if r is not None and c is not None
     ]
     if not pairs:
         return "no step has a loss in both runs"
-    its, r, c = zip(*pairs)
+    its, r, c = zip(*pairs, strict=True)
     return list(its), list(r), list(c)
 
 
@@ -137,8 +137,12 @@ def deterministic(name: str, reference: str, ref: Curve, cand: Curve) -> Verdict
             f"different steps: {len(ref.iterations)} vs {len(cand.iterations)}",
             tol,
         )
-    loss_diff = [i for i, a, b in zip(ref.iterations, ref.losses, cand.losses) if a != b]
-    norm_diff = [i for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms) if a != b]
+    loss_diff = [
+        i for i, a, b in zip(ref.iterations, ref.losses, cand.losses, strict=True) if a != b
+    ]
+    norm_diff = [
+        i for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms, strict=True) if a != b
+    ]
     per_step = {
         "iteration": list(ref.iterations),
         "rel_diff": _rel_or_zero(ref.losses, cand.losses),
@@ -164,7 +168,7 @@ def deterministic(name: str, reference: str, ref: Curve, cand: Curve) -> Verdict
 def _rel_or_zero(a: Sequence[float | None], b: Sequence[float | None]) -> list[float | None]:
     return [
         float(relative_errors([x], [y])[0]) if x is not None and y is not None else None
-        for x, y in zip(a, b)
+        for x, y in zip(a, b, strict=True)
     ]
 
 
@@ -252,7 +256,7 @@ def approximate(
         )
     norms = [
         (i, a, b)
-        for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms)
+        for i, a, b in zip(ref.iterations, ref.grad_norms, cand.grad_norms, strict=True)
         if a is not None and b is not None
     ]
     if norms:

@@ -241,7 +241,9 @@ def preprocess(
 
     written = []
     for key in keys:
-        for temp, final in zip(temp_files[key], (prefixes[key] + ".bin", prefixes[key] + ".idx")):
+        for temp, final in zip(
+            temp_files[key], (prefixes[key] + ".bin", prefixes[key] + ".idx"), strict=True
+        ):
             os.chmod(temp, FILE_MODE)
             os.replace(temp, final)
             written.append(final)

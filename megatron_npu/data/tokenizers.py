@@ -259,7 +259,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def _escape_range(lo: int, hi: int) -> str:
@@ -335,7 +335,7 @@ class GPT2BPETokenizer(NpuTokenizer):
         else:
             ranks = self.bpe_ranks
             while len(word) > 1:
-                pairs = set(zip(word[:-1], word[1:]))
+                pairs = set(zip(word[:-1], word[1:], strict=True))
                 bigram = min(pairs, key=lambda pair: ranks.get(pair, float("inf")))
                 if bigram not in ranks:
                     break

@@ -159,7 +159,7 @@ def python_overload(schema: str) -> Overload:
     names = [p for p in signature.parameters if p != out_name]
     if len(names) != len(ordered):
         raise ValueError(f"cannot line up the Python parameters of {schema!r}")
-    types = {name: arg.type for name, arg in zip(names, ordered)}
+    types = {name: arg.type for name, arg in zip(names, ordered, strict=True)}
     outputs = len(out.outputs) if out is not None else 0
     return Overload(schema, signature, types, out_name, outputs, len(parsed.returns))
 

@@ -124,7 +124,7 @@ def _from_steps(steps: list[dict[str, Any]]) -> rules.Curve:
 def _errors(ref: list, cand: list, rounding: float = 0.0) -> list[float | None]:
     """Relative errors; a difference within both values' printed ``rounding`` is none."""
     out: list[float | None] = []
-    for r, c in zip(ref, cand):
+    for r, c in zip(ref, cand, strict=True):
         if r is None or c is None:
             out.append(None)
         elif abs(c - r) <= 2 * rounding * (1 + 1e-9):  # one printed unit apart at most

@@ -105,7 +105,7 @@ def patch_closures() -> dict[str, dict[str, int]]:
             try:
                 out[pid] = {
                     name: id(cell.cell_contents)
-                    for name, cell in zip(raw.__code__.co_freevars, raw.__closure__)
+                    for name, cell in zip(raw.__code__.co_freevars, raw.__closure__, strict=True)
                 }
             except ValueError:  # an empty cell: nothing to tell the calls apart by
                 continue

@@ -28,7 +28,7 @@ def check_float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
 def check_same_dtype(op: str, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        got = ", ".join(f"{n}={dtype_name(t.dtype)}" for n, t in zip(names, tensors))
+        got = ", ".join(f"{n}={dtype_name(t.dtype)}" for n, t in zip(names, tensors, strict=True))
         raise TypeError(f"{op}: {', '.join(names)} must share one dtype, got {got}")
 
 
@@ -36,7 +36,7 @@ def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     """True if ``shape`` broadcasts to ``target`` without changing ``target``."""
     if len(shape) > len(target):
         return False
-    for s, t in zip(reversed(shape), reversed(target)):
+    for s, t in zip(reversed(shape), reversed(target), strict=False):
         if s not in (1, t):
             return False
     return True

@@ -585,7 +585,7 @@ class _BandAttention(torch.autograd.Function):
             dq[:, :, rows] += gq
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
-        dq, dk, dv = (g.add_(r.flip(2)) for g, r in zip(grads, reversed_grads))
+        dq, dk, dv = (g.add_(r.flip(2)) for g, r in zip(grads, reversed_grads, strict=True))
         return dq, dk, dv, None, None, None
 
 
@@ -706,7 +706,7 @@ class _BatchedBandAttention(torch.autograd.Function):
         weights = torch.softmax(lses, dim=0).unsqueeze(-1)  # exp(piece lse - total lse)
         merged = blocks(out, width)
         torch.mul(outs[0], weights[0], out=merged)
-        for o, weight in zip(outs[1:], weights[1:]):
+        for o, weight in zip(outs[1:], weights[1:], strict=True):
             merged.addcmul_(o, weight)
         ctx.save_for_backward(q, k, v, out, lse)
         return out[:, :s].unflatten(0, (b, h))

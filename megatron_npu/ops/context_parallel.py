@@ -202,7 +202,7 @@ def _to_super_chunks(x: torch.Tensor, inner: int) -> torch.Tensor:
 def _from_super_chunks(x: torch.Tensor, inner: int) -> torch.Tensor:
     parts = x.chunk(2 * inner)
     firsts, seconds = parts[:inner], list(reversed(parts[inner:]))
-    return torch.cat([t for pair in zip(firsts, seconds) for t in pair])
+    return torch.cat([t for pair in zip(firsts, seconds, strict=True) for t in pair])
 
 
 def _a2a_p2p(q, k, v, groups, *, causal, scale, dropout_p):

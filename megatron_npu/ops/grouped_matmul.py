@@ -80,7 +80,7 @@ def native_grouped_mm(x: torch.Tensor, weight, group_sizes, trans_b: bool = Fals
     _check(x, weights, sizes, trans_b)
     parts = [
         torch.mm(rows, w.t() if trans_b else w)
-        for rows, w in zip(torch.split(x, sizes, dim=0), weights)
+        for rows, w in zip(torch.split(x, sizes, dim=0), weights, strict=True)
     ]
     return torch.cat(parts, dim=0)
 

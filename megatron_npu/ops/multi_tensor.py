@@ -69,12 +69,12 @@ def multi_tensor_scale_(
     _check(op, "dst", dst)
     if len(src) != len(dst):
         raise ValueError(f"{op}: src has {len(src)} tensors, dst has {len(dst)}")
-    for i, (s, d) in enumerate(zip(src, dst)):
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if s.shape != d.shape:
             raise ValueError(
                 f"{op}: src[{i}] shape {tuple(s.shape)} differs from dst[{i}] {tuple(d.shape)}"
             )
-    copies = [(s, d) for s, d in zip(src, dst) if s is not d]
+    copies = [(s, d) for s, d in zip(src, dst, strict=True) if s is not d]
     if copies:
         torch._foreach_copy_([d for _, d in copies], [s for s, _ in copies])
     return check_finite_and_unscale_(dst, scale)

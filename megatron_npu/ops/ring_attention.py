@@ -262,7 +262,7 @@ class NpuBlocks:
             numels=numels,
             **self._mask(causal, q.device),
         )[:3]
-        return tuple(g.float().view(t.shape) for g, t in zip((dq, dk, dv), (q, k, v)))
+        return tuple(g.float().view(t.shape) for g, t in zip((dq, dk, dv), (q, k, v), strict=True))
 
 
 # ---------------------------------------------------------------------------------- ring
@@ -349,7 +349,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for i, (step, rng) in enumerate(zip(ctx.steps, ctx.rngs)):
+        for i, (step, rng) in enumerate(zip(ctx.steps, ctx.rngs, strict=True)):
             pending = _exchange(kv, group) if i + 1 < size else None
             rows = blocks.rows(merged, step.q_rows)
             gq, gk, gv = blocks.backward(

@@ -33,7 +33,9 @@ def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> No
         raise ValueError(f"{op}: head dim D={d} must be even and < 896")
     if r1.shape != r2.shape:
         raise ValueError(f"{op}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} shapes differ")
-    if r1.shape[-1] != d or any(r not in (1, s) for r, s in zip(r1.shape[:3], x.shape[:3])):
+    if r1.shape[-1] != d or any(
+        r not in (1, s) for r, s in zip(r1.shape[:3], x.shape[:3], strict=True)
+    ):
         raise ValueError(
             f"{op}: r1/r2 shape {tuple(r1.shape)} must broadcast to x {tuple(x.shape)} with "
             "the full last dim"

@@ -717,7 +717,9 @@ def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
     if mask.dtype != torch.bool:
         raise TypeError(f"{op}: mask dtype must be bool, got {_name(mask.dtype)}")
     shape = tuple(mask.shape)
-    if len(shape) > 4 or any(m not in (1, s) for m, s in zip(reversed(shape), reversed(x.shape))):
+    if len(shape) > 4 or any(
+        m not in (1, s) for m, s in zip(reversed(shape), reversed(x.shape), strict=False)
+    ):
         raise ValueError(f"{op}: mask shape {shape} must broadcast to x {tuple(x.shape)}")
     if fixed_triu_mask:
         # documented: the kernel generates the upper-triangular mask itself (True above the
@@ -797,7 +799,7 @@ def _group_ends(op, group_list, group_list_type, groups):
         raise ValueError(f"{op}: group_list has {len(values)} entries for {groups} weights")
     if group_list_type == 0:
         ends = [int(v) for v in values]
-        if any(b < a for a, b in zip([0, *ends], ends)):
+        if any(b < a for a, b in zip([0, *ends], ends, strict=False)):
             raise ValueError(f"{op}: group_list_type 0 needs a non-decreasing group_list")
     elif group_list_type == 1:
         if any(int(v) < 0 for v in values):
@@ -807,7 +809,7 @@ def _group_ends(op, group_list, group_list_type, groups):
         raise ValueError(
             f"{op}: group_list_type must be 0 (cumsum) or 1 (counts), got {group_list_type}"
         )
-    return list(zip([0, *ends[:-1]], ends))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def npu_grouped_matmul(
@@ -877,7 +879,7 @@ def npu_grouped_matmul(
         if len(x) != len(weight):
             raise ValueError(f"{op}: group_type -1 pairs x and weight: {len(x)} vs {len(weight)}")
         outs = []
-        for i, (xi, wi) in enumerate(zip(x, weight)):
+        for i, (xi, wi) in enumerate(zip(x, weight, strict=True)):
             yi = xi.float() @ wi.float()
             if bias is not None:
                 yi = yi + bias[i].float()

@@ -529,7 +529,10 @@ def _linear_reference(kind: str):
             # the bias added to the GEMM's rounded result, as Megatron's linear function does
             out = out + add if add is not None else out
         elif mode == "row":  # partial products of the input shards, summed
-            parts = [F.linear(xk, wk) for xk, wk in zip(hidden.chunk(tp, -1), w.chunk(tp, 1))]
+            parts = [
+                F.linear(xk, wk)
+                for xk, wk in zip(hidden.chunk(tp, -1), w.chunk(tp, 1), strict=True)
+            ]
             out = sum(parts[1:], parts[0])
             out = per_rank(out, lambda t: t + add) if add is not None else out
         else:

@@ -128,7 +128,7 @@ def _per_expert_loop(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) ->
     weights are unbound once (one weight-gradient tensor in the backward, as SequentialMLP's
     separate expert weights give), not indexed per expert."""
     rows = torch.split(x, sizes, dim=0)
-    return torch.cat([torch.mm(r, w) for r, w in zip(rows, weight.unbind(0))], dim=0)
+    return torch.cat([torch.mm(r, w) for r, w in zip(rows, weight.unbind(0), strict=True)], dim=0)
 
 
 def _grouped_gemm(cell: Cell) -> Built:
@@ -224,7 +224,7 @@ def _sequential_mlp(
     def forward(x: torch.Tensor) -> torch.Tensor:
         outs = [
             fc2(fc1(rows)[0])[0]
-            for (fc1, fc2), rows in zip(experts_fc, torch.split(x, sizes, dim=0))
+            for (fc1, fc2), rows in zip(experts_fc, torch.split(x, sizes, dim=0), strict=True)
         ]
         return torch.cat(outs, dim=0)
 

@@ -25,7 +25,7 @@ def _tensors(cell: Cell, seed: int) -> list[torch.Tensor]:
 
 def _adamw(cell: Cell) -> Built:
     params = [torch.nn.Parameter(t) for t in _tensors(cell, 0)]
-    for p, g in zip(params, _tensors(cell, 1)):
+    for p, g in zip(params, _tensors(cell, 1), strict=True):
         p.grad = g
     cls = implementation(cell)
     opt = (

@@ -70,7 +70,7 @@ def test_the_event_folder_matches_the_log_of_the_same_run():
     # TensorBoard holds each step's loss; the log prints %.6E of it -- its second line the mean of
     # the first two iterations (Megatron-LM 0.16+), which the importer takes back apart: step 2
     # is two printed values apart from TensorBoard's
-    for e, line in zip(e_steps, l_steps):
+    for e, line in zip(e_steps, l_steps, strict=True):
         if e["step"] != 2:
             assert f"{e['lm_loss']:.6E}" == f"{line['lm_loss']:.6E}"
     assert l_steps[1]["lm_loss"] == pytest.approx(e_steps[1]["lm_loss"], rel=1.5e-6)

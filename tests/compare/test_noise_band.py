@@ -19,7 +19,7 @@ REF = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0]
 
 
 def moved(rel) -> list[float]:
-    return [r * (1 + d) for r, d in zip(REF, rel)]
+    return [r * (1 + d) for r, d in zip(REF, rel, strict=True)]
 
 
 #: two reruns: rounding grows from 1e-7 to 1e-4 (the spike at step 3), one crosses back at step 5

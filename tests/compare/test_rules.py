@@ -53,7 +53,7 @@ def test_approximate_passes_a_close_noisy_curve():
     ref = falling()
     noise = np.random.default_rng(1).uniform(-0.01, 0.01, 50)
     verdict = rules.approximate(
-        "b", "a", curve(ref), curve([v * (1 + e) for v, e in zip(ref, noise)])
+        "b", "a", curve(ref), curve([v * (1 + e) for v, e in zip(ref, noise, strict=True)])
     )
     assert verdict.status == rules.PASS
     assert max(verdict.per_step["rel_diff"]) == pytest.approx(np.max(np.abs(noise)), rel=1e-9)
@@ -79,7 +79,7 @@ def test_a_late_drift_is_flagged_though_every_step_and_the_mean_pass():
     ref = falling()
     error = np.zeros(50)
     error[40:] = np.linspace(0.002, 0.018, 10)  # tracks for 40 steps, then drifts to 1.8 %
-    cand = [v * (1 + e) for v, e in zip(ref, error)]
+    cand = [v * (1 + e) for v, e in zip(ref, error, strict=True)]
     assert error.max() < 0.02 and error.mean() < 0.01
     verdict = rules.approximate("b", "a", curve(ref), curve(cand))
     assert verdict.status == rules.FAIL

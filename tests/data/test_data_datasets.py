@@ -251,7 +251,7 @@ def test_two_ranks_build_identical_datasets(corpora, tmp_path):
         for rank in range(2)
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, out in zip(procs, outputs):
+    for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
     a, b = torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt")
     assert a.shape == (120, 16) and torch.equal(a, b)

@@ -185,7 +185,7 @@ def test_workers_produce_identical_files(tmp_path):
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
     one = preprocess([src], tmp_path / "w1", tok, workers=1)
     two = preprocess([src], tmp_path / "w2", tok, workers=2)
-    for a, b in zip(one["files"], two["files"]):
+    for a, b in zip(one["files"], two["files"], strict=True):
         assert open(a, "rb").read() == open(b, "rb").read()
 
 

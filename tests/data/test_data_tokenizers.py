@@ -196,7 +196,7 @@ def test_tokenizers_satisfy_megatron_dataset_config(tmp_path):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     again = _all_tokenizers(tmp_path)
-    for tok, same in zip(_all_tokenizers(tmp_path), again):
+    for tok, same in zip(_all_tokenizers(tmp_path), again, strict=True):
         assert isinstance(tok, MegatronTokenizerBase)
         assert isinstance(tok.eod, int) and 0 <= tok.eod < tok.vocab_size
         # serialisable and stable: megatron hashes it into the dataset cache key

@@ -106,7 +106,7 @@ def _run_single(case, q, k, v, dout):
 
 
 def _errors(got, grads, want, want_grads, select) -> list[float]:
-    pairs = [(got, select(want))] + [(g, select(w)) for g, w in zip(grads, want_grads)]
+    pairs = [(got, select(want))] + [(g, select(w)) for g, w in zip(grads, want_grads, strict=True)]
     return [float((a.double() - b).abs().max()) for a, b in pairs]
 
 
@@ -154,10 +154,12 @@ def dropout_gradient_check(case: dict[str, Any], cp: int, rank: int) -> dict[str
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     value = loss(leaves)
     value.backward()
-    analytic = sum(float((t.grad.double() * d.double()).sum()) for t, d in zip(leaves, directions))
+    analytic = sum(
+        float((t.grad.double() * d.double()).sum()) for t, d in zip(leaves, directions, strict=True)
+    )
     eps = case["eps"]
-    plus = loss([t + eps * d for t, d in zip((q, k, v), directions)])
-    minus = loss([t - eps * d for t, d in zip((q, k, v), directions)])
+    plus = loss([t + eps * d for t, d in zip((q, k, v), directions, strict=True)])
+    minus = loss([t - eps * d for t, d in zip((q, k, v), directions, strict=True)])
     no_dropout = context_parallel_attention(
         q, k, v, dist.group.WORLD, comm_type=case["comm"], causal=case["causal"]
     )

@@ -117,7 +117,7 @@ def _cp2(device: str) -> dict:
     ]
     return {
         _job_id(kind, case): outcome
-        for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs))
+        for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs), strict=True)
     }
 
 
@@ -135,7 +135,12 @@ def test_cp2_attention_matches_whole_sequence_attention(device, case):
             assert max(errors) <= 1e-5, (device, rank, errors)
         else:
             bound = [2 * e + 1e-3 for e in outcome["single"]]
-            assert all(e <= b for e, b in zip(errors, bound)), (device, rank, errors, bound)
+            assert all(e <= b for e, b in zip(errors, bound, strict=True)), (
+                device,
+                rank,
+                errors,
+                bound,
+            )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,7 +193,7 @@ def test_cp4_hierarchical_on_the_npu_path():
     for rank, outcome in enumerate(run_ranks(4, "npu-emulated", [("case", case)])[0]):
         assert "raised" not in outcome, outcome["raised"]
         bound = [2 * e + 1e-3 for e in outcome["single"]]
-        assert all(e <= b for e, b in zip(outcome["errors"], bound)), (rank, outcome)
+        assert all(e <= b for e, b in zip(outcome["errors"], bound, strict=True)), (rank, outcome)
         assert outcome["kernels"]["npu_ring_attention_update"] >= 1, outcome["kernels"]
 
 

@@ -124,7 +124,7 @@ def test_adamw_matches_fp64_reference(
     v = [torch.zeros_like(t) for t in params]
     vmax = [torch.zeros_like(t) for t in params] if amsgrad else None
     zeros = [torch.zeros(s, dtype=torch.float64) for s in shapes]
-    trajectory = [(t.double(), z, z, z) for t, z in zip(params, zeros)]
+    trajectory = [(t.double(), z, z, z) for t, z in zip(params, zeros, strict=True)]
     for t in range(1, steps + 1):
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
         before = [
@@ -336,17 +336,17 @@ def test_multi_tensor_scale_and_unscale(dtype_name, poison):
     dst = [torch.empty_like(t) for t in src]
     found = multi_tensor.multi_tensor_scale_(src, dst, 0.25)
     assert found.item() == (0.0 if poison is None else 1.0)
-    for got, want in zip(dst, ref):
+    for got, want in zip(dst, ref, strict=True):
         require_accurate(got, want, dtype, "scaled")
     inplace = [t.clone() for t in src]
     found = multi_tensor.multi_tensor_scale_(inplace, inplace, 0.25)  # Megatron's [grads, grads]
     assert found.item() == (0.0 if poison is None else 1.0)
-    for got, want in zip(inplace, ref):
+    for got, want in zip(inplace, ref, strict=True):
         require_accurate(got, want, dtype, "scaled in place")
     again = [t.clone() for t in src]
     found = multi_tensor.check_finite_and_unscale_(again, torch.tensor(0.5))
     assert found.item() == (0.0 if poison is None else 1.0)
-    for got, want in zip(again, src):
+    for got, want in zip(again, src, strict=True):
         require_accurate(got, want.double() * 0.5, dtype, "unscaled")
 
 

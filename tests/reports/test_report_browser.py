@@ -95,7 +95,7 @@ def test_report_in_chromium(browser, report, tmp_path):
     )
     assert len(traces) == 1
     assert [name.split(" ")[0] for name in traces[0]] == [r[0] for r in fx.RUNS]
-    assert all(("[emulated]" in n) == r[2] for n, r in zip(traces[0], fx.RUNS))
+    assert all(("[emulated]" in n) == r[2] for n, r in zip(traces[0], fx.RUNS, strict=True))
     # per curve rule: every candidate's relative difference overlaid in one chart; one chart
     # of every run's grad norms
     overlays = page.eval_on_selector_all(

@@ -157,12 +157,12 @@ def test_loss_curves_table2_and_verdicts(ctx, compare_dir):
     assert [row["device"]["emulated"] for row in table["rows"]] == [r[2] for r in fx.RUNS]
     # every cell is what compare's table2.md shows for that run
     written = (compare_dir / "table2.md").read_text()
-    for row, cells in zip(results["table2"], table["rows"]):
+    for row, cells in zip(results["table2"], table["rows"], strict=True):
         shown = [cells[k]["text"] for k in table["columns"] if k != "device"]
         line = next(x for x in written.splitlines() if x.startswith(f"| {row['name']} |"))
         assert all(f"| {text} |" in line for text in shown), (line, shown)
     # the emulated-row rule is the product's: MFU only where compare's rule shows one
-    for row, cells, (_, _, emulated) in zip(results["table2"], table["rows"], fx.RUNS):
+    for row, cells, (_, _, emulated) in zip(results["table2"], table["rows"], fx.RUNS, strict=True):
         assert row["emulated"] is emulated
         assert (row["mfu"] is not None) == mfu_shown(emulated)
         assert (cells["mfu"]["text"] == "n/a (emulated)") == emulated

@@ -96,7 +96,8 @@ def test_moe_layout_matches_ep1(tmp_path, moe_baseline, name):
     assert sorted(other) == sorted(base) == list(range(1, STEPS + 1))
     compared = 2 if _aux_loss_over_the_same_tokens(LAYOUTS[name]) else 1  # loss (and aux loss)
     worst = max(
-        max(abs(a - b) for a, b in zip(base[s][:compared], other[s][:compared])) for s in base
+        max(abs(a - b) for a, b in zip(base[s][:compared], other[s][:compared], strict=True))
+        for s in base
     )
     print(f"\n{name}: max |loss or aux loss - EP1| over {STEPS} steps = {worst:.3e}")
     assert worst <= TOLERANCE, (base, other)
