@@ -28,11 +28,12 @@ def context_parallel_problems(
     seq_length: int | None,
     heads: int,
     tp: int,
-    window: bool,
+    window: str | None,
     hierarchical: Sequence[int] | None = None,
 ) -> list[str]:
     """Each broken combination as ``"--option ...: why"`` (empty when CP is 1 or the options
-    agree). ``window``: the run asks for a sliding window (``--window-size``);
+    agree). ``window``: the option that asks for a sliding window, as the user wrote it
+    (``--window-size`` for Megatron-LM, ``--pre-tokens N`` for ``megatron-npu train``), or None;
     ``hierarchical``: ``--hierarchical-context-parallel-sizes`` (a2a+p2p)."""
     if cp <= 1:
         return []
@@ -61,7 +62,7 @@ def context_parallel_problems(
             )
         elif kind in ("p2p", "a2a+p2p") and window:
             problems.append(
-                f"--cp-comm-type {kind} with --window-size: the ring serves causal and full "
+                f"--cp-comm-type {kind} with {window}: the ring serves causal and full "
                 "attention; use --cp-comm-type a2a or allgather for a sliding window"
             )
         if kind == "a2a+p2p":

@@ -171,7 +171,7 @@ def _context_parallel_problems(args: Any) -> list[str]:
         seq_length=getattr(args, "seq_length", None),
         heads=getattr(args, "num_attention_heads", 1) or 1,
         tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        window=getattr(args, "window_size", None) is not None,
+        window="--window-size" if getattr(args, "window_size", None) is not None else None,
     )
 
 

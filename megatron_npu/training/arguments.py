@@ -635,7 +635,8 @@ def check(args: argparse.Namespace) -> None:
         seq_length=args.seq_length,
         heads=args.num_attention_heads,
         tp=tp,
-        window=False,
+        # GPT attention is causal, so only --pre-tokens narrows it (as the CP attention reads it)
+        window=f"--pre-tokens {args.pre_tokens}" if args.pre_tokens < args.seq_length - 1 else None,
         hierarchical=args.hierarchical_context_parallel_sizes,
     )
     if problems:

@@ -252,7 +252,7 @@ def test_option_problems_name_each_option():
         seq_length=30,
         heads=6,
         tp=2,
-        window=True,
+        window="--window-size",
     )
     text = "; ".join(problems)
     for expected in (
@@ -271,7 +271,7 @@ def test_option_problems_name_each_option():
             seq_length=3,
             heads=1,
             tp=1,
-            window=True,
+            window="--window-size",
         )
         == []
     )
@@ -283,7 +283,7 @@ def test_option_problems_name_each_option():
             seq_length=64,
             heads=4,
             tp=1,
-            window=False,
+            window=None,
         )
         == []
     )

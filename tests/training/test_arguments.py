@@ -83,10 +83,30 @@ def test_sequence_parallel_is_dropped_without_tp():
             ],
             "--cp-comm-type a2a+p2p",
         ),
+        # a window narrower than the sequence: the ring serves none, the all-to-all does
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--transformer-impl",
+                "transformer_engine",
+                "--use-flash-attn",
+                "--pre-tokens",
+                "8",
+            ],
+            "--cp-comm-type p2p with --pre-tokens 8: the ring serves causal and full attention",
+        ),
     ],
 )
 def test_inconsistent_options_fail(capsys, extra, message):
     assert message in error_of(capsys, *extra)
+
+
+def test_a_window_under_context_parallelism_goes_to_the_all_to_all():
+    cp = ("--context-parallel-size", "2", "--transformer-impl", "transformer_engine")
+    assert parse(*cp, "--use-flash-attn", "--pre-tokens", "8", "--cp-comm-type", "a2a")
+    # a window at least the sequence long narrows nothing: the ring serves it
+    assert parse(*cp, "--use-flash-attn", "--pre-tokens", "31")
 
 
 def test_batch_must_divide_into_micro_batches():
