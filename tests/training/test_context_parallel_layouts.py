@@ -1,9 +1,9 @@
 """Context-parallel layouts of ``megatron-npu train`` compute the same model as one rank holding
 the whole sequence: CP2 with each ``--cp-comm-type`` (``p2p`` also on npu-emulated through the
-fused-attention kernels), CP2 beside TP + SP, PP and DP with the distributed optimizer, and
-hierarchical CP4 (``a2a+p2p``, 2 x 2), and a Llama-style model (RoPE, GQA) on the ring and on
-the NPU path's a2a, against CP1 at the same global batch -- per-step losses within 1e-5, fp32,
-dropout 0.
+fused-attention kernels), CP2 beside TP + SP, PP and DP with the distributed optimizer,
+hierarchical CP4 (``a2a+p2p``, 2 x 2), a Llama-style model (RoPE, GQA) on the ring and on the
+NPU path's a2a, and a sliding window through the all-gather and the NPU path's a2a, against CP1
+at the same global batch -- per-step losses within 1e-5, fp32, dropout 0.
 
 Each layout is a real multi-rank gloo run of ``python -m megatron_npu.train`` with Megatron's
 Transformer Engine layer spec (context parallelism runs through TE's attention). The batch of
@@ -39,6 +39,10 @@ def _cp(comm: str) -> list[str]:
 #: RotaryEmbedding cuts the frequencies per CP rank) and grouped-query heads
 LLAMA = ("--position-embedding-type", "rope", "--num-query-groups", "2")
 
+#: a causal sliding window of 16 tokens (the fused attention's --pre-tokens): the all-to-all and
+#: the all-gathered keys and values serve it, the ring refuses it at parse time
+WINDOW = ("--use-flash-attn", "--pre-tokens", "16", "--next-tokens", "0")
+
 #: name -> (ranks, model options (the CP1 run has them too), layout options)
 LAYOUTS = {
     "cp2-p2p": (2, (), _cp("p2p")),
@@ -68,6 +72,8 @@ LAYOUTS = {
         ],
     ),
     "rope-gqa-cp2-p2p": (2, LLAMA, _cp("p2p")),
+    "window-cp2-allgather": (2, WINDOW, _cp("allgather")),
+    "window-cp2-a2a-npu": (2, WINDOW, [*_cp("a2a"), "--device", "npu-emulated"]),
     "rope-gqa-cp2-a2a-flash-npu": (
         2,
         LLAMA,
@@ -86,6 +92,7 @@ EXTENDED = {
     "rope-gqa-cp2-a2a-flash-npu",
     "cp2-p2p",
     "cp2-a2a",
+    "window-cp2-a2a-npu",
 }
 
 
@@ -118,3 +125,5 @@ def test_context_parallel_layout_matches_cp1(tmp_path, cp1, name):
     print(f"\n{name}: max |loss - CP1| over {STEPS} steps = {worst:.3e}")
     assert worst <= TOLERANCE, (base.losses, run.losses)
     assert base.losses[STEPS] < base.losses[1]  # it learns
+    if model == WINDOW:  # the window narrows the attention: another model than the full one
+        assert base.losses[1] != cp1(()).losses[1], base.losses
