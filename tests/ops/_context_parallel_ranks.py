@@ -182,6 +182,50 @@ def dropout_gradient_check(case: dict[str, Any], cp: int, rank: int) -> dict[str
     }
 
 
+def half_dropout_check(case: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
+    """16-bit attention dropout: the masks follow from the seed and the shapes, not the dtype,
+    so a 16-bit run and an fp32 run of the same inputs (values the 16-bit dtype holds),
+    re-seeded alike, drop the same scores. The 16-bit output and q/k/v gradients must then be as
+    close to the fp32 run's as they are without dropout (the fp32 ring's dropout backward is
+    the derivative of its forward, :func:`dropout_gradient_check`, and without dropout it is
+    whole-sequence attention, :func:`check_case`): a 16-bit path that drew, scaled or replayed
+    its masks differently would be off by the dropped scores themselves."""
+    from megatron_npu.ops.context_parallel import context_parallel_attention
+
+    half = getattr(torch, case["dtype"])
+    q, k, v, dout = _inputs(case, cp)
+    q, k, v, dout = (local_rows(t, cp, rank).to(half).float() for t in (q, k, v, dout))
+
+    def run(dtype: torch.dtype, dropout_p: float) -> list[torch.Tensor]:
+        torch.manual_seed(1234)
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(
+            *leaves,
+            dist.group.WORLD,
+            comm_type=case["comm"],
+            causal=case["causal"],
+            dropout_p=dropout_p,
+        )
+        out.backward(dout.to(dtype))
+        return [out, *(t.grad for t in leaves)]
+
+    def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+        return [
+            float((a.double() - b.double()).abs().max()) for a, b in zip(got, want, strict=True)
+        ]
+
+    dropped, dropped_fp32 = run(half, 0.3), run(torch.float32, 0.3)
+    plain, plain_fp32 = run(half, 0.0), run(torch.float32, 0.0)
+    return {
+        "errors": errors(dropped, dropped_fp32),
+        "yardstick": errors(plain, plain_fp32),
+        "dropped": float((dropped_fp32[0] - plain_fp32[0]).abs().max()),
+    }
+
+
+CHECKS = {"dropout": dropout_gradient_check, "dropout16": half_dropout_check}
+
+
 def worker(rank: int, world: int, store: str, device: str, jobs: list, results: Any) -> None:
     """Join a gloo group of ``world`` ranks, apply the adaptor for ``device``, run ``jobs``
     (``(kind, case)``) and put ``(rank, index, outcome)`` on ``results``."""
@@ -194,7 +238,7 @@ def worker(rank: int, world: int, store: str, device: str, jobs: list, results: 
     try:
         for index, (kind, case) in enumerate(jobs):
             try:
-                check = check_case if kind == "case" else dropout_gradient_check
+                check = CHECKS.get(kind, check_case)
                 results.put((rank, index, check(case, world, rank)))
             except Exception:  # noqa: BLE001 - reported to the test, which fails on it
                 results.put((rank, index, {"raised": traceback.format_exc()}))

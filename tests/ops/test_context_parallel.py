@@ -6,7 +6,8 @@ ranks), sliding windows where served, fp32 and bf16, on ``cpu`` (native blocks) 
 ``npu_fusion_attention_grad``), forward and backward against float64 softmax attention over the
 whole sequence. fp32 must agree to 1e-5; bf16 may be no further from the reference than twice
 the device's single-device fused attention on the same inputs (plus 1e-3). With dropout, the
-ring's backward is checked against a central difference of the forward that ran.
+ring's backward is checked against a central difference of the forward that ran, and fp16 and
+bf16 runs against fp32 runs that draw the same masks.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ DROPOUT = [
 ]
 
 
+#: 16-bit runs with attention dropout against fp32 runs that draw the same masks (both devices:
+#: the native ring blocks and the NPU path's fused-attention kernels)
+HALF_DROPOUT = [
+    {"comm": "p2p", "causal": True, "dtype": "float16"},
+    {"comm": "p2p", "causal": False, "dtype": "float16"},
+    {"comm": "a2a", "causal": True, "dtype": "float16"},
+    {"comm": "p2p", "causal": True, "dtype": "bfloat16"},
+]
+
+
 def _case_id(case: dict) -> str:
     return "-".join(str(v) for k, v in case.items() if k != "devices")
 
@@ -112,9 +123,11 @@ def run_ranks(world: int, device: str, jobs: list, timeout_s: float = 240.0) -> 
 @functools.cache
 def _cp2(device: str) -> dict:
     """Every CP2 job of ``device`` on one pair of spawned ranks (started once per device)."""
-    jobs = [("case", c) for c in CASES] + [
-        ("dropout", c) for c in DROPOUT if device in c["devices"]
-    ]
+    jobs = (
+        [("case", c) for c in CASES]
+        + [("dropout", c) for c in DROPOUT if device in c["devices"]]
+        + [("dropout16", c) for c in HALF_DROPOUT]
+    )
     return {
         _job_id(kind, case): outcome
         for (kind, case), outcome in zip(jobs, run_ranks(2, device, jobs), strict=True)
@@ -167,6 +180,26 @@ def test_ring_dropout_backward_is_the_derivative_of_its_forward(device, case):
         assert "raised" not in outcome, outcome["raised"]
         assert outcome["repeatable"] and outcome["dropped"] > 1e-2, outcome
         assert outcome["analytic"] == pytest.approx(outcome["numeric"], rel=case["rel"]), outcome
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", HALF_DROPOUT, ids=_case_id)
+def test_16_bit_dropout_drops_what_fp32_drops(device, case):
+    """With dropout 0.3, the 16-bit output and gradients are no further from an fp32 run that
+    draws the same masks than twice their distance without dropout (plus 1e-3)."""
+    for rank, outcome in enumerate(_cp2(device)[_job_id("dropout16", case)]):
+        assert "raised" not in outcome, outcome["raised"]
+        print(
+            f"\n{device} rank {rank}: 16-bit vs fp32 with dropout {outcome['errors']}, "
+            f"without {outcome['yardstick']}"
+        )
+        assert outcome["dropped"] > 1e-2, outcome  # the dropout changed the output
+        bound = [2 * e + 1e-3 for e in outcome["yardstick"]]
+        assert all(e <= b for e, b in zip(outcome["errors"], bound, strict=True)), (
+            device,
+            rank,
+            outcome,
+        )
 
 
 def test_cp4_ring_matches_whole_sequence_attention():
