@@ -16,19 +16,7 @@ from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-#: The device names, defined once here (every other module uses these constants).
-CPU = "cpu"
-NPU = "npu"
-#: the CPU running the NPU code path through :mod:`megatron_npu.testing.torch_npu_emulation`
-NPU_EMULATED = "npu-emulated"
-CUDA = "cuda"
-#: Every device name the adaptor knows, in the order results list them.
-DEVICE_ORDER = (CPU, NPU_EMULATED, NPU, CUDA)
-DEVICES = frozenset(DEVICE_ORDER)
-#: Devices where Megatron's CUDA assumptions must be replaced (everything but native CUDA).
-NON_CUDA = DEVICES - {CUDA}
-#: The devices that run the NPU code path (on torch_npu or its emulation).
-NPU_DEVICES = (NPU, NPU_EMULATED)
+from megatron_npu.devices.facts import DEVICES, NON_CUDA
 
 KINDS = ("replace", "wrap")
 

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_npu.registry import NPU_EMULATED
+from megatron_npu.devices.facts import NPU_EMULATED
 
 KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
 DEVICE_ENV = "MEGATRON_NPU_DEVICE"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from megatron_npu.parity.verdict import Tolerance
 
-from megatron_npu.registry import DEVICE_ORDER
+from megatron_npu.devices.facts import DEVICE_ORDER
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: What each device can compute in. The NPU has no fp64, which only the reference uses.

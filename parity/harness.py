@@ -42,7 +42,8 @@ from megatron_npu.parity.verdict import final_verdict
 
 import megatron_npu
 from megatron_npu import devices, patcher
-from megatron_npu.registry import CPU, Patch, get_patch
+from megatron_npu.devices.facts import CPU
+from megatron_npu.registry import Patch, get_patch
 from megatron_npu.testing import torch_npu_emulation
 from megatron_npu.testing.torch_npu_emulation import count_kernel_calls
 

@@ -13,7 +13,8 @@ from megatron_npu.parity.case import Parallel, ParityCase, load_case
 from megatron_npu.parity.metrics import dtype_name
 from megatron_npu.parity.sampling import examples
 
-from megatron_npu.registry import CPU, NPU_EMULATED, Patch, all_patches
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
+from megatron_npu.registry import Patch, all_patches
 
 #: Devices the matrix covers by default: what every machine can run.
 DEFAULT_DEVICES = (CPU, NPU_EMULATED)

@@ -26,7 +26,7 @@ from typing import Any
 
 from megatron_npu.parity.case import Parallel
 
-from megatron_npu.registry import CPU, NPU_EMULATED
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
 
 
 @contextlib.contextmanager

@@ -31,8 +31,8 @@ from megatron_npu.parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from megatron_npu.parity.metrics import TensorComparison, dtype_config
 from megatron_npu.parity.verdict import Tolerance, Verdict, final_verdict, worst
 
+from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
 from megatron_npu.files import write_private
-from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
 
 __all__ = [
     "DEVICES",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from megatron_npu.parity.results import print_summary, read_records, summary_lines
 
-from megatron_npu.registry import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
+from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
 
 CI_DEVICES = (CPU, NPU_EMULATED)
 
@@ -27,14 +27,7 @@ def available_devices() -> list[str]:
     """cpu and npu-emulated always; npu and cuda when this machine has them."""
     from megatron_npu import devices
 
-    found = list(CI_DEVICES)
-    for name in (NPU, CUDA):
-        try:
-            devices.make(name)
-        except Exception:  # noqa: BLE001  (unavailable for whatever reason: not listed)
-            continue
-        found.append(name)
-    return found
+    return [*CI_DEVICES, *(name for name in (NPU, CUDA) if devices.available(name))]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_npu.registry import CPU, NPU_EMULATED
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
 
 PATHS = ("megatron", "native", "npu-binding")
 DIRECTIONS = ("fwd", "fwd+bwd", "step")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_npu.registry import CUDA
+from megatron_npu.devices.facts import CUDA
 
 HERE = Path(__file__).resolve().parent
 MATRIX = HERE / "gpu_matrix.toml"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from megatron_npu.registry import DEVICES
+from megatron_npu.devices.facts import DEVICES
 
 EMULATION_NOTE = "emulation on CPU, not an NPU result"
 

@@ -2,9 +2,10 @@
 lists are empty; an entry that is gone fails the test, so they can only shrink):
 
 * every ``*.md`` file a source file, doc or config cites exists in the repository;
-* the device names are defined once (``megatron_npu.registry``): no other module of
+* the device names are defined once (``megatron_npu.devices.facts``): no other module of
   ``megatron_npu``, ``parity``, ``perf`` or ``reports`` spells ``"npu-emulated"`` as a string
-  in code (docstrings and comments may name it);
+  in code (docstrings and comments may name it), and no module outside ``megatron_npu/devices``
+  holds a table keyed by device names (what is known of a device lives on the device);
 * code and docs say what the code does and why, not the project's planning: no issue numbers,
   "Done when" criteria, references to the documents the project was planned from, TODO/FIXME
   markers or dated change notes.
@@ -78,7 +79,7 @@ def spellings(name: str = "npu-emulated") -> set[str]:
     for package in ("megatron_npu", "parity", "perf", "reports"):  # checkout folders
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel == "megatron_npu/registry.py":
+            if rel == "megatron_npu/devices/facts.py":
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"))
             skip = _docstrings(tree)
@@ -136,6 +137,39 @@ def test_code_and_docs_carry_no_planning_words():
     assert sorted(planning_words()) == []
 
 
+DEVICE_NAMES = {"cpu", "npu", "npu-emulated", "cuda"}
+DEVICE_CONSTANTS = {"CPU", "NPU", "NPU_EMULATED", "CUDA"}
+
+
+def _device_key(node: ast.AST | None) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in DEVICE_NAMES
+    return isinstance(node, ast.Name) and node.id in DEVICE_CONSTANTS
+
+
+def device_keyed_tables(source: str, rel: str) -> list[tuple[str, int]]:
+    """(file, line) of each dict literal in ``source`` with two or more device names as keys."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict) and sum(map(_device_key, node.keys)) >= 2:
+            found.append((rel, node.lineno))
+    return found
+
+
+def device_tables_outside_devices() -> list[tuple[str, int]]:
+    found = []
+    for package in ("megatron_npu", "parity", "perf", "reports"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith("megatron_npu/devices/"):
+                found += device_keyed_tables(path.read_text(encoding="utf-8"), rel)
+    return found
+
+
+def test_no_device_keyed_table_outside_the_devices():
+    assert device_tables_outside_devices() == []
+
+
 def test_the_nvtx_stub_is_defined_once():
     assert nvtx_stubs() == {"megatron_npu/devices/base.py"}
 
@@ -155,6 +189,8 @@ def test_the_scans_see_a_violation():
         "re-measured on 2026-11-23",
     ]
     assert not PLANNING.findall("a tissue 3 todo list, the seeds of the RNG, issued 4 times")
+    table = 'SIZES = {"cpu": 1, CUDA: 2}\nNAMES = {"cpu": 1, "x": 2}\n'
+    assert device_keyed_tables(table, "m.py") == [("m.py", 1)]
     tree = ast.parse('"""npu-emulated in a docstring"""\nDEVICE = "npu-emulated"\n')
     constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]
     assert len(constants) - len(_docstrings(tree)) == 1

@@ -30,7 +30,7 @@ from megatron_npu.compare import datasheet, imports, noise, rules, runner, table
 from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
-from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
+from megatron_npu.devices.facts import NPU_EMULATED, known
 from megatron_npu.training.peak import plausible
 
 DEFAULT_OUT = "compare-out"
@@ -97,10 +97,6 @@ class RunResult:
 
 #: The arguments that set a step's amount of work (with the model shape the fingerprint checks).
 SHAPE_ARGUMENTS = ("seq_length", "micro_batch_size", "global_batch_size")
-#: What ``summary.peak_memory_bytes`` measured in a metrics file that does not say
-#: (``peak_memory_measure``, written since the host allocator peak): the accelerator allocator's
-#: peak on cuda/npu, the process's peak RSS on cpu and npu-emulated.
-MEMORY_MEASURE = {CUDA: "allocator", NPU: "allocator", CPU: "rss", NPU_EMULATED: "rss"}
 
 
 def _precision(options: dict[str, Any]) -> str:
@@ -137,7 +133,10 @@ def peak_memory(result: RunResult) -> rules.PeakMemory | None:
     """The run's peak memory and what measured it (its metrics say; older ones by device)."""
     summary = (result.metrics or {}).get("summary", {})
     memory = summary.get("peak_memory_bytes")
-    measure = summary.get("peak_memory_measure") or MEMORY_MEASURE.get(result.device or "")
+    # a metrics file that does not say what its peak measured (``peak_memory_measure``, written
+    # since the host allocator peak) measured what its device measures
+    device = known(result.device)
+    measure = summary.get("peak_memory_measure") or (device.memory_measure if device else None)
     if memory is None or measure is None:
         return None
     return rules.PeakMemory(int(memory), measure)

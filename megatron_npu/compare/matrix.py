@@ -83,7 +83,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from megatron_npu.compare import noise, rules
-from megatron_npu.registry import DEVICES
+from megatron_npu.devices.facts import DEVICES
 
 DEFAULT_MATRIX = Path(__file__).with_name("default_matrix.toml")
 #: Options a matrix run may not set: compare sets them per run.

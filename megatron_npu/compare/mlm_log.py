@@ -298,8 +298,8 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "first_lm_loss": losses[0] if losses else None,
             "last_lm_loss": losses[-1] if losses else None,
             # what torch.cuda.max_memory_allocated measured on the run's device (through the
-            # adaptor on cpu/npu-emulated that is the process's peak RSS): compare's
-            # MEMORY_MEASURE of the run's device says which column it belongs to
+            # adaptor on cpu/npu-emulated that is the process's peak RSS): the memory measure
+            # of the run's device (megatron_npu.devices.facts) says which column it belongs to
             "peak_memory_bytes": int(peak * 2**20) if peak is not None else None,
             "log_interval": args.get("log_interval"),
             "model_flops_per_step": model_flops(parsed["iterations"], args, vocab, world),

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_npu.devices.facts import known
+
 RULES = ("fingerprint", "deterministic", "layout", "approximate", "noise", "performance")
 #: the default thresholds (module docstring: where each comes from); a matrix sets its own
 RTOL, MEAN_RTOL, GRAD_NORM_RTOL = 0.02, 0.01, 0.10
@@ -310,10 +312,6 @@ def mfu_shown(emulated: bool) -> bool:
     return not emulated
 
 
-#: Which devices may be timed against each other: a device's class. Emulated runs have none.
-SPEED_CLASS = {"cpu": "host CPU", "cuda": "accelerator", "npu": "accelerator"}
-
-
 @dataclass(frozen=True)
 class SpeedSetup:
     """What a run's speed depends on besides the code: where it ran and the shape of its work."""
@@ -324,6 +322,11 @@ class SpeedSetup:
     layout: str
     shape: dict[str, Any]  # seq_length, micro_batch_size, global_batch_size
     hardware: str | None = None
+
+
+def _speed_class(device: str | None) -> str | None:
+    found = known(device)
+    return found.speed_class if found is not None else None
 
 
 def speed_mismatch(
@@ -346,7 +349,8 @@ def speed_mismatch(
     for key in sorted(set(cand.shape) | set(base.shape)):
         if cand.shape.get(key) != base.shape.get(key):
             differs.append(f"{key} {cand.shape.get(key)} vs {base.shape.get(key)}")
-    classes = SPEED_CLASS.get(cand.device or ""), SPEED_CLASS.get(base.device or "")
+    # devices of one speed class may be timed against each other; emulated ones have none
+    classes = _speed_class(cand.device), _speed_class(base.device)
     if classes[0] != classes[1] or classes[0] is None:
         differs.append(f"device {cand.device} ({classes[0]}) vs {base.device} ({classes[1]})")
     if not differs:

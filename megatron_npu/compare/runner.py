@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
-from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
+from megatron_npu.devices.facts import NPU_EMULATED
 from megatron_npu.versions import library_versions
 
 LOG_TAIL_LINES = 15
@@ -48,23 +48,10 @@ class Outcome:
 
 
 def device_available(name: str) -> bool:
-    """Whether runs on ``name`` can start here (cpu and npu-emulated always can)."""
-    if name in (CPU, NPU_EMULATED):
-        return True
-    if name == CUDA:
-        import torch
-
-        return torch.cuda.is_available()
+    """Whether runs on ``name`` can start here (:func:`megatron_npu.devices.available`)."""
     from megatron_npu import devices
-    from megatron_npu.devices import npu
 
-    if not npu.torch_npu_installed():
-        return False
-    try:
-        devices.make(NPU)
-    except devices.DeviceUnavailableError:
-        return False
-    return True
+    return devices.available(name)
 
 
 def resolve_device(spec: RunSpec) -> str | None:

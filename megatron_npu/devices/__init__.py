@@ -15,7 +15,7 @@ import torch
 
 from megatron_npu.devices.base import Device
 from megatron_npu.devices.errors import DeviceUnavailableError
-from megatron_npu.registry import CPU, CUDA, NPU, NPU_EMULATED
+from megatron_npu.devices.facts import CPU, CUDA, NPU, NPU_EMULATED
 
 ENV_VAR = "MEGATRON_NPU_DEVICE"
 _MODULES = {CPU: "cpu", NPU: "npu", NPU_EMULATED: "npu_emulated", CUDA: "cuda"}
@@ -30,6 +30,26 @@ def make(name: str) -> Device:
         raise ValueError(f"unknown device {name!r}: choose one of {', '.join(NAMES)}")
     module = importlib.import_module(f"megatron_npu.devices.{_MODULES[name]}")
     return module.make_device()
+
+
+def available(name: str) -> bool:
+    """Whether runs on ``name`` can start on this machine: cpu and npu-emulated always; npu when
+    torch_npu imports and sees a device; cuda when torch sees a GPU."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown device {name!r}: choose one of {', '.join(NAMES)}")
+    if name in (CPU, NPU_EMULATED):
+        return True
+    if name == CUDA:
+        return torch.cuda.is_available()
+    from megatron_npu.devices import npu
+
+    if not npu.torch_npu_installed():
+        return False
+    try:
+        npu.make_device()
+    except DeviceUnavailableError:
+        return False
+    return True
 
 
 def detect() -> str:

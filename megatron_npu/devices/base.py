@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megatron_npu.devices.facts import DeviceFacts, facts
+
 
 @dataclass(frozen=True)
 class Device:
@@ -30,6 +32,31 @@ class Device:
     emulated: bool = False
     #: what the kernel module is, for messages (``torch_npu 2.13.0`` on ``npu``)
     kernels_source: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        accelerator: Any,
+        kernels: ModuleType | None = None,
+        kernels_source: str | None = None,
+    ) -> Device:
+        """Device ``name`` with its torch type, backend and emulation flag from its facts."""
+        known = facts(name)
+        return cls(
+            name=known.name,
+            torch_type=known.torch_type,
+            dist_backend=known.dist_backend,
+            accelerator=accelerator,
+            kernels=kernels,
+            emulated=known.emulated,
+            kernels_source=kernels_source,
+        )
+
+    @property
+    def facts(self) -> DeviceFacts:
+        """The fixed facts of this device's name (:mod:`megatron_npu.devices.facts`)."""
+        return facts(self.name)
 
     def missing_kernels(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` the device's kernel module does not provide (none without one)."""

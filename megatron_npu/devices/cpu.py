@@ -17,6 +17,7 @@ import torch
 
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.base import Device, NoNvtx
+from megatron_npu.devices.facts import CPU
 
 
 class CpuStream:
@@ -105,7 +106,7 @@ class CpuGraph:
 class CpuAccelerator:
     """The ``torch.cuda``-shaped API for a CPU device (only what Megatron uses)."""
 
-    name = "cpu"
+    name = CPU
     nvtx = NoNvtx()
     Stream = CpuStream
     Event = CpuEvent
@@ -253,4 +254,4 @@ class CpuAccelerator:
 
 
 def make_device() -> Device:
-    return Device(name="cpu", torch_type="cpu", dist_backend="gloo", accelerator=CpuAccelerator())
+    return Device.of(CPU, CpuAccelerator())

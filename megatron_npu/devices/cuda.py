@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_npu.devices.base import Device
+from megatron_npu.devices.facts import CUDA
 
 
 def make_device() -> Device:
@@ -16,4 +17,4 @@ def make_device() -> Device:
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
             "use MEGATRON_NPU_DEVICE=cpu or run on a GPU machine"
         )
-    return Device(name="cuda", torch_type="cuda", dist_backend="nccl", accelerator=torch.cuda)
+    return Device.of(CUDA, torch.cuda)

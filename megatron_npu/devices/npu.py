@@ -17,6 +17,7 @@ import torch
 
 from megatron_npu.devices.base import Device, NoNvtx
 from megatron_npu.devices.errors import DeviceUnavailableError
+from megatron_npu.devices.facts import NPU
 
 #: Shared libraries of the CANN runtime that torch_npu links against.
 CANN_LIBRARIES = ("libascendcl.so", "libhccl.so")
@@ -88,7 +89,7 @@ def import_torch_npu() -> ModuleType:
 class NpuAccelerator:
     """``torch.cuda``-shaped answers backed by ``torch.npu`` (from torch_npu)."""
 
-    name = "npu"
+    name = NPU
 
     nvtx = NoNvtx()
 
@@ -129,10 +130,8 @@ def make_device() -> Device:
             "torch_npu imported but sees no NPU (torch.npu.is_available() is False); check the "
             "driver with 'npu-smi info' and ASCEND_RT_VISIBLE_DEVICES"
         )
-    return Device(
-        name="npu",
-        torch_type="npu",
-        dist_backend="hccl",
+    return Device.of(
+        NPU,
         accelerator=NpuAccelerator(torch.npu),
         kernels=torch_npu,
         kernels_source=f"torch_npu {torch_npu_version() or '(version unknown)'}",

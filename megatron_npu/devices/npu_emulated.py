@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron_npu.devices.base import Device
 from megatron_npu.devices.cpu import CpuAccelerator
-from megatron_npu.registry import NPU_EMULATED
+from megatron_npu.devices.facts import NPU_EMULATED
 
 
 class EmulatedNpuAccelerator(CpuAccelerator):
@@ -21,12 +21,9 @@ def make_device() -> Device:
     from megatron_npu.devices import torch_npu_schema
     from megatron_npu.testing import torch_npu_emulation
 
-    return Device(
-        name=NPU_EMULATED,
-        torch_type="cpu",
-        dist_backend="gloo",
+    return Device.of(
+        NPU_EMULATED,
         accelerator=EmulatedNpuAccelerator(),
         kernels=torch_npu_emulation,
-        emulated=True,
         kernels_source=f"the emulation of torch_npu {torch_npu_schema.pinned_version()}",
     )

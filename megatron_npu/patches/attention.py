@@ -26,9 +26,10 @@ import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from megatron_npu.devices.facts import DEVICES
 from megatron_npu.ops import settings
 from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
-from megatron_npu.registry import DEVICES, Patch
+from megatron_npu.registry import Patch
 
 _TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 

@@ -27,7 +27,8 @@ import os
 from typing import Any
 
 from megatron_npu.devices import host_memory
-from megatron_npu.registry import DEVICES, Patch
+from megatron_npu.devices.facts import DEVICES
+from megatron_npu.registry import Patch
 
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
 _RESUME_TEST = (

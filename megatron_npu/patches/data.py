@@ -24,7 +24,8 @@ import sys
 import types
 
 from megatron_npu.data import index_helpers
-from megatron_npu.registry import CUDA, Patch
+from megatron_npu.devices.facts import CUDA
+from megatron_npu.registry import Patch
 
 _HELPERS = "megatron.core.datasets.helpers"
 #: every function megatron-core's ``helpers`` module offers (the compiled ones and the wrapper)

@@ -12,8 +12,9 @@ installs these entries.
 
 from __future__ import annotations
 
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
 from megatron_npu.ops.half_matmul import fp32_accumulated
-from megatron_npu.registry import CPU, NPU_EMULATED, Patch
+from megatron_npu.registry import Patch
 
 #: patch id suffix -> the torch product it wraps
 TARGETS = {

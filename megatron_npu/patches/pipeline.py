@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from megatron_npu.registry import CPU, NPU_EMULATED, Patch
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
+from megatron_npu.registry import Patch
 
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _GLOO = frozenset({CPU, NPU_EMULATED})

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megatron_npu import devices
-from megatron_npu.registry import CPU, NPU_EMULATED, Patch
+from megatron_npu.devices.facts import CPU, NPU_EMULATED
+from megatron_npu.registry import Patch
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _EXEMPT = "RNG plumbing, no numerics of its own: the named test checks the generator directly"

@@ -20,8 +20,9 @@ import functools
 import importlib.util
 import sys
 
+from megatron_npu.devices.facts import CUDA
 from megatron_npu.ops import softmax as softmax_ops
-from megatron_npu.registry import CUDA, Patch
+from megatron_npu.registry import Patch
 
 _CLASS = "megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax"
 

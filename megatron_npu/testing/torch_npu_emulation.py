@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from megatron_npu.devices import torch_npu_schema
-from megatron_npu.registry import NPU_EMULATED
+from megatron_npu.devices.facts import NPU_EMULATED
 
 IS_EMULATION = True
 #: the device label results obtained through this module must carry

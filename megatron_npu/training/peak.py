@@ -28,17 +28,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_npu.devices.facts import facts
 from megatron_npu.files import write_private
-from megatron_npu.registry import CPU, NPU_EMULATED
 
 ENV_VAR = "MEGATRON_NPU_PEAK_TFLOPS"
-#: Square GEMM sizes tried per device type; the probe keeps the best rate over all of them.
-PROBE_SIZES = {"cpu": (256, 512, 1024), "npu": (2048, 4096, 8192), "cuda": (2048, 4096, 8192)}
 PROBE_REPEATS = 3
 #: A size whose warm-up GEMM takes longer than this is the last one tried (slow dtypes on CPU).
 PROBE_SIZE_BUDGET_S = 0.2
-#: Devices whose ranks share one host's compute (the peak does not scale with the world size).
-HOST_SHARED = frozenset({CPU, NPU_EMULATED})
 
 
 @dataclass(frozen=True)
@@ -98,9 +94,11 @@ def _env_peak(device: str, dtype: torch.dtype) -> PeakFlops | None:
     return user_peak(value, device, dtype, f"${ENV_VAR}")
 
 
-def probe_gemm_tflops(torch_type: str, dtype: torch.dtype, sync=lambda: None) -> tuple[float, str]:
-    """Best sustained TFLOP/s of square matmuls on ``torch_type`` in ``dtype``, and what ran."""
-    sizes = PROBE_SIZES.get(torch_type, PROBE_SIZES["cpu"])
+def probe_gemm_tflops(
+    torch_type: str, sizes: tuple[int, ...], dtype: torch.dtype, sync=lambda: None
+) -> tuple[float, str]:
+    """Best sustained TFLOP/s of square matmuls of ``sizes`` on ``torch_type`` in ``dtype``, and
+    what ran."""
     best, best_n = 0.0, sizes[0]
     # the operands come from a generator of the probe's own: a draw from torch's default one
     # would move the state training draws its weights and dropout masks from, so a run that
@@ -163,7 +161,9 @@ def measured_peak_flops(device: str, dtype: torch.dtype, *, refresh: bool = Fals
     if dev.torch_type == "cpu":  # the host's peak: every core, whatever this rank was given
         torch.set_num_threads(host_cores())
     try:
-        tflops, detail = probe_gemm_tflops(dev.torch_type, dtype, sync or (lambda: None))
+        tflops, detail = probe_gemm_tflops(
+            dev.torch_type, dev.facts.probe_sizes, dtype, sync or (lambda: None)
+        )
     finally:
         torch.set_num_threads(threads)
     entries[key] = {
@@ -185,7 +185,7 @@ def resolve_peak(device: str, dtype: torch.dtype, stated_tflops: float | None = 
 def aggregate_devices(device: str, world_size: int) -> int:
     """How many peaks a run of ``world_size`` ranks on ``device`` can draw on
     (1 for a shared host)."""
-    return 1 if device in HOST_SHARED else max(1, world_size)
+    return 1 if facts(device).host_shared else max(1, world_size)
 
 
 def plausible(utilisation: float | None) -> float | None:

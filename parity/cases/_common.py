@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron_npu.registry import DEVICE_ORDER
+from megatron_npu.devices.facts import DEVICE_ORDER
 
 #: a case that runs in fp32 only, on every device
 FP32_ONLY = {device: (torch.float32,) for device in DEVICE_ORDER}

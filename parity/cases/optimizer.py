@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from megatron_npu.parity.case import Context, Parallel, ParityCase
 from megatron_npu.parity.cases._common import gather, generator, megatron_parallel
 
-from megatron_npu.registry import DEVICE_ORDER
+from megatron_npu.devices.facts import DEVICE_ORDER
 
 _DEVICES = DEVICE_ORDER
 

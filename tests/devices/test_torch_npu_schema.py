@@ -21,7 +21,8 @@ import megatron_npu
 from megatron_npu import info, patcher
 from megatron_npu.devices import Device, make, torch_npu_schema, torch_npu_wheel
 from megatron_npu.devices.cpu import CpuAccelerator
-from megatron_npu.registry import NPU, all_patches
+from megatron_npu.devices.facts import NPU
+from megatron_npu.registry import all_patches
 from megatron_npu.testing import torch_npu_emulation as emulation
 
 PACKAGE = Path(megatron_npu.__file__).resolve().parent

@@ -49,8 +49,8 @@ def main(out: Path) -> None:
     from megatron_npu.parity.metrics import dtype_name
     from megatron_npu.parity.ranks import PoolManager
 
+    from megatron_npu.devices.facts import CPU, NPU_EMULATED
     from megatron_npu.ops import cpu_band_kernel
-    from megatron_npu.registry import CPU, NPU_EMULATED
     from megatron_npu.testing.torch_npu_emulation import count_kernel_calls, record_call_sites
 
     kernels: dict[str, set[str]] = defaultdict(set)

@@ -10,8 +10,9 @@ import pytest
 from megatron_npu.parity.harness import evaluate_mutation
 from megatron_npu.parity.mutations import MUTATIONS, planted
 
+from megatron_npu.devices.facts import NPU_EMULATED
 from megatron_npu.patcher import megatron_core_version
-from megatron_npu.registry import NPU_EMULATED, all_patches, get_patch
+from megatron_npu.registry import all_patches, get_patch
 
 #: the mutations of patches that apply to the installed megatron-core (tox runs each release's)
 HERE = sorted(

@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 
 from megatron_npu.data import index_helpers
+from megatron_npu.devices.facts import CUDA
 from megatron_npu.patches import data
-from megatron_npu.registry import CUDA, all_patches
+from megatron_npu.registry import all_patches
 
 
 def _megatron_like(folder, makefile: bool):

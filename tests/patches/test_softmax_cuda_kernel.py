@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import megatron_npu
+from megatron_npu.devices.facts import CUDA
 from megatron_npu.patches import softmax as softmax_patch
-from megatron_npu.registry import CUDA, all_patches
+from megatron_npu.registry import all_patches
 
 _ID = "softmax.cuda-kernel-missing"
 

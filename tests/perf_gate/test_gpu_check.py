@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_npu.compare import matrix
+from megatron_npu.devices.facts import CUDA
 from megatron_npu.patcher import megatron_core_version, plan_status
-from megatron_npu.registry import CUDA, get_patch
+from megatron_npu.registry import get_patch
 from perf import gpu_check
 
 H100_TINY_ARGS = (

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from megatron_npu.devices.facts import CPU, FACTS
 from megatron_npu.training import flops, peak
 from megatron_npu.training.flops import gpt_model_flops_per_iteration
 
@@ -67,7 +69,7 @@ def test_flops_refuses_nonpositive_sizes():
 def test_peak_probe_is_cached_and_env_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(peak.ENV_VAR, raising=False)
-    monkeypatch.setattr(peak, "PROBE_SIZES", {"cpu": (64,)})
+    monkeypatch.setitem(FACTS, CPU, dataclasses.replace(FACTS[CPU], probe_sizes=(64,)))
     first = peak.measured_peak_flops("cpu", torch.float32)
     assert first.source == "measured" and first.tflops > 0
     stored = json.loads(peak.cache_path().read_text())
@@ -88,7 +90,7 @@ def test_measuring_the_peak_leaves_the_training_generator_alone(tmp_path, monkey
     generator, not from torch's default one."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(peak.ENV_VAR, raising=False)
-    monkeypatch.setattr(peak, "PROBE_SIZES", {"cpu": (64,)})
+    monkeypatch.setitem(FACTS, CPU, dataclasses.replace(FACTS[CPU], probe_sizes=(64,)))
     torch.manual_seed(1234)
     before = torch.get_rng_state()
     assert peak.measured_peak_flops("cpu", torch.float32).source == "measured"
