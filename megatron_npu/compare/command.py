@@ -30,7 +30,7 @@ from megatron_npu.compare import datasheet, imports, noise, rules, runner, table
 from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
-from megatron_npu.devices.facts import NPU_EMULATED, known
+from megatron_npu.devices import facts as device_facts
 from megatron_npu.training.peak import plausible
 
 DEFAULT_OUT = "compare-out"
@@ -57,7 +57,7 @@ class RunResult:
 
     @property
     def emulated(self) -> bool:
-        if self.device == NPU_EMULATED:
+        if device_facts.emulated(self.device):
             return True
         if self.metrics is not None:
             return bool(self.metrics["config"].get("device_emulated"))
@@ -135,7 +135,7 @@ def peak_memory(result: RunResult) -> rules.PeakMemory | None:
     memory = summary.get("peak_memory_bytes")
     # a metrics file that does not say what its peak measured (``peak_memory_measure``, written
     # since the host allocator peak) measured what its device measures
-    device = known(result.device)
+    device = device_facts.known(result.device)
     measure = summary.get("peak_memory_measure") or (device.memory_measure if device else None)
     if memory is None or measure is None:
         return None
@@ -539,7 +539,7 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
     _datasheet_peak(result)
     if imported.device and imported.device != device:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
-    if imported.emulated and device != NPU_EMULATED:
+    if imported.emulated and not device_facts.emulated(device):
         result.notes.append("the file says its run was emulated")
     echo.write(
         f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})\n"

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
-from megatron_npu.devices.facts import NPU_EMULATED
+from megatron_npu.devices.facts import emulated
 from megatron_npu.versions import library_versions
 
 LOG_TAIL_LINES = 15
@@ -379,7 +379,7 @@ def execute_script(
             error = f"its log cannot be read: {exc}"
         else:
             metrics["config"]["device"] = device
-            metrics["config"]["device_emulated"] = device == NPU_EMULATED
+            metrics["config"]["device_emulated"] = emulated(device)
             _write_json(metrics_path, metrics)
     _write_json(
         record_path,

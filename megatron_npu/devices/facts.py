@@ -78,6 +78,12 @@ def facts(name: str) -> DeviceFacts:
         ) from None
 
 
+def emulated(name: str | None) -> bool:
+    """Whether ``name`` runs another device's code path on the host (False for an unknown name)."""
+    found = FACTS.get(name or "")
+    return found is not None and found.emulated
+
+
 def known(name: str | None) -> DeviceFacts | None:
     """The facts of ``name``, or None for a name the adaptor does not know (a result written
     by another tool, or by a newer version of this one)."""
