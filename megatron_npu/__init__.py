@@ -15,13 +15,13 @@ from megatron_npu import import_warnings
 
 import_warnings.quiet()
 
+from megatron_npu.disable_patch_option import add_disable_patch_argument  # noqa: E402
 from megatron_npu.patcher import (  # noqa: E402  (the filter first: anything may import megatron)
     PatchError,
     PatchSignatureError,
     PatchTargetError,
     UnknownPatchError,
     active_device,
-    add_disable_patch_argument,
     apply,
     restore,
 )

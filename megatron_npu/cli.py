@@ -7,7 +7,8 @@ import importlib
 import sys
 
 from megatron_npu.devices import NAMES, DeviceUnavailableError
-from megatron_npu.patcher import PatchError, add_disable_patch_argument, disable_flag_published
+from megatron_npu.disable_patch_option import add_disable_patch_argument, disable_flag_published
+from megatron_npu.patcher import PatchError
 
 
 def _info(args: argparse.Namespace) -> int:

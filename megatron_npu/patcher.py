@@ -19,13 +19,12 @@ Rules this module guarantees (each has a test in ``tests/test_patcher.py``):
 * Per-patch off switch: ids listed in ``$MEGATRON_NPU_DISABLE`` (comma-separated), given to
   ``--disable-patch`` or passed as ``apply(disable=...)`` are not installed and are reported with
   status ``disabled`` and the switch that disabled them; an unknown id is an error naming it.
-  Parsing ``--disable-patch`` changes nothing outside the parsed namespace: the command publishes
-  the ids (:func:`disable_flag_published`) only while it runs.
+  The ``--disable-patch`` option itself lives with the command line
+  (:mod:`megatron_npu.disable_patch_option`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import importlib
@@ -436,55 +435,6 @@ def disabled_patches(disable: Iterable[str] = (), known: Iterable[str] = ()) -> 
                 )
             reasons.setdefault(patch_id, reason)
     return reasons
-
-
-def _known_patch_id(text: str) -> str:
-    if text not in {p.id for p in all_patches()}:
-        raise argparse.ArgumentTypeError(
-            f"no patch has id {text!r}; 'megatron-npu info' lists the ids"
-        )
-    return text
-
-
-class _DisablePatchAction(argparse.Action):
-    """Collect the ids in the namespace (parsing writes nothing else: no environment)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        ids = [*(getattr(namespace, self.dest, None) or []), values]
-        setattr(namespace, self.dest, ids)
-
-
-@contextlib.contextmanager
-def disable_flag_published(ids: Iterable[str]) -> Iterator[None]:
-    """While the command runs, ``$MEGATRON_NPU_DISABLE_FLAG`` names the ``--disable-patch`` ids,
-    so this process and every process it starts (launched ranks, parity workers) leave the same
-    patches out; the variable's previous value is put back afterwards. No ids: nothing changes."""
-    ids = list(ids)
-    if not ids:
-        yield
-        return
-    previous = os.environ.get(DISABLE_FLAG_ENV)
-    os.environ[DISABLE_FLAG_ENV] = ",".join(ids)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(DISABLE_FLAG_ENV, None)
-        else:
-            os.environ[DISABLE_FLAG_ENV] = previous
-
-
-def add_disable_patch_argument(parser: argparse.ArgumentParser) -> None:
-    """Add the repeatable ``--disable-patch ID`` option (the per-patch off switch) to ``parser``."""
-    parser.add_argument(
-        DISABLE_FLAG,
-        dest="disable_patch",
-        metavar="ID",
-        type=_known_patch_id,
-        action=_DisablePatchAction,
-        default=[],
-        help="do not install this registry patch (repeatable); 'info' reports it as disabled",
-    )
 
 
 def plan_status(patch: Patch, device: str, version: str) -> tuple[str, str]:
