@@ -275,7 +275,7 @@ def _windowed_off_by_one(original):
     def windowed(q, k, v, user_visible, offset, lo, hi, block, scale, dropout_p, gqa):
         import torch
 
-        from megatron_npu.ops import attention as ops
+        from megatron_npu.ops.attention import native as ops
 
         sq, skv = q.shape[2], k.shape[2]
         outs = []
@@ -751,7 +751,7 @@ _ALL = (
         "attention-window-key-off-by-one",
         "the windowed query blocks start their key range one "
         "key late (only a window narrower than the sequence, with several blocks, runs them)",
-        "megatron_npu.ops.attention._windowed",
+        "megatron_npu.ops.attention.native._windowed",
         _windowed_off_by_one,
         "attention.dot-product",
         (_ATTENTION_WINDOW,),
@@ -760,7 +760,7 @@ _ALL = (
         "attention-band-kernel-window-narrowed",
         "the C++ band forward (CPU windows of 64 keys "
         "or more) leaves out the farthest key of every window",
-        "megatron_npu.ops.attention.band_attention_forward",
+        "megatron_npu.ops.attention.band.band_attention_forward",
         _band_kernel_window_narrowed,
         "attention.dot-product",
         (_ATTENTION_BAND,),

@@ -14,6 +14,7 @@ from megatron_npu.parity.verdict import require_accurate
 
 from megatron_npu.ops import attention as att
 from megatron_npu.ops import cpu_band_kernel
+from megatron_npu.ops.attention import band
 from megatron_npu.testing import torch_npu_emulation as emulation
 
 from ._paths import (
@@ -38,14 +39,14 @@ def band_forward(request, monkeypatch):
         monkeypatch.delenv(cpu_band_kernel.ENV_VAR, raising=False)
         status = cpu_band_kernel.status()
         assert status.available, f"the C++ band kernel does not build here: {status.reason}"
-    real, used = att.band_attention_forward, []
+    real, used = band.band_attention_forward, []
 
     def recording(*args):
         result = real(*args)
         used.append("cpp-kernel" if result is not None else "flash-pieces")
         return result
 
-    monkeypatch.setattr(att, "band_attention_forward", recording)
+    monkeypatch.setattr(band, "band_attention_forward", recording)
     yield used
     assert set(used) <= {request.param}, f"band forward used: {used}"
 
@@ -371,9 +372,9 @@ def test_sliding_window_2048_is_a_causal_band(path, monkeypatch, band_forward):
     q = torch.randn(1, 2, seq, 4, generator=gen)
     k, v = (torch.randn(1, 1, seq, 4, generator=gen) for _ in range(2))
     blocks = []
-    real = att._batched_band_block
+    real = band.batched_band_block
     monkeypatch.setattr(
-        att, "_batched_band_block", lambda *a: blocks.append(real(*a)) or blocks[-1]
+        band, "batched_band_block", lambda *a: blocks.append(real(*a)) or blocks[-1]
     )
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = attend(
@@ -431,14 +432,14 @@ def test_band_pieces_match_fp64_reference_forward_and_backward(
     """The band path (flash pieces merged by log-sum-exp, per-piece backward with the merged
     statistics) at tiny blocks, so every piece kind and every cut at the sequence ends occurs."""
     sq, skv, causal, pre, nxt = window
-    monkeypatch.setattr(att, "BAND_MIN_BLOCK", 2)
-    monkeypatch.setattr(att, "BAND_MAX_BLOCK", block)
-    monkeypatch.setattr(att, "_batched_band_block", lambda *a: 0)  # causal bands would take it
+    monkeypatch.setattr(band, "BAND_MIN_BLOCK", 2)
+    monkeypatch.setattr(band, "BAND_MAX_BLOCK", block)
+    monkeypatch.setattr(band, "batched_band_block", lambda *a: 0)  # causal bands would take it
     gen = torch.Generator().manual_seed(sq * 100 + skv + block)
     q = torch.randn(2, 2, sq, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 2, skv, 8, generator=gen, requires_grad=True) for _ in range(2))
     lo, hi = att.window_bounds(sq, skv, causal, pre, nxt)
-    plan = att._band_plan(q, sq, skv, lo, hi)
+    plan = band.band_plan(q, sq, skv, lo, hi)
     assert plan is not None and len({p.q0 for p in plan}) > 1  # several query blocks
     assert {p.kind for p in plan} & {"reversed-causal", "causal"}
     out = att.native_fused_attention(
@@ -475,13 +476,13 @@ def test_batched_band_matches_fp64_reference_forward_and_backward(
     """The batched band path (causal sliding window: every block's pieces in one call per kind,
     overlapping middle keys' gradients added back) agrees with plain attention, GQA included."""
     seq, window, limit, long_queries, block = case
-    monkeypatch.setattr(att, "BAND_MIN_BLOCK", 2)
-    monkeypatch.setattr(att, "BATCHED_BAND_BLOCK", limit)
-    monkeypatch.setattr(att, "FLASH_LONG_QUERIES", long_queries)
-    monkeypatch.setattr(att, "_band_plan", lambda *a: pytest.fail("per-block band path taken"))
+    monkeypatch.setattr(band, "BAND_MIN_BLOCK", 2)
+    monkeypatch.setattr(band, "BATCHED_BAND_BLOCK", limit)
+    monkeypatch.setattr(band, "FLASH_LONG_QUERIES", long_queries)
+    monkeypatch.setattr(band, "band_plan", lambda *a: pytest.fail("per-block band path taken"))
     ran = []
-    real = att._BatchedBandAttention.apply
-    monkeypatch.setattr(att._BatchedBandAttention, "apply", lambda *a: ran.append(a[4]) or real(*a))
+    real = band.BatchedBandAttention.apply
+    monkeypatch.setattr(band.BatchedBandAttention, "apply", lambda *a: ran.append(a[4]) or real(*a))
     gen = torch.Generator().manual_seed(seq * 100 + window + limit)
     q = torch.randn(2, 4, seq, 8, generator=gen)
     k, v = (torch.randn(2, 2, seq, 8, generator=gen) for _ in range(2))
@@ -516,7 +517,7 @@ def test_batched_band_any_block_up_to_the_window(block, band_forward):
     seq, window = 21, 8
     gen = torch.Generator().manual_seed(block)
     q, k, v = (torch.randn(1, 2, seq, 4, generator=gen, requires_grad=True) for _ in range(3))
-    out = att._BatchedBandAttention.apply(q, k, v, window, block, 0.5)
+    out = band.BatchedBandAttention.apply(q, k, v, window, block, 0.5)
     assert band_forward
     grad = torch.randn(out.shape, generator=gen)
     out.backward(grad)
