@@ -9,23 +9,18 @@ Public API of the metrics / verdict / results layer:
 """
 
 from megatron_npu.parity.metrics import TensorComparison, compare
+from megatron_npu.parity.provenance import GitInfo, Provenance, collect_provenance, detect_device
 from megatron_npu.parity.results import (
     DEVICES,
     SCHEMA_VERSION,
-    GitInfo,
     ParityRecord,
-    Provenance,
     RecordError,
-    SummaryRow,
     TensorResult,
-    collect_provenance,
-    detect_device,
-    print_summary,
     read_records,
     record_filename,
-    summary_table,
     write_record,
 )
+from megatron_npu.parity.summary import SummaryRow, print_summary, summary_table
 from megatron_npu.parity.verdict import Tolerance, Verdict, verdict, worst
 
 __all__ = [

@@ -37,7 +37,8 @@ from megatron_npu.parity.benchmark import BenchmarkResult, against_benchmark, le
 from megatron_npu.parity.case import Context, Parallel, ParityCase, load_case, upcast
 from megatron_npu.parity.metrics import TensorComparison, compare, dtype_name
 from megatron_npu.parity.mutations import Mutation, planted
-from megatron_npu.parity.results import ParityRecord, collect_provenance
+from megatron_npu.parity.provenance import collect_provenance
+from megatron_npu.parity.results import ParityRecord
 from megatron_npu.parity.verdict import final_verdict
 
 import megatron_npu

@@ -8,51 +8,31 @@ directory, fsync, ``os.replace``), so a reader never sees a partial file.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
 import re
-import socket
-import subprocess
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from typing import Any
 
 from megatron_npu.parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from megatron_npu.parity.metrics import TensorComparison, dtype_config
+from megatron_npu.parity.provenance import GitInfo, Provenance, check_device
 from megatron_npu.parity.verdict import Tolerance, Verdict, final_verdict, worst
 
-from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_DEVICES, NPU_EMULATED
+from megatron_npu.devices.facts import DEVICE_ORDER, NPU, NPU_EMULATED
 from megatron_npu.files import write_private
 
 __all__ = [
     "DEVICES",
     "PARALLEL_KEYS",
     "SCHEMA_VERSION",
-    "GitInfo",
     "ParityRecord",
-    "Provenance",
     "RecordError",
-    "SummaryRow",
     "TensorResult",
-    "collect_provenance",
-    "detect_device",
-    "git_info",
-    "print_summary",
     "read_records",
     "record_filename",
-    "summary_counts",
-    "summary_lines",
-    "summary_table",
     "write_record",
 ]
 
@@ -67,195 +47,10 @@ DEVICES = DEVICE_ORDER
 PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "world")
 #: the first schema whose ``parallel`` has the context-parallel size; older records had CP 1
 _CP_SCHEMA = 3
-_EMULATION_MODULE_HINT = "emulation"
 
 
 class RecordError(ValueError):
     """A results file that cannot be read as a :class:`ParityRecord`; names file and key."""
-
-
-# --------------------------------------------------------------------------- provenance
-
-
-@dataclass(frozen=True)
-class GitInfo:
-    commit: str | None  # short sha of HEAD; None in a repository without commits
-    dirty: bool  # tracked or untracked changes in the working tree
-
-
-@dataclass(frozen=True)
-class Provenance:
-    device: str  # same label as ParityRecord.device
-    python: str
-    torch: str
-    torch_npu: str | None  # None when torch_npu is not installed
-    megatron_core: str | None
-    git: GitInfo | None  # None when git or the repository is unavailable
-    seed: int | None
-    hostname: str
-    timestamp_utc: str  # ISO 8601, e.g. 2025-01-31T12:00:00Z
-    wall_time_s: float  # wall time of the case
-    device_name: str | None = None  # free text, e.g. "Ascend910B3" or the CPU model
-    megatron_npu: str | None = None  # this package's version (absent in records before it)
-
-
-def _is_emulation(module: Any) -> bool:
-    return module is not None and (
-        getattr(module, "IS_EMULATION", False) is True
-        or _EMULATION_MODULE_HINT in getattr(module, "__name__", "")
-    )
-
-
-def _package_version(dist: str, module: str | None = None) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    mod = sys.modules.get(module or dist)
-    if _is_emulation(mod):  # the emulation stands in as sys.modules["torch_npu"]
-        return None
-    version = getattr(mod, "__version__", None)
-    return str(version) if version is not None else None
-
-
-def source_checkout() -> Path | None:
-    """The source checkout this package runs from, or None for an installed package.
-
-    A checkout is the folder above the ``megatron_npu`` package whose ``pyproject.toml`` names
-    the ``megatron-npu`` project; an installed wheel in site-packages has no such file, so
-    provenance never runs git in whatever folder happens to enclose the installation.
-    """
-    import megatron_npu
-
-    folder = Path(megatron_npu.__file__).resolve().parent.parent
-    pyproject = folder / "pyproject.toml"
-    try:
-        with pyproject.open("rb") as stream:
-            name = tomllib.load(stream).get("project", {}).get("name")
-    except (OSError, ValueError):
-        return None
-    return folder if name == "megatron-npu" else None
-
-
-def git_info(repo_dir: str | os.PathLike[str] | None = None) -> GitInfo | None:
-    """HEAD's short sha and a dirty flag for the tree at ``repo_dir``; None if git can't tell.
-
-    ``repo_dir`` defaults to this package's own :func:`source_checkout`; an installed package
-    has none and gets None without running git. Never raises. Uses ``--no-optional-locks`` so
-    it never takes the index lock from someone committing in the same tree.
-    """
-    if repo_dir is None:
-        repo_dir = source_checkout()
-        if repo_dir is None:
-            return None
-    cwd = Path(repo_dir)
-
-    def run(*args: str) -> subprocess.CompletedProcess[str] | None:
-        try:
-            return subprocess.run(
-                ["git", "--no-optional-locks", *args],
-                cwd=cwd,
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = run("status", "--porcelain")
-    if status is None or status.returncode != 0:
-        return None
-    head = run("rev-parse", "--short", "HEAD")
-    commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
-    return GitInfo(commit=commit or None, dirty=bool(status.stdout.strip()))
-
-
-def _active_adaptor_device() -> Any:
-    try:
-        from megatron_npu.devices import active
-    except ImportError:
-        return None
-    try:
-        return active()
-    except Exception:  # noqa: BLE001 - provenance must never fail on the device layer
-        return None
-
-
-def _emulation_active() -> bool:
-    device = _active_adaptor_device()
-    if device is not None and getattr(device, "emulated", False):
-        return True
-    try:
-        from megatron_npu.ops.kernels import npu_kernels
-    except ImportError:
-        kernels = None
-    else:
-        kernels = npu_kernels()
-    return _is_emulation(kernels) or _is_emulation(sys.modules.get("torch_npu"))
-
-
-def detect_device() -> str:
-    """The device label of this process: the active adaptor device's name if one is applied,
-    else npu-emulated (emulation kernels active), npu (torch_npu sees a device), cuda, cpu."""
-    device = _active_adaptor_device()
-    name = getattr(device, "name", None)
-    if name in DEVICES:
-        return NPU_EMULATED if getattr(device, "emulated", False) else name
-    if _emulation_active():
-        return NPU_EMULATED
-    import torch
-
-    if "torch_npu" in sys.modules:
-        npu = getattr(torch, "npu", None)
-        if npu is not None and npu.is_available():
-            return NPU
-    if torch.cuda.is_available():
-        return CUDA
-    return CPU
-
-
-def collect_provenance(
-    device: str,
-    *,
-    seed: int | None,
-    wall_time_s: float,
-    device_name: str | None = None,
-    repo_dir: str | os.PathLike[str] | None = None,
-) -> Provenance:
-    """Provenance of this process for a case run on ``device``.
-
-    Raises ValueError for an unknown label, for "npu" while the torch_npu emulation is the active
-    kernel module, and for "npu" without torch_npu installed.
-    """
-    import torch
-
-    _check_device(device)
-    torch_npu = _package_version("torch_npu")
-    if device == NPU:
-        if _emulation_active():
-            raise ValueError(f"the torch_npu emulation is active: label this run {NPU_EMULATED!r}")
-        if torch_npu is None:
-            raise ValueError(f"device {NPU!r} needs torch_npu; an emulated run is {NPU_EMULATED!r}")
-    return Provenance(
-        device=device,
-        python=platform.python_version(),
-        torch=str(torch.__version__),
-        torch_npu=torch_npu,
-        megatron_core=_package_version("megatron-core", "megatron.core"),
-        megatron_npu=_package_version("megatron-npu", "megatron_npu"),
-        git=git_info(repo_dir),
-        seed=seed,
-        hostname=socket.gethostname(),
-        timestamp_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        wall_time_s=float(wall_time_s),
-        device_name=device_name,
-    )
-
-
-def _check_device(device: Any) -> None:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
 
 
 # --------------------------------------------------------------------------- record
@@ -311,7 +106,7 @@ class ParityRecord:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         dtype_config(self.dtype)
         _check_parallel(self.parallel)
-        _check_device(self.device)
+        check_device(self.device)
         if self.provenance.device != self.device:
             raise ValueError(
                 f"provenance.device {self.provenance.device!r} != device {self.device!r}"
@@ -698,121 +493,3 @@ def read_records(results_dir: str | os.PathLike[str]) -> list[ParityRecord]:
         except RecordError as exc:
             raise RecordError(f"{path}: {exc}") from None
     return records
-
-
-# --------------------------------------------------------------------------- summary
-
-
-class SummaryRow(NamedTuple):
-    patch: str
-    case: str
-    dtype: str
-    parallel: str  # "tp2 pp1 dp1 w2", "cp2" before the world where CP is above 1
-    device: str
-    verdict: str
-    npu_code: str  # npu/npu-emulated cells: "NPU kernel" or "same code as cpu"; else "-"
-    worst_metric: str  # "<tensor>: <deciding rule and numbers>" of the worst tensor
-
-
-def _parallel_text(parallel: Mapping[str, int]) -> str:
-    cp = f" cp{parallel['cp']}" if parallel["cp"] > 1 else ""
-    return f"tp{parallel['tp']} pp{parallel['pp']} dp{parallel['dp']}{cp} w{parallel['world']}"
-
-
-def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
-    """One row per record, sorted by patch, case, dtype, parallel sizes and device."""
-    rows = []
-    for rec in records:
-        rows.append(
-            (
-                (
-                    rec.patch_id,
-                    rec.case,
-                    rec.dtype,
-                    tuple(rec.parallel[k] for k in PARALLEL_KEYS),
-                    rec.device,
-                ),
-                SummaryRow(
-                    patch=rec.patch_id,
-                    case=rec.case,
-                    dtype=rec.dtype,
-                    parallel=_parallel_text(rec.parallel),
-                    device=rec.device,
-                    verdict=rec.verdict.status,
-                    npu_code=npu_code(rec),
-                    worst_metric=rec.verdict.reason,
-                ),
-            )
-        )
-    rows.sort(key=lambda item: item[0])
-    return [row for _, row in rows]
-
-
-_STYLE = {"pass": "green", "warning": "yellow", "error": "bold red"}
-KERNEL_EXERCISED = "NPU kernel"
-SAME_AS_CPU = "same code as cpu"
-
-
-def npu_code(record: ParityRecord) -> str:
-    """What an npu / npu-emulated cell ran: an NPU kernel, or the same code as the cpu cell
-    ("unknown" for a schema-1 record); "-" for other devices."""
-    if record.device not in NPU_DEVICES:
-        return "-"
-    if record.npu_kernel_exercised is None:
-        return "unknown"
-    return KERNEL_EXERCISED if record.npu_kernel_exercised else SAME_AS_CPU
-
-
-def summary_counts(records: Iterable[ParityRecord]) -> dict[str, Any]:
-    """Verdict counts, failed cells (crash / timeout / reference hygiene) and, per NPU device,
-    how many cells exercised an NPU kernel and how many ran the same code as cpu."""
-    records = list(records)
-    verdicts: dict[str, int] = {}
-    failed: dict[str, int] = {}
-    npu: dict[str, dict[str, int]] = {}
-    for rec in records:
-        verdicts[rec.verdict.status] = verdicts.get(rec.verdict.status, 0) + 1
-        if not rec.tensors:
-            failed[rec.verdict.rule] = failed.get(rec.verdict.rule, 0) + 1
-        if rec.device in NPU_DEVICES:
-            per = npu.setdefault(rec.device, {})
-            key = npu_code(rec)
-            per[key] = per.get(key, 0) + 1
-    return {"records": len(records), "verdicts": verdicts, "failed": failed, "npu": npu}
-
-
-def summary_lines(records: Iterable[ParityRecord]) -> list[str]:
-    """The summary's count lines (what ``megatron-npu parity`` prints under the table)."""
-    c = summary_counts(records)
-    lines = [
-        f"{c['records']} records: "
-        + ", ".join(f"{n} {s}" for s, n in sorted(c["verdicts"].items()))
-    ]
-    if c["failed"]:
-        lines.append(
-            "cells that failed before comparing: "
-            + ", ".join(f"{n} {rule}" for rule, n in sorted(c["failed"].items()))
-        )
-    for device, per in sorted(c["npu"].items()):
-        lines.append(
-            f"{device} cells: {per.get(KERNEL_EXERCISED, 0)} exercised an NPU kernel, "
-            f"{per.get(SAME_AS_CPU, 0)} ran the same code as cpu"
-            + (f", {per['unknown']} unknown (schema 1)" if per.get("unknown") else "")
-        )
-    return lines
-
-
-def print_summary(records: Iterable[ParityRecord], console: Any = None) -> Any:
-    """Print :func:`summary_table` as a rich table (to ``console`` or a new one); return it."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="parity results")
-    for column in SummaryRow._fields:
-        table.add_column(column.replace("_", " "))
-    for row in summary_table(records):
-        cells = list(row)
-        cells[5] = f"[{_STYLE[row.verdict]}]{row.verdict}[/]"
-        table.add_row(*cells)
-    (console if console is not None else Console()).print(table)
-    return table

@@ -16,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_npu.parity.results import print_summary, read_records, summary_lines
+from megatron_npu.parity.results import read_records
+from megatron_npu.parity.summary import print_summary, summary_lines
 
 from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
 

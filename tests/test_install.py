@@ -15,7 +15,7 @@ import sys
 import venv
 from pathlib import Path
 
-import megatron_npu.parity.results as results
+import megatron_npu.parity.provenance as provenance
 import megatron_npu.parity.runner as runner
 import pytest
 
@@ -131,31 +131,31 @@ def test_provenance_runs_git_only_in_its_own_source_checkout(tmp_path, monkeypat
         calls.append(argv)
         return real_run(argv, **kwargs)
 
-    monkeypatch.setattr(results.subprocess, "run", counting_run)
+    monkeypatch.setattr(provenance.subprocess, "run", counting_run)
     # this checkout: git runs and reads its commit
-    assert results.source_checkout() == ROOT
+    assert provenance.source_checkout() == ROOT
     # an installed package in a folder that happens to be someone's git repository
     site = tmp_path / "site-packages"
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, capture_output=True)
     _fake_package(monkeypatch, site)
-    assert results.source_checkout() is None
+    assert provenance.source_checkout() is None
     calls.clear()
-    assert results.git_info() is None and calls == []
+    assert provenance.git_info() is None and calls == []
     # a pyproject of another project above the package is not ours either
     other = tmp_path / "other"
     _fake_package(monkeypatch, other)
     (other / "pyproject.toml").write_text('[project]\nname = "someone-else"\n')
-    assert results.source_checkout() is None and results.git_info() is None and calls == []
+    assert provenance.source_checkout() is None and provenance.git_info() is None and calls == []
     # our own pyproject: a source checkout, git runs there
     ours = tmp_path / "ours"
     _fake_package(monkeypatch, ours)
     (ours / "pyproject.toml").write_text('[project]\nname = "megatron-npu"\n')
-    assert results.source_checkout() == ours
-    assert results.git_info() is not None and calls
+    assert provenance.source_checkout() == ours
+    assert provenance.git_info() is not None and calls
 
 
 def test_provenance_records_the_package_version(tmp_path):
-    prov = results.collect_provenance("cpu", seed=1, wall_time_s=0.1, repo_dir=tmp_path)
+    prov = provenance.collect_provenance("cpu", seed=1, wall_time_s=0.1, repo_dir=tmp_path)
     assert prov.megatron_npu == megatron_npu_version()
 
 

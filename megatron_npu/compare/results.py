@@ -17,7 +17,7 @@ SCHEMA_VERSION = 1
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:
-    from megatron_npu.parity.results import git_info
+    from megatron_npu.parity.provenance import git_info
 
     versions = library_versions()
     git = git_info()

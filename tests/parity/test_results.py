@@ -11,24 +11,26 @@ import subprocess
 import sys
 import types
 
-import megatron_npu.parity.results as results
+import megatron_npu.parity.provenance as provenance_module
+import megatron_npu.parity.summary as summary
 import pytest
 import torch
 from megatron_npu.parity.metrics import compare
-from megatron_npu.parity.results import (
+from megatron_npu.parity.provenance import (
     GitInfo,
-    ParityRecord,
     Provenance,
-    RecordError,
     collect_provenance,
     detect_device,
     git_info,
-    print_summary,
+)
+from megatron_npu.parity.results import (
+    ParityRecord,
+    RecordError,
     read_records,
     record_filename,
-    summary_table,
     write_record,
 )
+from megatron_npu.parity.summary import print_summary, summary_table
 from megatron_npu.parity.verdict import Tolerance, Verdict
 
 from megatron_npu import files
@@ -169,7 +171,9 @@ def emulation_active():
     from megatron_npu.ops import kernels
 
     previous = kernels.npu_kernels()
-    kernels.use_npu_kernels(types.ModuleType("megatron_npu.testing.torch_npu_emulation"))
+    from megatron_npu.testing import torch_npu_emulation
+
+    kernels.use_npu_kernels(torch_npu_emulation)
     yield
     kernels.use_npu_kernels(previous)
 
@@ -190,17 +194,17 @@ def test_emulation_standing_in_as_torch_npu_is_not_torch_npu(monkeypatch):
     assert detect_device() == "npu-emulated"
     with pytest.raises(ValueError, match="npu-emulated"):
         collect_provenance("npu", seed=0, wall_time_s=0.0)
-    if results._package_version("torch_npu") is not None:
+    if provenance_module._package_version("torch_npu") is not None:
         pytest.skip("a real torch_npu is installed")
     assert collect_provenance("npu-emulated", seed=0, wall_time_s=0.0).torch_npu is None
 
 
 def test_active_adaptor_device_decides_the_label(monkeypatch):
     fake = types.SimpleNamespace(name="npu", emulated=True)
-    monkeypatch.setattr(results, "_active_adaptor_device", lambda: fake)
+    monkeypatch.setattr(provenance_module, "_active_adaptor_device", lambda: fake)
     assert detect_device() == "npu-emulated"
     fake = types.SimpleNamespace(name="cuda", emulated=False)
-    monkeypatch.setattr(results, "_active_adaptor_device", lambda: fake)
+    monkeypatch.setattr(provenance_module, "_active_adaptor_device", lambda: fake)
     assert detect_device() == "cuda"
 
 
@@ -220,7 +224,7 @@ def test_git_info_never_fails(tmp_path, monkeypatch):
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(results.subprocess, "run", no_git)
+    monkeypatch.setattr(provenance_module.subprocess, "run", no_git)
     assert git_info() is None
 
 
@@ -231,7 +235,7 @@ def test_git_info_never_takes_the_index_lock(monkeypatch):
         calls.append(argv)
         return subprocess.CompletedProcess(argv, 0, stdout="", stderr="")
 
-    monkeypatch.setattr(results.subprocess, "run", fake_run)
+    monkeypatch.setattr(provenance_module.subprocess, "run", fake_run)
     git_info()
     assert calls and all(argv[:2] == ["git", "--no-optional-locks"] for argv in calls)
 
@@ -482,7 +486,7 @@ def test_schema_2_record_with_kernels_and_benchmark_round_trips(tmp_path):
     write_record(rec, tmp_path)
     (back,) = read_records(tmp_path)
     assert back == rec
-    assert summary_table([back])[0].npu_code == results.KERNEL_EXERCISED
+    assert summary_table([back])[0].npu_code == summary.KERNEL_EXERCISED
 
 
 def test_benchmark_error_decides_a_bf16_tensor_that_stage_1_passes():
@@ -515,7 +519,7 @@ def test_schema_1_records_are_still_read(tmp_path):
     assert rec.schema_version == 1
     assert (rec.kernels, rec.npu_kernel_exercised, rec.benchmark) == (None, None, None)
     assert rec.tensors["out"].comparison.rel_l2 is None
-    assert results.npu_code(dataclasses.replace(rec, device="cpu")) == "-"
+    assert summary.npu_code(dataclasses.replace(rec, device="cpu")) == "-"
 
 
 def test_crashed_cell_is_an_error_record_without_tensors(tmp_path):
@@ -533,7 +537,7 @@ def test_crashed_cell_is_an_error_record_without_tensors(tmp_path):
     write_record(rec, tmp_path)
     (back,) = read_records(tmp_path)
     assert back == rec
-    lines = results.summary_lines([back, make_record()])
+    lines = summary.summary_lines([back, make_record()])
     assert lines[0] == "2 records: 1 error, 1 pass"
     assert "cells that failed before comparing: 1 crash" in lines
     assert "npu-emulated cells: 0 exercised an NPU kernel, 1 ran the same code as cpu" in lines

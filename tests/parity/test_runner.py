@@ -77,7 +77,8 @@ def _job(patch, case):
 
 def test_a_crashing_cell_is_an_error_record_counted_in_the_summary(monkeypatch, tmp_path):
     from megatron_npu.parity.harness import evaluate
-    from megatron_npu.parity.results import summary_lines, write_record
+    from megatron_npu.parity.results import write_record
+    from megatron_npu.parity.summary import summary_lines
 
     def run(ctx, inputs):
         raise RuntimeError("kernel exploded")
