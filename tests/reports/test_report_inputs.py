@@ -12,7 +12,7 @@ from megatron_npu.reports import ReportInputError, build_report
 from megatron_npu.reports.build import context
 from megatron_npu.reports.inputs import load
 
-#: a schema-2 ``benchmark`` object as parity/results.py (i8-verdicts) writes it
+#: a schema-2 ``benchmark`` object as parity/results.py writes it
 BENCHMARK_SECTION = {
     "path": "stock Megatron path in the same dtype",
     "level": "L0",
