@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from megatron_npu.compare import command, runner
+from megatron_npu.compare import command, judging, runner
 from megatron_npu.compare import matrix as m
 
 MATRIX = """
@@ -227,9 +227,9 @@ def test_the_memory_profiled_step_is_never_timed():
     metrics["steps"][0]["step_time_s"] = 10.0  # the profiled step, far slower
     outcome = runner.Outcome("ok", 0, 1.0, [], "")
     profiled = dict(metrics, summary={**metrics["summary"], "peak_memory_profiled_step": 1})
-    record = command.perf_record(command.RunResult(spec, "cpu", outcome, metrics=profiled), 0)
+    record = judging.perf_record(judging.RunResult(spec, "cpu", outcome, metrics=profiled), 0)
     assert record["median_s_per_step"] == pytest.approx(0.1)
-    unprofiled = command.perf_record(command.RunResult(spec, "cpu", outcome, metrics=metrics), 0)
+    unprofiled = judging.perf_record(judging.RunResult(spec, "cpu", outcome, metrics=metrics), 0)
     assert unprofiled["ci95_s_per_step"][1] > 0.1  # the slow first step is in the statistics
 
 
@@ -271,10 +271,10 @@ def test_the_layout_rule_needs_layout_independent_weights_on_both_sides():
 
     def result(name, **options):
         spec = m.RunSpec(name=name, devices=("cpu",), options=options)
-        return command.RunResult(spec, "cpu", None)
+        return judging.RunResult(spec, "cpu", None)
 
     tp2 = {"nproc-per-node": 2, "tensor-model-parallel-size": 2}
     same = {"layout-independent-init": True}
-    assert command.accuracy_rule(result("b", **tp2, **same), result("a", **same)) == "layout"
-    assert command.accuracy_rule(result("b", **tp2), result("a")) == "approximate"
-    assert command.accuracy_rule(result("b", **tp2, **same), result("a")) == "approximate"
+    assert judging.accuracy_rule(result("b", **tp2, **same), result("a", **same)) == "layout"
+    assert judging.accuracy_rule(result("b", **tp2), result("a")) == "approximate"
+    assert judging.accuracy_rule(result("b", **tp2, **same), result("a")) == "approximate"
