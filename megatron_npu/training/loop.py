@@ -387,8 +387,7 @@ def _train(args, env, device) -> int:
     if rank0:
         security.warn_if_root()
         print(_describe_layout(args, device), flush=True)
-    train_data, vocab, model = trainer.train_data, trainer.vocab, trainer.model
-    optimizer, scheduler = trainer.optimizer, trainer.scheduler
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     resume = checkpointing.Resume()
     if args.load:
         resume = checkpointing.load(args, model, optimizer, scheduler)
@@ -397,24 +396,9 @@ def _train(args, env, device) -> int:
             print(f" checkpoint is at iteration {resume.iteration}: nothing to train", flush=True)
         return 0
     consumed = resume.iteration * args.global_batch_size
-    iterators = data_mod.iterators(args, train_data, model, consumed)
-
-    tokens_per_step = args.global_batch_size * args.seq_length
-    run_metrics = metrics.RunMetrics(metrics.run_config(args, device), tokens_per_step)
-    run_metrics.config["data"] = {
-        "source": train_data.source,
-        "description": train_data.description,
-    }
-    run_metrics.config["padded_vocab_size"] = vocab
-    run_metrics.config["resumed_from"] = resume.loaded_from
-    _set_throughput_basis(args, device, vocab, run_metrics, rank0)
+    iterators = data_mod.iterators(args, trainer.train_data, model, consumed)
+    run_metrics = _run_metrics(args, device, trainer, resume, rank0)
     interval = metrics.IntervalLog()
-    if rank0:
-        print(
-            f" data: {train_data.description} | padded vocab {vocab} | "
-            f"training iterations {resume.iteration + 1}..{args.train_iters}",
-            flush=True,
-        )
     progress = (
         metrics.Progress(args.progress, args.train_iters, resume.iteration) if rank0 else None
     )
@@ -441,42 +425,9 @@ def _train(args, env, device) -> int:
                 host_step_peak = measured.peak_bytes
                 run_metrics.profiled_step = step
             consumed += args.global_batch_size
-            pnorm = params_norm(model) if args.log_params_norm else None
-            aux = (
-                moe_metrics.step_aux_losses(args.num_microbatches, args.num_layers)
-                if args.num_experts is not None
-                else None
-            )
-            record = metrics.StepRecord(
-                step=step,
-                lm_loss=loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                loss_scale=float(optimizer.get_loss_scale().item()),
-                skipped=skipped,
-                step_time_s=elapsed,
-                tokens_per_s=tokens_per_step / elapsed if elapsed > 0 else 0.0,
-                params_norm=pnorm,
-                moe_aux_losses=aux,
-            )
-            log_now = step % args.log_interval == 0 or step == args.train_iters
+            record = _step_record(args, trainer, step, (loss, grad_norm, lr, skipped), elapsed)
             if rank0:
-                run_metrics.add(record)
-                interval.add(record)
-                if log_now:
-                    progress.print(
-                        interval.line(
-                            args.train_iters, consumed, args.global_batch_size, run_metrics
-                        )
-                    )
-                    if args.metrics_out:
-                        run_metrics.write(args.metrics_out)
-                if skipped:
-                    progress.print(
-                        f" iteration {step}: gradient overflow (inf/nan) -- update skipped, "
-                        f"loss scale now {record.loss_scale:.1f}"
-                    )
-                progress.update(step, loss, log_now)
+                _report_step(args, run_metrics, interval, progress, record, consumed)
             _guarded(
                 guard.after_step,
                 guard,
@@ -493,18 +444,94 @@ def _train(args, env, device) -> int:
                     if rank0:
                         progress.print(f" not saving iteration {step}: its lm loss is NaN/inf")
                     continue
-                checkpointing.save(args, model, optimizer, scheduler, step)
+                _save(args, trainer, step, progress)
                 last_saved = step
-                if rank0:
-                    progress.print(f" saved checkpoint at iteration {step} to {args.save}")
         _guarded(guard.at_end, guard, args, run_metrics if rank0 else None)
         if args.save and last_saved != args.train_iters:
-            checkpointing.save(args, model, optimizer, scheduler, args.train_iters)
-            if rank0:
-                progress.print(f" saved checkpoint at iteration {args.train_iters} to {args.save}")
+            _save(args, trainer, args.train_iters, progress)
     finally:
         if progress is not None:
             progress.close()
+    _finish(args, device, run_metrics, host_step_peak, rank0)
+    return 0
+
+
+def _run_metrics(args, device, trainer: Trainer, resume, rank0: bool) -> metrics.RunMetrics:
+    """The run's metrics: its configuration, data and vocabulary, where it resumed from, and
+    the FLOPs and peak its throughput is measured against; rank 0 says what it trains on."""
+    train_data, vocab = trainer.train_data, trainer.vocab
+    tokens_per_step = args.global_batch_size * args.seq_length
+    run_metrics = metrics.RunMetrics(metrics.run_config(args, device), tokens_per_step)
+    run_metrics.config["data"] = {
+        "source": train_data.source,
+        "description": train_data.description,
+    }
+    run_metrics.config["padded_vocab_size"] = vocab
+    run_metrics.config["resumed_from"] = resume.loaded_from
+    _set_throughput_basis(args, device, vocab, run_metrics, rank0)
+    if rank0:
+        print(
+            f" data: {train_data.description} | padded vocab {vocab} | "
+            f"training iterations {resume.iteration + 1}..{args.train_iters}",
+            flush=True,
+        )
+    return run_metrics
+
+
+def _step_record(args, trainer: Trainer, step: int, outcome, elapsed: float) -> metrics.StepRecord:
+    """One step's record from what the step returned (loss, grad norm, lr, skipped) and took."""
+    loss, grad_norm, lr, skipped = outcome
+    tokens_per_step = args.global_batch_size * args.seq_length
+    aux = (
+        moe_metrics.step_aux_losses(args.num_microbatches, args.num_layers)
+        if args.num_experts is not None
+        else None
+    )
+    return metrics.StepRecord(
+        step=step,
+        lm_loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        loss_scale=float(trainer.optimizer.get_loss_scale().item()),
+        skipped=skipped,
+        step_time_s=elapsed,
+        tokens_per_s=tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        params_norm=params_norm(trainer.model) if args.log_params_norm else None,
+        moe_aux_losses=aux,
+    )
+
+
+def _report_step(args, run_metrics, interval, progress, record, consumed: int) -> None:
+    """Rank 0: the step into the metrics, its interval's log line when one is due (and the
+    metrics file then), a skipped update's line, and the progress display."""
+    step = record.step
+    log_now = step % args.log_interval == 0 or step == args.train_iters
+    run_metrics.add(record)
+    interval.add(record)
+    if log_now:
+        progress.print(
+            interval.line(args.train_iters, consumed, args.global_batch_size, run_metrics)
+        )
+        if args.metrics_out:
+            run_metrics.write(args.metrics_out)
+    if record.skipped:
+        progress.print(
+            f" iteration {step}: gradient overflow (inf/nan) -- update skipped, "
+            f"loss scale now {record.loss_scale:.1f}"
+        )
+    progress.update(step, record.lm_loss, log_now)
+
+
+def _save(args, trainer: Trainer, step: int, progress) -> None:
+    checkpointing.save(args, trainer.model, trainer.optimizer, trainer.scheduler, step)
+    if progress is not None:  # rank 0
+        progress.print(f" saved checkpoint at iteration {step} to {args.save}")
+
+
+def _finish(args, device, run_metrics, host_step_peak: int, rank0: bool) -> None:
+    """The run's peak memory over every rank (collective), then on rank 0 the summary: into the
+    metrics file and the closing line."""
+    on_host = device.torch_type == "cpu"
     # [allocator peak, process peak RSS]: torch's allocator statistics on an accelerator, the
     # profiled step on the host (where max_memory_allocated answers the resident set)
     peaks = torch.tensor(
@@ -515,21 +542,21 @@ def _train(args, env, device) -> int:
         device=devices.current_torch_device(),
     )
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
-    if rank0:
-        run_metrics.peak_memory_bytes = int(peaks[0].item())
-        run_metrics.peak_memory_source = (
-            host_peak.SOURCE if on_host else f"torch.{device.torch_type}.max_memory_allocated"
-        )
-        run_metrics.peak_rss_bytes = int(peaks[1].item()) if on_host else None
-        summary = run_metrics.summary()
-        if args.metrics_out:
-            run_metrics.write(args.metrics_out)
-        print(
-            f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
-            f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
-            f"{summary['skipped_steps']} | {_throughput_note(summary)}peak allocated "
-            f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB{_rss_note(summary)}"
-            f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
-            flush=True,
-        )
-    return 0
+    if not rank0:
+        return
+    run_metrics.peak_memory_bytes = int(peaks[0].item())
+    run_metrics.peak_memory_source = (
+        host_peak.SOURCE if on_host else f"torch.{device.torch_type}.max_memory_allocated"
+    )
+    run_metrics.peak_rss_bytes = int(peaks[1].item()) if on_host else None
+    summary = run_metrics.summary()
+    if args.metrics_out:
+        run_metrics.write(args.metrics_out)
+    print(
+        f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
+        f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
+        f"{summary['skipped_steps']} | {_throughput_note(summary)}peak allocated "
+        f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB{_rss_note(summary)}"
+        f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
+        flush=True,
+    )
