@@ -87,38 +87,20 @@ def main(argv: list[str]) -> int:
 
 def worker_main(argv: list[str]) -> int:
     """One rank of an evaluation (what the launcher starts)."""
-    import megatron_npu
-    from megatron_npu import devices
-    from megatron_npu.ops.settings import set_fused_attention
-    from megatron_npu.training import arguments, launch, loop, quiet_expected_warnings
+    from megatron_npu.training import arguments, launch, quiet_expected_warnings
+    from megatron_npu.training.rank_session import rank_session
 
     quiet_expected_warnings()
     own, train_argv = split_argv(list(argv))
     args = arguments.parse_args(train_argv)
     args.no_load_optim = args.no_load_rng = True
     env = launch.dist_env(args.master_addr, args.master_port)
-    megatron_npu.apply(args.device)
     try:
-        device = devices.require_active()
-        loop.check_fused_attention_applied(args, device.name)
-        set_fused_attention(
-            use_flash_attn=args.use_flash_attn,
-            shape_order=args.shape_order,
-            pre_tokens=args.pre_tokens,
-            next_tokens=args.next_tokens,
-        )
-        launch.init_process_group(env, device, args.distributed_timeout_minutes)
-        try:
+        with rank_session(args, env) as device:
             result = _evaluate(args, own, env, device)
-        except BaseException:
-            launch.shutdown(barrier=False)
-            raise
-        launch.shutdown()
     except arguments.ArgumentError as exc:
         print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    finally:
-        megatron_npu.restore()
     if result is not None and own.results_out:
         from megatron_npu.files import write_private
 

@@ -74,12 +74,10 @@ def _optimizer_build_traced(tracer):
 def _run_rank(spec: dict[str, Any]) -> None:
     import torch
 
-    import megatron_npu
-    from megatron_npu import devices, patcher
+    from megatron_npu import patcher
     from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
     from megatron_npu.locate.trace import Tracer
     from megatron_npu.ops.kernels import NATIVE_ENV, served_natively
-    from megatron_npu.ops.settings import set_fused_attention
     from megatron_npu.training import (
         arguments,
         checkpointing,
@@ -89,93 +87,75 @@ def _run_rank(spec: dict[str, Any]) -> None:
     )
     from megatron_npu.training import data as data_mod
     from megatron_npu.training import model as model_mod
+    from megatron_npu.training.rank_session import rank_session
 
     quiet_expected_warnings()
     args = arguments.parse_args(list(spec["argv"]))
     env = launch.dist_env(args.master_addr, args.master_port)
     os.environ[NATIVE_ENV] = ",".join(spec.get("native_kernels", ()))
-    megatron_npu.apply(args.device, disable=tuple(spec.get("disable", ())))
-    try:
-        device = devices.require_active()
-        if not spec.get("trial"):  # a culprit trial may switch the fused attention patch off:
-            loop.check_fused_attention_applied(args, device.name)  # Megatron's unfused path runs
-        set_fused_attention(
-            use_flash_attn=args.use_flash_attn,
-            shape_order=args.shape_order,
-            pre_tokens=args.pre_tokens,
-            next_tokens=args.next_tokens,
-        )
-        hook_step = spec.get("hook_step")
-        tracer = Tracer() if hook_step else None
-        launch.init_process_group(env, device, args.distributed_timeout_minutes)
-        try:
-            with _plant(spec.get("plant")):
-                with tracer.active(building=True) if tracer else contextlib.nullcontext():
-                    with _optimizer_build_traced(tracer):
-                        trainer = loop.build_trainer(args, env, device)
-                model, optimizer = trainer.model, trainer.optimizer
-                start = 0
-                if spec.get("load"):
-                    args.load = spec["load"]
-                    start = checkpointing.load(args, model, optimizer, trainer.scheduler).iteration
-                iterators = data_mod.iterators(
-                    args, trainer.train_data, model, start * args.global_batch_size
-                )
-                for chunk in model:
-                    chunk.train()
-                curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
-                for step in range(start + 1, int(spec["stop"]) + 1):
-                    if step == hook_step:
-                        if spec.get("save_before"):
-                            args.save = spec["save_before"]
-                            checkpointing.save(args, model, optimizer, trainer.scheduler, step - 1)
-                        chunks = [model_mod.unwrap(c) for c in model]
-                        recorder = Recorder(
-                            chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)), args.num_layers
+    hook_step = spec.get("hook_step")
+    # a culprit trial may switch the fused attention patch off: Megatron's unfused path runs
+    with rank_session(
+        args, env, disable=spec.get("disable", ()), check_attention=not spec.get("trial")
+    ) as device:
+        tracer = Tracer() if hook_step else None  # it reads the patches applied
+        with _plant(spec.get("plant")):
+            with tracer.active(building=True) if tracer else contextlib.nullcontext():
+                with _optimizer_build_traced(tracer):
+                    trainer = loop.build_trainer(args, env, device)
+            model, optimizer = trainer.model, trainer.optimizer
+            start = 0
+            if spec.get("load"):
+                args.load = spec["load"]
+                start = checkpointing.load(args, model, optimizer, trainer.scheduler).iteration
+            iterators = data_mod.iterators(
+                args, trainer.train_data, model, start * args.global_batch_size
+            )
+            for chunk in model:
+                chunk.train()
+            curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
+            for step in range(start + 1, int(spec["stop"]) + 1):
+                if step == hook_step:
+                    if spec.get("save_before"):
+                        args.save = spec["save_before"]
+                        checkpointing.save(args, model, optimizer, trainer.scheduler, step - 1)
+                    chunks = [model_mod.unwrap(c) for c in model]
+                    recorder = Recorder(
+                        chunks, tracer, int(spec.get("limit", DEFAULT_LIMIT)), args.num_layers
+                    )
+                    with tracer.attributed(optimizer, "step", OPTIMIZER):
+                        with recorder, tracer.active():
+                            loss, grad_norm, _, _ = trainer.step(step, iterators)
+                    recorder.record_parameters()
+                    rank = torch.distributed.get_rank()
+                    recorder.write(spec["dump"], rank, _coords())
+                    if rank == 0:
+                        write_meta(
+                            spec["dump"],
+                            {
+                                "step": step,
+                                "world": env.world_size,
+                                "device": device.name,
+                                "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
+                                "argv": list(spec["argv"]),
+                                "disabled": list(spec.get("disable", ())),
+                                "plant": spec.get("plant"),
+                                "loss": loss,
+                                "grad_norm": grad_norm,
+                                "npu_kernels": device.kernels is not None,
+                                "native_kernels": sorted(served_natively()),
+                                "applied": [
+                                    r.id for r in patcher.results() if r.status == patcher.APPLIED
+                                ],
+                            },
                         )
-                        with tracer.attributed(optimizer, "step", OPTIMIZER):
-                            with recorder, tracer.active():
-                                loss, grad_norm, _, _ = trainer.step(step, iterators)
-                        recorder.record_parameters()
-                        rank = torch.distributed.get_rank()
-                        recorder.write(spec["dump"], rank, _coords())
-                        if rank == 0:
-                            write_meta(
-                                spec["dump"],
-                                {
-                                    "step": step,
-                                    "world": env.world_size,
-                                    "device": device.name,
-                                    "dtype": str(model_mod.params_dtype(args)).removeprefix(
-                                        "torch."
-                                    ),
-                                    "argv": list(spec["argv"]),
-                                    "disabled": list(spec.get("disable", ())),
-                                    "plant": spec.get("plant"),
-                                    "loss": loss,
-                                    "grad_norm": grad_norm,
-                                    "npu_kernels": device.kernels is not None,
-                                    "native_kernels": sorted(served_natively()),
-                                    "applied": [
-                                        r.id
-                                        for r in patcher.results()
-                                        if r.status == patcher.APPLIED
-                                    ],
-                                },
-                            )
-                    else:
-                        loss, grad_norm, _, _ = trainer.step(step, iterators)
-                    curve["iterations"].append(step)
-                    curve["losses"].append(loss)
-                    curve["grad_norms"].append(grad_norm)
-                if spec.get("curve") and env.rank == 0:
-                    Path(spec["curve"]).write_text(json.dumps(curve) + "\n", encoding="utf-8")
-        except BaseException:
-            launch.shutdown(barrier=False)
-            raise
-        launch.shutdown()
-    finally:
-        megatron_npu.restore()
+                else:
+                    loss, grad_norm, _, _ = trainer.step(step, iterators)
+                curve["iterations"].append(step)
+                curve["losses"].append(loss)
+                curve["grad_norms"].append(grad_norm)
+            if spec.get("curve") and env.rank == 0:
+                Path(spec["curve"]).write_text(json.dumps(curve) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,8 @@ from functools import partial
 import numpy as np
 import torch
 
-import megatron_npu
-from megatron_npu import devices, patcher
+from megatron_npu import devices
 from megatron_npu.ops.attention import causal_mask
-from megatron_npu.ops.settings import set_fused_attention
 from megatron_npu.training import (
     arguments,
     checkpointing,
@@ -54,6 +52,7 @@ from megatron_npu.training import data as data_mod
 from megatron_npu.training import host_allocator_peak as host_peak
 from megatron_npu.training import model as model_mod
 from megatron_npu.training import optimizer as optim_mod
+from megatron_npu.training.rank_session import rank_session
 
 
 def set_seeds(seed: int) -> None:
@@ -68,20 +67,6 @@ def set_seeds(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-
-
-def check_fused_attention_applied(args: Namespace, device_name: str) -> None:
-    """An ``attention.*`` patch exists (checked at parse time) -- it must also be applied here."""
-    wants = arguments.fused_attention_requests(args)
-    if not wants:
-        return
-    states = {r.id: r.status for r in patcher.results() if r.id.startswith("attention.")}
-    if not any(status == patcher.APPLIED for status in states.values()):
-        detail = ", ".join(f"{pid}: {status}" for pid, status in states.items()) or "none"
-        raise arguments.ArgumentError(
-            f"{', '.join(wants)} needs the fused attention patch (attention.*), which is not "
-            f"applied on device {device_name} ({detail})"
-        )
 
 
 def configure_schedule(args: Namespace, config, model, optimizer) -> None:
@@ -213,24 +198,9 @@ def run(argv: list[str]) -> int:
 
 
 def _run(args, env) -> int:
-    megatron_npu.apply(args.device)
     try:
-        device = devices.require_active()
-        check_fused_attention_applied(args, device.name)
-        set_fused_attention(
-            use_flash_attn=args.use_flash_attn,
-            shape_order=args.shape_order,
-            pre_tokens=args.pre_tokens,
-            next_tokens=args.next_tokens,
-        )
-        launch.init_process_group(env, device, args.distributed_timeout_minutes)
-        try:
-            rc = _train(args, env, device)
-        except BaseException:
-            launch.shutdown(barrier=False)  # the other ranks may never reach a barrier
-            raise
-        launch.shutdown()
-        return rc
+        with rank_session(args, env) as device:
+            return _train(args, env, device)
     except (errors.TrainingInputError, errors.TrainingStopped) as exc:
         return errors.report(exc)
     except Exception as exc:
@@ -243,8 +213,6 @@ def _run(args, env) -> int:
             flush=True,
         )
         return 1
-    finally:
-        megatron_npu.restore()
 
 
 def _describe_layout(args, device) -> str:
