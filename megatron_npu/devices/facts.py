@@ -80,7 +80,7 @@ def facts(name: str) -> DeviceFacts:
 
 def emulated(name: str | None) -> bool:
     """Whether ``name`` runs another device's code path on the host (False for an unknown name)."""
-    found = FACTS.get(name or "")
+    found = known(name)
     return found is not None and found.emulated
 
 

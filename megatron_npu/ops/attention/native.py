@@ -11,14 +11,11 @@ import torch.nn.functional as F
 from megatron_npu.ops.attention import band
 from megatron_npu.ops.attention.rules import (
     MAX_TOKENS,
-    attention_shape,
-    check_attention_mask,
-    check_dropout,
+    checked_inputs,
     from_bnsd,
     to_bnsd,
     visible_keys,
     window_bounds,
-    without_redundant_causal_mask,
 )
 
 
@@ -57,10 +54,9 @@ def native_fused_attention(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Device-neutral fused attention on ``scaled_dot_product_attention`` (module docstring)."""
-    shape = attention_shape(query, key, value, head_num, input_layout)
-    check_attention_mask(attention_mask, shape)
-    check_dropout(dropout_p)
-    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
+    shape, attention_mask = checked_inputs(
+        query, key, value, head_num, input_layout, attention_mask, causal, dropout_p
+    )
     sq, skv = shape.sq, shape.skv
     lo, hi = window_bounds(sq, skv, causal, pre_tokens, next_tokens)
     offset = skv - sq

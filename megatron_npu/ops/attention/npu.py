@@ -16,13 +16,10 @@ from megatron_npu.ops.attention.rules import (
     SPARSE_MODE_BAND,
     SPARSE_MODE_DEFAULT,
     SPARSE_MODE_RIGHT_DOWN_CAUSAL,
-    attention_shape,
-    check_attention_mask,
-    check_dropout,
+    checked_inputs,
     mask_fact,
     visible_keys,
     window_bounds,
-    without_redundant_causal_mask,
 )
 
 
@@ -116,10 +113,9 @@ def npu_fused_attention(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Fused attention through ``kernels.npu_fusion_attention`` (torch_npu or its emulation)."""
-    shape = attention_shape(query, key, value, head_num, input_layout)
-    check_attention_mask(attention_mask, shape)
-    check_dropout(dropout_p)
-    attention_mask = without_redundant_causal_mask(attention_mask, shape, causal)
+    shape, attention_mask = checked_inputs(
+        query, key, value, head_num, input_layout, attention_mask, causal, dropout_p
+    )
     plan = npu_sparse_plan(
         shape.sq,
         shape.skv,

@@ -221,6 +221,24 @@ def without_redundant_causal_mask(
     return None if same else mask
 
 
+def checked_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+) -> tuple[AttentionShape, torch.Tensor | None]:
+    """What every path checks first: the shape, the mask and the dropout; returns the shape and
+    the mask less a redundant causal one (:func:`without_redundant_causal_mask`)."""
+    shape = attention_shape(query, key, value, head_num, input_layout)
+    check_attention_mask(attention_mask, shape)
+    check_dropout(dropout_p)
+    return shape, without_redundant_causal_mask(attention_mask, shape, causal)
+
+
 def check_dropout(dropout_p: float, op: str = _OP) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(
