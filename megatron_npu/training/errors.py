@@ -39,6 +39,7 @@ __all__ = [
     "TrainingStopped",
     "collect",
     "exit_status",
+    "port_in_use",
     "report",
 ]
 
@@ -64,6 +65,16 @@ class TrainingStopped(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.remedy else f"{self.message}; {self.remedy}"
+
+
+def port_in_use(port: int) -> TrainingInputError:
+    """The error for a ``--master-port`` another program listens on (preflight's check and the
+    launcher's bind say the same)."""
+    return TrainingInputError(
+        f"--master-port {port} is already in use on this machine (another run, or another "
+        "program, listens on it)",
+        "give another --master-port, or leave it out to take a free one",
+    )
 
 
 def _line(exc: TrainingInputError | TrainingStopped) -> str:

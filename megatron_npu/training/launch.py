@@ -26,8 +26,12 @@ What the launcher guarantees when processes fail:
   checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
 * nothing is left on disk: a rank hands its named error to the launcher through a pipe
   (``$MEGATRON_NPU_ERROR_FD``), not a temp folder;
-* before starting ranks, preflight refuses a ``--master-port`` that is in use; the ranks key
-  their rendezvous under the run's id, so a run never reads or overwrites another run's keys;
+* the launcher holds the run's rendezvous store itself, as torch elastic's agent does: it
+  listens on ``--master-port`` (on node 0), or on a port the kernel picks while binding, before
+  any rank starts, and every rank connects to it as a client. No port is chosen, released and
+  bound again later, so another program cannot take it in between; a ``--master-port`` in use is
+  one named error (preflight checks it before that, too). The ranks key their rendezvous under
+  the run's id, so a run never reads or overwrites another run's keys;
 * the first rank to fail stops the run: the launcher kills every rank's process group at once
   (checkpoints are crash-safe, so nothing is lost) and says which rank failed and how -- the
   named error it left (:mod:`.errors`, exit 2, or 3 for a stopped run) or its exit status /
@@ -43,7 +47,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,12 +74,6 @@ class DistEnv:
     master_port: int
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def dist_env(master_addr: str = "127.0.0.1", master_port: int | None = None) -> DistEnv:
     """This rank's place, from torchrun's environment (a single rank when it is absent)."""
     env = os.environ
@@ -88,7 +85,7 @@ def dist_env(master_addr: str = "127.0.0.1", master_port: int | None = None) -> 
             master_addr=env.get("MASTER_ADDR", master_addr),
             master_port=int(env.get("MASTER_PORT", master_port or 29500)),
         )
-    return DistEnv(0, 1, 0, master_addr, master_port or free_port(master_addr))
+    return DistEnv(0, 1, 0, master_addr, master_port or 0)  # 0: the rank's own store picks one
 
 
 #: Seconds a rank gets to exit after SIGTERM before it is killed (launcher interrupted).
@@ -96,6 +93,10 @@ STOP_GRACE_S = 5.0
 POLL_S = 0.05
 #: Set by the launcher for its ranks: this run's id, the namespace of its rendezvous keys.
 RUN_ID_ENV = "MEGATRON_NPU_RUN_ID"
+#: torch elastic's own switch, set for the ranks as torchrun sets it: the launcher hosts the
+#: store, so a rank that joins through ``env://`` (Megatron-LM's ``initialize_megatron``)
+#: connects to it as a client instead of listening on the port itself.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def _kill_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
@@ -121,13 +122,38 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+def host_store(
+    master_addr: str, port: int, timeout: datetime.timedelta
+) -> torch.distributed.TCPStore:
+    """The run's rendezvous store, served from this process on ``port`` (0: a port the kernel
+    picks as it binds; read it from ``.port``). Ranks connect with ``is_master=False``."""
+    try:
+        return torch.distributed.TCPStore(
+            master_addr, port, None, True, timeout, wait_for_workers=False
+        )
+    except Exception as exc:
+        if _port_in_use(exc):
+            raise errors.port_in_use(port) from None
+        raise
+
+
 def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int:
     """Start ``args.nproc_per_node`` local ranks running ``python -m <module>`` (default
     ``megatron_npu.train``; ``evaluate`` passes its worker) on ``argv`` and watch them (see the
     module docstring). Returns the run's exit status."""
+    store = None
     port = args.master_port
-    if port is None:
-        port = free_port(args.master_addr) if args.nnodes == 1 else 29500
+    if args.node_rank == 0:  # node 0's launcher serves the store every rank of the run joins
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        try:
+            store = host_store(
+                args.master_addr, port or 0 if args.nnodes == 1 else port or 29500, timeout
+            )
+        except errors.TrainingInputError as exc:
+            return errors.report(exc)
+        port = store.port
+    elif port is None:
+        port = 29500
     nproc = args.nproc_per_node
     world = nproc * args.nnodes
     env = dict(os.environ)
@@ -142,6 +168,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": str(args.node_rank),
+            AGENT_STORE_ENV: "True",
             RUN_ID_ENV: run_id(args, port),
             preflight.DONE_ENV: "1",
         }
@@ -192,6 +219,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             proc.wait()
         for fd in error_pipes:
             os.close(fd)
+        del store  # the rendezvous ends with the run
 
 
 def _watch(procs: list[subprocess.Popen], first_rank: int, error_pipes: list[int]) -> int:
@@ -261,48 +289,44 @@ def _port_in_use(exc: BaseException) -> bool:
 def init_process_group(env: DistEnv, device: Device, timeout_minutes: int) -> None:
     """Join the default process group on the device's backend; pin this rank's device.
 
-    A rank of this launcher keys its rendezvous under its run's id (``$MEGATRON_NPU_RUN_ID``):
-    should it reach another run's store (a port taken between the launcher's check and rank
-    0's listen), it can neither read nor overwrite that run's keys, and rank 0 reports the
-    taken port as a named error."""
+    A rank of this launcher (or of :func:`run_warm`) connects to the store its launcher holds
+    and keys its rendezvous under its run's id (``$MEGATRON_NPU_RUN_ID``), so it can neither
+    read nor overwrite another run's keys. A run of one rank without a launcher serves its own
+    store (on ``--master-port``, else a port picked as it binds); under torchrun the ranks
+    meet through torchrun's ``MASTER_ADDR``/``MASTER_PORT``."""
     if device.torch_type != "cpu":
         device.accelerator.set_device(env.local_rank)
     if torch.distributed.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
     timeout = datetime.timedelta(minutes=timeout_minutes)
     namespace = os.environ.get(RUN_ID_ENV)
-    try:
-        if namespace and "RANK" in os.environ:
-            store = torch.distributed.TCPStore(
-                env.master_addr, env.master_port, env.world_size, env.rank == 0, timeout
-            )
-            torch.distributed.init_process_group(
-                backend=device.dist_backend,
-                store=torch.distributed.PrefixStore(f"megatron-npu/{namespace}/", store),
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-            )
-            return
+    if "RANK" not in os.environ:  # one rank, no launcher: it serves its own store
+        store = host_store(env.master_addr, env.master_port, timeout)
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(store.port))
+    elif namespace:  # started by launch() or run_warm(): the launcher holds the store
+        store = torch.distributed.PrefixStore(
+            f"megatron-npu/{namespace}/",
+            torch.distributed.TCPStore(
+                env.master_addr, env.master_port, env.world_size, False, timeout
+            ),
+        )
+    else:  # torchrun's workers
         torch.distributed.init_process_group(
             backend=device.dist_backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}"
-            if "RANK" not in os.environ
-            else "env://",
+            init_method="env://",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
         )
-    except Exception as exc:
-        if env.rank == 0 and _port_in_use(exc):
-            raise errors.TrainingInputError(
-                f"--master-port {env.master_port} is already in use on this machine (another "
-                "run, or another program, listens on it)",
-                "give another --master-port, or leave it out to take a free one",
-            ) from None
-        raise
+        return
+    torch.distributed.init_process_group(
+        backend=device.dist_backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
 
 
 def init_model_parallel(args) -> None:
@@ -411,7 +435,8 @@ def run_warm(
     base.setdefault("OMP_NUM_THREADS", "1")
     base["PYTHONUNBUFFERED"] = "1"
     ctx = _warm_context(base)
-    port = free_port("127.0.0.1")
+    store = host_store("127.0.0.1", 0, datetime.timedelta(seconds=timeout_s))
+    run = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="megatron-npu-ranks-") as tmp:
         procs, logs = [], []
         for rank in range(world):
@@ -422,8 +447,10 @@ def run_warm(
                 WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                MASTER_PORT=str(store.port),
             )
+            rank_env[RUN_ID_ENV] = run
+            rank_env[AGENT_STORE_ENV] = "True"
             logs.append(Path(tmp) / f"rank{rank}.log")
             proc = ctx.Process(target=_warm_rank, args=(target, payload, rank_env, str(logs[-1])))
             proc.start()

@@ -23,7 +23,7 @@ from argparse import Namespace
 from megatron_npu.data.index_check import check_indexed_dataset
 from megatron_npu.training import checkpoint_store as store
 from megatron_npu.training import safe_load
-from megatron_npu.training.errors import TrainingInputError
+from megatron_npu.training.errors import TrainingInputError, port_in_use
 
 #: Set by the launcher for its ranks: the checks already ran there.
 DONE_ENV = "MEGATRON_NPU_PREFLIGHT_DONE"
@@ -78,11 +78,7 @@ def check_port(args: Namespace) -> None:
         except (OSError, socket.gaierror):
             taken = False  # not resolvable here: another host's address
         if taken:
-            raise TrainingInputError(
-                f"--master-port {args.master_port} is already in use on this machine (another "
-                "run, or another program, listens on it)",
-                "give another --master-port, or leave it out to take a free one",
-            )
+            raise port_in_use(args.master_port)
 
 
 def check_save(args: Namespace) -> None:

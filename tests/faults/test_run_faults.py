@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_npu.training.launch import free_port
+from tests.megatron_lm._client import free_port
 
 from ._harness import (
     TINY,
@@ -96,7 +96,8 @@ def test_second_run_on_a_busy_port_is_refused_and_harms_nothing(tmp_path):
         code, out = run(*TINY, *TWO_RANKS, "--master-port", port)  # the launcher's check
         assert (code, _error_lines(out)) == (2, [busy]), out
         assert "world" not in out  # no rank started
-        # past the check (the port taken in between): rank 0 names it, no "another rank stopped"
+        # past the check (the port taken in between): the launcher's bind names it, and no
+        # "another rank stopped"
         code, out = run(
             *TINY, *TWO_RANKS, "--master-port", port, env={"MEGATRON_NPU_PREFLIGHT_DONE": "1"}
         )

@@ -4,15 +4,17 @@ what a process does at start-up done under the environment of the call that asks
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_npu.training.launch import RankFailure, run_warm
+from megatron_npu.training.launch import RankFailure, launch, run_warm
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,9 +34,19 @@ def _report(out: str) -> None:
     record = {
         "env": {k: os.environ.get(k) for k in KEYS},
         "marker": getattr(builtins, "_warm_test_marker", None),
+        "port_held": _held(os.environ["MASTER_PORT"]),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     print(f"rank {rank} reporting")
+
+
+def _held(port: str) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", int(port)))
+        except OSError:
+            return True
+    return False
 
 
 def _rank_one_fails(_payload: None) -> None:
@@ -57,6 +69,9 @@ def test_ranks_get_torchrun_environment_and_their_output_is_logged(tmp_path):
         assert (env["RANK"], env["LOCAL_RANK"]) == (str(rank), str(rank))
         assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("2", "2")
     assert records[0]["env"]["MASTER_PORT"] == records[1]["env"]["MASTER_PORT"]
+    # the caller holds the rendezvous port before any rank starts: no program can take it
+    # between its choice and a rank's listen
+    assert records[0]["port_held"] and records[1]["port_held"]
     text = log.read_text()
     assert "rank 0 reporting" in text and "rank 1 reporting" in text
 
@@ -86,3 +101,16 @@ def test_start_up_runs_under_the_environment_of_each_call(tmp_path):
         run_warm(_report, str(out), 1, env=env)
         seen.append(json.loads((out / "rank0.json").read_text())["marker"])
     assert seen == ["a", "b", None]
+
+
+def test_the_launcher_holds_the_rendezvous_port_before_its_ranks_start():
+    args = argparse.Namespace(
+        master_port=None,
+        master_addr="127.0.0.1",
+        nnodes=1,
+        nproc_per_node=2,
+        node_rank=0,
+        distributed_timeout_minutes=1,
+    )
+    # each rank exits 0 only if the port it is told to meet on is already listened on
+    assert launch([], args, module="tests.training._port_probe") == 0
