@@ -1,0 +1,125 @@
+"""What every file format shares: reading with one named error, writing atomically as strict
+JSON, and the JSON Schema generated from the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
+from typing_extensions import Self
+
+from megatron_npu.files import write_private
+
+
+class FormatError(ValueError):
+    """A file that does not fit its format; the message names the file and the field."""
+
+    def __init__(self, source: str, message: str) -> None:
+        super().__init__(f"{source}: {message}")
+        self.source = source
+        self.message = message
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "the document"
+
+
+def describe(exc: ValidationError) -> str:
+    """The first problem pydantic found, as ``field: what is wrong`` (with how many more)."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    where = _where(first["loc"])
+    text = f"{where}: {first['msg'].lower()}"
+    if first["type"] not in ("missing",) and "input" in first:
+        shown = repr(first["input"])
+        text += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more)"
+    return text
+
+
+class Part(BaseModel):
+    """An object inside a document. Unknown keys are kept (``extra="allow"``): a newer writer
+    may add fields, and a file read and written again loses nothing. Fields named in
+    :attr:`omit_when_none` are left out of the file when they are None (keys that only some
+    writers have)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for name in self.omit_when_none:
+            if out.get(name, 0) is None:
+                del out[name]
+        return out
+
+
+class Document(Part):
+    """A JSON file format. Subclasses set :attr:`schema_name` (the schema file's stem) and, for a
+    document that carries its version, check it with a field validator."""
+
+    schema_name: ClassVar[str] = ""
+    #: Whether :meth:`write` writes NaN/inf as ``null`` (strict JSON) -- the default -- or as the
+    #: strings ``"NaN"``/``"Infinity"``/``"-Infinity"`` (``"strings"``).
+    non_finite: ClassVar[str] = "null"
+
+    @classmethod
+    def parse(cls, data: Any, source: str = "<data>") -> Self:
+        """Validate already-decoded JSON; :class:`FormatError` names ``source`` and the field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise FormatError(source, describe(exc)) from None
+
+    @classmethod
+    def read(cls, path: str | Path) -> Self:
+        """Read and validate ``path``; :class:`FormatError` names the file and what is wrong
+        (unreadable, not JSON -- with the line --, or the field that does not fit)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FormatError(str(path), f"cannot be read ({exc})") from None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise FormatError(str(path), f"is not JSON ({exc})") from None
+        return cls.parse(data, str(path))
+
+    def to_json(self) -> str:
+        """The document as strict JSON text (indent 2, trailing newline)."""
+        data = self.model_dump(mode="json", exclude_unset=True)
+        text = json.dumps(_non_finite(data, self.non_finite), indent=2, allow_nan=False)
+        return text + "\n"
+
+    def write(self, path: str | Path) -> Path:
+        """Write atomically, mode 0640 (:func:`megatron_npu.files.write_private`)."""
+        return write_private(path, self.to_json())
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """The format's JSON Schema (draft 2020-12), as ``docs/schemas/`` holds it."""
+        schema = cls.model_json_schema()
+        return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+_STRINGS = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
+
+
+def _non_finite(value: Any, how: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _non_finite(v, how) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_non_finite(v, how) for v in value]
+    if isinstance(value, float) and (value != value or value in _STRINGS):
+        if how == "null":
+            return None
+        return "NaN" if value != value else _STRINGS[value]
+    return value
