@@ -39,6 +39,8 @@ from megatron_npu.compare.judging import (
 from megatron_npu.compare.matrix import Matrix
 from megatron_npu.compare.result_rows import run_entry, table_row
 from megatron_npu.compare.slowdown import confirm_slowdown
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.metrics import MetricsFile
 
 DEFAULT_OUT = "compare-out"
 
@@ -114,9 +116,10 @@ def run_compare(
             )
         result = RunResult(spec, device, outcome)
         if outcome.status in ("ok", "cached"):
-            result.metrics = runner.read_json(run_dir / "metrics.json")
-            if result.metrics is None:
-                outcome.status, outcome.error = "failed", "metrics.json is missing or unreadable"
+            try:
+                result.metrics = MetricsFile.read(run_dir / "metrics.json")
+            except FormatError as exc:
+                outcome.status, outcome.error = "failed", f"its metrics.json cannot be used: {exc}"
         else:
             echo.write(f" [compare] {spec.name}: FAILED ({outcome.error})\n")
         if s.lambada and result.ok and spec.kind == "train":

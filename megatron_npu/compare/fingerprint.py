@@ -27,6 +27,8 @@ import os
 import re
 from typing import Any
 
+from megatron_npu.formats.metrics import RunConfig, RunData
+
 MODEL_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -92,9 +94,9 @@ def _experts(args: dict[str, Any]) -> str:
     )
 
 
-def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
+def fingerprint(config: RunConfig) -> dict[str, Any]:
     """The fingerprint of one run from its ``metrics.json`` ``config`` block."""
-    args = config.get("arguments", {})
+    args = config.arguments
     heads = args.get("num_attention_heads")
     kv = args.get("kv_channels") or (
         args["hidden_size"] // heads if heads and args.get("hidden_size") else None
@@ -122,22 +124,22 @@ def fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         else not args.get("disable_bias_linear"),
         "tied_embeddings": not args.get("untie_embeddings_and_output_weights"),
         "init_method_std": args.get("init_method_std"),
-        "padded_vocab_size": config.get("padded_vocab_size"),
+        "padded_vocab_size": config.padded_vocab_size,
         "attention_window": _window(args),
         "experts": _experts(args),
     }
-    data = config.get("data", {}) or {}
-    source = data.get("source")
+    data = config.data or RunData()
+    source = data.source
     if args.get("mock_data"):
         # Megatron's MockGPTDataset: its tokens are (1, 2, ...) modulo the tokenizer's vocabulary,
         # then EOD. The tokenizer's size is what the description says ("vocab N"; train and
         # Megatron-LM build the same NullTokenizer for one --vocab-size on one release).
-        described = re.search(r"\bvocab (\d+)", str(data.get("description", "")))
+        described = re.search(r"\bvocab (\d+)", str(data.description or ""))
         identity = f"vocab {described.group(1) if described else args.get('vocab_size')}"
     elif args.get("data_path"):
         identity = " ".join(_names(args.get("data_path")))
     else:
-        described = str(data.get("description", ""))
+        described = str(data.description or "")
         prefix = next((w for w in described.split() if os.sep in w), "")
         identity = os.path.basename(prefix.rstrip(",")) or described
     out["data"] = f"{source}: {identity} split {args.get('split') or '100,0,0'}"

@@ -8,23 +8,24 @@ from megatron_npu.compare import datasheet, imports, runner
 from megatron_npu.compare.judging import RunResult, precision_of
 from megatron_npu.compare.matrix import RunSpec
 from megatron_npu.devices import facts as device_facts
+from megatron_npu.formats.metrics import Peak
 
 
 def _datasheet_peak(result: RunResult) -> None:
     """An imported run without a peak of its own (a Megatron-LM log or event folder) gets the
     datasheet peak of the GPU its ``hardware`` label names (:mod:`.datasheet`), per device,
     times its world size; the MFU column then reads against it."""
-    summary = result.metrics.setdefault("summary", {})
-    if summary.get("peak") or result.emulated:
+    summary = result.metrics.summary
+    if summary.peak or result.emulated:
         return
     args = result.arguments
     found = datasheet.peak(result.spec.hardware, precision_of(args))
     if found is None:
         return
     tflops, detail = found
-    world = result.metrics.get("config", {}).get("world_size") or args.get("world_size") or 1
-    summary["peak"] = {"tflops": tflops, "source": "datasheet", "detail": detail}
-    summary["peak_devices"] = int(world)
+    world = result.metrics.config.world_size or args.get("world_size") or 1
+    summary.peak = Peak(tflops=tflops, source="datasheet", detail=detail)
+    summary.peak_devices = int(world)
 
 
 def import_run(spec: RunSpec, echo: TextIO) -> RunResult:

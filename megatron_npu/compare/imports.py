@@ -28,6 +28,8 @@ from typing import Any
 
 from megatron_npu.compare import mlm_log, tensorboard_events
 from megatron_npu.compare.textfile import read_text
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.metrics import MetricsFile
 
 METRICS_KEYS = ("config", "steps", "summary")
 COMPARE_SCHEMA = "megatron-npu/compare"
@@ -39,7 +41,7 @@ class ImportedRunError(ValueError):
 
 @dataclass
 class Imported:
-    metrics: dict[str, Any]
+    metrics: MetricsFile
     device: str | None  # what the file says, if anything
     emulated: bool
     provenance: dict[str, Any]  # kind, path, sha256, and what the file says of its origin
@@ -51,30 +53,23 @@ def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _check_metrics(data: Any, path: Path) -> dict[str, Any]:
+def _check_metrics(data: Any, path: Path) -> MetricsFile:
+    """The metrics file's model (:class:`~megatron_npu.formats.metrics.MetricsFile`), with what
+    compare needs of an imported run beyond it: at least one step, each with its time."""
     if not isinstance(data, dict) or not all(k in data for k in METRICS_KEYS):
         raise ImportedRunError(
             f"{path}: not a megatron-npu metrics.json (needs {list(METRICS_KEYS)})"
         )
-    steps = data["steps"]
-    if not isinstance(steps, list) or not steps:
+    try:
+        metrics = MetricsFile.parse(data, str(path))
+    except FormatError as exc:
+        raise ImportedRunError(str(exc)) from None
+    if not metrics.steps:
         raise ImportedRunError(f"{path}: 'steps' is empty: the run logged no step")
-    for i, step in enumerate(steps):
-        if (
-            not isinstance(step, dict)
-            or not isinstance(step.get("step"), int)
-            or not isinstance(step.get("step_time_s"), int | float)
-        ):
-            raise ImportedRunError(
-                f"{path}: steps[{i}] needs an integer 'step' and a number 'step_time_s'"
-            )
-    if not isinstance(data["config"], dict) or not isinstance(
-        data["config"].get("arguments"), dict
-    ):
-        raise ImportedRunError(
-            f"{path}: 'config.arguments' is missing: no fingerprint can be taken"
-        )
-    return data
+    for i, step in enumerate(metrics.steps):
+        if step.step_time_s is None:
+            raise ImportedRunError(f"{path}: steps[{i}].step_time_s: a number is needed")
+    return metrics
 
 
 def _read_json(path: Path, text: str) -> Any:
@@ -87,7 +82,7 @@ def _read_json(path: Path, text: str) -> Any:
         ) from None
 
 
-def _from_results(data: dict, path: Path, run: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _from_results(data: dict, path: Path, run: str | None) -> tuple[MetricsFile, dict[str, Any]]:
     runs = data.get("runs")
     if not isinstance(runs, list) or not runs:
         raise ImportedRunError(f"{path}: a compare results.json without runs")
@@ -150,14 +145,18 @@ def load(path: str | Path, run: str | None = None) -> Imported:
                 raise ImportedRunError(f"{path}: run = {run!r} is for a compare results.json")
             metrics, origin = _check_metrics(data, path), {}
             kind = "metrics"
-        config = metrics["config"]
-        device = config.get("device") if isinstance(config.get("device"), str) else None
-        versions = config.get("versions") if isinstance(config.get("versions"), dict) else {}
+        config = metrics.config
         return Imported(
             metrics,
-            device,
-            bool(config.get("device_emulated")),
-            {"kind": kind, "path": str(path), "sha256": digest, "versions": versions, **origin},
+            config.device,
+            bool(config.device_emulated),
+            {
+                "kind": kind,
+                "path": str(path),
+                "sha256": digest,
+                "versions": config.versions or {},
+                **origin,
+            },
         )
     if run is not None:
         raise ImportedRunError(f"{path}: run = {run!r} is for a compare results.json")

@@ -12,6 +12,7 @@ from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import noise, rules, runner, table2
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
 from megatron_npu.devices import facts as device_facts
+from megatron_npu.formats.metrics import MetricsFile, RunConfig, Summary
 from megatron_npu.training.peak import plausible
 
 
@@ -20,7 +21,7 @@ class RunResult:
     spec: RunSpec
     device: str | None
     outcome: runner.Outcome | None
-    metrics: dict[str, Any] | None = None
+    metrics: MetricsFile | None = None
     lambada: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -39,35 +40,35 @@ class RunResult:
         if device_facts.emulated(self.device):
             return True
         if self.metrics is not None:
-            return bool(self.metrics["config"].get("device_emulated"))
+            return bool(self.metrics.config.device_emulated)
         return False
 
     @property
     def arguments(self) -> dict[str, Any]:
-        return self.metrics["config"].get("arguments", {}) if self.metrics else {}
+        return self.metrics.config.arguments if self.metrics else {}
 
     def curve(self) -> rules.Curve:
-        steps = self.metrics["steps"] if self.metrics else []
+        steps = self.metrics.steps if self.metrics else []
         return rules.Curve(
-            iterations=[s["step"] for s in steps],
-            losses=[None if s.get("skipped") else s.get("lm_loss") for s in steps],
-            grad_norms=[s.get("grad_norm") for s in steps],
-            step_times=[s["step_time_s"] for s in steps],
+            iterations=[s.step for s in steps],
+            losses=[None if s.skipped else s.lm_loss for s in steps],
+            grad_norms=[s.grad_norm for s in steps],
+            step_times=[s.step_time_s for s in steps],
         )
 
     def fingerprint(self) -> dict[str, Any]:
-        return fp.fingerprint(self.metrics["config"]) if self.metrics else {}
+        return fp.fingerprint(self.metrics.config) if self.metrics else {}
 
     def speed_setup(self) -> rules.SpeedSetup:
         args = self.arguments
-        config = (self.metrics or {}).get("config", {})
+        config = self.metrics.config if self.metrics else RunConfig(arguments={})
         return rules.SpeedSetup(
             device=self.device,
             emulated=self.emulated,
             precision=precision_of(args),
             layout=table2.layout_of(
-                {**args, "data_parallel_size": config.get("data_parallel_size")},
-                config.get("world_size"),
+                {**args, "data_parallel_size": config.data_parallel_size},
+                config.world_size,
             ),
             shape={k: args.get(k) for k in SHAPE_ARGUMENTS},
             hardware=self.spec.hardware,
@@ -110,12 +111,12 @@ def _mib(nbytes: int | None) -> float | None:
 
 def peak_memory(result: RunResult) -> rules.PeakMemory | None:
     """The run's peak memory and what measured it (its metrics say; older ones by device)."""
-    summary = (result.metrics or {}).get("summary", {})
-    memory = summary.get("peak_memory_bytes")
+    summary = result.metrics.summary if result.metrics else Summary()
+    memory = summary.peak_memory_bytes
     # a metrics file that does not say what its peak measured (``peak_memory_measure``, written
     # since the host allocator peak) measured what its device measures
     device = device_facts.known(result.device)
-    measure = summary.get("peak_memory_measure") or (device.memory_measure if device else None)
+    measure = summary.peak_memory_measure or (device.memory_measure if device else None)
     if memory is None or measure is None:
         return None
     return rules.PeakMemory(int(memory), measure)
@@ -125,17 +126,17 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
     if not result.metrics:
         return None
     curve = result.curve()
-    summary = result.metrics.get("summary", {})
-    if summary.get("peak_memory_profiled_step") is not None:
+    summary = result.metrics.summary
+    if summary.peak_memory_profiled_step is not None:
         warmup = max(warmup, 1)  # the first step ran under the memory profiler: never timed
     stats = rules.step_time_stats(curve.step_times, warmup)
     args = result.arguments
     tokens = (args.get("global_batch_size") or 0) * (args.get("seq_length") or 0)
-    flops = summary.get("model_flops_per_step")
-    peak = summary.get("peak") or {}
+    flops = summary.model_flops_per_step
+    peak = summary.peak
     raw_mfu = mfu_ci95 = None
-    if stats and flops and peak.get("tflops"):
-        peak_flops = peak["tflops"] * 1e12 * summary.get("peak_devices", 1)
+    if stats and flops and peak and peak.tflops:
+        peak_flops = peak.tflops * 1e12 * (summary.peak_devices or 1)
         raw_mfu = flops / stats.median / peak_flops
         # the s/step interval's ends, turned around: a slower step is a lower MFU
         mfu_ci95 = [flops / stats.ci95[1] / peak_flops, flops / stats.ci95[0] / peak_flops]
@@ -150,14 +151,14 @@ def perf_record(result: RunResult, warmup: int) -> dict[str, Any] | None:
         "model_flops_per_step": flops,
         "mfu": mfu,
         "ci95_mfu": mfu_ci95 if mfu is not None else None,
-        "peak_tflops": peak.get("tflops"),
-        "peak_source": peak.get("source"),
+        "peak_tflops": peak.tflops if peak else None,
+        "peak_source": peak.source if peak else None,
         "peak_understated": rules.mfu_shown(result.emulated)
         and raw_mfu is not None
         and mfu is None,
         "mfu_note": None if rules.mfu_shown(result.emulated) else rules.EMULATED_SPEED,
         "peak_allocated_mib": memory_mib if measure == "allocator" else None,
-        "peak_rss_mib": memory_mib if measure == "rss" else _mib(summary.get("peak_rss_bytes")),
+        "peak_rss_mib": memory_mib if measure == "rss" else _mib(summary.peak_rss_bytes),
         "speed_comparable": not result.emulated,
     }
 

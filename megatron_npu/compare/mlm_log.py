@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu.compare.textfile import read_text
+from megatron_npu.formats.metrics import MetricsFile
 
 ARGS_START = re.compile(r"-{3,} arguments -{3,}")
 ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
@@ -253,7 +254,7 @@ def model_flops(
         return None
 
 
-def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
+def to_metrics(parsed: dict[str, Any], source: str) -> MetricsFile:
     """The parsed log in the shape of ``megatron-npu train --metrics-out`` (config, steps,
     summary), so that compare's rules read it like a local run."""
     args = dict(parsed["arguments"])
@@ -279,7 +280,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
     data_source = "mock" if args.get("mock_data") else "data-path"
     peak = parsed.get("peak_allocated_mb")
     vocab = parsed.get("padded_vocab_size") or args.get("padded_vocab_size")
-    return {
+    document = {
         "config": {
             "arguments": args,
             "world_size": world,
@@ -305,3 +306,4 @@ def to_metrics(parsed: dict[str, Any], source: str) -> dict[str, Any]:
             "model_flops_per_step": model_flops(parsed["iterations"], args, vocab, world),
         },
     }
+    return MetricsFile.parse(document, source)

@@ -6,6 +6,7 @@ from typing import Any
 
 from megatron_npu.compare import table2
 from megatron_npu.compare.judging import RunResult, perf_record
+from megatron_npu.formats.metrics import RunConfig, Summary
 
 
 def run_entry(result: RunResult, warmup: int) -> dict[str, Any]:
@@ -43,26 +44,20 @@ def table_row(
     result: RunResult, entry: dict[str, Any], cell: str, band: str | None = None
 ) -> dict[str, Any]:
     perf = entry["perf"] or {}
-    summary = (result.metrics or {}).get("summary", {})
+    summary = result.metrics.summary if result.metrics else Summary()
+    config = result.metrics.config if result.metrics else RunConfig(arguments={})
     args = result.arguments or {k.replace("-", "_"): v for k, v in result.spec.options.items()}
-    world = (result.metrics or {}).get("config", {}).get("world_size")
     return {
         "name": result.spec.name,
         "device": result.device or "/".join(result.spec.devices),
         "hardware": result.spec.hardware,
         "emulated": result.emulated,
         "layout": table2.layout_of(
-            {
-                **args,
-                "data_parallel_size": (result.metrics or {})
-                .get("config", {})
-                .get("data_parallel_size"),
-            },
-            world,
+            {**args, "data_parallel_size": config.data_parallel_size}, config.world_size
         ),
         "precision": table2.precision_of(args),
-        "first_loss": summary.get("first_lm_loss"),
-        "last_loss": summary.get("last_lm_loss"),
+        "first_loss": summary.first_lm_loss,
+        "last_loss": summary.last_lm_loss,
         "s_per_step": perf.get("median_s_per_step"),
         "s_per_step_ci95": perf.get("ci95_s_per_step"),
         "tokens_per_s": perf.get("tokens_per_s"),

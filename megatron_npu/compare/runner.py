@@ -378,9 +378,9 @@ def execute_script(
         except mlm_log.LogFormatError as exc:
             error = f"its log cannot be read: {exc}"
         else:
-            metrics["config"]["device"] = device
-            metrics["config"]["device_emulated"] = emulated(device)
-            _write_json(metrics_path, metrics)
+            metrics.config.device = device
+            metrics.config.device_emulated = emulated(device)
+            metrics.write(metrics_path)
     _write_json(
         record_path,
         {

@@ -9,6 +9,8 @@ from typing import TextIO
 from megatron_npu.compare import rules, runner
 from megatron_npu.compare.judging import RunResult, speed_verdict
 from megatron_npu.compare.matrix import Matrix
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.metrics import MetricsFile
 
 #: How many times a slowdown is re-timed, both runs back to back, before it is called one.
 CONFIRM_ROUNDS = 1
@@ -53,9 +55,12 @@ def confirm_slowdown(
                 echo=echo,
                 session=session,
             )
-            metrics = runner.read_json(run_dir / "metrics.json") if outcome.status == "ok" else None
-            if metrics is None:
-                return verdict  # the re-timing failed: the first timing stands
+            try:
+                if outcome.status != "ok":
+                    return verdict  # the re-timing failed: the first timing stands
+                metrics = MetricsFile.read(run_dir / "metrics.json")
+            except FormatError:
+                return verdict
             retimed[run.spec.name] = RunResult(run.spec, run.device, outcome, metrics)
         again = speed_verdict(retimed[cand.spec.name], retimed[other.spec.name], matrix)
         base_t, cand_t = (

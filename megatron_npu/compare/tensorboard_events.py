@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu.compare import mlm_log
+from megatron_npu.formats.metrics import MetricsFile
 
 LOSS, GRAD_NORM, ITERATION_TIME = "lm loss", "grad-norm", "iteration-time"
 LEARNING_RATE, LOSS_SCALE, THROUGHPUT = "learning-rate", "loss-scale", "throughput"
@@ -122,7 +123,7 @@ def read(path: str | Path) -> dict[str, Any]:
     return {"arguments": arguments, "scalars": scalars}
 
 
-def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
+def to_metrics(events: dict[str, Any], source: str) -> MetricsFile:
     """The events in the shape of ``megatron-npu train --metrics-out`` (config, steps, summary)."""
     args = events["arguments"]
     scalars = events["scalars"]
@@ -152,7 +153,7 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
     ]
     tp = args.get("tensor_model_parallel_size") or 1
     pp = args.get("pipeline_model_parallel_size") or 1
-    return {
+    document = {
         "config": {
             "arguments": args,
             "world_size": world,
@@ -178,3 +179,4 @@ def to_metrics(events: dict[str, Any], source: str) -> dict[str, Any]:
             ),
         },
     }
+    return MetricsFile.parse(document, source)

@@ -144,11 +144,15 @@ def _script_side_from_command(name: str, command: list[str], metrics: Path) -> R
     at = command.index("megatron_npu.run_script")
     launcher, script, script_args = command[:at], command[at + 1], command[at + 2 :]
     world = int(_option(launcher, "--nproc-per-node") or 1)
-    from megatron_npu.compare.runner import read_json
+    from megatron_npu.formats import FormatError
+    from megatron_npu.formats.metrics import MetricsFile
 
-    config = (read_json(metrics) or {}).get("config") or {}
+    try:
+        device = MetricsFile.read(metrics).config.device
+    except FormatError as exc:
+        raise LocateError(f"compare run {name!r}: {exc}") from None
     argv, _, _, disable = script_runs.split_options(script_args)
-    return RunSide(name, argv, world, None, disable, script, config.get("device") or "auto")
+    return RunSide(name, argv, world, None, disable, script, device or "auto")
 
 
 def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:

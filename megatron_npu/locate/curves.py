@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu.compare import rules
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.metrics import MetricsFile, StepRecord
 
 #: the last resort: a step whose error exceeds this is divergent
 FLOOR = 1e-4
@@ -81,10 +83,12 @@ def read_record(path: str | Path) -> Record:
                 [0.0] * len(data["iterations"]),
             )
             return Record(curve, {})
-        steps = data.get("steps") if isinstance(data, dict) else None
-        if not isinstance(steps, list):
+        if not isinstance(data, dict) or "steps" not in data:
             raise CurveError(f"{path}: neither a locate curve nor a metrics.json with 'steps'")
-        return Record(_from_steps(steps), {})
+        try:
+            return Record(_from_steps(MetricsFile.parse(data, str(path)).steps), {})
+        except FormatError as exc:
+            raise CurveError(f"not a metrics.json: {exc}") from None
     try:
         imported = imports.load(path)
     except imports.ImportedRunError as exc:
@@ -94,7 +98,7 @@ def read_record(path: str | Path) -> Record:
         ) from None
     logged = imported.provenance.get("kind") == "megatron-lm-log"
     return Record(
-        _from_steps(imported.metrics["steps"]), dict(mlm_log.PRINTED_RESOLUTION) if logged else {}
+        _from_steps(imported.metrics.steps), dict(mlm_log.PRINTED_RESOLUTION) if logged else {}
     )
 
 
@@ -111,13 +115,13 @@ def printed_resolution(path: str | Path) -> dict[str, float]:
         return {}
 
 
-def _from_steps(steps: list[dict[str, Any]]) -> rules.Curve:
+def _from_steps(steps: list[StepRecord]) -> rules.Curve:
     """A curve from the ``steps`` records of a metrics document."""
     return rules.Curve(
-        [int(s["step"]) for s in steps],
-        [s.get("lm_loss") for s in steps],
-        [s.get("grad_norm") for s in steps],
-        [float(s.get("step_time_s") or 0.0) for s in steps],
+        [s.step for s in steps],
+        [s.lm_loss for s in steps],
+        [s.grad_norm for s in steps],
+        [float(s.step_time_s or 0.0) for s in steps],
     )
 
 

@@ -1,6 +1,8 @@
 """What a run reports: per-step records, the ``--metrics-out`` JSON, console lines, progress.
 
-The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``) has
+The JSON (written by global rank 0 only, atomically: temp file + ``os.replace``; its model is
+:class:`megatron_npu.formats.metrics.MetricsFile`, schema ``docs/schemas/metrics.schema.json``)
+has
 
 * ``config``: every argument, the world size, the device *as the active Device names it*
   (``npu-emulated`` stays ``npu-emulated``), whether it is emulated, and library versions;
@@ -31,41 +33,17 @@ on a TTY and a plain ``[progress]`` line otherwise.
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_npu.files import write_private
+from megatron_npu.formats.metrics import MetricsFile, StepRecord
 from megatron_npu.training.peak import plausible
 
 #: Steps excluded from the steady-state timing (start-up, first allocations, warm caches).
 WARMUP_STEPS = 2
-
-
-@dataclass
-class StepRecord:
-    step: int
-    lm_loss: float | None
-    grad_norm: float | None
-    lr: float
-    loss_scale: float
-    skipped: bool
-    step_time_s: float
-    tokens_per_s: float
-    params_norm: float | None = None
-    #: MoE runs: each auxiliary loss of the step (``load_balancing_loss``, ``z_loss``, ...)
-    moe_aux_losses: dict[str, float] | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for optional in ("params_norm", "moe_aux_losses"):
-            if out[optional] is None:
-                out.pop(optional)
-        return out
 
 
 @dataclass
@@ -125,18 +103,14 @@ class RunMetrics:
             "stopped": self.stopped,
         }
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "steps": [r.as_dict() for r in self.steps],
-            "summary": self.summary(),
-        }
+    def document(self) -> MetricsFile:
+        """The ``--metrics-out`` file (:class:`megatron_npu.formats.metrics.MetricsFile`)."""
+        return MetricsFile(config=self.config, steps=self.steps, summary=self.summary())
 
     def write(self, path: str) -> None:
         """Atomically (a reader sees the old file or the new one, never half of one), and as
         strict JSON: a NaN/inf loss or norm (a diverged step) is written as ``null``."""
-        text = json.dumps(_finite(self.as_dict()), indent=2, sort_keys=False, allow_nan=False)
-        write_private(path, text + "\n")
+        self.document().write(path)
 
 
 def run_config(args: Any, device: Any) -> dict[str, Any]:
@@ -165,17 +139,6 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN/inf float replaced by None (strict JSON has no such numbers)."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _fmt_or_nan(value: float | None, spec: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_npu.compare import command, judging, runner
 from megatron_npu.compare import matrix as m
+from megatron_npu.formats.metrics import MetricsFile
 
 MATRIX = """
 [compare]
@@ -227,9 +228,13 @@ def test_the_memory_profiled_step_is_never_timed():
     metrics["steps"][0]["step_time_s"] = 10.0  # the profiled step, far slower
     outcome = runner.Outcome("ok", 0, 1.0, [], "")
     profiled = dict(metrics, summary={**metrics["summary"], "peak_memory_profiled_step": 1})
-    record = judging.perf_record(judging.RunResult(spec, "cpu", outcome, metrics=profiled), 0)
+    record = judging.perf_record(
+        judging.RunResult(spec, "cpu", outcome, metrics=MetricsFile.parse(profiled)), 0
+    )
     assert record["median_s_per_step"] == pytest.approx(0.1)
-    unprofiled = judging.perf_record(judging.RunResult(spec, "cpu", outcome, metrics=metrics), 0)
+    unprofiled = judging.perf_record(
+        judging.RunResult(spec, "cpu", outcome, metrics=MetricsFile.parse(metrics)), 0
+    )
     assert unprofiled["ci95_s_per_step"][1] > 0.1  # the slow first step is in the statistics
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import imports
+from megatron_npu.formats.metrics import RunConfig
 
 GPU_LOGS = Path(__file__).resolve().parents[3] / "shared" / "gpu-logs"
 H100_TINY = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
@@ -46,7 +47,7 @@ EXPECTED = {
 def h100_fingerprint() -> dict:
     if not H100_TINY.is_file():
         raise AssertionError(f"{H100_TINY}: the shared GPU logs are missing")
-    return fp.fingerprint(imports.load(H100_TINY).metrics["config"])
+    return fp.fingerprint(imports.load(H100_TINY).metrics.config)
 
 
 @pytest.mark.parametrize("field", sorted(EXPECTED))
@@ -68,4 +69,4 @@ def test_bias_is_read_under_either_trainers_name():
         ({"disable_bias_linear": True}, False),
         ({}, True),
     ):
-        assert fp.fingerprint({"arguments": args})["bias_linear"] is bias
+        assert fp.fingerprint(RunConfig(arguments=args))["bias_linear"] is bias

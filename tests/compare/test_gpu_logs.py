@@ -24,7 +24,7 @@ def test_logged_throughput_and_the_formula_count_the_same_flops(precision):
     log = GPT345M / f"mlm-native-{precision}.log"
     parsed = mlm_log.parse(log)
     assert any(r.get("tflops_per_gpu") for r in parsed["iterations"])
-    logged = imports.load(log).metrics["summary"]["model_flops_per_step"]
+    logged = imports.load(log).metrics.summary.model_flops_per_step
     formula = flops.model_flops_per_step(parsed["arguments"], parsed["padded_vocab_size"])
     # the log prints TFLOP/s with one decimal: about 0.1 % at 30-90 TFLOP/s
     assert logged == pytest.approx(formula, rel=2e-3)
@@ -35,10 +35,10 @@ def test_a_log_without_throughput_counts_by_the_formula():
     log = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
     parsed = mlm_log.parse(log)
     assert not any(r.get("tflops_per_gpu") for r in parsed["iterations"])
-    summary = imports.load(log).metrics["summary"]
+    summary = imports.load(log).metrics.summary
     # 4 layers, h 256, s 256, vocab 1024, batch 8: 12 B s L h^2 (1 + 1 + s/2h + 4 + V/2Lh)
     expected = 12 * 8 * 256 * 4 * 256**2 * (1 + 1 + 256 / 256 * 0.5 + 4 + 1024 / (2 * 4 * 256))
-    assert summary["model_flops_per_step"] == pytest.approx(expected, rel=1e-12)
+    assert summary.model_flops_per_step == pytest.approx(expected, rel=1e-12)
 
 
 def test_datasheet_peaks_follow_the_label_and_the_precision():
@@ -78,6 +78,6 @@ def test_an_event_folder_counts_the_flops_its_log_counts(precision):
     step's model FLOPs their console logs give, and so the same MFU."""
     from megatron_npu.compare import imports
 
-    log = imports.load(str(GPT345M / f"mlm-native-{precision}.log")).metrics["summary"]
-    events = imports.load(str(GPT345M / f"mlm-native-{precision}-tb")).metrics["summary"]
-    assert events["model_flops_per_step"] == pytest.approx(log["model_flops_per_step"], rel=1e-3)
+    log = imports.load(str(GPT345M / f"mlm-native-{precision}.log")).metrics.summary
+    events = imports.load(str(GPT345M / f"mlm-native-{precision}-tb")).metrics.summary
+    assert events.model_flops_per_step == pytest.approx(log.model_flops_per_step, rel=1e-3)

@@ -52,7 +52,7 @@ def test_a_real_log_parses_with_its_arguments_and_every_step():
 
 
 def test_skipped_fp16_steps_have_no_loss():
-    metrics = imports.load(FP16_LOG).metrics
+    metrics = imports.load(FP16_LOG).metrics.model_dump()
     skipped = [s for s in metrics["steps"] if s["skipped"]]
     assert skipped and all(s["lm_loss"] is None for s in skipped)
     assert metrics["steps"][0]["loss_scale"] == 2.0**32
@@ -65,7 +65,7 @@ def test_the_event_folder_matches_the_log_of_the_same_run():
     assert (
         events.provenance["kind"] == "tensorboard" and log.provenance["kind"] == "megatron-lm-log"
     )
-    e_steps, l_steps = events.metrics["steps"], log.metrics["steps"]
+    e_steps, l_steps = events.metrics.model_dump()["steps"], log.metrics.model_dump()["steps"]
     assert [s["step"] for s in e_steps] == [s["step"] for s in l_steps]
     # TensorBoard holds each step's loss; the log prints %.6E of it -- its second line the mean of
     # the first two iterations (Megatron-LM 0.16+), which the importer takes back apart: step 2
@@ -75,8 +75,8 @@ def test_the_event_folder_matches_the_log_of_the_same_run():
             assert f"{e['lm_loss']:.6E}" == f"{line['lm_loss']:.6E}"
     assert l_steps[1]["lm_loss"] == pytest.approx(e_steps[1]["lm_loss"], rel=1.5e-6)
     assert [round(s["grad_norm"], 3) for s in e_steps] == [s["grad_norm"] for s in l_steps]
-    assert events.metrics["config"]["arguments"]["num_layers"] == 2  # from the text summaries
-    assert events.metrics["config"]["padded_vocab_size"] == 1280
+    assert events.metrics.config.arguments["num_layers"] == 2  # from the text summaries
+    assert events.metrics.config.padded_vocab_size == 1280
 
 
 def test_several_ranks_prefixed_and_repeated_lines_parse_alike(tmp_path):
@@ -152,7 +152,7 @@ def test_damaged_event_files_are_named(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     shutil.copy(original, other / original.name)
-    assert imports.load(other).metrics["summary"]["steps"] == 12  # the copy itself is fine
+    assert imports.load(other).metrics.summary.steps == 12  # the copy itself is fine
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import rules
+from megatron_npu.formats.metrics import RunConfig
 
 
 def curve(losses, norms=None, times=None):
@@ -192,7 +193,7 @@ def _config(**overrides):
         },
     }
     config.update(overrides)
-    return config
+    return RunConfig.model_validate(config)
 
 
 def test_fingerprint_names_the_differing_fields():

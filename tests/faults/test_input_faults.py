@@ -402,9 +402,20 @@ def test_read_only_save_dir(tmp_path, capsys, monkeypatch):
 def test_metrics_json_is_strict_even_for_a_diverged_step(tmp_path):
     from megatron_npu.training import metrics
 
-    run_metrics = metrics.RunMetrics({"device": "cpu"}, tokens_per_step=64)
+    run_metrics = metrics.RunMetrics({"arguments": {}, "device": "cpu"}, tokens_per_step=64)
     for step, loss in ((1, 5.0), (2, float("nan")), (3, float("inf"))):
-        run_metrics.add(metrics.StepRecord(step, loss, float("nan"), 1e-3, 1.0, False, 0.1, 640.0))
+        run_metrics.add(
+            metrics.StepRecord(
+                step=step,
+                lm_loss=loss,
+                grad_norm=float("nan"),
+                lr=1e-3,
+                loss_scale=1.0,
+                skipped=False,
+                step_time_s=0.1,
+                tokens_per_s=640.0,
+            )
+        )
     path = tmp_path / "metrics.json"
     run_metrics.write(str(path))
 

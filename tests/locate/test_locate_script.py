@@ -124,7 +124,7 @@ def test_locate_on_a_healthy_pretrain_gpt_pair_names_nothing(tmp_path, monkeypat
     # the Llama-style fingerprint fields, read off Megatron-LM's own argument dump
     from megatron_npu.compare import fingerprint, imports
 
-    print_ = fingerprint.fingerprint(imports.load(logs / "curve-reference.log").metrics["config"])
+    print_ = fingerprint.fingerprint(imports.load(logs / "curve-reference.log").metrics.config)
     assert {
         k: print_[k]
         for k in (

@@ -58,12 +58,16 @@ def test_curves_of_different_steps_are_a_named_error():
 
 def test_read_curve_takes_train_metrics_json(tmp_path):
     path = tmp_path / "metrics.json"
-    path.write_text(json.dumps({"steps": [{"step": 1, "lm_loss": 2.0, "grad_norm": 0.5}]}))
+    step = {"step": 1, "lm_loss": 2.0, "grad_norm": 0.5}
+    path.write_text(json.dumps({"config": {"arguments": {}}, "steps": [step]}))
     curve = curves.read_curve(path)
     assert (curve.iterations, curve.losses, curve.grad_norms) == ([1], [2.0], [0.5])
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(curves.CurveError, match="neither"):
         curves.read_curve(tmp_path / "bad.json")
+    path.write_text(json.dumps({"config": {"arguments": {}}, "steps": [{**step, "step": "one"}]}))
+    with pytest.raises(curves.CurveError, match=rf"^not a metrics.json: {path}: steps\[0\].step: "):
+        curves.read_curve(path)
 
 
 # ------------------------------------------------------------------ dumps and modules

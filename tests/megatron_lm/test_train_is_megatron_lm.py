@@ -95,5 +95,5 @@ def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
     assert sorted(ours.losses) == sorted(theirs) == [1, 2, 3, 4]
     assert len(set(theirs.values())) == 4  # it trained: every step's loss is its own
     assert ours.losses == theirs  # bitwise: TensorBoard holds the fp32 value
-    norms = {s["step"]: round(s["grad_norm"], 3) for s in ours.steps}
+    norms = {s.step: round(s.grad_norm, 3) for s in ours.steps}
     assert norms == script.grad_norms  # as printed, three decimals

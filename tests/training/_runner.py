@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_npu.data.tokenizers import null_vocab_size_for
+from megatron_npu.formats.metrics import MetricsFile, StepRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,17 +55,17 @@ TINY = [
 
 @dataclass
 class Run:
-    metrics: dict
+    metrics: MetricsFile
     stdout: str
     metrics_path: Path
 
     @property
-    def steps(self) -> list[dict]:
-        return self.metrics["steps"]
+    def steps(self) -> list[StepRecord]:
+        return self.metrics.steps
 
     @property
     def losses(self) -> dict[int, float]:
-        return {s["step"]: s["lm_loss"] for s in self.steps}
+        return {s.step: s.lm_loss for s in self.steps}
 
 
 def train(
@@ -100,7 +100,7 @@ def train(
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{output[-6000:]}"
-    return Run(json.loads(metrics_path.read_text()), output, metrics_path)
+    return Run(MetricsFile.read(metrics_path), output, metrics_path)
 
 
 def max_abs_diff(a: dict[int, float], b: dict[int, float], steps) -> float:

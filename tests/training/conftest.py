@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from megatron_npu.formats.metrics import MetricsFile
+
 from ._runner import TINY, Run, train
 
 
@@ -38,7 +40,7 @@ def _once(shared: Path, name: str, compute: Callable[[Path], Run]) -> Run:
             record.write_text(json.dumps({"stdout": run.stdout, "path": str(run.metrics_path)}))
     saved = json.loads(record.read_text())
     path = Path(saved["path"])
-    return Run(json.loads(path.read_text()), saved["stdout"], path)
+    return Run(MetricsFile.read(path), saved["stdout"], path)
 
 
 @pytest.fixture(scope="session")

@@ -89,8 +89,8 @@ def test_resume_into_another_layout(name, nproc, layout, tp2_saved, train_tmp):
         nproc=nproc,
         name=f"resume-{name}",
     )
-    assert [s["step"] for s in run.steps] == list(RESUMED)
-    assert run.metrics["config"]["resumed_from"].endswith("iter_0000005")
+    assert [s.step for s in run.steps] == list(RESUMED)
+    assert run.metrics.config.resumed_from.endswith("iter_0000005")
     assert "RNG state not restored" in run.stdout  # another (TP, PP) layout
     diff = max_abs_diff(run.losses, uninterrupted.losses, RESUMED)
     print(f"\nresume TP2@5 -> {name}: max |loss - uninterrupted TP2| over steps 6-10 = {diff:.3e}")
@@ -115,7 +115,7 @@ def test_resume_distributed_optimizer_into_another_dp_and_tp(dp2_saved, train_tm
         nproc=2,
         name="resume-distopt-tp2",
     )
-    assert [s["step"] for s in run.steps] == list(RESUMED)
+    assert [s.step for s in run.steps] == list(RESUMED)
     diff = max_abs_diff(run.losses, uninterrupted.losses, RESUMED)
     print(f"\nresume DP2 distopt@5 -> TP2 distopt: max |loss diff| over steps 6-10 = {diff:.3e}")
     assert diff <= TOLERANCE, (run.losses, uninterrupted.losses)
@@ -172,7 +172,7 @@ def test_resume_with_dropout_and_sgd_momentum_is_exact(train_tmp):
         "3",
         name="sgd-dropout-resumed",
     )
-    assert [s["step"] for s in resumed.steps] == [4, 5, 6]
+    assert [s.step for s in resumed.steps] == [4, 5, 6]
     assert "RNG state not restored" not in resumed.stdout
     assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}
 
@@ -185,9 +185,9 @@ def test_a_checkpoint_saved_before_any_applied_update_resumes_exactly(train_tmp)
     args = [*TINY, "--fp16", "--no-divergence-stop", "--train-iters", "20"]
     save = train_tmp / "ckpt_fp16_all_skipped"
     whole = train(train_tmp, *args, "--save", str(save), "--save-interval", "2", name="fp16")
-    assert all(s["skipped"] for s in whole.steps[:2]) and not whole.steps[-1]["skipped"]
+    assert all(s.skipped for s in whole.steps[:2]) and not whole.steps[-1].skipped
     resumed = train(train_tmp, *args, "--load", str(save), "--ckpt-step", "2", name="fp16-resumed")
-    assert [s["step"] for s in resumed.steps] == list(range(3, 21))
-    applied = [s for s in range(3, 21) if not whole.steps[s - 1]["skipped"]]
+    assert [s.step for s in resumed.steps] == list(range(3, 21))
+    applied = [s for s in range(3, 21) if not whole.steps[s - 1].skipped]
     assert applied, "the run must apply updates after the checkpoint"
     assert {s: resumed.losses[s] for s in applied} == {s: whole.losses[s] for s in applied}

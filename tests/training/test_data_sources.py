@@ -49,10 +49,10 @@ def test_default_corpus_loss_falls(train_tmp):
         str(train_tmp / "corpus"),
         name="default-corpus",
     )
-    config = run.metrics["config"]
-    assert config["data"]["source"] == "default-corpus"
-    assert config["padded_vocab_size"] >= 257  # bytes + EOD, padded
-    losses = [s["lm_loss"] for s in run.steps]
+    config = run.metrics.config
+    assert config.data.source == "default-corpus"
+    assert config.padded_vocab_size >= 257  # bytes + EOD, padded
+    losses = [s.lm_loss for s in run.steps]
     assert len(losses) == 25
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
 
@@ -95,8 +95,8 @@ def test_preprocess_then_train_on_data_path(train_tmp, capsys):
         str(train_tmp / "index-cache"),
         name="data-path",
     )
-    assert run.metrics["config"]["data"]["source"] == "data-path"
-    losses = [s["lm_loss"] for s in run.steps]
+    assert run.metrics.config.data.source == "data-path"
+    losses = [s.lm_loss for s in run.steps]
     assert len(losses) == 6 and losses[-1] < losses[0]
 
 
@@ -141,8 +141,8 @@ def test_train_on_a_weighted_blend_of_two_preprocessed_prefixes(train_tmp, capsy
         str(train_tmp / "blend-cache"),
         name="blend",
     )
-    assert run.metrics["config"]["data"]["source"] == "data-path"
-    description = run.metrics["config"]["data"]["description"]
+    assert run.metrics.config.data.source == "data-path"
+    description = run.metrics.config.data.description
     assert f"0.7 {prefixes[0]} 0.3 {prefixes[1]}" in description  # proportions: tests/data
-    losses = [s["lm_loss"] for s in run.steps]
+    losses = [s.lm_loss for s in run.steps]
     assert len(losses) == 6 and losses[-1] < losses[0]

@@ -114,7 +114,18 @@ def test_metrics_summary_and_log_line_carry_flops_and_mfu():
     run.peak = peak.PeakFlops(0.5, "user", "npu", "bfloat16", "stated").as_dict()
     run.peak_devices = 2
     for step, seconds in enumerate([9.0, 9.0, 0.5, 0.4, 0.6], 1):
-        run.add(metrics.StepRecord(step, 3.0, 1.0, 1e-3, 1.0, False, seconds, 1024 / seconds))
+        run.add(
+            metrics.StepRecord(
+                step=step,
+                lm_loss=3.0,
+                grad_norm=1.0,
+                lr=1e-3,
+                loss_scale=1.0,
+                skipped=False,
+                step_time_s=seconds,
+                tokens_per_s=1024 / seconds,
+            )
+        )
     summary = run.summary()
     assert summary["median_step_time_s"] == 0.5  # after the two warm-up steps
     assert summary["achieved_tflops_per_s"] == pytest.approx(2e9 / 0.5 / 1e12)
@@ -134,7 +145,18 @@ def test_an_understated_peak_gives_no_mfu():
     run = metrics.RunMetrics(config={}, tokens_per_step=1)
     run.model_flops_per_step = 1e9
     run.peak = peak.PeakFlops(1e-4, "measured", "cpu", "bfloat16", "probe").as_dict()
-    run.add(metrics.StepRecord(1, 3.0, 1.0, 1e-3, 1.0, False, 1.0, 1.0))
+    run.add(
+        metrics.StepRecord(
+            step=1,
+            lm_loss=3.0,
+            grad_norm=1.0,
+            lr=1e-3,
+            loss_scale=1.0,
+            skipped=False,
+            step_time_s=1.0,
+            tokens_per_s=1.0,
+        )
+    )
     summary = run.summary()
     assert summary["achieved_tflops_per_s"] == pytest.approx(1e-3)
     assert summary["mfu"] is None and summary["peak_understated"] is True

@@ -68,7 +68,7 @@ def test_seed_variants_train_with_falling_loss(train_tmp, precision, window, ord
         *window,
         name=f"variant{precision}-{window[1]}-{order}",
     )
-    losses = [s["lm_loss"] for s in run.steps if not s["skipped"]]
+    losses = [s.lm_loss for s in run.steps if not s.skipped]
     assert len(run.steps) == 30
     assert len(losses) >= 10, f"only {len(losses)} steps were applied"
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses

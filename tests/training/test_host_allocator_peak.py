@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_npu.formats.metrics import RunConfig
 from megatron_npu.training import host_allocator_peak as host_peak
 
 MIB = 2**20
@@ -42,25 +43,25 @@ def test_measuring_prints_nothing_on_stderr(capfd):
     assert "USDT" not in capfd.readouterr().err
 
 
-def _parameter_count(config: dict) -> int:
+def _parameter_count(config: RunConfig) -> int:
     """GPT's parameters from the run's own config (the formula of Megatron-LM's
     ``num_floating_point_operations`` inputs): embeddings + layers + final norm."""
-    args = config["arguments"]
+    args = config.arguments
     h, layers = args["hidden_size"], args["num_layers"]
     ffn = args.get("ffn_hidden_size") or 4 * h
-    vocab, seq = config["padded_vocab_size"], args["seq_length"]
+    vocab, seq = config.padded_vocab_size, args["seq_length"]
     per_layer = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attention, MLP, two norms
     return vocab * h + seq * h + layers * per_layer + 2 * h
 
 
 def test_a_cpu_run_reports_the_allocator_peak_and_its_rss_apart(baseline):
-    summary, config = baseline.metrics["summary"], baseline.metrics["config"]
-    assert summary["peak_memory_measure"] == "allocator"
-    assert summary["peak_memory_source"] == host_peak.SOURCE
+    summary, config = baseline.metrics.summary, baseline.metrics.config
+    assert summary.peak_memory_measure == "allocator"
+    assert summary.peak_memory_source == host_peak.SOURCE
     # fp32 Adam under Megatron: the weights, their fp32 main grads and two moments, at least
     floor = 16 * _parameter_count(config)
-    assert floor <= summary["peak_memory_bytes"] < summary["peak_rss_bytes"]
+    assert floor <= summary.peak_memory_bytes < summary.peak_rss_bytes
     # and the step's activations on top, far below the process's resident set
-    assert summary["peak_memory_bytes"] < floor + 4 * 2**20
+    assert summary.peak_memory_bytes < floor + 4 * 2**20
     assert "peak allocated" in baseline.stdout and "process peak RSS" in baseline.stdout
     assert "USDT" not in baseline.stdout

@@ -52,7 +52,7 @@ LAYOUTS = {
 
 
 def _report(name: str, diff: float, run) -> None:
-    config = run.metrics["config"]
+    config = run.metrics.config
     print(
         f"\n{name}: world {config['world_size']} (DP {config['data_parallel_size']}), "
         f"max |loss - baseline| over steps 1-10 = {diff:.3e}"
@@ -63,12 +63,12 @@ def test_baseline_learns(baseline):
     losses = baseline.losses
     assert sorted(losses) == list(STEPS)
     assert losses[10] < losses[1] - 0.2
-    assert baseline.metrics["config"]["world_size"] == 1
+    assert baseline.metrics.config.world_size == 1
 
 
 def test_tp2_matches_baseline(baseline, tp2_saved):
     run, _ = tp2_saved
-    assert run.metrics["config"]["world_size"] == 2
+    assert run.metrics.config.world_size == 2
     diff = max_abs_diff(run.losses, baseline.losses, STEPS)
     _report("tp2", diff, run)
     assert diff <= TOLERANCE
@@ -78,8 +78,8 @@ def test_dp2_distributed_optimizer_under_torchrun_matches_baseline(baseline, dp2
     """DP2 + distributed optimizer + overlapped grad reduce and param gather, started by plain
     ``torchrun -m megatron_npu.train`` (RANK/WORLD_SIZE/... from the environment)."""
     run, _ = dp2_saved
-    config = run.metrics["config"]
-    assert config["world_size"] == 2 and config["data_parallel_size"] == 2
+    config = run.metrics.config
+    assert config.world_size == 2 and config.data_parallel_size == 2
     diff = max_abs_diff(run.losses, baseline.losses, STEPS)
     _report("dp2-distopt-overlap (torchrun)", diff, run)
     assert diff <= TOLERANCE
@@ -88,9 +88,9 @@ def test_dp2_distributed_optimizer_under_torchrun_matches_baseline(baseline, dp2
 def test_host_initialization_equals_device_initialization(baseline, train_tmp):
     """The baseline builds its weights on the device (the default); Megatron's host path
     (``--use-cpu-initialization``) gives the same model, so the same losses to the bit."""
-    assert baseline.metrics["config"]["arguments"]["use_cpu_initialization"] is False
+    assert baseline.metrics.config.arguments["use_cpu_initialization"] is False
     run = train(train_tmp, *TINY, "--train-iters", "10", "--use-cpu-initialization", name="host")
-    assert run.metrics["config"]["arguments"]["use_cpu_initialization"] is True
+    assert run.metrics.config.arguments["use_cpu_initialization"] is True
     # the first loss is the initial model's: to the bit. Later steps may differ by an ulp under
     # load (a clean-clone CI run saw step 2 off by 4.8e-7 with steps 3-10 bitwise equal: a
     # thread-dependent reduction order in MKL on AVX-512), so they are held to 1e-6 relative
@@ -109,10 +109,10 @@ def test_host_initialization_equals_device_initialization(baseline, train_tmp):
 def test_layout_matches_baseline(name, baseline, train_tmp):
     nproc, extra = LAYOUTS[name]
     run = train(train_tmp, *TINY, "--train-iters", "10", *extra, nproc=nproc, name=name)
-    config = run.metrics["config"]
-    assert config["world_size"] == nproc
+    config = run.metrics.config
+    assert config.world_size == nproc
     if name == "pp2":
-        assert config["num_microbatches"] == 4
+        assert config.num_microbatches == 4
     diff = max_abs_diff(run.losses, baseline.losses, STEPS)
     _report(name, diff, run)
     assert diff <= TOLERANCE, (name, run.losses, baseline.losses)

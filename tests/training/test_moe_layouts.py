@@ -69,9 +69,7 @@ def moe_baseline(tmp_path_factory):
 
 
 def _figures(run) -> dict[int, tuple[float, float]]:
-    return {
-        s["step"]: (s["lm_loss"], s["moe_aux_losses"]["load_balancing_loss"]) for s in run.steps
-    }
+    return {s.step: (s.lm_loss, s.moe_aux_losses["load_balancing_loss"]) for s in run.steps}
 
 
 def _aux_loss_over_the_same_tokens(layout: list[str]) -> bool:

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _falls(run) -> None:
-    losses = [s["lm_loss"] for s in run.steps if not s["skipped"]]
+    losses = [s.lm_loss for s in run.steps if not s.skipped]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.1, losses
 
@@ -45,11 +45,11 @@ def test_bf16_dp2_distributed_optimizer_trains_on_the_emulated_npu_path(train_tm
         nproc=2,
         name="bf16",
     )
-    config = run.metrics["config"]
-    assert config["arguments"]["bf16"] is True
-    assert config["device"] == "npu-emulated" and config["device_emulated"] is True
+    config = run.metrics.config
+    assert config.arguments["bf16"] is True
+    assert config.device == "npu-emulated" and config.device_emulated is True
     assert "not an NPU result" in run.stdout
-    assert len(run.steps) == 20 and not any(s["skipped"] for s in run.steps)
+    assert len(run.steps) == 20 and not any(s.skipped for s in run.steps)
     _falls(run)
 
 
@@ -71,19 +71,19 @@ def test_fp16_trains_and_a_forced_overflow_is_skipped(train_tmp):
         name="fp16",
         env=plant_env("overflow-at-step-3"),
     )
-    steps = {s["step"]: s for s in run.steps}
+    steps = {s.step: s for s in run.steps}
     assert len(steps) == 20
-    assert [n for n, s in steps.items() if s["skipped"]] == [3]
-    assert run.metrics["summary"]["skipped_steps"] == 1
+    assert [n for n, s in steps.items() if s.skipped] == [3]
+    assert run.metrics.summary.skipped_steps == 1
     bad = steps[3]
-    assert bad["grad_norm"] is None  # no norm: the update was not applied
+    assert bad.grad_norm is None  # no norm: the update was not applied
     # parameters unchanged by the skipped step, changed by the ones around it
-    assert bad["params_norm"] == steps[2]["params_norm"]
-    assert steps[2]["params_norm"] != steps[1]["params_norm"]
-    assert steps[4]["params_norm"] != steps[3]["params_norm"]
+    assert bad.params_norm == steps[2].params_norm
+    assert steps[2].params_norm != steps[1].params_norm
+    assert steps[4].params_norm != steps[3].params_norm
     # the scheduler did not advance, the dynamic scaler backed off (hysteresis 1)
-    assert steps[4]["lr"] == bad["lr"] and steps[3]["lr"] < steps[2]["lr"]
-    assert bad["loss_scale"] == steps[2]["loss_scale"] / 2
+    assert steps[4].lr == bad.lr and steps[3].lr < steps[2].lr
+    assert bad.loss_scale == steps[2].loss_scale / 2
     assert "number of skipped iterations:   1 |" in run.stdout
     assert "gradient overflow" in run.stdout
     _falls(run)
