@@ -49,7 +49,9 @@ class Part(BaseModel):
     :attr:`omit_when_none` are left out of the file when they are None (keys that only some
     writers have)."""
 
-    model_config = ConfigDict(extra="allow")
+    # ser_json_inf_nan="constants": a non-finite float stays a float in model_dump(mode="json")
+    # (pydantic would make one in an Any field null), so Document.non_finite decides
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
 
     omit_when_none: ClassVar[frozenset[str]] = frozenset()
 
