@@ -4,12 +4,15 @@ ones the models generate, and a file that does not fit is one error naming the f
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from megatron_npu.formats import FormatError, formats, schema_files
+from megatron_npu.formats.compare_results import CompareResults
 from megatron_npu.formats.metrics import MetricsFile
+from megatron_npu.formats.run_record import RunRecord
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 
@@ -73,3 +76,66 @@ def test_non_finite_numbers_are_strict_json(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     back = json.loads(text)
     assert back["steps"][0]["lm_loss"] is None and back["summary"]["first_lm_loss"] is None
+
+
+COMPETITOR = Path(__file__).resolve().parents[1] / "competitor"
+
+
+@pytest.mark.parametrize("machine", ["nvidia-h100", "nvidia-h200"])
+def test_committed_compare_results_read_and_write_back_unchanged(machine, tmp_path):
+    path = COMPETITOR / machine / "results.json"
+    results = CompareResults.read(path)
+    assert json.loads(results.to_json()) == json.loads(path.read_text())
+    results.write(tmp_path / "results.json")
+    assert CompareResults.read(tmp_path / "results.json") == results
+
+
+def test_compare_results_keep_non_finite_numbers_as_strings():
+    data = json.loads((COMPETITOR / "nvidia-h100" / "results.json").read_text())
+    data["runs"][0]["perf"]["mfu"] = "NaN"
+    data["verdicts"][1]["per_step"]["rel_diff"][0] = "Infinity"
+    results = CompareResults.parse(data)
+    assert math.isnan(results.runs[0].perf.mfu)
+    assert json.loads(results.to_json()) == data
+
+
+def test_a_bad_compare_results_field_is_one_error_naming_file_and_field(tmp_path):
+    data = json.loads((COMPETITOR / "nvidia-h100" / "results.json").read_text())
+    path = tmp_path / "results.json"
+    data["runs"][1]["steps"][2]["iteration"] = "third"
+    path.write_text(json.dumps(data))
+    with pytest.raises(FormatError, match=rf"^{path}: runs\[1\]\.steps\[2\]\.iteration: .*'third'"):
+        CompareResults.read(path)
+    data["schema_version"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(FormatError) as bad:
+        CompareResults.read(path)
+    assert str(bad.value) == f"{path}: schema_version: 2 is not supported (this version of " + (
+        "megatron-npu reads 1)"
+    )
+    data["schema"] = "megatron-npu/parity"
+    with pytest.raises(FormatError, match=r"^<data>: schema: not a compare results file"):
+        CompareResults.parse(data)
+
+
+def test_run_records_old_and_new_are_read_and_a_bad_one_is_named(tmp_path):
+    from megatron_npu.compare.runner import read_record
+
+    path = tmp_path / "run.json"
+    old = {  # a record of an older version: no session, no lambada
+        "config_hash": "0123456789abcdef",
+        "status": "ok",
+        "error": None,
+        "wall_s": 12,
+        "command": ["python", "-m", "megatron_npu.cli", "train"],
+    }
+    path.write_text(json.dumps(old, indent=2) + "\n")
+    record = RunRecord.read(path)
+    assert record.session is None and record.lambada is None and record.wall_s == 12
+    record.lambada = {"accuracy": 0.5}
+    record.write(path)
+    assert json.loads(path.read_text()) == {**old, "lambada": {"accuracy": 0.5}}
+    path.write_text(json.dumps({**old, "status": ["ok"]}))
+    with pytest.raises(FormatError, match=rf"^{path}: status: .*\['ok'\]"):
+        RunRecord.read(path)
+    assert read_record(path) is None  # the run is not reused: it runs again

@@ -68,7 +68,8 @@ def build_report(out_dir: Path, echo: TextIO) -> Path | None:
 def run_compare(
     matrix: Matrix, out_dir: Path, *, argv: list[str] | None = None, echo: TextIO = sys.stdout
 ) -> tuple[dict[str, Any], int]:
-    """Run, judge and write one comparison; returns (results document, exit status)."""
+    """Run, judge and write one comparison; returns (the results document as the plain data
+    results.json holds, non-finite numbers as floats; exit status)."""
     s = matrix.settings
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -173,7 +174,7 @@ def run_compare(
     build_report(out_dir, echo)
     bad_runs = any(not r.ok for r in results.values())
     bad_verdicts = any(v.status in (rules.FAIL, rules.REFUSED) for v in verdicts)
-    return document, 1 if bad_runs or bad_verdicts else 0
+    return document.model_dump(exclude_unset=True), 1 if bad_runs or bad_verdicts else 0
 
 
 def add_arguments(parser) -> None:

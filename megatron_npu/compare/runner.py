@@ -31,6 +31,8 @@ from typing import Any, TextIO
 
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
 from megatron_npu.devices.facts import emulated
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.run_record import RunRecord
 from megatron_npu.versions import library_versions
 
 LOG_TAIL_LINES = 15
@@ -129,6 +131,15 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_record(path: Path) -> RunRecord | None:
+    """The run's ``run.json``, or None when there is none or it does not fit its format (the run
+    is then not reused)."""
+    try:
+        return RunRecord.read(path)
+    except FormatError:
+        return None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -246,22 +257,17 @@ def execute(
         return Outcome("failed", str(exc), 0.0, command, "")
     digest = config_hash(spec, device, rerun_index, checkpoint, env)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
-    cached = read_json(record_path)
-    if (
-        cached
-        and cached.get("config_hash") == digest
-        and cached.get("status") == "ok"
-        and metrics_path.is_file()
-    ):
+    cached = read_record(record_path)
+    if cached and cached.config_hash == digest and cached.status == "ok" and metrics_path.is_file():
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
         return Outcome(
             "cached",
             None,
-            float(cached.get("wall_s", 0.0)),
+            float(cached.wall_s or 0.0),
             command,
             digest,
-            cached.get("lambada"),
-            cached.get("session"),
+            cached.lambada,
+            cached.session,
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
@@ -278,17 +284,14 @@ def execute(
         if code != 0
         else "no metrics.json was written"
     )
-    _write_json(
-        record_path,
-        {
-            "config_hash": digest,
-            "status": "ok" if ok else "failed",
-            "error": error,
-            "wall_s": wall,
-            "command": command,
-            "session": session,
-        },
-    )
+    RunRecord(
+        config_hash=digest,
+        status="ok" if ok else "failed",
+        error=error,
+        wall_s=wall,
+        command=command,
+        session=session,
+    ).write(record_path)
     return Outcome("ok" if ok else "failed", error, wall, command, digest, session=session)
 
 
@@ -347,22 +350,17 @@ def execute_script(
         run_dir / "metrics.json",
         run_dir / "train.log",
     )
-    cached = read_json(record_path)
-    if (
-        cached
-        and cached.get("config_hash") == digest
-        and cached.get("status") == "ok"
-        and metrics_path.is_file()
-    ):
+    cached = read_record(record_path)
+    if cached and cached.config_hash == digest and cached.status == "ok" and metrics_path.is_file():
         echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
         return Outcome(
             "cached",
             None,
-            float(cached.get("wall_s", 0.0)),
+            float(cached.wall_s or 0.0),
             command,
             digest,
             None,
-            cached.get("session"),
+            cached.session,
         )
     if not script.is_file():
         return Outcome("failed", f"no script {script}", 0.0, command, digest)
@@ -381,17 +379,14 @@ def execute_script(
             metrics.config.device = device
             metrics.config.device_emulated = emulated(device)
             metrics.write(metrics_path)
-    _write_json(
-        record_path,
-        {
-            "config_hash": digest,
-            "status": "failed" if error else "ok",
-            "error": error,
-            "wall_s": wall,
-            "command": command,
-            "session": session,
-        },
-    )
+    RunRecord(
+        config_hash=digest,
+        status="failed" if error else "ok",
+        error=error,
+        wall_s=wall,
+        command=command,
+        session=session,
+    ).write(record_path)
     return Outcome("failed" if error else "ok", error, wall, command, digest, session=session)
 
 
@@ -440,7 +435,7 @@ def evaluate_lambada(
     result = read_json(out)
     if code != 0 or result is None:
         return None, _failure(code, tail, timeout_s) if code != 0 else "no lambada.json was written"
-    record = read_json(run_dir / "run.json") or {}
-    record["lambada"] = result
-    _write_json(run_dir / "run.json", record)
+    record = read_record(run_dir / "run.json") or RunRecord()
+    record.lambada = result
+    record.write(run_dir / "run.json")
     return result, None
