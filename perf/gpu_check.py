@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from megatron_npu.devices.facts import CUDA
+from megatron_npu.formats.compare_results import CompareResults
 
 HERE = Path(__file__).resolve().parent
 MATRIX = HERE / "gpu_matrix.toml"
@@ -284,26 +285,25 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     results = folder / "results.json"
     if not results.is_file():
         return False
-    data = json.loads(results.read_text())
-    unfinished = [r["name"] for r in data["runs"] if r["status"] not in ("ok", "cached")]
-    for verdict in data["verdicts"]:
-        if verdict["status"] not in ("pass", "not-applicable"):
+    data = CompareResults.read(results)
+    unfinished = [r.name for r in data.runs if r.status not in ("ok", "cached")]
+    for verdict in data.verdicts:
+        if verdict.status not in ("pass", "not-applicable"):
             print(
-                f"gpu_check: {verdict['candidate']}: {verdict['status']} {verdict['rule']}: "
-                f"{verdict['detail'][:160]}"
+                f"gpu_check: {verdict.candidate}: {verdict.status} {verdict.rule}: "
+                f"{verdict.detail[:160]}"
             )
     if unfinished:
         print(f"gpu_check: runs that did not finish: {', '.join(unfinished)}")
-    return not unfinished and bool(data["runs"])
+    return not unfinished and bool(data.runs)
 
 
 def fairness(out: Path) -> bool:
     sys.path.insert(0, str(HERE.parent))
     from perf.plain_gpt import GPTShape, PlainTrainer
 
-    results = json.loads((out / "compare" / "results.json").read_text())
-    run = next((r for r in results["runs"] if r["name"] == FAIRNESS_RUN), None)
-    if run is None or not run.get("perf"):
+    run = CompareResults.read(out / "compare" / "results.json").run(FAIRNESS_RUN)
+    if run is None or not run.perf:
         (out / "fairness.json").write_text(json.dumps({"error": f"no {FAIRNESS_RUN} run"}) + "\n")
         return False
     shape = GPTShape(
@@ -324,10 +324,10 @@ def fairness(out: Path) -> bool:
         if i >= 3:
             times.append(time.perf_counter() - start)
     plain = sorted(times)[len(times) // 2]
-    ours = run["perf"]["median_s_per_step"]
+    ours = run.perf.median_s_per_step
     record = {
         "megatron_npu_s_per_step": ours,
-        "megatron_npu_ci95": run["perf"]["ci95_s_per_step"],
+        "megatron_npu_ci95": run.perf.ci95_s_per_step,
         "plain_torch_eager_s_per_step": plain,
         "ratio": ours / plain,
         "target": FAIRNESS_TARGET,

@@ -1,24 +1,28 @@
-"""``megatron-npu compare`` results (``docs/compare-results.md``: ``<out>/results.json``).
+"""``megatron-npu compare`` results (``<out>/results.json``, the format of
+:mod:`megatron_npu.formats.compare_results`), as the report draws them.
 
 One results file is one comparison: several training runs of the same model, a baseline run,
 rule verdicts (candidate vs baseline, with per-step relative differences) and the Table 2 rows.
-Reading validates what the report draws and names the first bad key.
+Reading validates the file against its format and names the first bad field.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-COMPARE_SCHEMA = "megatron-npu/compare"
-COMPARE_VERSIONS = (1,)
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.compare_results import SCHEMA as COMPARE_SCHEMA
+from megatron_npu.formats.compare_results import CompareResults, Perf, Skipped, Verdict
+from megatron_npu.formats.compare_results import Run as RunEntry
+
 RESULTS_FILE = "results.json"
 
 
 class BadCompareResults(ValueError):
-    """A results.json that cannot be shown; names the key."""
+    """A results.json that cannot be shown; names the field."""
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,9 @@ class Run:
     command: list[str]
     options: dict[str, Any]
     iterations: list[int]
-    losses: list[float | None]
+    losses: list[float | None]  # None: a skipped step or a non-finite loss (a gap in the plot)
     grad_norms: list[float | None]
-    perf: dict[str, Any] | None
+    perf: Perf | None
     lambada: dict[str, Any] | None
     wall_s: float | None
 
@@ -45,90 +49,62 @@ class Comparison:
     matrix: str | None
     created: str | None
     baseline: str | None
-    provenance: dict[str, Any]
+    provenance: dict[str, Any]  # shown key by key
     runs: list[Run]
-    verdicts: list[dict[str, Any]]
+    verdicts: list[Verdict]
+    #: the rows as :func:`megatron_npu.compare.table2.cell` reads them: the keys the file has
     table2: list[dict[str, Any]]
-    skipped_runs: list[dict[str, Any]]  # optional runs not run here, with the reason
+    skipped_runs: list[Skipped]  # optional runs not run here, with the reason
     notes: list[str]
 
     def run(self, name: str) -> Run | None:
         return next((r for r in self.runs if r.name == name), None)
 
 
-def _need(data: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
-    path = f"{where}.{key}" if where else key
-    if not isinstance(data, dict) or key not in data:
-        raise BadCompareResults(f"missing key {path!r}")
-    value = data[key]
-    allowed = types if isinstance(types, tuple) else (types,)
-    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-        raise BadCompareResults(f"bad key {path!r}: {value!r}")
-    return value
+def _finite(value: float | None) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _run(data: Any, index: int) -> Run:
-    where = f"runs[{index}]"
-    steps = _need(data, "steps", list, where)
-    iterations: list[int] = []
-    losses: list[float | None] = []
-    grad_norms: list[float | None] = []
-    for j, step in enumerate(steps):
-        iterations.append(_need(step, "iteration", int, f"{where}.steps[{j}]"))
-        losses.append(_number(step.get("loss")) if isinstance(step, dict) else None)
-        grad_norms.append(_number(step.get("grad_norm")) if isinstance(step, dict) else None)
+def _run(entry: RunEntry) -> Run:
     return Run(
-        name=_need(data, "name", str, where),
-        device=_need(data, "device", (str, type(None)), where),
-        emulated=_need(data, "emulated", bool, where),
-        status=_need(data, "status", str, where),
-        error=data.get("error"),
-        command=[str(a) for a in data.get("command") or []],
-        options=data.get("options") or {},
-        iterations=iterations,
-        losses=losses,
-        grad_norms=grad_norms,
-        perf=data.get("perf"),
-        lambada=data.get("lambada"),
-        wall_s=_number(data.get("wall_s")),
+        name=entry.name,
+        device=entry.device,
+        emulated=entry.emulated,
+        status=entry.status,
+        error=entry.error,
+        command=entry.command,
+        options=entry.options,
+        iterations=[s.iteration for s in entry.steps],
+        losses=[_finite(s.loss) for s in entry.steps],
+        grad_norms=[_finite(s.grad_norm) for s in entry.steps],
+        perf=entry.perf,
+        lambada=entry.lambada,
+        wall_s=_finite(entry.wall_s),
+    )
+
+
+def comparison(results: CompareResults, source: str) -> Comparison:
+    provenance = results.provenance
+    return Comparison(
+        source=source,
+        title=Path(source).parent.name or source,
+        matrix=results.matrix,
+        created=results.created,
+        baseline=results.baseline,
+        provenance=provenance.model_dump(exclude_unset=True) if provenance else {},
+        runs=[_run(r) for r in results.runs],
+        verdicts=results.verdicts,
+        table2=[row.model_dump(exclude_unset=True) for row in results.table2],
+        skipped_runs=results.skipped,
+        notes=results.notes,
     )
 
 
 def parse(data: Any, source: str) -> Comparison:
-    if _need(data, "schema", str, "") != COMPARE_SCHEMA:
-        raise BadCompareResults(f"key 'schema' is {data['schema']!r}, not {COMPARE_SCHEMA!r}")
-    version = _need(data, "schema_version", int, "")
-    if version not in COMPARE_VERSIONS:
-        raise BadCompareResults(
-            f"schema_version {version} is not supported (this report reads {COMPARE_VERSIONS})"
-        )
-    runs = [_run(r, i) for i, r in enumerate(_need(data, "runs", list, ""))]
-    verdicts = _need(data, "verdicts", list, "")
-    for i, v in enumerate(verdicts):
-        for key in ("candidate", "baseline", "rule", "status"):
-            _need(v, key, str, f"verdicts[{i}]")
-    table2 = data.get("table2") or []
-    if not isinstance(table2, list) or not all(isinstance(row, dict) for row in table2):
-        raise BadCompareResults("bad key 'table2': not a list of objects")
-    return Comparison(
-        source=source,
-        title=Path(source).parent.name or source,
-        matrix=data.get("matrix"),
-        created=data.get("created"),
-        baseline=data.get("baseline"),
-        provenance=data.get("provenance") or {},
-        runs=runs,
-        verdicts=verdicts,
-        table2=table2,
-        skipped_runs=[r for r in data.get("skipped") or [] if isinstance(r, dict)],
-        notes=[str(n) for n in data.get("notes") or []],
-    )
+    try:
+        return comparison(CompareResults.parse(data, source), source)
+    except FormatError as exc:
+        raise BadCompareResults(exc.message) from None
 
 
 def looks_like_compare(data: Any) -> bool:
@@ -137,9 +113,6 @@ def looks_like_compare(data: Any) -> bool:
 
 def read(path: Path) -> Comparison:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadCompareResults(f"unreadable: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise BadCompareResults(f"not valid JSON (truncated or corrupt): {exc}") from None
-    return parse(data, str(path))
+        return comparison(CompareResults.read(path), str(path))
+    except FormatError as exc:
+        raise BadCompareResults(exc.message) from None

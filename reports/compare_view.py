@@ -11,6 +11,7 @@ from megatron_npu.reports.compare_results import Comparison
 from megatron_npu.reports.formatting import command_line, device_label, number
 
 from megatron_npu.compare import table2 as compare_table
+from megatron_npu.formats.compare_results import Verdict
 
 FAILING = ("fail", "refused")
 
@@ -63,14 +64,14 @@ def verdict_matrix(comp: Comparison) -> dict[str, Any]:
     rules: list[str] = []
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for v in comp.verdicts:
-        if v["rule"] not in rules:
-            rules.append(v["rule"])
-        key = (v["candidate"], v["baseline"])
+        if v.rule not in rules:
+            rules.append(v.rule)
+        key = (v.candidate, v.baseline)
         row = rows.setdefault(key, {"candidate": key[0], "baseline": key[1], "cells": {}})
-        row["cells"][v["rule"]] = {
-            "status": v["status"],
-            "detail": v.get("detail") or "",
-            "tolerance": _tolerance_text(v.get("tolerance")),
+        row["cells"][v.rule] = {
+            "status": v.status,
+            "detail": v.detail,
+            "tolerance": _tolerance_text(v.tolerance),
         }
     return {"rules": rules, "rows": list(rows.values())}
 
@@ -78,32 +79,31 @@ def verdict_matrix(comp: Comparison) -> dict[str, Any]:
 def overlays(comp: Comparison, index: int) -> list[dict[str, Any]]:
     """One chart per curve rule: every candidate's per-step relative difference against its
     baseline, overlaid, with the rule's tolerance band (drawn when the pairs share one)."""
-    by_rule: dict[str, list[dict[str, Any]]] = {}
+    by_rule: dict[str, list[Verdict]] = {}
     for v in comp.verdicts:
-        per_step = v.get("per_step")
-        if isinstance(per_step, dict) and per_step.get("iteration"):
-            by_rule.setdefault(v["rule"], []).append(v)
+        if v.per_step and v.per_step.get("iteration"):
+            by_rule.setdefault(v.rule, []).append(v)
     out = []
     for j, (rule, verdicts) in enumerate(by_rule.items()):
-        bands = {band(v.get("tolerance")) for v in verdicts}
+        bands = {band(v.tolerance) for v in verdicts}
         shared = next(iter(bands)) if len(bands) == 1 else None
         series = [
             {
-                "legend": f"{v['candidate']} vs {v['baseline']}",
-                "iterations": v["per_step"].get("iteration", []),
-                "rel_diff": _finite_or_none(v["per_step"].get("rel_diff")),
+                "legend": f"{v.candidate} vs {v.baseline}",
+                "iterations": v.per_step.get("iteration", []),
+                "rel_diff": _finite_or_none(v.per_step.get("rel_diff")),
             }
             for v in verdicts
         ]
         step_bands = list(
             {
-                v["baseline"]: {
-                    "legend": f"rounding band of {v['baseline']}",
-                    "iterations": v["per_step"].get("iteration", []),
-                    "band": _finite_or_none(v["per_step"].get("band")),
+                v.baseline: {
+                    "legend": f"rounding band of {v.baseline}",
+                    "iterations": v.per_step.get("iteration", []),
+                    "band": _finite_or_none(v.per_step.get("band")),
                 }
                 for v in verdicts
-                if v["per_step"].get("band")
+                if v.per_step.get("band")
             }.values()
         )
         plot = charts.relative_differences(
@@ -122,10 +122,10 @@ def overlays(comp: Comparison, index: int) -> list[dict[str, Any]]:
                 "step_bands": [b["legend"] for b in step_bands],
                 "pairs": [
                     {
-                        "candidate": v["candidate"],
-                        "baseline": v["baseline"],
-                        "status": v["status"],
-                        "detail": v.get("detail") or "",
+                        "candidate": v.candidate,
+                        "baseline": v.baseline,
+                        "status": v.status,
+                        "detail": v.detail,
                     }
                     for v in verdicts
                 ],
@@ -232,10 +232,8 @@ def headline(comps: list[Comparison]) -> dict[str, Any] | None:
             if run.status == "failed":
                 problems.append(f"run {run.name} failed{where}")
         for v in comp.verdicts:
-            if v.get("status") in FAILING:
-                problems.append(
-                    f"{v['rule']} {v['status']} for {v['candidate']} vs {v['baseline']}{where}"
-                )
+            if v.status in FAILING:
+                problems.append(f"{v.rule} {v.status} for {v.candidate} vs {v.baseline}{where}")
     if not problems:
         runs = sum(len(c.runs) for c in comps)
         return {"passed": True, "text": f"Comparison passed: {runs} runs, no rule failed."}

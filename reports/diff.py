@@ -118,30 +118,30 @@ def compare_diff(old: ResultSet, new: ResultSet) -> dict[str, list[dict[str, Any
         base = before.get(comp.title) or (old.comparisons[0] if len(old.comparisons) == 1 else None)
         if base is None:
             continue
-        old_v = {(v["candidate"], v["baseline"], v["rule"]): v for v in base.verdicts}
+        old_v = {(v.candidate, v.baseline, v.rule): v for v in base.verdicts}
         for v in comp.verdicts:
-            prev = old_v.get((v["candidate"], v["baseline"], v["rule"]))
-            if prev is not None and prev["status"] != v["status"]:
+            prev = old_v.get((v.candidate, v.baseline, v.rule))
+            if prev is not None and prev.status != v.status:
                 verdicts.append(
                     {
                         "comparison": comp.title,
-                        "candidate": v["candidate"],
-                        "baseline": v["baseline"],
-                        "rule": v["rule"],
-                        "old": prev["status"],
-                        "new": v["status"],
-                        "detail": v.get("detail") or "",
+                        "candidate": v.candidate,
+                        "baseline": v.baseline,
+                        "rule": v.rule,
+                        "old": prev.status,
+                        "new": v.status,
+                        "detail": v.detail,
                     }
                 )
         for run in comp.runs:
             prev = base.run(run.name)
             if prev is None or run.emulated or prev.emulated:
                 continue
-            a, b = prev.perf or {}, run.perf or {}
-            if not (a.get("speed_comparable") and b.get("speed_comparable")):
+            a, b = prev.perf, run.perf
+            if not (a and b and a.speed_comparable and b.speed_comparable):
                 continue
-            if _overlap(a.get("ci95_s_per_step"), b.get("ci95_s_per_step")) is False:
-                old_s, new_s = a["median_s_per_step"], b["median_s_per_step"]
+            old_s, new_s = a.median_s_per_step, b.median_s_per_step
+            if old_s and new_s and _overlap(a.ci95_s_per_step, b.ci95_s_per_step) is False:
                 speed.append(
                     {
                         "what": f"{comp.title}: {run.name}",

@@ -38,7 +38,7 @@ def banner(rs: ResultSet, bench_flags: dict[str, int]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "kind": "end-to-end rule verdicts",
-                "counts": Counter(v["status"] for comp in rs.comparisons for v in comp.verdicts),
+                "counts": Counter(v.status for comp in rs.comparisons for v in comp.verdicts),
                 "devices": _devices([(r.device, r.emulated) for r in runs if r.device]),
             }
         )

@@ -29,10 +29,11 @@ from typing import Any
 from megatron_npu.compare import mlm_log, tensorboard_events
 from megatron_npu.compare.textfile import read_text
 from megatron_npu.formats import FormatError
+from megatron_npu.formats.compare_results import SCHEMA as COMPARE_SCHEMA
+from megatron_npu.formats.compare_results import CompareResults
 from megatron_npu.formats.metrics import MetricsFile
 
 METRICS_KEYS = ("config", "steps", "summary")
-COMPARE_SCHEMA = "megatron-npu/compare"
 
 
 class ImportedRunError(ValueError):
@@ -83,18 +84,21 @@ def _read_json(path: Path, text: str) -> Any:
 
 
 def _from_results(data: dict, path: Path, run: str | None) -> tuple[MetricsFile, dict[str, Any]]:
-    runs = data.get("runs")
-    if not isinstance(runs, list) or not runs:
+    try:
+        results = CompareResults.parse(data, str(path))
+    except FormatError as exc:
+        raise ImportedRunError(str(exc)) from None
+    if not results.runs:
         raise ImportedRunError(f"{path}: a compare results.json without runs")
-    names = [r.get("name") for r in runs if isinstance(r, dict)]
+    names = [r.name for r in results.runs]
     if run is None:
         if len(names) != 1:
             raise ImportedRunError(f'{path}: holds runs {names}: name one with run = "NAME"')
         run = names[0]
-    entry = next((r for r in runs if isinstance(r, dict) and r.get("name") == run), None)
+    entry = results.run(run)
     if entry is None:
         raise ImportedRunError(f"{path}: no run {run!r} in it (runs: {names})")
-    metrics_path = path.parent / str(entry.get("metrics_path") or f"runs/{run}/metrics.json")
+    metrics_path = path.parent / (entry.metrics_path or f"runs/{run}/metrics.json")
     try:
         text = metrics_path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -106,8 +110,10 @@ def _from_results(data: dict, path: Path, run: str | None) -> tuple[MetricsFile,
     origin = {
         "results": str(path),
         "run": run,
-        "created": data.get("created"),
-        "provenance": data.get("provenance"),
+        "created": results.created,
+        "provenance": results.provenance.model_dump(exclude_unset=True)
+        if results.provenance
+        else None,
     }
     return metrics, origin
 

@@ -158,14 +158,18 @@ def _script_side_from_command(name: str, command: list[str], metrics: Path) -> R
 def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
     """A compare run's options (from its ``run.json`` command: a train or a script run) and its
     metrics file."""
-    from megatron_npu.compare.runner import read_json
+    from megatron_npu.formats import FormatError
+    from megatron_npu.formats.run_record import RunRecord
 
     run_dir = out_dir / "runs" / name
-    record = read_json(run_dir / "run.json")
     metrics = run_dir / "metrics.json"
-    if record is None or not metrics.is_file():
+    if not (run_dir / "run.json").is_file() or not metrics.is_file():
         raise LocateError(f"{out_dir}: no finished compare run named {name!r} ({run_dir})")
-    command = list(record.get("command") or [])
+    try:
+        record = RunRecord.read(run_dir / "run.json")
+    except FormatError as exc:
+        raise LocateError(str(exc)) from None
+    command = list(record.command or [])
     if "megatron_npu.run_script" in command:
         return _script_side_from_command(name, command, metrics), metrics
     if "train" not in command:

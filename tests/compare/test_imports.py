@@ -127,6 +127,21 @@ def test_truncated_and_malformed_json_imports_are_named(elsewhere, tmp_path):
     assert "is for a compare results.json" in _error(elsewhere / "runs" / "a" / "metrics.json", "a")
 
 
+def test_a_bad_field_of_an_imported_results_file_is_named(tmp_path):
+    committed = Path(__file__).resolve().parents[2] / "competitor" / "nvidia-h100" / "results.json"
+    data = json.loads(committed.read_text())
+    data["runs"][0]["status"] = None
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    message = _error(path, "cuda-fp32")
+    assert message.startswith(f"{path}: runs[0].status: input should be a valid string")
+    data["schema_version"] = 2
+    path.write_text(json.dumps(data))
+    assert _error(path, "cuda-fp32") == (
+        f"{path}: schema_version: 2 is not supported (this version of megatron-npu reads 1)"
+    )
+
+
 def test_matrix_import_and_script_keys(tmp_path):
     def load(text):
         path = tmp_path / "m.toml"
