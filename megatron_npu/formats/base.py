@@ -72,6 +72,8 @@ class Document(Part):
     #: Whether :meth:`write` writes NaN/inf as ``null`` (strict JSON) -- the default -- or as the
     #: strings ``"NaN"``/``"Infinity"``/``"-Infinity"`` (``"strings"``).
     non_finite: ClassVar[str] = "null"
+    #: The indent :meth:`to_json` writes with (a large file may choose 1).
+    indent: ClassVar[int] = 2
 
     @classmethod
     def parse(cls, data: Any, source: str = "<data>") -> Self:
@@ -96,9 +98,9 @@ class Document(Part):
         return cls.parse(data, str(path))
 
     def to_json(self) -> str:
-        """The document as strict JSON text (indent 2, trailing newline)."""
+        """The document as strict JSON text (indented by :attr:`indent`, trailing newline)."""
         data = self.model_dump(mode="json", exclude_unset=True)
-        text = json.dumps(_non_finite(data, self.non_finite), indent=2, allow_nan=False)
+        text = json.dumps(_non_finite(data, self.non_finite), indent=self.indent, allow_nan=False)
         return text + "\n"
 
     def write(self, path: str | Path) -> Path:
@@ -109,10 +111,35 @@ class Document(Part):
     def json_schema(cls) -> dict[str, Any]:
         """The format's JSON Schema (draft 2020-12), as ``docs/schemas/`` holds it."""
         schema = cls.model_json_schema()
+        if cls.non_finite == "strings":
+            schema = _numbers_or_strings(schema)
         return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 _STRINGS = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
+
+
+_NON_FINITE = {"enum": ["NaN", "Infinity", "-Infinity"]}
+
+
+def _numbers_or_strings(node: Any) -> Any:
+    """The schema with each number also allowed as ``"NaN"``/``"Infinity"``/``"-Infinity"``,
+    as a document with ``non_finite = "strings"`` writes them."""
+    if isinstance(node, list):
+        return [_numbers_or_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "number":
+        rest = {k: v for k, v in node.items() if k != "type"}
+        return {"anyOf": [{"type": "number"}, _NON_FINITE], **rest}
+    out = {k: _numbers_or_strings(v) for k, v in node.items()}
+    if isinstance(out.get("anyOf"), list):  # number | null: one flat list of choices
+        flat = []
+        for choice in out["anyOf"]:
+            nested = choice.get("anyOf") if set(choice) == {"anyOf"} else None
+            flat += nested if nested and _NON_FINITE in nested else [choice]
+        out["anyOf"] = flat
+    return out
 
 
 def _non_finite(value: Any, how: str) -> Any:

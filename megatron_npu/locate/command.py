@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu.files import write_private
+from megatron_npu.formats.locate_dump import ModuleInfo
 from megatron_npu.locate import (
     curves,
     dump,
@@ -310,17 +311,16 @@ class Locator:
         self, step: int, reference_dump: Path, candidate_dump: Path, comparison: modules.Comparison
     ):
         row, phase = comparison.first
-        table = dump.read_rank(candidate_dump, row.rank)[0].get("modules", {})
-        all_reached = sorted(
-            {p for info in table.values() for p in info["patches"].get("total", [])}
-        )
+        table = dump.read_rank(candidate_dump, row.rank)[0].modules
+        all_reached = sorted({p for info in table.values() for p in info.patches.total})
         applied = sorted(dump.read_meta(candidate_dump).get("applied", []))
         common = _ubiquitous(table)
         if phase == "update":  # the optimizer step changed the parameters
-            own = table.get(dump.OPTIMIZER, {}).get("patches", {}).get("own", [])
+            optimizer = table.get(dump.OPTIMIZER)
+            own = optimizer.patches.own if optimizer else []
             sets = [own, all_reached, applied]
         else:
-            own, total = row.patches.get("own", []), row.patches.get("total", [])
+            own, total = row.patches.own, row.patches.total
             sets = [own, total, all_reached, applied]
         # each set first as its patches that change numerics (those with a parity case), then
         # without the patches nearly every module reaches (device plumbing), then whole:
@@ -340,7 +340,7 @@ class Locator:
         # where switching the whole patch off leaves Megatron code the configuration cannot run
         kernels = _declared_kernels()
         if dump.read_meta(candidate_dump).get("npu_kernels"):
-            near = [own] if phase == "update" else [own, row.patches.get("total", [])]
+            near = [own] if phase == "update" else [own, row.patches.total]
             sets = [
                 sorted({KERNEL_ITEM + k for p in full for k in kernels.get(p, ())}) for full in near
             ] + sets
@@ -367,7 +367,7 @@ class Locator:
             found.kernels = [c.removeprefix(KERNEL_ITEM) for c in found.culprits]
             calling = [
                 sorted(p for p in reached if set(kernels.get(p, ())) & set(found.kernels))
-                for reached in (own, row.patches.get("total", []), all_reached)
+                for reached in (own, row.patches.total, all_reached)
             ]
             found.culprits = next((c for c in calling if c), [])
         self.timing["culprit_s"] = round(time.perf_counter() - start, 2)
@@ -401,9 +401,9 @@ def _numeric_patches() -> set[str]:
     return {p.id for p in all_patches() if p.parity is not None}
 
 
-def _ubiquitous(table: dict[str, Any]) -> set[str]:
+def _ubiquitous(table: dict[str, ModuleInfo]) -> set[str]:
     """Patches in the own set of more than half of the modules that reach any patch."""
-    owns = [set(info.get("patches", {}).get("own", [])) for info in table.values()]
+    owns = [set(info.patches.own) for info in table.values()]
     owns = [o for o in owns if o]
     counts: dict[str, int] = {}
     for own in owns:

@@ -28,8 +28,8 @@ sits beside it::
 
     <dump>/locate-dump.json     {"format": "megatron-npu-locate-dump", "version": 2, step, world,
                                  device, dtype, argv, disabled, ranks: [...]}
-    <dump>/rank<R>/index.json   {"rank", "coords": {"tp", "pp", "dp"[, "cp"]}, "entries": [...],
-                                 "modules": {name: {"kind", "depth", "patches": {own, total}}}}
+    <dump>/rank<R>/index.json   every tensor and the module table
+                                 (:class:`megatron_npu.formats.locate_dump.DumpIndex`)
     <dump>/rank<R>/dump.json    msprobe's rows: ``Module.<name>.<Class>.forward.<call>``
                                  (``input_args``, ``output``), ``...backward.<call>`` (``input``:
                                  the gradient reaching the outputs, ``output``: the one sent to the
@@ -57,11 +57,15 @@ from typing import Any
 import torch
 
 from megatron_npu.files import write_private
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.locate_dump import DumpIndex
 
 DUMP_FORMAT = "megatron-npu-locate-dump"
 DUMP_VERSION = 2
 #: the dump folder's own description (the rank folders hold msprobe's ``dump.json``)
 META_FILE = "locate-dump.json"
+#: each rank folder's index of its tensors and modules (:class:`DumpIndex`)
+INDEX_FILE = "index.json"
 TENSOR_DIR = "dump_tensor_data"
 DEFAULT_LIMIT = 4096
 ROOT = "model"
@@ -411,7 +415,7 @@ class Recorder:
             "entries": self.entries,
             "modules": table,
         }
-        _write_json(folder / "index.json", index)
+        DumpIndex.parse(index, str(folder / INDEX_FILE)).write(folder / INDEX_FILE)
         return folder
 
     def _construct(
@@ -523,19 +527,22 @@ def read_meta(dump_dir: str | Path) -> dict[str, Any]:
     return data
 
 
-def read_rank(dump_dir: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_rank(dump_dir: str | Path, rank: int) -> tuple[DumpIndex, dict[str, torch.Tensor]]:
     """One rank's index and its tensors by entry key (each ``torch.load(weights_only=True)``:
     no code is unpickled)."""
     folder = Path(dump_dir) / f"rank{rank}"
     try:
-        index = json.loads((folder / "index.json").read_text(encoding="utf-8"))
-        tensors = {}
-        for entry in index["entries"]:
-            path = folder / TENSOR_DIR / entry["data_name"]
+        index = DumpIndex.read(folder / INDEX_FILE)
+    except FormatError as exc:
+        raise DumpError(f"{exc.source}: unreadable rank dump ({exc.message})") from None
+    tensors = {}
+    try:
+        for entry in index.entries:
+            path = folder / TENSOR_DIR / entry.data_name
             tensor = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(tensor, torch.Tensor):
                 raise DumpError(f"{path}: not a tensor")
-            tensors[entry["key"]] = tensor
+            tensors[entry.key] = tensor
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise DumpError(f"{folder}: unreadable rank dump ({exc})") from None
     return index, tensors

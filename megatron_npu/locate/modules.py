@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from megatron_npu.formats.locate_dump import Coords, DumpIndex, Entry, Patches
 from megatron_npu.locate import dump as dump_mod
 
 PHASES = ("forward", "backward", "update")
@@ -112,7 +113,7 @@ class ModuleRow:
     shard: str
     kind: str
     depth: int
-    patches: dict[str, list[str]] = field(default_factory=dict)
+    patches: Patches = field(default_factory=Patches)
     phases: dict[str, PhaseError] = field(default_factory=dict)
     #: the relative error of each of its parameters' gradients (by parameter name)
     param_grads: dict[str, float] = field(default_factory=dict)
@@ -125,7 +126,7 @@ class ModuleRow:
             "shard": self.shard,
             "kind": self.kind,
             "depth": self.depth,
-            "patches": self.patches,
+            "patches": self.patches.model_dump(exclude_unset=True),
             **{phase: self.phases[phase].as_dict() for phase in PHASES if phase in self.phases},
         }
 
@@ -193,11 +194,11 @@ def msprobe_metrics(actual: torch.Tensor, reference: torch.Tensor) -> dict[str, 
     }
 
 
-def _shard(coords: dict[str, int], world: int) -> str:
+def _shard(coords: Coords, world: int) -> str:
     if world <= 1:
         return ""
-    shard = f"tp{coords.get('tp', 0)}.pp{coords.get('pp', 0)}.dp{coords.get('dp', 0)}"
-    return f"{shard}.cp{coords['cp']}" if "cp" in coords else shard
+    shard = f"tp{coords.tp}.pp{coords.pp}.dp{coords.dp}"
+    return f"{shard}.cp{coords.cp}" if coords.cp is not None else shard
 
 
 def _phase_of(quantity: str) -> tuple[str, str] | None:
@@ -213,61 +214,60 @@ def _phase_of(quantity: str) -> tuple[str, str] | None:
     return None
 
 
-def _needed(entry: dict[str, Any], only: set[str]) -> bool:
+def _needed(entry: Entry, only: set[str]) -> bool:
     """Entries outside ``only`` that a kept module's row still reads."""
-    quantity = entry["quantity"]
+    quantity = entry.quantity
     if quantity.startswith("param.update:"):
-        return entry.get("param_owner") in only
-    if entry["module"].rpartition(".")[2] == "output_layer":
+        return entry.param_owner in only
+    if entry.module.rpartition(".")[2] == "output_layer":
         return any(m.rpartition(".")[2] == dump_mod.ROOT for m in only)
     return False
 
 
 def compare_rank(
-    ref_index: dict,
+    ref_index: DumpIndex,
     ref_tensors: dict,
-    cand_index: dict,
+    cand_index: DumpIndex,
     cand_tensors: dict,
     rule: Rule,
     world: int,
     only: set[str] | None = None,
 ) -> list[ModuleRow]:
     """The module rows of one rank (see the module docstring)."""
-    ref_entries = {e["key"]: e for e in ref_index["entries"]}
-    modules = cand_index.get("modules", {})
-    rank = int(cand_index.get("rank", 0))
-    shard = _shard(cand_index.get("coords", {}), world)
+    ref_entries = {e.key: e for e in ref_index.entries}
+    rank = cand_index.rank
+    shard = _shard(cand_index.coords, world)
     rows: dict[str, ModuleRow] = {}
 
     def row(module: str) -> ModuleRow:
         if module not in rows:
-            info = modules.get(module, {})
+            info = cand_index.modules.get(module)
             rows[module] = ModuleRow(
                 name=f"{module}@{shard}" if shard else module,
                 module=module,
                 rank=rank,
                 shard=shard,
-                kind=info.get("kind", dump_mod.module_kind(module)),
-                depth=int(info.get("depth", 0)),
-                patches=info.get("patches", {}),
+                kind=info.kind if info else dump_mod.module_kind(module),
+                depth=info.depth if info else 0,
+                patches=info.patches if info else Patches(),
             )
         return rows[module]
 
-    for entry in cand_index["entries"]:
-        key = entry["key"]
-        quantity = entry["quantity"]
-        if only is not None and entry["module"] not in only and not _needed(entry, only):
+    for entry in cand_index.entries:
+        key = entry.key
+        quantity = entry.quantity
+        if only is not None and entry.module not in only and not _needed(entry, only):
             continue
         ref = ref_entries.get(key)
         err = math.inf if ref is None else tensor_error(cand_tensors[key], ref_tensors[key])
         if quantity.startswith("param.update:"):
             param = quantity.partition(":")[2]
-            owner = entry.get("param_owner") or param.rpartition(".")[0] or dump_mod.ROOT
+            owner = entry.param_owner or param.rpartition(".")[0] or dump_mod.ROOT
             phase = row(owner).phases.setdefault("update", PhaseError())
             phase.output = err if phase.output is None else max(phase.output, err)
             if phase.output == err:
                 phase.worst = key
-            phase.order = min(phase.order, entry["order"])
+            phase.order = min(phase.order, entry.order)
             grad = row(owner).param_grads.get(param.rpartition(".")[2], 0.0)
             phase.input = max(phase.input, grad)
             continue
@@ -277,15 +277,15 @@ def compare_rank(
         phase_name, side = place
         _loss_share(row, entry, err)
         if quantity.startswith("param.grad:"):
-            row(entry["module"]).param_grads[quantity.partition(":")[2]] = err
-        target = row(entry["module"]).phases.setdefault(phase_name, PhaseError())
+            row(entry.module).param_grads[quantity.partition(":")[2]] = err
+        target = row(entry.module).phases.setdefault(phase_name, PhaseError())
         if side == "in":
             target.input = max(target.input, err)
         else:
             target.output = err if target.output is None else max(target.output, err)
             if target.output == err:
                 target.worst = key
-            target.order = min(target.order, entry["order"])
+            target.order = min(target.order, entry.order)
     # a module's update row is explained by its own parameters' gradients
     for r in rows.values():
         upd = r.phases.get("update")
@@ -298,11 +298,11 @@ def compare_rank(
     return list(rows.values())
 
 
-def _loss_share(row, entry: dict[str, Any], err: float) -> None:
+def _loss_share(row, entry: Entry, err: float) -> None:
     """The loss is the root's own code: its input is the output layer's output (the logits) and
     its backward produces the gradient that reaches the output layer's output."""
-    module, quantity = entry["module"], entry["quantity"]
-    if module.rpartition(".")[2] != "output_layer" or entry.get("index", 0) != 0:
+    module, quantity = entry.module, entry.quantity
+    if module.rpartition(".")[2] != "output_layer" or entry.index != 0:
         return
     prefix = module[: -len("output_layer")]
     root = row(prefix + dump_mod.ROOT)
@@ -313,8 +313,8 @@ def _loss_share(row, entry: dict[str, Any], err: float) -> None:
         phase = root.phases.setdefault("backward", PhaseError())
         phase.output = err if phase.output is None else max(phase.output, err)
         if phase.output == err:
-            phase.worst = entry["key"]
-        phase.order = min(phase.order, entry["order"])
+            phase.worst = entry.key
+        phase.order = min(phase.order, entry.order)
 
 
 @dataclass
@@ -394,7 +394,7 @@ def compare_dumps(
             ref_index, ref_tensors, cand_index, cand_tensors, rule, world, only
         )
         rows += [r for r in rank_rows if only is None or r.module in only]
-        names = {e["key"]: e["data_name"] for e in cand_index["entries"]}
+        names = {e.key: e.data_name for e in cand_index.entries}
         for r in rank_rows:  # the tensors a module may be named by, kept while they are loaded
             for phase in r.phases.values():
                 key = phase.worst

@@ -324,7 +324,7 @@ def test_msprobe_compare_reads_locates_own_dumps_and_agrees_on_the_named_module(
     measured = first["msprobe"]
     table = msprobe_compare(bad, ref, tmp_path / "compare")
     index, _ = dump.read_rank(bad, 0)
-    assert len(table) == sum(e["module"] != dump.OPTIMIZER for e in index["entries"])
+    assert len(table) == sum(e.module != dump.OPTIMIZER for e in index.entries)
     row = table[measured["data_name"].removesuffix(".pt")]
     assert float(row["Cosine"]) == pytest.approx(measured["cosine"], abs=1e-6)
     assert float(row["MaxAbsErr"]) == pytest.approx(measured["max_abs_error"], rel=1e-4)

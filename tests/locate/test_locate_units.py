@@ -180,14 +180,30 @@ def test_large_tensors_are_sampled_identically_on_both_runs(tmp_path):
 def test_dump_reads_back_with_weights_only_and_rejects_other_folders(tmp_path):
     folder = _dump(tmp_path, "a", limit=16)
     index, tensors = dump.read_rank(folder, 0)
-    assert all(e["key"] in tensors for e in index["entries"])
-    assert any(e["sampled"] for e in index["entries"])
+    assert all(e.key in tensors for e in index.entries)
+    assert any(e.sampled for e in index.entries)
     with pytest.raises(dump.DumpError, match="not a locate dump"):
         dump.read_meta(tmp_path / "nowhere")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / dump.META_FILE).write_text('{"format": "x"}')
     with pytest.raises(dump.DumpError, match="not a megatron-npu-locate-dump"):
         dump.read_meta(tmp_path / "other")
+
+
+def test_an_index_reads_back_as_written_and_a_bad_field_is_named(tmp_path):
+    from megatron_npu.formats.locate_dump import DumpIndex
+
+    folder = _dump(tmp_path, "a", limit=16)
+    path = folder / "rank0" / dump.INDEX_FILE
+    text = path.read_text()
+    assert DumpIndex.read(path).to_json() == text
+    data = json.loads(text)
+    data["entries"][2]["order"] = "late"
+    path.write_text(json.dumps(data))
+    with pytest.raises(dump.DumpError) as bad:
+        dump.read_rank(folder, 0)
+    assert str(bad.value).startswith(f"{path}: unreadable rank dump (entries[2].order: ")
+    assert "'late'" in str(bad.value)
 
 
 def test_tensor_error_uses_parity_rel_l2():
@@ -551,13 +567,13 @@ def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
 
 
 def test_patches_nearly_every_module_reaches_are_searched_last():
+    from megatron_npu.formats.locate_dump import ModuleInfo
     from megatron_npu.locate.command import _ubiquitous
 
+    owns = {"a": ["ns:x", "rotary"], "b": ["ns:x"], "c": ["ns:x", "norm"], "d": []}
     table = {
-        "a": {"patches": {"own": ["ns:x", "rotary"]}},
-        "b": {"patches": {"own": ["ns:x"]}},
-        "c": {"patches": {"own": ["ns:x", "norm"]}},
-        "d": {"patches": {"own": []}},
+        name: ModuleInfo(kind="other", class_name="M", depth=0, patches={"own": own})
+        for name, own in owns.items()
     }
     assert _ubiquitous(table) == {"ns:x"}
 
@@ -706,11 +722,11 @@ def test_a_rank_folder_is_an_msprobe_dump_that_msprobe_and_locate_msprobe_read(t
             else []
         )
     }
-    placed = {e["data_name"] for e in index["entries"] if e["module"] != dump.OPTIMIZER}
+    placed = {e.data_name for e in index.entries if e.module != dump.OPTIMIZER}
     assert files == placed and len(files) == len(placed)
-    for entry in index["entries"]:
-        stored = torch.load(bad / "rank0" / dump.TENSOR_DIR / entry["data_name"], weights_only=True)
-        assert torch.equal(stored, tensors[entry["key"]])
+    for entry in index.entries:
+        stored = torch.load(bad / "rank0" / dump.TENSOR_DIR / entry.data_name, weights_only=True)
+        assert torch.equal(stored, tensors[entry.key])
     layer = "Module.decoder.layers.1.Block"
     assert {f"{layer}.forward.0", f"{layer}.backward.0"} <= rows.keys()
     assert rows[f"{layer}.forward.0"]["output"][0]["data_name"] == f"{layer}.forward.0.output.0.pt"
