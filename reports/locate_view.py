@@ -1,6 +1,6 @@
 """The report section of a ``megatron-npu locate`` result: ``locate.json`` of runs of ``train``
 or of the user's own script (``--script``), and ``locate-msprobe.json`` of two msprobe dumps
-(``--msprobe``); schemas in docs/locate.md.
+(``--msprobe``); their formats: :mod:`megatron_npu.formats.locate_result` and docs/locate.md.
 
 For ``locate.json``: the model's module tree (indented by the dotted name; one row per module and
 shard), each row a heat strip of three cells -- forward, backward, update -- coloured by the
@@ -18,10 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.base import Part
+from megatron_npu.formats.locate_result import FILENAME as LOCATE_FILE
+from megatron_npu.formats.locate_result import Divergent, ModuleRow, RunSide, is_locate
+from megatron_npu.formats.locate_result import LocateResult as LocateFile
 from megatron_npu.locate.msprobe_dumps import RESULT_FILE as MSPROBE_FILE
 from megatron_npu.locate.msprobe_dumps import RESULT_FORMAT as MSPROBE_FORMAT
-from megatron_npu.locate.result import FILENAME as LOCATE_FILE
-from megatron_npu.locate.result import LocateResultError, is_locate, validate
 
 PHASES = ("forward", "backward", "update")
 __all__ = [
@@ -42,7 +45,8 @@ class BadLocateResult(ValueError):
 @dataclass(frozen=True)
 class LocateResult:
     source: str
-    data: dict[str, Any]
+    #: the locate.json as read (:class:`LocateFile`), or a locate-msprobe.json as decoded
+    data: LocateFile | dict[str, Any]
 
 
 def looks_like_locate(data: Any) -> bool:
@@ -67,9 +71,30 @@ def parse(data: Any, source: str) -> LocateResult:
             )
         return LocateResult(source, data)
     try:
-        return LocateResult(source, validate(data, source))
-    except LocateResultError as exc:
+        return LocateResult(source, LocateFile.parse(data, source))
+    except FormatError as exc:
         raise BadLocateResult(str(exc)) from None
+
+
+def _shown(value: Any) -> Any:
+    """A number as locate.json writes it, and so as the page shows it: a non-finite one as
+    ``"Infinity"``, ``"-Infinity"`` or ``"NaN"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _as_written(part: Part | None) -> Any:
+    """A part of locate.json as plain values, the way the file holds them (:func:`_shown`)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return _shown(value)
+
+    return None if part is None else plain(part.model_dump(mode="json", exclude_unset=True))
 
 
 def _number(value: Any) -> float | None:
@@ -96,56 +121,53 @@ def heat(error: Any, tolerance: Any) -> dict[str, Any]:
     return {"color": f"hsl({hue:.0f}, 75%, 55%)", "label": f"{err:.2e}", "level": level}
 
 
-def _tree_key(row: dict[str, Any]) -> tuple:
-    module = row.get("module", "")
+def _tree_key(row: ModuleRow) -> tuple:
+    module = row.module
     if module == "optimizer":
-        return (2, "", row.get("rank", 0))
+        return (2, "", row.rank)
     if module == "model":
-        return (0, "", row.get("rank", 0))
+        return (0, "", row.rank)
     parts = tuple(int(p) if p.isdigit() else p for p in module.split("."))
-    return (1, tuple((0, p) if isinstance(p, int) else (1, p) for p in parts), row.get("rank", 0))
+    return (1, tuple((0, p) if isinstance(p, int) else (1, p) for p in parts), row.rank)
 
 
-def tree_rows(modules: list[dict[str, Any]], divergent: dict | None) -> list[dict[str, Any]]:
+def tree_rows(modules: list[ModuleRow], divergent: Divergent | None) -> list[dict[str, Any]]:
     out = []
-    named = (divergent or {}).get("name")
+    named = divergent.name if divergent else None
     for row in sorted(modules, key=_tree_key):
-        module = row.get("module", "")
+        module = row.module
         cells = []
         for phase in PHASES:
-            info = row.get(phase) or {}
-            cell = heat(info.get("output"), info.get("tolerance"))
-            cell.update(
-                phase=phase,
-                input=info.get("input"),
-                ratio=info.get("ratio"),
-                diverges=bool(info.get("diverges")),
-            )
+            info = getattr(row, phase)
+            if info is None:
+                cell = heat(None, None)
+                cell.update(phase=phase, input=None, ratio=None, diverges=False)
+            else:
+                cell = heat(_shown(info.output), info.tolerance)
+                cell.update(
+                    phase=phase,
+                    input=_shown(info.input),
+                    ratio=_shown(info.ratio),
+                    diverges=info.diverges,
+                )
             cells.append(cell)
         out.append(
             {
-                "name": row.get("name", module),
-                "label": module.rpartition(".")[2]
-                + (f" @{row['shard']}" if row.get("shard") else ""),
+                "name": row.name,
+                "label": module.rpartition(".")[2] + (f" @{row.shard}" if row.shard else ""),
                 "indent": 0 if module in ("model", "optimizer") else module.count(".") + 1,
-                "kind": row.get("kind", ""),
+                "kind": row.kind,
                 "cells": cells,
-                "named": row.get("name", module) == named,
-                "patches": (row.get("patches") or {}).get("own", []),
+                "named": row.name == named,
+                "patches": row.patches.own,
             }
         )
     return out
 
 
-def _side(side: Any) -> dict[str, Any]:
+def _side(side: RunSide) -> dict[str, Any]:
     """A run side as the page names it: its label and device, and the user's script if any."""
-    side = side if isinstance(side, dict) else {}
-    return {
-        **side,
-        "label": side.get("label", "?"),
-        "device": side.get("device", "?"),
-        "script": side.get("script"),
-    }
+    return {**_as_written(side), "script": side.script}
 
 
 def msprobe_rows(rows: list[dict[str, Any]], divergent: dict | None) -> list[dict[str, Any]]:
@@ -195,27 +217,25 @@ def msprobe_section(result: LocateResult, index: int) -> dict[str, Any]:
 def section(result: LocateResult, index: int) -> dict[str, Any]:
     if _is_msprobe(result.data):
         return msprobe_section(result, index)
-    data = result.data
-    step = data.get("step") or {}
-    culprit = data.get("culprit") or {}
-    divergent = data.get("divergent")
+    found: LocateFile = result.data
+    step, culprit, divergent = found.step, found.culprit, found.divergent
     return {
         "id": f"locate-{index}",
-        "mode": "script" if _side(data.get("reference")).get("script") else "runs",
+        "mode": "script" if found.reference.script else "runs",
         "source": result.source,
-        "reference": _side(data.get("reference")),
-        "candidate": _side(data.get("candidate")),
-        "metrics": (divergent or {}).get("msprobe"),
-        "step": step.get("step"),
-        "step_quantity": step.get("quantity"),
-        "step_error": step.get("rel_error"),
-        "approximate": (step.get("approximate") or {}).get("status"),
-        "replayed_step": data.get("replayed_step"),
-        "divergent": divergent,
-        "culprits": culprit.get("culprits", []),
-        "culprit_note": culprit.get("note", ""),
-        "trials": culprit.get("trials", []),
-        "rows": tree_rows(data.get("modules", []), divergent),
-        "reproduce": data.get("reproduce", ""),
-        "timing": data.get("timing", {}),
+        "reference": _side(found.reference),
+        "candidate": _side(found.candidate),
+        "metrics": _as_written(divergent.msprobe) if divergent else None,
+        "step": step.step,
+        "step_quantity": step.quantity,
+        "step_error": step.rel_error,
+        "approximate": step.approximate.status,
+        "replayed_step": found.replayed_step,
+        "divergent": _as_written(divergent),
+        "culprits": culprit.culprits if culprit else [],
+        "culprit_note": culprit.note if culprit else "",
+        "trials": _as_written(culprit)["trials"] if culprit else [],
+        "rows": tree_rows(found.modules, divergent),
+        "reproduce": found.reproduce,
+        "timing": _as_written(found.timing) or {},
     }

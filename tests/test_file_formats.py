@@ -139,3 +139,30 @@ def test_run_records_old_and_new_are_read_and_a_bad_one_is_named(tmp_path):
     with pytest.raises(FormatError, match=rf"^{path}: status: .*\['ok'\]"):
         RunRecord.read(path)
     assert read_record(path) is None  # the run is not reused: it runs again
+
+
+def test_a_document_may_write_non_finite_numbers_as_strings():
+    """locate's files write a non-finite number as "NaN" / "Infinity" (null has a meaning of its
+    own there), read it back as the float, and their schema allows the strings."""
+    from megatron_npu.formats.locate_dump import DumpIndex
+
+    entry = {
+        "key": "optimizer#0|param.update:w|0",
+        "module": "optimizer",
+        "call": 0,
+        "quantity": "param.update:w",
+        "index": 0,
+        "order": 0,
+        "shape": [2],
+        "dtype": "float32",
+        "sampled": False,
+        "stats": {"numel": 2, "l2": float("nan")},
+        "param_owner": "model",
+        "data_name": "optimizer.update.w.pt",
+    }
+    data = {"rank": 0, "coords": {"tp": 0, "pp": 0, "dp": 0}, "limit": 8, "entries": [entry]}
+    text = DumpIndex.parse({**data, "modules": {}}).to_json()
+    assert '"l2": "NaN"' in text
+    assert math.isnan(DumpIndex.parse(json.loads(text)).entries[0].stats.l2)
+    l2 = DumpIndex.json_schema()["$defs"]["TensorStats"]["properties"]["l2"]
+    assert {"enum": ["NaN", "Infinity", "-Infinity"]} in l2["anyOf"]

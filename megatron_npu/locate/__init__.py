@@ -1,6 +1,7 @@
 """``megatron-npu locate``: the first divergent step, module and patch between two runs.
 
-One module per job (docs/locate.md has the whole method and the file formats):
+One module per job (docs/locate.md has the whole method; the file formats are
+:mod:`megatron_npu.formats.locate_result` and :mod:`megatron_npu.formats.locate_dump`):
 
 * :mod:`.curves` -- the two runs' loss / grad-norm curves -> the first divergent step
 * :mod:`.trace` -- which adaptor patches each module reaches (built it, or ran inside it)
@@ -9,6 +10,5 @@ One module per job (docs/locate.md has the whole method and the file formats):
 * :mod:`.modules` -- module-by-module comparison of two dumps (``megatron_npu.parity.metrics``) and
   the input-explained error rule
 * :mod:`.culprit` -- delta debugging over the patches the divergent module reaches
-* :mod:`.result` -- ``locate.json`` (schema version, writer, reader)
 * :mod:`.command` -- the command line and the whole search
 """

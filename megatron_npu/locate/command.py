@@ -10,7 +10,8 @@
 3. **patch** -- :func:`~.culprit.search` replays the candidate's step with the patches that
    module reaches switched off, halving the set, until one patch (or a minimal set) is left whose
    removal brings the module back within tolerance;
-4. ``<out>/locate.json`` (:mod:`.result`) and the command that reproduces it.
+4. ``<out>/locate.json`` (:class:`megatron_npu.formats.locate_result.LocateResult`) and the
+   command that reproduces it.
 
 With no divergent step (the curves agree) the first step is replayed and compared all the same:
 the result then says that no module diverges.
@@ -31,12 +32,12 @@ from typing import Any
 
 from megatron_npu.files import write_private
 from megatron_npu.formats.locate_dump import ModuleInfo
+from megatron_npu.formats.locate_result import FILENAME, LocateResult
 from megatron_npu.locate import (
     curves,
     dump,
     modules,
     msprobe_dumps,
-    result,
     script_runs,
     worker,
 )
@@ -574,7 +575,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     loc.timing["total_s"] = round(time.perf_counter() - started, 2)
     data["timing"] = loc.timing
     data["reproduce"] = reproduce_command(args, finding.step)
-    path = result.write(out, data)
+    path = LocateResult.of(data).write(out / FILENAME)
     echo(f" locate: {path} ({loc.timing['total_s']:.0f} s)")
     return data
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from planting import plant_env
 
 from megatron_npu.compare import command as compare_command
 from megatron_npu.compare import matrix as m
+from megatron_npu.formats.locate_result import LocateResult
 from megatron_npu.locate import command
 from tests.locate.test_locate_script import COMMON
 from tests.megatron_lm._client import megatron_lm_folder
@@ -89,8 +89,8 @@ def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, m
     assert (found["kind"], found["phase"]) == ("optimizer", "update"), found
     culprits = data["culprit"]["culprits"]
     assert culprits and set(culprits) <= ADAMW, data["culprit"]
-    saved = json.loads((tmp_path / "loc" / "locate.json").read_text())
-    assert saved["divergent"]["module"] == found["module"] and runs["npu"]["emulated"] is True
+    saved = LocateResult.read(tmp_path / "loc" / "locate.json")
+    assert saved.divergent.module == found["module"] and runs["npu"]["emulated"] is True
 
 
 def test_locate_reads_a_compare_pair_of_script_runs(tmp_path, monkeypatch):

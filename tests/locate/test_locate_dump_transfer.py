@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from megatron_npu.cli import main
+from megatron_npu.formats.locate_result import LocateResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -43,8 +44,8 @@ def test_a_reference_dump_taken_elsewhere_locates_the_bug(tmp_path):
     meta = json.loads((there / "dumps" / "reference" / "locate-dump.json").read_text())
     assert meta["format"] == "megatron-npu-locate-dump" and meta["step"] == 2
     assert (there / "dumps" / "reference" / "checkpoint").is_dir()
-    located = json.loads((there / "locate.json").read_text())
-    assert located["modules"] == [] and located["dumps"]["candidate"] is None
+    located = LocateResult.read(there / "locate.json")
+    assert located.modules == [] and located.dumps.candidate is None
     copied = tmp_path / "carried" / "reference"
     shutil.copytree(there / "dumps" / "reference", copied)
     shutil.rmtree(there)  # nothing of machine A's folder is read by machine B
@@ -69,10 +70,10 @@ def test_a_reference_dump_taken_elsewhere_locates_the_bug(tmp_path):
         ]
     )
     assert code == 0
-    data = json.loads((here / "locate.json").read_text())
-    assert data["replayed_step"] == 2
-    assert data["divergent"]["module"] == "decoder.layers.0.input_layernorm"
-    assert data["culprit"]["culprits"] == ["norm.wrapped-torch-norm"]
+    data = LocateResult.read(here / "locate.json")
+    assert data.replayed_step == 2
+    assert data.divergent.module == "decoder.layers.0.input_layernorm"
+    assert data.culprit.culprits == ["norm.wrapped-torch-norm"]
     # a dump of another step is refused by name
     code = main(
         [

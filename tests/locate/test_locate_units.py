@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from megatron_npu.compare import rules
-from megatron_npu.locate import command, curves, dump, modules, result
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.locate_result import FILENAME, SCHEMA_VERSION, LocateResult
+from megatron_npu.locate import command, curves, dump, modules
 from megatron_npu.locate.culprit import ddmin, search
 
 # ------------------------------------------------------------------ first divergent step
@@ -307,7 +309,7 @@ def _locate_json(tmp_path, comp):
         },
         "reproduce": "megatron-npu locate --step 2 --out x",
     }
-    return result.write(tmp_path / "loc", data)
+    return LocateResult.of(data).write(tmp_path / "loc" / FILENAME)
 
 
 def test_locate_json_round_trip_and_named_errors(tmp_path):
@@ -315,12 +317,22 @@ def test_locate_json_round_trip_and_named_errors(tmp_path):
         _dump(tmp_path, "ref"), _dump(tmp_path, "bad", "norm-forward", bug_layer=1)
     )
     path = _locate_json(tmp_path, comp)
-    data = result.read(path)
-    assert data["divergent"]["module"] == "decoder.layers.1"
-    assert data["schema_version"] == result.SCHEMA_VERSION
+    found = LocateResult.read(path)
+    assert found.divergent.module == "decoder.layers.1"
+    assert found.schema_version == SCHEMA_VERSION
+    assert found.to_json() == path.read_text()
+    data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "schema_version": 99}))
-    with pytest.raises(result.LocateResultError, match="schema_version 99"):
-        result.read(path)
+    with pytest.raises(
+        FormatError, match=rf"^{path}: schema_version: input should be 1 \(got 99\)"
+    ):
+        LocateResult.read(path)
+    data["modules"][3]["forward"]["tolerance"] = "small"
+    path.write_text(json.dumps(data))
+    with pytest.raises(FormatError) as bad:
+        LocateResult.read(path)
+    assert str(bad.value).startswith(f"{path}: modules[3].forward.tolerance: ")
+    assert "'small'" in str(bad.value)
 
 
 def test_the_report_renders_the_module_tree_step_module_patch_and_command(tmp_path):
