@@ -250,7 +250,8 @@ def test_compare_extras_and_a_run_without_device(compare_dir, tmp_path):
     rs = load([folder])
     assert rs.skipped == []
     section = comparison_section(rs.comparisons[0], 0)
-    assert section["not_run"] == data["skipped"] and section["notes"] == data["notes"]
+    assert [s.model_dump() for s in section["not_run"]] == data["skipped"]
+    assert section["notes"] == data["notes"]
     runs = next(row for row in context(rs)["banner"] if row["kind"] == "training runs")
     assert [d["name"] for d in runs["devices"]] == ["cpu"]
     assert band({"per_step_rel": 1e-5}) == 1e-5
