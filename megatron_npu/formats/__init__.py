@@ -20,9 +20,9 @@ import importlib
 import json
 import pkgutil
 
-from megatron_npu.formats.base import Document, FormatError
+from megatron_npu.formats.base import Document, FieldError, FormatError
 
-__all__ = ["Document", "FormatError", "formats", "schema_files"]
+__all__ = ["Document", "FieldError", "FormatError", "formats", "schema_files"]
 
 
 def formats() -> dict[str, type[Document]]:

@@ -22,6 +22,16 @@ class FormatError(ValueError):
         self.message = message
 
 
+class FieldError(ValueError):
+    """Raised by a validator that checks several fields together: ``field`` (dotted, relative to
+    the object validated) is the one to name, so the error points at it rather than at the
+    object."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _where(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -33,9 +43,17 @@ def describe(exc: ValidationError) -> str:
     """The first problem pydantic found, as ``field: what is wrong`` (with how many more)."""
     errors = exc.errors(include_url=False)
     first = errors[0]
-    where = _where(first["loc"])
-    text = f"{where}: {first['msg'].lower()}"
-    if first["type"] not in ("missing",) and "input" in first:
+    loc = tuple(first["loc"])
+    error = first.get("ctx", {}).get("error")
+    if first["type"] == "value_error" and isinstance(error, ValueError):
+        # a validator's own message, as written (without pydantic's "Value error, ")
+        message = str(error)
+        if isinstance(error, FieldError):
+            loc += tuple(error.field.split("."))
+    else:
+        message = first["msg"].lower()
+    text = f"{_where(loc)}: {message}"
+    if first["type"] != "missing" and not isinstance(error, FieldError) and "input" in first:
         shown = repr(first["input"])
         text += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
     if len(errors) > 1:
@@ -69,6 +87,8 @@ class Document(Part):
     document that carries its version, check it with a field validator."""
 
     schema_name: ClassVar[str] = ""
+    #: Whether :meth:`write` sorts the keys of every object.
+    sort_keys: ClassVar[bool] = False
     #: Whether :meth:`write` writes NaN/inf as ``null`` (strict JSON) -- the default -- or as the
     #: strings ``"NaN"``/``"Infinity"``/``"-Infinity"`` (``"strings"``).
     non_finite: ClassVar[str] = "null"
@@ -97,10 +117,16 @@ class Document(Part):
             raise FormatError(str(path), f"is not JSON ({exc})") from None
         return cls.parse(data, str(path))
 
+    def to_data(self) -> dict[str, Any]:
+        """The document as the decoded JSON of its file: the keys it was given, non-finite
+        numbers as :attr:`non_finite` says."""
+        return _non_finite(self.model_dump(mode="json", exclude_unset=True), self.non_finite)
+
     def to_json(self) -> str:
         """The document as strict JSON text (indented by :attr:`indent`, trailing newline)."""
-        data = self.model_dump(mode="json", exclude_unset=True)
-        text = json.dumps(_non_finite(data, self.non_finite), indent=self.indent, allow_nan=False)
+        text = json.dumps(
+            self.to_data(), indent=self.indent, sort_keys=self.sort_keys, allow_nan=False
+        )
         return text + "\n"
 
     def write(self, path: str | Path) -> Path:
