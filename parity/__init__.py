@@ -4,8 +4,10 @@ Public API of the metrics / verdict / results layer:
 
 * :func:`compare` -> :class:`TensorComparison` (msprobe accuracy metrics of one tensor)
 * :func:`verdict` / :func:`worst` -> :class:`Verdict`, with an optional :class:`Tolerance`
-* :class:`ParityRecord`, :func:`write_record`, :func:`read_records`, :func:`summary_table`,
-  :func:`print_summary` (structured JSON results; schema in ``docs/parity-results.md``)
+* :func:`build_record` / :func:`failed_record` -> :class:`ParityRecord`, :func:`write_record`,
+  :func:`read_records`, :func:`summary_table`, :func:`print_summary` (structured JSON results;
+  the record is :mod:`megatron_npu.formats.parity_record`, described in
+  ``docs/parity-results.md``)
 """
 
 from megatron_npu.parity.metrics import TensorComparison, compare
@@ -14,8 +16,8 @@ from megatron_npu.parity.results import (
     DEVICES,
     SCHEMA_VERSION,
     ParityRecord,
-    RecordError,
-    TensorResult,
+    build_record,
+    failed_record,
     read_records,
     record_filename,
     write_record,
@@ -29,15 +31,15 @@ __all__ = [
     "GitInfo",
     "ParityRecord",
     "Provenance",
-    "RecordError",
     "SummaryRow",
     "TensorComparison",
-    "TensorResult",
     "Tolerance",
     "Verdict",
     "collect_provenance",
+    "build_record",
     "compare",
     "detect_device",
+    "failed_record",
     "print_summary",
     "read_records",
     "record_filename",

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_npu.parity.metrics import TensorComparison, decode_float, dtype_config, encode_float
+from megatron_npu.parity.metrics import TensorComparison, dtype_config, encode_float
 
 __all__ = [
     "against_benchmark",
@@ -126,24 +126,6 @@ class BenchmarkResult:
             "limits": enc(self.limits),
             "verdict": {"status": self.status, "reason": self.reason},
         }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchmarkResult:
-        dec = lambda d: {k: decode_float(v, k) for k, v in d.items()}  # noqa: E731
-        v = data["verdict"]
-        if v["status"] not in ("pass", "error"):
-            raise ValueError(f"benchmark status must be pass or error, got {v['status']!r}")
-        if data["level"] not in LEVEL_LIMITS:
-            raise ValueError(f"benchmark level must be one of {sorted(LEVEL_LIMITS)}")
-        return cls(
-            data["level"],
-            dec(data["tested"]),
-            dec(data["benchmark"]),
-            dec(data["ratios"]),
-            dec(data["limits"]),
-            v["status"],
-            v["reason"],
-        )
 
 
 def _ratio(tested: float, bench: float, floor: float) -> tuple[float, bool]:

@@ -52,7 +52,7 @@ def test_parity(cell: Cell, parity_mode, parity_results, rank_pools):
 def _assert_benchmarked(cell: Cell, record) -> None:
     """A 16-bit cell passes or fails on msprobe's stage-2 benchmark: every float tensor has one
     (its worst example included), so no 16-bit cell falls back to stage 1's standing warning."""
-    floats = {n for n, t in record.tensors.items() if t.comparison.kind == "float"}
+    floats = {n for n, t in record.tensors.items() if t.metrics.kind == "float"}
     section = record.benchmark
     judged = set(section.tensors) if section is not None else set()
     unavailable = section.unavailable if section is not None else None

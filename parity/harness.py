@@ -38,7 +38,7 @@ from megatron_npu.parity.case import Context, Parallel, ParityCase, load_case, u
 from megatron_npu.parity.metrics import TensorComparison, compare, dtype_name
 from megatron_npu.parity.mutations import Mutation, planted
 from megatron_npu.parity.provenance import collect_provenance
-from megatron_npu.parity.results import ParityRecord
+from megatron_npu.parity.results import ParityRecord, build_record, failed_record
 from megatron_npu.parity.verdict import final_verdict
 
 import megatron_npu
@@ -486,9 +486,9 @@ def evaluate(
         tolerance=case.tolerance_for(job.torch_dtype),
     )
     if failure is not None:
-        return ParityRecord.failed(rule=failure[0], reason=failure[1], **common)
+        return failed_record(rule=failure[0], reason=failure[1], **common)
     assert outcome is not None
-    return ParityRecord.build(
+    return build_record(
         comparisons={n: o.comparison for n, o in outcome.tensors.items()},
         benchmarks={n: o.benchmark for n, o in outcome.tensors.items()},
         benchmark_level=level_of(case.name),

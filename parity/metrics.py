@@ -250,56 +250,6 @@ class TensorComparison:
             out[key] = value
         return out
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TensorComparison:
-        """Inverse of :meth:`to_dict`; KeyError names a missing field, ValueError a bad one.
-
-        The schema-2 fields (``rel_l2``, ``rel_l2_bound``, ``small_value_atol``,
-        ``rel_l2_benchmark``) may be missing
-        (a schema-1 record); they are then None.
-        """
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in data:
-                if f.name in _SCHEMA2_FIELDS:
-                    continue
-                raise KeyError(f.name)
-            value = data[f.name]
-            if f.name in ("actual_shape", "reference_shape"):
-                if not isinstance(value, list) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in value
-                ):
-                    raise ValueError(f"{f.name} must be a list of ints, got {value!r}")
-                value = tuple(value)
-            elif f.name in _STR_FIELDS:
-                if not isinstance(value, str):
-                    raise ValueError(f"{f.name} must be a string, got {value!r}")
-            elif f.name in _INT_FIELDS:
-                if value is None and f.name in _OPTIONAL_INT_FIELDS:
-                    pass
-                elif not isinstance(value, int) or isinstance(value, bool):
-                    raise ValueError(f"{f.name} must be an int, got {value!r}")
-            else:
-                value = decode_float(value, f.name)
-            kwargs[f.name] = value
-        if kwargs["kind"] not in ("float", "exact"):
-            raise ValueError(f"kind must be 'float' or 'exact', got {kwargs['kind']!r}")
-        return cls(**kwargs)
-
-
-_SCHEMA2_FIELDS = {"rel_l2", "rel_l2_bound", "small_value_atol", "rel_l2_benchmark"}
-_STR_FIELDS = {"kind", "dtype", "actual_dtype", "reference_dtype"}
-_INT_FIELDS = {
-    "numel",
-    "compared_count",
-    "nonfinite_match_count",
-    "inf_nan_mismatch_count",
-    "exact_mismatch_count",
-    "small_value_count",
-}
-_OPTIONAL_INT_FIELDS = {"exact_mismatch_count", "small_value_count"}
-_FLOAT_STRINGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
-
 
 def encode_float(value: float) -> float | str:
     """Finite floats as is; inf / nan as strings so the JSON stays strict."""
@@ -308,17 +258,6 @@ def encode_float(value: float) -> float | str:
     if math.isnan(value):
         return "NaN"
     return "Infinity" if value > 0 else "-Infinity"
-
-
-def decode_float(value: Any, name: str) -> float | None:
-    """Inverse of :func:`encode_float`; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value in _FLOAT_STRINGS:
-        return _FLOAT_STRINGS[value]
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"{name} must be a number or null, got {value!r}")
 
 
 def _is_exact_dtype(dtype: torch.dtype) -> bool:

@@ -3,12 +3,13 @@ an NPU cell exercised an NPU kernel, and its worst tensor; the counts; the rich 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from megatron_npu.parity.results import PARALLEL_KEYS, ParityRecord
 
 from megatron_npu.devices.facts import NPU_DEVICES
+from megatron_npu.formats.parity_record import Parallel
 
 
 class SummaryRow(NamedTuple):
@@ -22,9 +23,9 @@ class SummaryRow(NamedTuple):
     worst_metric: str  # "<tensor>: <deciding rule and numbers>" of the worst tensor
 
 
-def _parallel_text(parallel: Mapping[str, int]) -> str:
-    cp = f" cp{parallel['cp']}" if parallel["cp"] > 1 else ""
-    return f"tp{parallel['tp']} pp{parallel['pp']} dp{parallel['dp']}{cp} w{parallel['world']}"
+def _parallel_text(parallel: Parallel) -> str:
+    cp = f" cp{parallel.cp}" if parallel.cp > 1 else ""
+    return f"tp{parallel.tp} pp{parallel.pp} dp{parallel.dp}{cp} w{parallel.world}"
 
 
 def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
@@ -37,7 +38,7 @@ def summary_table(records: Iterable[ParityRecord]) -> list[SummaryRow]:
                     rec.patch_id,
                     rec.case,
                     rec.dtype,
-                    tuple(rec.parallel[k] for k in PARALLEL_KEYS),
+                    tuple(getattr(rec.parallel, k) for k in PARALLEL_KEYS),
                     rec.device,
                 ),
                 SummaryRow(

@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatron_npu.parity.benchmark import against_benchmark
-from megatron_npu.parity.metrics import DUAL_LEVELS, TensorComparison, compare, decode_float
+from megatron_npu.parity.metrics import DUAL_LEVELS, TensorComparison, compare
+
+from megatron_npu.formats.parity_record import SEVERITY, STATUSES, check_tolerance
 
 __all__ = [
     "COSINE_MIN",
@@ -54,8 +56,7 @@ __all__ = [
 
 COSINE_MIN = 0.99  # cosine must be strictly above
 ABS_PASS = 1e-3  # max abs error strictly below passes at once
-STATUSES = ("pass", "warning", "error")  # in increasing severity
-_SEVERITY = {s: i for i, s in enumerate(STATUSES)}
+_SEVERITY = SEVERITY
 
 # (error-level N, warning-level N) per dtype
 _DUAL_DEFAULTS = {
@@ -86,41 +87,13 @@ class Tolerance:
     rel_l2: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reason, str) or not self.reason.strip():
-            raise ValueError("a Tolerance override needs a written reason")
-        if all(
-            v is None
-            for v in (self.cosine, self.abs_pass, self.dual_error, self.dual_warning, self.rel_l2)
-        ):
-            raise ValueError("a Tolerance override must change at least one threshold")
-        if self.cosine is not None and not -1.0 <= self.cosine < 1.0:
-            raise ValueError(f"Tolerance.cosine must be in [-1, 1), got {self.cosine}")
-        for name in ("abs_pass", "rel_l2"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"Tolerance.{name} must be a positive number, got {value}")
-        for name in ("dual_error", "dual_warning"):
-            value = getattr(self, name)
-            if value is not None and value not in _LEVEL_NAME:
-                raise ValueError(
-                    f"Tolerance.{name} must be one of {sorted(_LEVEL_NAME)}, got {value}"
-                )
+        # the record format's rules: a Tolerance read from a record is checked the same way
+        check_tolerance(
+            self.reason, self.cosine, self.abs_pass, self.dual_error, self.dual_warning, self.rel_l2
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Tolerance:
-        if "reason" not in data:
-            raise KeyError("reason")
-        kwargs = {"reason": data["reason"]}
-        for name in ("cosine", "abs_pass", "dual_error", "dual_warning", "rel_l2"):
-            if name not in data:
-                if name == "rel_l2":  # schema 1
-                    continue
-                raise KeyError(name)
-            kwargs[name] = decode_float(data[name], name)
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -147,17 +120,6 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Verdict:
-        for key in ("status", "reason", "rule", "override"):
-            if key not in data:
-                raise KeyError(key)
-        if not isinstance(data["reason"], str) or not isinstance(data["rule"], str):
-            raise ValueError("verdict reason and rule must be strings")
-        if not isinstance(data["override"], bool):
-            raise ValueError(f"verdict override must be a bool, got {data['override']!r}")
-        return cls(data["status"], data["reason"], data["rule"], data["override"])
 
 
 def _fmt(value: float) -> str:

@@ -11,6 +11,8 @@ import torch
 from megatron_npu.parity.metrics import TensorComparison, compare
 from megatron_npu.parity.verdict import Tolerance, Verdict, verdict, worst
 
+from megatron_npu.formats.parity_record import TensorMetrics
+
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 
@@ -212,7 +214,10 @@ def test_comparison_is_frozen_and_round_trips():
     c = compare(t([1.0, 2.0], F16), t([1.0, 2.001], F32), F16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.cosine = 0.0  # type: ignore[misc]
-    assert TensorComparison.from_dict(c.to_dict()) == c
+    # the record format's metrics hold exactly the comparison's fields
+    back = TensorMetrics.model_validate(c.to_dict()).model_dump()
+    shapes = {k: tuple(back[k]) for k in ("actual_shape", "reference_shape")}
+    assert TensorComparison(**{**back, **shapes}) == c
 
 
 # --------------------------------------------------------------------------- verdicts

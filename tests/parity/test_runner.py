@@ -148,5 +148,5 @@ def test_a_bf16_bug_stage1_only_warns_about_errors_on_the_benchmark(monkeypatch)
     assert (clean.verdict.status, clean.verdict.rule) == ("pass", "benchmark")
     out_clean, out_buggy = clean.tensors["out"], buggy.tensors["out"]
     assert (out_buggy.verdict.status, out_buggy.verdict.rule) == ("error", "benchmark")
-    assert verdict(out_buggy.comparison).status == verdict(out_clean.comparison).status
-    assert verdict(out_buggy.comparison, hard_only=True) is None  # rel_l2 under the floor
+    assert verdict(out_buggy.metrics).status == verdict(out_clean.metrics).status
+    assert verdict(out_buggy.metrics, hard_only=True) is None  # rel_l2 under the floor
