@@ -19,17 +19,18 @@ from megatron_npu.parity.metrics import DUAL_LEVELS
 from megatron_npu.reports.bench_view import speed_flag
 from megatron_npu.reports.formatting import device_label, number
 from megatron_npu.reports.inputs import ResultSet
-from megatron_npu.reports.parity_records import ParityCell
 from megatron_npu.reports.parity_view import SEVERITY, default_tolerance
+
+from megatron_npu.formats.parity_record import ParityRecord
 
 #: A judged metric has shifted when it moved by more than this share of its tolerance band.
 SHIFT_SHARE = 0.5
 
 
-def _bands(cell: ParityCell) -> dict[str, float]:
+def _bands(cell: ParityRecord) -> dict[str, float]:
     """Tolerance band (ideal minus threshold) of each judged metric of ``cell``."""
     tol = dict(default_tolerance(cell.dtype))
-    for key, value in (cell.tolerance or {}).items():
+    for key, value in (cell.tolerance.model_dump() if cell.tolerance else {}).items():
         if value is not None and key in tol:
             tol[key] = value
     bands = {"cosine": 1.0 - tol["cosine"], "max_abs_error": tol["abs_pass"]}
@@ -40,12 +41,13 @@ def _bands(cell: ParityCell) -> dict[str, float]:
     return bands
 
 
-def _metric_shifts(old: ParityCell, new: ParityCell) -> list[dict[str, Any]]:
+def _metric_shifts(old: ParityRecord, new: ParityRecord) -> list[dict[str, Any]]:
     bands = _bands(new)
     out = []
-    for tensor, entry in new.tensors.items():
-        before = (old.tensors.get(tensor) or {}).get("metrics") or {}
-        after = entry.get("metrics") or {}
+    old_tensors = old.to_data()["tensors"]
+    for tensor, entry in new.to_data()["tensors"].items():
+        before = old_tensors.get(tensor, {}).get("metrics", {})
+        after = entry["metrics"]
         for metric, width in bands.items():
             a, b = before.get(metric), after.get(metric)
             if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b)):
@@ -64,20 +66,22 @@ def _metric_shifts(old: ParityCell, new: ParityCell) -> list[dict[str, Any]]:
     return out
 
 
-def _cell_row(old: ParityCell | None, new: ParityCell | None) -> dict[str, Any]:
+def _cell_row(old: ParityRecord | None, new: ParityRecord | None) -> dict[str, Any]:
     cell = new or old
     assert cell is not None
     return {
         "cell": cell.label,
         "key": "|".join(cell.key),
         "device": device_label(cell.device),
-        "old": old.status if old else "absent",
-        "new": new.status if new else "absent",
-        "reason": (new or old).reason,
+        "old": old.verdict.status if old else "absent",
+        "new": new.verdict.status if new else "absent",
+        "reason": cell.verdict.reason,
     }
 
 
-def parity_diff(old: list[ParityCell], new: list[ParityCell]) -> dict[str, list[dict[str, Any]]]:
+def parity_diff(
+    old: list[ParityRecord], new: list[ParityRecord]
+) -> dict[str, list[dict[str, Any]]]:
     before = {c.key: c for c in old}
     after = {c.key: c for c in new}
     out: dict[str, list[dict[str, Any]]] = {
@@ -90,15 +94,19 @@ def parity_diff(old: list[ParityCell], new: list[ParityCell]) -> dict[str, list[
     }
     for key in sorted(set(before) | set(after)):
         o, n = before.get(key), after.get(key)
-        if n is not None and n.status == "error" and (o is None or o.status != "error"):
+        if (
+            n is not None
+            and n.verdict.status == "error"
+            and (o is None or o.verdict.status != "error")
+        ):
             out["new_errors"].append(_cell_row(o, n))
         elif o is None:
             out["appeared"].append(_cell_row(None, n))
         elif n is None:
             out["disappeared"].append(_cell_row(o, None))
-        elif SEVERITY[n.status] < SEVERITY[o.status]:
+        elif SEVERITY[n.verdict.status] < SEVERITY[o.verdict.status]:
             out["fixed"].append(_cell_row(o, n))
-        elif n.status != o.status:
+        elif n.verdict.status != o.verdict.status:
             out["other_changes"].append(_cell_row(o, n))
         if o is not None and n is not None:
             out["metric_shifts"].extend(_metric_shifts(o, n))

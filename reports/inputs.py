@@ -18,6 +18,9 @@ from typing import Any
 from megatron_npu.reports import benchmarks, compare_results, locate_view, parity_records
 from megatron_npu.reports.errors import ReportInputError, Skipped
 
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.parity_record import ParityRecord
+
 KINDS = ("parity", "compare", "benchmark", "info")
 
 
@@ -45,7 +48,7 @@ class ResultSet:
     """Everything read from one set of inputs."""
 
     sources: list[str] = field(default_factory=list)
-    parity: list[parity_records.ParityCell] = field(default_factory=list)
+    parity: list[ParityRecord] = field(default_factory=list)
     comparisons: list[compare_results.Comparison] = field(default_factory=list)
     benchmark_files: list[benchmarks.BenchmarkFile] = field(default_factory=list)
     infos: list[InfoSnapshot] = field(default_factory=list)
@@ -93,7 +96,7 @@ def _add_json_file(path: Path, out: ResultSet) -> None:
         elif locate_view.looks_like_locate(data):
             out.locates.append(locate_view.parse(data, str(path)))
         elif parity_records.looks_like_record(data):
-            out.parity.append(parity_records.parse_cell(data, str(path)))
+            out.parity.append(ParityRecord.parse(data, str(path)))
         else:
             out.skipped.append(
                 Skipped(
@@ -102,8 +105,9 @@ def _add_json_file(path: Path, out: ResultSet) -> None:
                     "output (none of their keys found)",
                 )
             )
+    except FormatError as exc:
+        out.skipped.append(Skipped(str(path), exc.message))
     except (
-        parity_records.BadRecord,
         compare_results.BadCompareResults,
         benchmarks.BadBenchmarkFile,
         locate_view.BadLocateResult,

@@ -8,11 +8,10 @@ import importlib
 from collections import Counter, defaultdict
 from typing import Any
 
-from megatron_npu.parity.verdict import ABS_PASS, COSINE_MIN, STATUSES
+from megatron_npu.parity.verdict import ABS_PASS, COSINE_MIN
 from megatron_npu.reports.formatting import device_label, number
-from megatron_npu.reports.parity_records import ParityCell
 
-SEVERITY = {s: i for i, s in enumerate(STATUSES)}
+from megatron_npu.formats.parity_record import SEVERITY, ParityRecord
 
 
 def worst_status(statuses: list[str]) -> str | None:
@@ -34,20 +33,17 @@ def default_tolerance(dtype: str) -> dict[str, Any]:
     }
 
 
-def _tensor_rows(cell: ParityCell) -> list[dict[str, Any]]:
-    rows = []
-    for name, entry in cell.tensors.items():
-        verdict = entry.get("verdict") or {}
-        metrics = entry.get("metrics") or {}
-        rows.append(
-            {
-                "name": name,
-                "status": verdict.get("status", "-"),
-                "reason": verdict.get("reason", "-"),
-                "metrics": [(k, number(v, 6)) for k, v in sorted(metrics.items())],
-            }
-        )
-    return rows
+def _tensor_rows(tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per tensor of a record's decoded JSON (every metric key the file holds)."""
+    return [
+        {
+            "name": name,
+            "status": entry["verdict"]["status"],
+            "reason": entry["verdict"]["reason"],
+            "metrics": [(k, number(v, 6)) for k, v in sorted(entry["metrics"].items())],
+        }
+        for name, entry in tensors.items()
+    ]
 
 
 def benchmark_section(benchmark: Any) -> dict[str, Any] | None:
@@ -91,10 +87,11 @@ def benchmark_section(benchmark: Any) -> dict[str, Any] | None:
     }
 
 
-def matrix_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
+def matrix_rows(cells: list[ParityRecord]) -> list[dict[str, Any]]:
     """One row per cell, sorted by patch, case, dtype, parallel sizes and device."""
     rows = []
     for cell in sorted(cells, key=lambda c: c.key):
+        data = cell.to_data()  # the file's values, non-finite numbers as its strings
         rows.append(
             {
                 "key": "|".join(cell.key),
@@ -104,18 +101,18 @@ def matrix_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
                 "dtype": cell.dtype,
                 "parallel": cell.parallel_label,
                 "device": device_label(cell.device),
-                "status": cell.status,
-                "rule": cell.rule,
-                "reason": cell.reason,
-                "override": cell.override,
-                "tolerance": cell.tolerance,
+                "status": cell.verdict.status,
+                "rule": cell.verdict.rule,
+                "reason": cell.verdict.reason,
+                "override": cell.verdict.override,
+                "tolerance": data["tolerance"],
                 "default_tolerance": default_tolerance(cell.dtype),
-                "tensors": _tensor_rows(cell),
+                "tensors": _tensor_rows(data["tensors"]),
                 "kernels": cell.kernels,
                 "npu_kernel_exercised": cell.npu_kernel_exercised,
-                "benchmark": benchmark_section(cell.benchmark),
-                "seed": cell.provenance.get("seed"),
-                "wall_time_s": number(cell.provenance.get("wall_time_s")),
+                "benchmark": benchmark_section(data.get("benchmark")),
+                "seed": cell.provenance.seed,
+                "wall_time_s": number(cell.provenance.wall_time_s),
                 "schema_version": cell.schema_version,
                 "source": cell.source,
             }
@@ -148,14 +145,14 @@ def _expected_cells(devices_seen: set[str]) -> dict[str, set[tuple[str, ...]]]:
     return expected
 
 
-def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
+def coverage_rows(cells: list[ParityRecord]) -> list[dict[str, Any]]:
     """Every registry patch: its case and how many of its matrix cells this report holds, or
     its written exemption; plus any record whose patch the registry does not know."""
     from megatron_npu.parity.case import load_case
 
     from megatron_npu.registry import all_patches
 
-    by_patch: dict[str, list[ParityCell]] = defaultdict(list)
+    by_patch: dict[str, list[ParityRecord]] = defaultdict(list)
     for cell in cells:
         by_patch[cell.patch_id].append(cell)
     expected = _expected_cells({c.device for c in cells})
@@ -174,8 +171,8 @@ def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
                 "records": len(have),
                 "expected": len(want),
                 "missing": [" / ".join(k[1:]) for k in missing],
-                "counts": dict(Counter(c.status for c in have)),
-                "worst": worst_status([c.status for c in have]),
+                "counts": dict(Counter(c.verdict.status for c in have)),
+                "worst": worst_status([c.verdict.status for c in have]),
                 "in_registry": True,
             }
         )
@@ -190,8 +187,8 @@ def coverage_rows(cells: list[ParityCell]) -> list[dict[str, Any]]:
                 "records": len(have),
                 "expected": 0,
                 "missing": [],
-                "counts": dict(Counter(c.status for c in have)),
-                "worst": worst_status([c.status for c in have]),
+                "counts": dict(Counter(c.verdict.status for c in have)),
+                "worst": worst_status([c.verdict.status for c in have]),
                 "in_registry": False,
             }
         )

@@ -29,7 +29,7 @@ def banner(rs: ResultSet, bench_flags: dict[str, int]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "kind": "parity cells",
-                "counts": Counter(c.status for c in rs.parity),
+                "counts": Counter(c.verdict.status for c in rs.parity),
                 "devices": _devices([(c.device, None) for c in rs.parity]),
             }
         )
@@ -84,7 +84,7 @@ def parity_provenance(rs: ResultSet) -> list[dict[str, Any]]:
     """Parity records grouped by where they were produced (versions, commit, host, device)."""
     groups: dict[tuple[Any, ...], list[Any]] = defaultdict(list)
     for cell in rs.parity:
-        prov = cell.provenance
+        prov = cell.to_data()["provenance"]
         git = prov.get("git") if isinstance(prov.get("git"), dict) else {}
         commit = git.get("commit")
         if commit and git.get("dirty"):
@@ -93,8 +93,8 @@ def parity_provenance(rs: ResultSet) -> list[dict[str, Any]]:
         groups[key].append(cell)
     rows = []
     for key, cells in sorted(groups.items(), key=lambda kv: tuple(str(k) for k in kv[0])):
-        stamps = sorted(str(c.provenance.get("timestamp_utc", "")) for c in cells)
-        seeds = sorted({c.provenance.get("seed") for c in cells}, key=str)
+        stamps = sorted(c.provenance.timestamp_utc for c in cells)
+        seeds = sorted({c.provenance.seed for c in cells}, key=str)
         rows.append(
             {
                 "device": device_label(key[0]),

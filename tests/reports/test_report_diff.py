@@ -15,7 +15,7 @@ def _cells(rows):
 def test_planted_regression_is_exactly_that_cell(parity_runs):
     base, planted = load([parity_runs["base"]]), load([parity_runs["planted"]])
     [cell] = [c for c in planted.parity if (c.device, c.dtype) == fx.PLANTED_CELL]
-    assert cell.status == "error"
+    assert cell.verdict.status == "error"
     d = diff(base, planted)["parity"]
     assert _cells(d["new_errors"]) == ["|".join(cell.key)]
     assert d["fixed"] == d["other_changes"] == d["appeared"] == d["disappeared"] == []
