@@ -12,6 +12,7 @@ import pytest
 from megatron_npu.formats import FormatError, formats, schema_files
 from megatron_npu.formats.compare_results import CompareResults
 from megatron_npu.formats.metrics import MetricsFile
+from megatron_npu.formats.parity_record import ParityRecord
 from megatron_npu.formats.run_record import RunRecord
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "schemas"
@@ -166,3 +167,78 @@ def test_a_document_may_write_non_finite_numbers_as_strings():
     assert math.isnan(DumpIndex.parse(json.loads(text)).entries[0].stats.l2)
     l2 = DumpIndex.json_schema()["$defs"]["TensorStats"]["properties"]["l2"]
     assert {"enum": ["NaN", "Infinity", "-Infinity"]} in l2["anyOf"]
+
+
+# --------------------------------------------------------------------------- parity record
+
+
+@pytest.fixture(scope="module")
+def parity_record_file(tmp_path_factory) -> Path:
+    """A real record: one bf16 cell of the parity harness, written by its writer."""
+    from megatron_npu.parity.case import Parallel
+    from megatron_npu.parity.harness import Job, evaluate
+    from megatron_npu.parity.matrix import case_examples
+    from megatron_npu.parity.results import write_record
+
+    import megatron_npu
+
+    examples = case_examples("bias-swiglu", "quick")[:1]
+    job = Job("activation.bias-swiglu", "npu-emulated", "bfloat16", Parallel(), examples)
+    try:
+        return write_record(evaluate(job, seed=3), tmp_path_factory.mktemp("parity"))
+    finally:
+        megatron_npu.restore()
+
+
+def _documented_record() -> str:
+    doc = (DOCS.parent / "parity-results.md").read_text(encoding="utf-8")
+    return doc.split("## Example record", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+
+
+def test_real_parity_records_round_trip(parity_record_file, tmp_path):
+    written = parity_record_file.read_text(encoding="utf-8")
+    record = ParityRecord.read(parity_record_file)
+    assert record.benchmark is not None and record.tensors  # a 16-bit cell: every section
+    assert record.to_json() == written
+    documented = tmp_path / "documented.json"
+    documented.write_text(_documented_record())
+    assert ParityRecord.read(documented).to_json() == documented.read_text()
+
+
+@pytest.mark.parametrize(
+    ("plant", "error"),
+    [
+        (
+            lambda d: d["tensors"]["out"]["verdict"].update(status="fine"),
+            "tensors.out.verdict.status: input should be 'pass', 'warning' or 'error' (got 'fine')",
+        ),
+        (
+            lambda d: d["parallel"].update(world="1"),
+            "parallel.world: input should be a valid integer (got '1')",
+        ),
+        (
+            lambda d: d["tensors"]["out"].pop("metrics"),
+            "tensors.out.metrics: field required",
+        ),
+        (
+            lambda d: d.update(tensors={}),
+            "tensors: a parity record needs at least one compared tensor, unless it is an error "
+            "with rule crash / timeout / reference_hygiene",
+        ),
+    ],
+)
+def test_a_bad_parity_record_field_is_one_error_for_both_readers(
+    parity_record_file, tmp_path, plant, error
+):
+    from megatron_npu.parity.results import read_records
+    from megatron_npu.reports.errors import Skipped
+    from megatron_npu.reports.parity_records import read_folder
+
+    data = json.loads(parity_record_file.read_text(encoding="utf-8"))
+    plant(data)
+    bad = tmp_path / parity_record_file.name
+    bad.write_text(json.dumps(data))
+    with pytest.raises(FormatError) as harness:  # the harness's reader stops at the file
+        read_records(tmp_path)
+    assert str(harness.value) == f"{bad}: {error}"
+    assert read_folder(tmp_path) == ([], [Skipped(str(bad), error)])  # the report skips it
