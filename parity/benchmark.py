@@ -32,6 +32,8 @@ from typing import Any
 
 from megatron_npu.parity.metrics import TensorComparison, dtype_config, encode_float
 
+from megatron_npu.formats.parity_record import BENCHMARK_LEVELS
+
 __all__ = [
     "against_benchmark",
     "BENCHMARK_PATH",
@@ -47,11 +49,17 @@ __all__ = [
 #: what the stage-2 benchmark runs, in words (recorded)
 BENCHMARK_PATH = "the case's reference (stock Megatron path) on CPU in the tested dtype"
 #: (max relative error, mean relative error, RMSE) ratio limits per msprobe level
-LEVEL_LIMITS = {
-    "L0": {"max_rel_error": 10.0, "mean_rel_error": 2.0, "rmse": 2.0},
-    "L1": {"max_rel_error": 5.0, "mean_rel_error": 1.5, "rmse": 1.5},
-    "L2": {"max_rel_error": 2.0, "mean_rel_error": 1.2, "rmse": 1.2},
-}
+LEVEL_LIMITS = dict(
+    zip(
+        BENCHMARK_LEVELS,  # L0, L1, L2: the levels a parity record may name
+        (
+            {"max_rel_error": 10.0, "mean_rel_error": 2.0, "rmse": 2.0},
+            {"max_rel_error": 5.0, "mean_rel_error": 1.5, "rmse": 1.5},
+            {"max_rel_error": 2.0, "mean_rel_error": 1.2, "rmse": 1.2},
+        ),
+        strict=True,
+    )
+)
 SMALL_VALUE_LIMIT = 2.0
 #: parity case name -> msprobe level of the API the case's patch serves
 CASE_LEVELS = {"attention": "L1", "norm": "L2", "cross-entropy": "L2", "bias-gelu": "L2"}

@@ -70,6 +70,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_npu.formats.parity_record import DUAL_LEVEL_NAMES
+
 __all__ = [
     "BF16_REL_EPS",
     "DTYPE_CONFIGS",
@@ -175,7 +177,7 @@ SMALL_VALUE_ATOL_NOTE = "fp16/bf16 small-value atol = T * eps (msprobe: 1e-16)"
 
 _NAME_TO_DTYPE = {cfg.name: dt for dt, cfg in DTYPE_CONFIGS.items()}
 
-DUAL_LEVELS = {"hundredth": 1e-2, "thousandth": 1e-3, "ten_thousandth": 1e-4}
+DUAL_LEVELS = DUAL_LEVEL_NAMES  # the record format's names, one definition
 
 
 def dtype_config(dtype: torch.dtype | str) -> DtypeConfig:

@@ -52,8 +52,11 @@ DTYPES = ("float16", "bfloat16", "float32")
 DEVICES = DEVICE_ORDER
 #: verdict rules of a record that compared nothing (the cell failed before any comparison)
 NO_TENSOR_RULES = ("crash", "timeout", "reference_hygiene")
-#: the N of the dual-N shares a Tolerance may pick
-DUAL_LEVELS = (1e-2, 1e-3, 1e-4)
+#: the N of the dual-N shares a Tolerance may pick, by name (megatron_npu.parity.metrics)
+DUAL_LEVEL_NAMES = {"hundredth": 1e-2, "thousandth": 1e-3, "ten_thousandth": 1e-4}
+DUAL_LEVELS = tuple(DUAL_LEVEL_NAMES.values())
+#: msprobe's accuracy levels of the stage-2 benchmark (megatron_npu.parity.benchmark)
+BENCHMARK_LEVELS = ("L0", "L1", "L2")
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -225,7 +228,7 @@ class BenchmarkVerdict(Part):
 class BenchmarkTensor(Part):
     """msprobe's stage-2 outcome of one float tensor (its worst example)."""
 
-    level: Literal["L0", "L1", "L2"] = Field(
+    level: Literal[BENCHMARK_LEVELS] = Field(
         description="msprobe level (megatron_npu.parity.benchmark.LEVEL_LIMITS)"
     )
     tested: dict[str, Number] = Field(
