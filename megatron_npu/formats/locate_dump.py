@@ -9,7 +9,7 @@ module reached). The dump folder's layout is in docs/locate.md.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -130,4 +130,42 @@ class DumpIndex(Document):
     modules: dict[str, ModuleInfo] = Field(description="the rank's modules by dotted name")
 
 
-DOCUMENTS = (DumpIndex,)
+#: ``format`` of ``<dump>/locate-dump.json``
+DUMP_FORMAT = "megatron-npu-locate-dump"
+#: its ``version``: 2 (the rank folders hold msprobe's dump.json beside their index)
+DUMP_VERSION = 2
+
+
+class DumpMeta(Document):
+    """``<dump>/locate-dump.json``: what one replayed step of a ``megatron-npu locate`` dump ran
+    (written by the rank that holds the loss; read before any rank folder)."""
+
+    schema_name: ClassVar[str] = "locate-dump"
+    indent: ClassVar[int] = 1
+
+    format: Literal[DUMP_FORMAT] = Field(description="always megatron-npu-locate-dump")
+    version: Literal[DUMP_VERSION] = Field(description="the dump layout's version")
+    step: int = Field(description="the replayed training step")
+    world: int = Field(1, description="ranks of the replay: one rank folder each")
+    device: str | None = Field(None, description="the device the replay ran on")
+    dtype: str = Field("float32", description="the model's parameter dtype (float32, bfloat16...)")
+    argv: list[str] = Field(
+        default_factory=list, description="the run's options (train's, or the script's)"
+    )
+    script: str | None = Field(None, description="a Megatron-LM script replay: the script")
+    disabled: list[str] = Field(
+        default_factory=list, description="adaptor patches switched off for the replay"
+    )
+    plant: str | None = Field(None, description="the bug planted for the replay, if any")
+    loss: float | None = Field(None, description="the step's LM loss")
+    grad_norm: float | None = Field(None, description="the step's gradient norm")
+    npu_kernels: bool = Field(False, description="torch_npu's kernels (or their emulation) ran")
+    native_kernels: list[str] = Field(
+        default_factory=list, description="the kernels served by the native torch path"
+    )
+    applied: list[str] = Field(
+        default_factory=list, description="the adaptor patches applied in the replay"
+    )
+
+
+DOCUMENTS = (DumpIndex, DumpMeta)

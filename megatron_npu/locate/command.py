@@ -297,10 +297,10 @@ class Locator:
         return folder
 
     def rule(self, reference_dump: Path) -> modules.Rule:
-        base = modules.rule_for(dump.read_meta(reference_dump).get("dtype", "float32"))
+        base = modules.rule_for(dump.read_meta(reference_dump).dtype)
         dtype = None
         try:
-            dtype = dump.read_meta(self.out / "dumps" / "candidate").get("dtype")
+            dtype = dump.read_meta(self.out / "dumps" / "candidate").dtype
         except dump.DumpError:
             pass
         rule = modules.rule_for(dtype or "float32", self.rule_base)
@@ -314,7 +314,7 @@ class Locator:
         row, phase = comparison.first
         table = dump.read_rank(candidate_dump, row.rank)[0].modules
         all_reached = sorted({p for info in table.values() for p in info.patches.total})
-        applied = sorted(dump.read_meta(candidate_dump).get("applied", []))
+        applied = sorted(dump.read_meta(candidate_dump).applied)
         common = _ubiquitous(table)
         if phase == "update":  # the optimizer step changed the parameters
             optimizer = table.get(dump.OPTIMIZER)
@@ -340,7 +340,7 @@ class Locator:
         # served natively with the patches installed: the narrowest trial, and one that runs
         # where switching the whole patch off leaves Megatron code the configuration cannot run
         kernels = _declared_kernels()
-        if dump.read_meta(candidate_dump).get("npu_kernels"):
+        if dump.read_meta(candidate_dump).npu_kernels:
             near = [own] if phase == "update" else [own, row.patches.total]
             sets = [
                 sorted({KERNEL_ITEM + k for p in full for k in kernels.get(p, ())}) for full in near
@@ -428,7 +428,7 @@ def _clear_dumps(out: Path, keep: str | None) -> None:
 
 def _has_dump(folder: Path, step: int) -> bool:
     try:
-        return int(dump.read_meta(folder).get("step", -1)) == step
+        return dump.read_meta(folder).step == step
     except dump.DumpError:
         return False
 
@@ -510,8 +510,8 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     if args.reference_dump:
         ref_dump = Path(args.reference_dump)
         meta = dump.read_meta(ref_dump)
-        if int(meta.get("step", -1)) != step:
-            raise LocateError(f"{ref_dump} holds step {meta.get('step')}, not step {step}")
+        if meta.step != step:
+            raise LocateError(f"{ref_dump} holds step {meta.step}, not step {step}")
     elif _has_dump(out / "dumps" / "reference", step):
         ref_dump = out / "dumps" / "reference"  # made by the curve run
     else:

@@ -26,8 +26,8 @@ level ``L0``, task ``tensor``), so ``msprobe compare -tp CAND_DUMP -gp REF_DUMP`
 ``megatron-npu locate --msprobe`` read it as they read a dump msprobe made; locate's own index
 sits beside it::
 
-    <dump>/locate-dump.json     {"format": "megatron-npu-locate-dump", "version": 2, step, world,
-                                 device, dtype, argv, disabled, ranks: [...]}
+    <dump>/locate-dump.json     the replayed step, world, device, dtype, argv, disabled patches
+                                 (:class:`megatron_npu.formats.locate_dump.DumpMeta`)
     <dump>/rank<R>/index.json   every tensor and the module table
                                  (:class:`megatron_npu.formats.locate_dump.DumpIndex`)
     <dump>/rank<R>/dump.json    msprobe's rows: ``Module.<name>.<Class>.forward.<call>``
@@ -58,10 +58,8 @@ import torch
 
 from megatron_npu.files import write_private
 from megatron_npu.formats import FormatError
-from megatron_npu.formats.locate_dump import DumpIndex
+from megatron_npu.formats.locate_dump import DUMP_FORMAT, DUMP_VERSION, DumpIndex, DumpMeta
 
-DUMP_FORMAT = "megatron-npu-locate-dump"
-DUMP_VERSION = 2
 #: the dump folder's own description (the rank folders hold msprobe's ``dump.json``)
 META_FILE = "locate-dump.json"
 #: each rank folder's index of its tensors and modules (:class:`DumpIndex`)
@@ -506,13 +504,14 @@ def _write_json(path: Path, data: Any) -> None:
     write_private(path, json.dumps(data, indent=1) + "\n")
 
 
-def write_meta(dump_dir: str | Path, meta: dict[str, Any]) -> None:
-    path = Path(dump_dir) / META_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_json(path, {"format": DUMP_FORMAT, "version": DUMP_VERSION, **meta})
+def write_meta(dump_dir: str | Path, **meta: Any) -> None:
+    """Write ``<dump>/locate-dump.json`` (:class:`DumpMeta`) from its fields."""
+    DumpMeta(format=DUMP_FORMAT, version=DUMP_VERSION, **meta).write(Path(dump_dir) / META_FILE)
 
 
-def read_meta(dump_dir: str | Path) -> dict[str, Any]:
+def read_meta(dump_dir: str | Path) -> DumpMeta:
+    """``<dump>/locate-dump.json``; :class:`DumpError` names a folder that is no locate dump, a
+    file of another format or version, or the field that does not fit."""
     path = Path(dump_dir) / META_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -524,7 +523,10 @@ def read_meta(dump_dir: str | Path) -> dict[str, Any]:
         raise DumpError(f"{path}: not a {DUMP_FORMAT} file")
     if data.get("version") != DUMP_VERSION:
         raise DumpError(f"{path}: dump version {data.get('version')!r}, expected {DUMP_VERSION}")
-    return data
+    try:
+        return DumpMeta.parse(data, str(path))
+    except FormatError as exc:
+        raise DumpError(str(exc)) from None
 
 
 def read_rank(dump_dir: str | Path, rank: int) -> tuple[DumpIndex, dict[str, torch.Tensor]]:
@@ -548,8 +550,8 @@ def read_rank(dump_dir: str | Path, rank: int) -> tuple[DumpIndex, dict[str, tor
     return index, tensors
 
 
-def rank_count(meta: dict[str, Any]) -> int:
-    return int(meta.get("world", 1))
+def rank_count(meta: DumpMeta) -> int:
+    return meta.world
 
 
 def dump_exists(dump_dir: str | Path) -> bool:

@@ -384,7 +384,7 @@ def compare_dumps(
             "replay both in the same layout"
         )
     if rule is None:
-        rule = rule_for(cand_meta.get("dtype", "float32"))
+        rule = rule_for(cand_meta.dtype)
     rows: list[ModuleRow] = []
     worst: dict[tuple[int, str], dict[str, Any]] = {}  # (rank, key) -> the pair and its file
     for rank in range(world):
@@ -405,7 +405,7 @@ def compare_dumps(
                         "cand": cand_tensors[key],
                     }
     first = first_divergent(rows)
-    dtype = cand_meta.get("dtype", "float32")
+    dtype = cand_meta.dtype
     return Comparison(rows, first, rule, _first_msprobe(worst, first), dtype)
 
 

@@ -154,21 +154,19 @@ def _hooks(spec: dict[str, Any]):
                 device = devices.require_active()
                 write_meta(
                     spec["dump"],
-                    {
-                        "step": step,
-                        "world": torch.distributed.get_world_size(),
-                        "device": device.name,
-                        "dtype": str(margs.params_dtype).removeprefix("torch."),
-                        "script": spec["script"],
-                        "argv": list(spec["script_args"]),
-                        "disabled": list(spec.get("disable", ())),
-                        "plant": None,
-                        "npu_kernels": device.kernels is not None,
-                        "native_kernels": sorted(served_natively()),
-                        "loss": loss,
-                        "grad_norm": grad_norm,
-                        "applied": [r.id for r in patcher.results() if r.status == patcher.APPLIED],
-                    },
+                    step=step,
+                    world=torch.distributed.get_world_size(),
+                    device=device.name,
+                    dtype=str(margs.params_dtype).removeprefix("torch."),
+                    script=spec["script"],
+                    argv=list(spec["script_args"]),
+                    disabled=list(spec.get("disable", ())),
+                    plant=None,
+                    npu_kernels=device.kernels is not None,
+                    native_kernels=sorted(served_natively()),
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    applied=[r.id for r in patcher.results() if r.status == patcher.APPLIED],
                 )
         curve["iterations"].append(step)
         curve["losses"].append(loss)

@@ -132,22 +132,20 @@ def _run_rank(spec: dict[str, Any]) -> None:
                     if rank == 0:
                         write_meta(
                             spec["dump"],
-                            {
-                                "step": step,
-                                "world": env.world_size,
-                                "device": device.name,
-                                "dtype": str(model_mod.params_dtype(args)).removeprefix("torch."),
-                                "argv": list(spec["argv"]),
-                                "disabled": list(spec.get("disable", ())),
-                                "plant": spec.get("plant"),
-                                "loss": loss,
-                                "grad_norm": grad_norm,
-                                "npu_kernels": device.kernels is not None,
-                                "native_kernels": sorted(served_natively()),
-                                "applied": [
-                                    r.id for r in patcher.results() if r.status == patcher.APPLIED
-                                ],
-                            },
+                            step=step,
+                            world=env.world_size,
+                            device=device.name,
+                            dtype=str(model_mod.params_dtype(args)).removeprefix("torch."),
+                            argv=list(spec["argv"]),
+                            disabled=list(spec.get("disable", ())),
+                            plant=spec.get("plant"),
+                            loss=loss,
+                            grad_norm=grad_norm,
+                            npu_kernels=device.kernels is not None,
+                            native_kernels=sorted(served_natively()),
+                            applied=[
+                                r.id for r in patcher.results() if r.status == patcher.APPLIED
+                            ],
                         )
                 else:
                     loss, grad_norm, _, _ = trainer.step(step, iterators)

@@ -94,7 +94,7 @@ def test_locate_on_pretrain_gpt_names_the_step_module_and_planted_kernel_patch(
     assert "--script" in data["reproduce"]
     # the candidate's dump says which kernels it served natively (none) and that it had kernels
     meta = dump.read_meta(tmp_path / "loc" / "dumps" / "candidate")
-    assert meta["npu_kernels"] is True and meta["native_kernels"] == []
+    assert meta.npu_kernels is True and meta.native_kernels == []
 
 
 @pytest.mark.extended

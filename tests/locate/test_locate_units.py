@@ -122,7 +122,7 @@ def _dump(tmp_path, name, bug=None, bug_layer=0, lr=0.1, limit=dump.DEFAULT_LIMI
     rec.record_parameters()
     folder = tmp_path / name
     rec.write(folder, 0, {"tp": 0, "pp": 0, "dp": 0})
-    dump.write_meta(folder, {"step": 1, "world": 1, "dtype": "float32"})
+    dump.write_meta(folder, step=1, world=1, dtype="float32")
     return folder
 
 
@@ -189,6 +189,10 @@ def test_dump_reads_back_with_weights_only_and_rejects_other_folders(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / dump.META_FILE).write_text('{"format": "x"}')
     with pytest.raises(dump.DumpError, match="not a megatron-npu-locate-dump"):
+        dump.read_meta(tmp_path / "other")
+    meta = {"format": dump.DUMP_FORMAT, "version": dump.DUMP_VERSION, "step": "two"}
+    (tmp_path / "other" / dump.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(dump.DumpError, match=r"locate-dump.json: step: "):
         dump.read_meta(tmp_path / "other")
 
 
