@@ -20,11 +20,13 @@ from typing import Any
 
 from megatron_npu.formats import FormatError
 from megatron_npu.formats.base import Part
+from megatron_npu.formats.locate_msprobe import FILENAME as MSPROBE_FILE
+from megatron_npu.formats.locate_msprobe import FORMAT as MSPROBE_FORMAT
+from megatron_npu.formats.locate_msprobe import LocateMsprobeResult
+from megatron_npu.formats.locate_msprobe import Row as MsprobeRow
 from megatron_npu.formats.locate_result import FILENAME as LOCATE_FILE
 from megatron_npu.formats.locate_result import Divergent, ModuleRow, RunSide, is_locate
 from megatron_npu.formats.locate_result import LocateResult as LocateFile
-from megatron_npu.locate.msprobe_dumps import RESULT_FILE as MSPROBE_FILE
-from megatron_npu.locate.msprobe_dumps import RESULT_FORMAT as MSPROBE_FORMAT
 
 PHASES = ("forward", "backward", "update")
 __all__ = [
@@ -45,8 +47,8 @@ class BadLocateResult(ValueError):
 @dataclass(frozen=True)
 class LocateResult:
     source: str
-    #: the locate.json as read (:class:`LocateFile`), or a locate-msprobe.json as decoded
-    data: LocateFile | dict[str, Any]
+    #: the locate.json or the locate-msprobe.json as read
+    data: LocateFile | LocateMsprobeResult
 
 
 def looks_like_locate(data: Any) -> bool:
@@ -57,21 +59,10 @@ def _is_msprobe(data: Any) -> bool:
     return isinstance(data, dict) and data.get("format") == MSPROBE_FORMAT
 
 
-#: the fields a ``locate --msprobe`` result (``locate-msprobe.json``) must have
-_MSPROBE_REQUIRED = ("reference", "candidate", "task", "rows", "divergent")
-
-
 def parse(data: Any, source: str) -> LocateResult:
-    if _is_msprobe(data):
-        missing = [k for k in _MSPROBE_REQUIRED if k not in data]
-        if missing or not isinstance(data.get("rows"), list):
-            raise BadLocateResult(
-                f"{source}: not a usable {MSPROBE_FORMAT} result (missing or bad: "
-                f"{', '.join(missing) or 'rows'})"
-            )
-        return LocateResult(source, data)
+    model = LocateMsprobeResult if _is_msprobe(data) else LocateFile
     try:
-        return LocateResult(source, LocateFile.parse(data, source))
+        return LocateResult(source, model.parse(data, source))
     except FormatError as exc:
         raise BadLocateResult(str(exc)) from None
 
@@ -170,52 +161,47 @@ def _side(side: RunSide) -> dict[str, Any]:
     return {**_as_written(side), "script": side.script}
 
 
-def msprobe_rows(rows: list[dict[str, Any]], divergent: dict | None) -> list[dict[str, Any]]:
+def msprobe_rows(rows: list[MsprobeRow], divergent: MsprobeRow | None) -> list[dict[str, Any]]:
     """The rows of a ``locate --msprobe`` result in dump order, each with one heat cell."""
-    named = ((divergent or {}).get("name"), (divergent or {}).get("rank"))
-    out = []
-    for row in rows:
-        cell = heat(row.get("output"), row.get("tolerance"))
-        out.append(
-            {
-                "rank": row.get("rank", ""),
-                "name": row.get("name", ""),
-                "phase": row.get("phase", ""),
-                "kind": row.get("kind", ""),
-                "cell": cell,
-                "input": row.get("input"),
-                "diverges": bool(row.get("diverges")),
-                "named": (row.get("name"), row.get("rank")) == named,
-            }
-        )
-    return out
+    named = (divergent.name, divergent.rank) if divergent else None
+    return [
+        {
+            "rank": row.rank,
+            "name": row.name,
+            "phase": row.phase,
+            "kind": row.kind,
+            "cell": heat(_shown(row.output), row.tolerance),
+            "input": _shown(row.input),
+            "diverges": row.diverges,
+            "named": (row.name, row.rank) == named,
+        }
+        for row in rows
+    ]
 
 
 def msprobe_section(result: LocateResult, index: int) -> dict[str, Any]:
-    data = result.data
-    divergent = data.get("divergent")
+    data: LocateMsprobeResult = result.data
+    divergent = data.divergent
     return {
         "id": f"locate-msprobe-{index}",
         "mode": "msprobe",
         "source": result.source,
-        "reference": data.get("reference"),
-        "candidate": data.get("candidate"),
-        "task": data.get("task"),
-        "levels": data.get("levels", []),
-        "ranks": data.get("ranks", []),
-        "statement": data.get("statement"),
-        "divergent": divergent,
-        "metrics": (divergent or {}).get("msprobe_metrics"),
-        "patches": (divergent or {}).get("patches")
-        or (divergent or {}).get("module_patches")
-        or [],
-        "rows": msprobe_rows(data.get("rows", []), divergent),
-        "unmatched": data.get("unmatched", {}),
+        "reference": data.reference,
+        "candidate": data.candidate,
+        "task": data.task,
+        "levels": data.levels,
+        "ranks": data.ranks,
+        "statement": data.statement,
+        "divergent": _as_written(divergent),
+        "metrics": _as_written(divergent.msprobe_metrics) if divergent else None,
+        "patches": (divergent.patches or divergent.module_patches or []) if divergent else [],
+        "rows": msprobe_rows(data.rows, divergent),
+        "unmatched": data.unmatched,
     }
 
 
 def section(result: LocateResult, index: int) -> dict[str, Any]:
-    if _is_msprobe(result.data):
+    if isinstance(result.data, LocateMsprobeResult):
         return msprobe_section(result, index)
     found: LocateFile = result.data
     step, culprit, divergent = found.step, found.culprit, found.divergent

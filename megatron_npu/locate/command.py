@@ -20,7 +20,6 @@ the result then says that no module diverges.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import shutil
 import sys
@@ -30,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_npu.files import write_private
 from megatron_npu.formats.locate_dump import ModuleInfo
+from megatron_npu.formats.locate_msprobe import LocateMsprobeResult
 from megatron_npu.formats.locate_result import FILENAME, LocateResult
 from megatron_npu.locate import (
     curves,
@@ -671,7 +670,7 @@ def msprobe_line(metrics: dict[str, Any], what: str) -> str:
     )
 
 
-def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
+def locate_msprobe(args: argparse.Namespace, echo=print) -> LocateMsprobeResult:
     """``--msprobe REF CAND``: compare two msprobe dumps row by row with the input-explained
     rule (:mod:`.msprobe_dumps`); write and return ``locate-msprobe.json``."""
     ref_path, cand_path = args.msprobe
@@ -680,41 +679,40 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> dict[str, Any]:
     if args.base_tolerance is not None:
         rule = modules.Rule(args.base_tolerance, args.depth_growth, args.gain)
     found = msprobe_dumps.compare(reference, candidate, rule)
-    data = {
-        "format": msprobe_dumps.RESULT_FORMAT,
-        "schema_version": 1,
-        "reference": str(ref_path),
-        "candidate": str(cand_path),
-        **found,
-    }
-    path = write_private(
-        Path(args.out) / msprobe_dumps.RESULT_FILE, json.dumps(data, indent=2) + "\n"
+    data = LocateMsprobeResult.parse(
+        {
+            "format": msprobe_dumps.RESULT_FORMAT,
+            "schema_version": 1,
+            "reference": str(ref_path),
+            "candidate": str(cand_path),
+            **found,
+        }
     )
-    row = found["divergent"]
+    path = data.write(Path(args.out) / msprobe_dumps.RESULT_FILE)
+    row = data.divergent
     echo(
-        f" locate: msprobe {found['task']} dumps, levels {', '.join(found['levels'])}, "
-        f"{len(found['rows'])} rows compared over {', '.join(found['ranks'])}"
+        f" locate: msprobe {data.task} dumps, levels {', '.join(data.levels)}, "
+        f"{len(data.rows)} rows compared over {', '.join(data.ranks)}"
     )
     if row is None:
         echo(" locate: no row diverges beyond what its inputs explain")
     else:
         echo(
-            f" locate: first divergent row: {row['name']} ({row['rank']}): error "
-            f"{row['output']:.3g} from inputs off by {row['input']:.3g} (tolerance "
-            f"{row['tolerance']:.3g})"
+            f" locate: first divergent row: {row.name} ({row.rank}): error "
+            f"{row.output:.3g} from inputs off by {row.input:.3g} (tolerance "
+            f"{row.tolerance:.3g})"
         )
-        if row["module"] != row["name"]:
-            echo(f" locate: inside {row['module']}")
-        metrics = row.get("msprobe_metrics")
-        if metrics:
-            echo(msprobe_line(metrics, "it"))
-        reached = row["patches"] or row.get("module_patches") or []
+        if row.module != row.name:
+            echo(f" locate: inside {row.module}")
+        if row.msprobe_metrics:
+            echo(msprobe_line(row.msprobe_metrics.model_dump(), "it"))
+        reached = row.patches or row.module_patches or []
         echo(
             " locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
             f"locate on the runs to decide): {', '.join(reached) or 'none'}"
         )
-    if found["statement"]:
-        echo(f" locate: {found['statement']}")
+    if data.statement:
+        echo(f" locate: {data.statement}")
     echo(f" locate: {path}")
     return data
 

@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 
+from megatron_npu.formats.locate_msprobe import FILENAME, FORMAT
 from megatron_npu.locate.modules import Rule, msprobe_metrics, rule_for, tensor_error
 
 TENSOR_TASK, STATISTICS_TASK = "tensor", "statistics"
-#: what ``megatron-npu locate --msprobe`` writes into ``--out`` (docs/locate.md)
-RESULT_FILE, RESULT_FORMAT = "locate-msprobe.json", "megatron-npu-locate-msprobe"
+#: what ``megatron-npu locate --msprobe`` writes into ``--out`` (its model:
+#: :class:`megatron_npu.formats.locate_msprobe.LocateMsprobeResult`)
+RESULT_FILE, RESULT_FORMAT = FILENAME, FORMAT
 PHASE_ORDER = {"forward": 0, "backward": 1, "parameters_grad": 1}
 _MODULE_ROW = re.compile(
     r"^Module\.(?P<path>.+)\.(?P<cls>[^.]+)\.(?P<phase>forward|backward|parameters_grad)\.\d+$"
@@ -279,9 +281,6 @@ class RowVerdict:
     module: str  # the row itself, or for an API the module it ran in
 
     def as_dict(self) -> dict[str, Any]:
-        def number(x: float) -> float | str:
-            return x if math.isfinite(x) else ("NaN" if math.isnan(x) else "Infinity")
-
         return {
             "rank": self.rank,
             "name": self.name,
@@ -289,8 +288,8 @@ class RowVerdict:
             "phase": self.phase,
             "kind": self.kind,
             "depth": self.depth,
-            "output": number(self.output),
-            "input": number(self.input),
+            "output": self.output,
+            "input": self.input,
             "tolerance": self.tolerance,
             "diverges": self.diverges,
             "worst": self.worst,

@@ -374,7 +374,7 @@ def test_the_report_renders_a_locate_msprobe_result(tmp_path):
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["--msprobe", str(ref), str(bad), "--out", str(out)])
-    data = command.locate_msprobe(args, echo=lambda s: None)
+    data = command.locate_msprobe(args, echo=lambda s: None).to_data()
     [located] = load([out]).locates
     view = locate_view.section(located, 0)
     assert view["mode"] == "msprobe" and view["divergent"] == data["divergent"]
@@ -387,7 +387,10 @@ def test_the_report_renders_a_locate_msprobe_result(tmp_path):
     (out / msprobe_dumps.RESULT_FILE).write_text(
         json.dumps({"format": msprobe_dumps.RESULT_FORMAT})
     )
-    assert load([out]).locates == []
+    loaded = load([out])
+    assert loaded.locates == []
+    [skipped] = loaded.skipped  # one named reason: the first field that does not fit
+    assert "locate-msprobe.json: schema_version: field required" in skipped.reason
 
 
 # ------------------------------------------------------------------ which patches a module reaches
