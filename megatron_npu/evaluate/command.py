@@ -21,35 +21,11 @@ tokens, a finer figure than the accuracy). Exit 0; 2 on bad options or data.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import sys
 from functools import partial
-
-TRAIN_ONLY_DEFAULTS = {"--train-iters": "1", "--lr": "0.0", "--micro-batch-size": "8"}
-
-
-def _own_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-npu evaluate", add_help=False)
-    parser.add_argument("--task", choices=("lambada",), required=True)
-    parser.add_argument(
-        "--valid-data", default="default", help="lambada_test.jsonl-format file, or 'default'"
-    )
-    parser.add_argument("--strict-lambada", action="store_true")
-    parser.add_argument("--results-out", default=None)
-    return parser
-
-
-def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(evaluate's own options, train's options with train-only requirements filled in)."""
-    own, rest = _own_parser().parse_known_args(argv)
-    given = {item.split("=", 1)[0] for item in rest}
-    for flag, value in TRAIN_ONLY_DEFAULTS.items():
-        if flag not in given:
-            rest += [flag, value]
-    return own, rest
 
 
 def main(argv: list[str]) -> int:
@@ -59,19 +35,18 @@ def main(argv: list[str]) -> int:
     security.set_umask()
     quiet_expected_warnings()
     if "-h" in argv or "--help" in argv:
-        _own_parser().print_usage()
+        arguments.build_parser("evaluate").print_help()
         print(__doc__)
         return 0
     try:
-        own, train_argv = split_argv(list(argv))
+        args = arguments.parse_args(list(argv), command="evaluate")
     except SystemExit as exc:
         return int(exc.code or 2)
-    args = arguments.parse_args(train_argv)
     if not args.load:
         print("megatron-npu evaluate: error: --load CKPT is required", file=sys.stderr)
         return 2
     try:
-        read_passages(own.valid_data)  # fail fast, before any rank starts
+        read_passages(args.valid_data)  # fail fast, before any rank starts
     except LambadaDataError as exc:
         print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr)
         return 2
@@ -91,20 +66,19 @@ def worker_main(argv: list[str]) -> int:
     from megatron_npu.training.rank_session import rank_session
 
     quiet_expected_warnings()
-    own, train_argv = split_argv(list(argv))
-    args = arguments.parse_args(train_argv)
+    args = arguments.parse_args(list(argv), command="evaluate")
     args.no_load_optim = args.no_load_rng = True
     env = launch.dist_env(args.master_addr, args.master_port)
     try:
         with rank_session(args, env) as device:
-            result = _evaluate(args, own, env, device)
+            result = _evaluate(args, env, device)
     except arguments.ArgumentError as exc:
         print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    if result is not None and own.results_out:
+    if result is not None and args.results_out:
         from megatron_npu.files import write_private
 
-        write_private(own.results_out, json.dumps(result, indent=2) + "\n")
+        write_private(args.results_out, json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -137,7 +111,7 @@ def vocab_parallel_argmax(logits, group):
     return torch.stack(idxs).gather(0, winner).squeeze(0)
 
 
-def _evaluate(args, own, env, device) -> dict | None:
+def _evaluate(args, env, device) -> dict | None:
     import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -163,8 +137,8 @@ def _evaluate(args, own, env, device) -> dict | None:
     config.finalize_model_grads_func = None
     for chunk in model:
         chunk.eval()
-    passages = read_passages(own.valid_data)
-    samples = build_samples(passages, tokenizer, args.seq_length, own.strict_lambada)
+    passages = read_passages(args.valid_data)
+    samples = build_samples(passages, tokenizer, args.seq_length, args.strict_lambada)
     mbs = args.micro_batch_size
     padded = samples + [samples[-1]] * ((-len(samples)) % mbs)
     valid = [1] * len(samples) + [0] * (len(padded) - len(samples))
@@ -253,21 +227,21 @@ def _evaluate(args, own, env, device) -> dict | None:
     from megatron_npu.evaluate.lambada import SET_TITLES, set_name
 
     line = (
-        f" validation results on {SET_TITLES[set_name(own.valid_data)]}"
-        f"{' (strict)' if own.strict_lambada else ''} | number correct: "
+        f" validation results on {SET_TITLES[set_name(args.valid_data)]}"
+        f"{' (strict)' if args.strict_lambada else ''} | number correct: "
         f"{correct:.4E} | total examples: {n:.4E} | avg accuracy: {accuracy:.4E}"
     )
     print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
     return {
         "task": "lambada",
-        "set": set_name(own.valid_data),
+        "set": set_name(args.valid_data),
         "accuracy": accuracy,
         "correct": correct,
         "n": n,
-        "strict": bool(own.strict_lambada),
+        "strict": bool(args.strict_lambada),
         "target_nll": nll_sum / target_tokens if target_tokens else None,
         "truncated": sum(1 for s in samples if s.truncated),
-        "data": str(own.valid_data),
+        "data": str(args.valid_data),
         "load": resume.loaded_from,
         "iteration": resume.iteration,
         "layout": checkpointing._layout(args),

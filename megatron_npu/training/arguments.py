@@ -99,9 +99,19 @@ def _check_ranges(args: argparse.Namespace) -> None:
         )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every ``train`` option to ``parser`` (shared by ``megatron-npu train`` and
-    ``python -m megatron_npu.train``)."""
+#: what ``megatron-npu evaluate`` runs with when the training-only options are left out: one
+#: step's worth of schedule at learning rate 0 (the optimizer is built only to load the
+#: checkpoint), and Megatron-LM's zero-shot micro-batch of 8 passages
+EVALUATE_DEFAULTS = {"train_iters": 1, "lr": 0.0, "micro_batch_size": 8}
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, command: str = "train"
+) -> argparse.ArgumentParser:
+    """Add every ``train`` option to ``parser`` (shared by ``megatron-npu train``, ``python -m
+    megatron_npu.train`` and, with ``command="evaluate"``, ``megatron-npu evaluate``: the same
+    model, layout and data options, the training-only ones optional, and its own group)."""
+    training = command == "train"
     g = parser.add_argument_group("device and launch")
     g.add_argument(
         "--device",
@@ -370,11 +380,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=_positive, required=True)
+    g.add_argument("--micro-batch-size", type=_positive, required=training)
     g.add_argument("--global-batch-size", type=_positive, default=None)
-    g.add_argument("--train-iters", type=_positive, required=True)
+    g.add_argument("--train-iters", type=_positive, required=training)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=_finite, required=True)
+    g.add_argument("--lr", type=_finite, required=training)
     g.add_argument("--min-lr", type=_finite, default=0.0)
     g.add_argument("--lr-warmup-iters", type=_non_negative, default=0)
     g.add_argument("--lr-decay-iters", type=_positive, default=None)
@@ -503,19 +513,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="auto",
         help="progress display: rich bar on a TTY, plain lines otherwise (auto)",
     )
+    if not training:
+        parser.set_defaults(**EVALUATE_DEFAULTS)
+        g = parser.add_argument_group("evaluation")
+        g.add_argument("--task", choices=("lambada",), required=True)
+        g.add_argument(
+            "--valid-data",
+            default="default",
+            help="lambada_test.jsonl-format file, or 'default' (the shipped cloze set)",
+        )
+        g.add_argument(
+            "--strict-lambada", action="store_true", help="the whole last word must match"
+        )
+        g.add_argument("--results-out", default=None, help="write the result as JSON here")
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str = "train") -> argparse.ArgumentParser:
+    """The parser of ``megatron-npu train``, or of ``megatron-npu evaluate``."""
+    descriptions = {
+        "train": "GPT pretraining on Megatron-Core (GPTModel, local layer spec)",
+        "evaluate": "zero-shot evaluation of a megatron-npu train checkpoint (LAMBADA)",
+    }
     parser = argparse.ArgumentParser(
-        prog="megatron-npu train",
-        description="GPT pretraining on Megatron-Core (GPTModel, local layer spec)",
+        prog=f"megatron-npu {command}", description=descriptions[command]
     )
-    return add_arguments(parser)
+    return add_arguments(parser, command)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: Sequence[str] | None = None, command: str = "train") -> argparse.Namespace:
+    """The options of ``command`` (train or evaluate), checked; a bad one exits 2 naming it."""
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     try:
         check(args)
