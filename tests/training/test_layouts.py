@@ -54,7 +54,7 @@ LAYOUTS = {
 def _report(name: str, diff: float, run) -> None:
     config = run.metrics.config
     print(
-        f"\n{name}: world {config['world_size']} (DP {config['data_parallel_size']}), "
+        f"\n{name}: world {config.world_size} (DP {config.data_parallel_size}), "
         f"max |loss - baseline| over steps 1-10 = {diff:.3e}"
     )
 

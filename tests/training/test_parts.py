@@ -67,7 +67,7 @@ def test_console_line_has_megatrons_fields():
 
 
 def test_summary_excludes_warmup_steps_and_counts_skips(tmp_path):
-    run = metrics.RunMetrics({"device": "npu-emulated"}, tokens_per_step=512)
+    run = metrics.RunMetrics({"arguments": {}, "device": "npu-emulated"}, tokens_per_step=512)
     for step, t in enumerate((9.0, 7.0, 1.0, 2.0, 3.0), start=1):
         run.add(_record(step, t=t, skipped=step == 4))
     run.peak_memory_bytes = 123
