@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_npu.compare import rules
 from megatron_npu.formats import FormatError
+from megatron_npu.formats.locate_curve import LocateCurve
 from megatron_npu.formats.metrics import MetricsFile, StepRecord
 
 #: the last resort: a step whose error exceeds this is divergent
@@ -76,11 +77,12 @@ def read_record(path: str | Path) -> Record:
         except ValueError as exc:
             raise CurveError(f"{path}: not valid JSON ({exc})") from None
         if isinstance(data, dict) and "iterations" in data:
+            try:
+                found = LocateCurve.parse(data, str(path))
+            except FormatError as exc:
+                raise CurveError(f"not a locate curve: {exc}") from None
             curve = rules.Curve(
-                list(data["iterations"]),
-                list(data["losses"]),
-                list(data["grad_norms"]),
-                [0.0] * len(data["iterations"]),
+                found.iterations, found.losses, found.grad_norms, [0.0] * len(found.iterations)
             )
             return Record(curve, {})
         if not isinstance(data, dict) or "steps" not in data:

@@ -28,11 +28,11 @@ the fork server is shared by both runs and every trial.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from megatron_npu.formats.locate_curve import LocateCurve
 from megatron_npu.locate.options import take
 
 #: the side options locate reads itself; the rest are the script's own arguments
@@ -120,7 +120,7 @@ def _hooks(spec: dict[str, Any]):
 
     hook_step = spec.get("hook_step")
     tracer = Tracer() if hook_step else None
-    curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
+    curve = LocateCurve.empty()
     originals = {
         name: getattr(training, name) for name in ("setup_model_and_optimizer", "train_step")
     }
@@ -168,9 +168,7 @@ def _hooks(spec: dict[str, Any]):
                     grad_norm=grad_norm,
                     applied=[r.id for r in patcher.results() if r.status == patcher.APPLIED],
                 )
-        curve["iterations"].append(step)
-        curve["losses"].append(loss)
-        curve["grad_norms"].append(grad_norm)
+        curve.add(step, loss, grad_norm)
         return result
 
     local = {"setup_model_and_optimizer": setup_model_and_optimizer, "train_step": train_step}
@@ -191,7 +189,7 @@ def _hooks(spec: dict[str, Any]):
         path = spec.get("curve")
         if path and torch.distributed.is_initialized():
             if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-                Path(path).write_text(json.dumps(curve) + "\n", encoding="utf-8")
+                curve.write(path)
 
 
 def run_rank(payload: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ build_trainer` with train's own options, the adaptor applied for the spec's devi
 * ``save_before``: save a checkpoint there just before step ``hook_step`` (the replay point that
   the other run then loads);
 * ``hook_step`` + ``dump``: record that step with :class:`~.dump.Recorder` into ``dump``;
-* ``curve``: write ``{"iterations", "losses", "grad_norms"}`` (rank 0);
+* ``curve``: write the loss curve (rank 0;
+  :class:`megatron_npu.formats.locate_curve.LocateCurve`);
 * ``native_kernels``: torch_npu kernels the op layer serves natively in this run
   (:mod:`megatron_npu.ops.kernels`), the patches that call them staying installed;
 * ``trial``: a culprit trial -- ``--use-flash-attn`` with the ``attention.*`` patch switched off
@@ -75,6 +76,7 @@ def _run_rank(spec: dict[str, Any]) -> None:
     import torch
 
     from megatron_npu import patcher
+    from megatron_npu.formats.locate_curve import LocateCurve
     from megatron_npu.locate.dump import DEFAULT_LIMIT, OPTIMIZER, Recorder, write_meta
     from megatron_npu.locate.trace import Tracer
     from megatron_npu.ops.kernels import NATIVE_ENV, served_natively
@@ -113,7 +115,7 @@ def _run_rank(spec: dict[str, Any]) -> None:
             )
             for chunk in model:
                 chunk.train()
-            curve: dict[str, list] = {"iterations": [], "losses": [], "grad_norms": []}
+            curve = LocateCurve.empty()
             for step in range(start + 1, int(spec["stop"]) + 1):
                 if step == hook_step:
                     if spec.get("save_before"):
@@ -149,11 +151,9 @@ def _run_rank(spec: dict[str, Any]) -> None:
                         )
                 else:
                     loss, grad_norm, _, _ = trainer.step(step, iterators)
-                curve["iterations"].append(step)
-                curve["losses"].append(loss)
-                curve["grad_norms"].append(grad_norm)
+                curve.add(step, loss, grad_norm)
             if spec.get("curve") and env.rank == 0:
-                Path(spec["curve"]).write_text(json.dumps(curve) + "\n", encoding="utf-8")
+                curve.write(spec["curve"])
 
 
 def main(argv: list[str] | None = None) -> int:

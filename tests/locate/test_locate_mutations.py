@@ -13,12 +13,12 @@ locate.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import pytest
 from tiers import with_extended
 
+from megatron_npu.formats.locate_curve import LocateCurve
 from megatron_npu.locate import command
 
 #: ``pytest -m locate_sweep --extended tests/locate`` runs the whole sweep alone (about 8 minutes
@@ -151,12 +151,12 @@ def _args(out, reference: str, candidate: str, common: str, plant: str | None):
 def _first_divergent_step(out) -> int | None:
     """The first step whose loss or grad norm is more than 5 % off; failing that, 2 %, then
     1e-4 (docs/locate.md), recomputed from the two curve files with plain arithmetic."""
-    ref = json.loads((out / "curves" / "reference.json").read_text())
-    cand = json.loads((out / "curves" / "candidate.json").read_text())
+    ref = LocateCurve.read(out / "curves" / "reference.json")
+    cand = LocateCurve.read(out / "curves" / "candidate.json")
     for rtol in (0.05, 0.02, 1e-4):
-        for i, step in enumerate(ref["iterations"]):
+        for i, step in enumerate(ref.iterations):
             for key in ("losses", "grad_norms"):
-                r, c = ref[key][i], cand[key][i]
+                r, c = getattr(ref, key)[i], getattr(cand, key)[i]
                 if r is None or c is None:  # a skipped fp16 step has no loss or norm
                     if (r is None) != (c is None):
                         return step
@@ -259,8 +259,8 @@ def test_locate_across_pipeline_stages_and_in_fp16(layout, tmp_path, corpus_dir)
     if layout == "pp2":  # both stages were hooked and compared
         assert {r["shard"] for r in data["modules"]} == {"tp0.pp0.dp0", "tp0.pp1.dp0"}
     if layout == "fp16":
-        ref = json.loads((tmp_path / "curves" / "reference.json").read_text())
-        assert data["step"]["step"] > ref["iterations"][0]  # after the skipped updates
+        ref = LocateCurve.read(tmp_path / "curves" / "reference.json")
+        assert data["step"]["step"] > ref.iterations[0]  # after the skipped updates
 
 
 #: (spec flag, planted grouped-GEMM bug, the patches locate must name) per expert implementation

@@ -58,6 +58,23 @@ def test_curves_of_different_steps_are_a_named_error():
         curves.first_divergent_step(_curve([1.0, 2.0], [1, 1]), _curve([1.0], [1]))
 
 
+def test_a_locate_curve_keeps_a_diverged_loss_and_names_a_bad_one(tmp_path):
+    from megatron_npu.formats.locate_curve import LocateCurve
+
+    path = tmp_path / "reference.json"
+    written = LocateCurve.empty()
+    for step, loss in ((1, 5.0), (2, float("nan")), (3, None)):
+        written.add(step, loss, 0.5)
+    written.write(path)
+    assert json.loads(path.read_text())["losses"] == [5.0, "NaN", None]  # strict JSON
+    curve = curves.read_curve(path)
+    assert curve.iterations == [1, 2, 3] and math.isnan(curve.losses[1])
+    assert curve.losses[2] is None
+    path.write_text(json.dumps({"iterations": [1, 2], "losses": [5.0], "grad_norms": [1, 1]}))
+    with pytest.raises(curves.CurveError, match=r"^not a locate curve: .*: losses: holds 1 val"):
+        curves.read_curve(path)
+
+
 def test_read_curve_takes_train_metrics_json(tmp_path):
     path = tmp_path / "metrics.json"
     step = {"step": 1, "lm_loss": 2.0, "grad_norm": 0.5}
