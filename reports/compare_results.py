@@ -17,6 +17,7 @@ from megatron_npu.formats import FormatError
 from megatron_npu.formats.compare_results import SCHEMA as COMPARE_SCHEMA
 from megatron_npu.formats.compare_results import CompareResults, Perf, Skipped, Verdict
 from megatron_npu.formats.compare_results import Run as RunEntry
+from megatron_npu.formats.lambada_result import LambadaResult
 
 RESULTS_FILE = "results.json"
 
@@ -38,7 +39,7 @@ class Run:
     losses: list[float | None]  # None: a skipped step or a non-finite loss (a gap in the plot)
     grad_norms: list[float | None]
     perf: Perf | None
-    lambada: dict[str, Any] | None
+    lambada: LambadaResult | None
     wall_s: float | None
 
 

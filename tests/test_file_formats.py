@@ -11,6 +11,7 @@ import pytest
 
 from megatron_npu.formats import FormatError, formats, schema_files
 from megatron_npu.formats.compare_results import CompareResults
+from megatron_npu.formats.lambada_result import LambadaResult
 from megatron_npu.formats.metrics import MetricsFile
 from megatron_npu.formats.parity_record import ParityRecord
 from megatron_npu.formats.run_record import RunRecord
@@ -133,9 +134,10 @@ def test_run_records_old_and_new_are_read_and_a_bad_one_is_named(tmp_path):
     path.write_text(json.dumps(old, indent=2) + "\n")
     record = RunRecord.read(path)
     assert record.session is None and record.lambada is None and record.wall_s == 12
-    record.lambada = {"accuracy": 0.5}
+    lambada = {"task": "lambada", "accuracy": 0.5, "correct": 1, "n": 2, "strict": False}
+    record.lambada = LambadaResult.parse(lambada)
     record.write(path)
-    assert json.loads(path.read_text()) == {**old, "lambada": {"accuracy": 0.5}}
+    assert json.loads(path.read_text()) == {**old, "lambada": lambada}
     path.write_text(json.dumps({**old, "status": ["ok"]}))
     with pytest.raises(FormatError, match=rf"^{path}: status: .*\['ok'\]"):
         RunRecord.read(path)

@@ -12,6 +12,7 @@ from megatron_npu.compare import fingerprint as fp
 from megatron_npu.compare import noise, rules, runner, table2
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, Matrix, RunSpec
 from megatron_npu.devices import facts as device_facts
+from megatron_npu.formats.lambada_result import LambadaResult
 from megatron_npu.formats.metrics import MetricsFile, RunConfig, Summary
 from megatron_npu.training.peak import plausible
 
@@ -22,7 +23,7 @@ class RunResult:
     device: str | None
     outcome: runner.Outcome | None
     metrics: MetricsFile | None = None
-    lambada: dict[str, Any] | None = None
+    lambada: LambadaResult | None = None
     notes: list[str] = field(default_factory=list)
 
     provenance: dict[str, Any] | None = None  # where an imported run came from

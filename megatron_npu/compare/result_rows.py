@@ -66,9 +66,9 @@ def table_row(
         "peak_understated": perf.get("peak_understated", False),
         "peak_allocated_mib": perf.get("peak_allocated_mib"),
         "peak_rss_mib": perf.get("peak_rss_mib"),
-        "cloze_set": table2.cloze_set(result.lambada.get("data")) if result.lambada else None,
-        "cloze_accuracy": (result.lambada or {}).get("accuracy"),
-        "cloze_nll": (result.lambada or {}).get("target_nll"),
+        "cloze_set": table2.cloze_set(result.lambada.data) if result.lambada else None,
+        "cloze_accuracy": result.lambada.accuracy if result.lambada else None,
+        "cloze_nll": result.lambada.target_nll if result.lambada else None,
         "noise_band": band,
         "verdict": cell,
     }

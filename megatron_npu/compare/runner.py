@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
 from megatron_npu.devices.facts import emulated
 from megatron_npu.formats import FormatError
+from megatron_npu.formats.lambada_result import LambadaResult
 from megatron_npu.formats.run_record import RunRecord
 from megatron_npu.versions import library_versions
 
@@ -45,7 +46,7 @@ class Outcome:
     wall_s: float
     command: list[str]
     config_hash: str
-    lambada: dict[str, Any] | None = None
+    lambada: LambadaResult | None = None
     session: str | None = None  # the compare invocation that timed it (cached runs keep theirs)
 
 
@@ -432,9 +433,12 @@ def evaluate_lambada(
     ]
     echo.write(f" [compare] {spec.name}: LAMBADA on its final checkpoint\n")
     code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s, echo)
-    result = read_json(out)
-    if code != 0 or result is None:
-        return None, _failure(code, tail, timeout_s) if code != 0 else "no lambada.json was written"
+    if code != 0:
+        return None, _failure(code, tail, timeout_s)
+    try:
+        result = LambadaResult.read(out)
+    except FormatError as exc:
+        return None, f"its lambada.json cannot be used: {exc}"
     record = read_record(run_dir / "run.json") or RunRecord()
     record.lambada = result
     record.write(run_dir / "run.json")

@@ -22,10 +22,13 @@ tokens, a finer figure than the accuracy). Exit 0; 2 on bad options or data.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_npu.formats.lambada_result import LambadaResult
 
 
 def main(argv: list[str]) -> int:
@@ -76,9 +79,7 @@ def worker_main(argv: list[str]) -> int:
         print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if result is not None and args.results_out:
-        from megatron_npu.files import write_private
-
-        write_private(args.results_out, json.dumps(result, indent=2) + "\n")
+        result.write(args.results_out)
     return 0
 
 
@@ -111,7 +112,7 @@ def vocab_parallel_argmax(logits, group):
     return torch.stack(idxs).gather(0, winner).squeeze(0)
 
 
-def _evaluate(args, env, device) -> dict | None:
+def _evaluate(args, env, device) -> LambadaResult | None:
     import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -225,6 +226,7 @@ def _evaluate(args, env, device) -> dict | None:
         return None
     accuracy = correct / n if n else 0.0
     from megatron_npu.evaluate.lambada import SET_TITLES, set_name
+    from megatron_npu.formats.lambada_result import LambadaResult
 
     line = (
         f" validation results on {SET_TITLES[set_name(args.valid_data)]}"
@@ -232,20 +234,20 @@ def _evaluate(args, env, device) -> dict | None:
         f"{correct:.4E} | total examples: {n:.4E} | avg accuracy: {accuracy:.4E}"
     )
     print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
-    return {
-        "task": "lambada",
-        "set": set_name(args.valid_data),
-        "accuracy": accuracy,
-        "correct": correct,
-        "n": n,
-        "strict": bool(args.strict_lambada),
-        "target_nll": nll_sum / target_tokens if target_tokens else None,
-        "truncated": sum(1 for s in samples if s.truncated),
-        "data": str(args.valid_data),
-        "load": resume.loaded_from,
-        "iteration": resume.iteration,
-        "layout": checkpointing._layout(args),
-    }
+    return LambadaResult(
+        task="lambada",
+        set=set_name(args.valid_data),
+        accuracy=accuracy,
+        correct=correct,
+        n=n,
+        strict=bool(args.strict_lambada),
+        target_nll=nll_sum / target_tokens if target_tokens else None,
+        truncated=sum(1 for s in samples if s.truncated),
+        data=str(args.valid_data),
+        load=resume.loaded_from,
+        iteration=resume.iteration,
+        layout=checkpointing._layout(args),
+    )
 
 
 def devices_current():

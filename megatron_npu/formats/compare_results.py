@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 from typing_extensions import Self
 
 from megatron_npu.formats.base import Document, FormatError, Part
+from megatron_npu.formats.lambada_result import LambadaResult
 
 SCHEMA = "megatron-npu/compare"
 SCHEMA_VERSION = 1
@@ -158,10 +159,10 @@ class Run(Part):
     )
     steps: list[Step] = Field(description="the run's curve, one entry per step")
     perf: Perf | None = Field(None, description="speed and memory; null for a failed run")
-    lambada: dict[str, Any] | None = Field(
+    lambada: LambadaResult | None = Field(
         None,
-        description="{task, accuracy, correct, n, strict, truncated, data, load, iteration, "
-        "layout} of the final checkpoint ([compare] lambada = true), else null",
+        description="the LAMBADA evaluation of the final checkpoint ([compare] lambada = true), "
+        "else null",
     )
     reference: str | None = Field(
         None, description="the run its verdicts compare against (null for the baseline)"

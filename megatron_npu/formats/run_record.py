@@ -9,11 +9,12 @@ reused.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field, WithJsonSchema
 
 from megatron_npu.formats.base import Document
+from megatron_npu.formats.lambada_result import LambadaResult
 
 Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
 
@@ -42,7 +43,7 @@ class RunRecord(Document):
         description="the compare invocation that timed the run: speed verdicts only compare runs "
         "timed in the same one",
     )
-    lambada: dict[str, Any] | None = Field(
+    lambada: LambadaResult | None = Field(
         None,
         description="the LAMBADA evaluation of the run's final checkpoint ([compare] lambada = "
         "true), added when it finished",
