@@ -67,9 +67,16 @@ class TrainingStopped(Exception):
         return self.message if not self.remedy else f"{self.message}; {self.remedy}"
 
 
-def port_in_use(port: int) -> TrainingInputError:
+def port_in_use(port: int, given: bool = True) -> TrainingInputError:
     """The error for a ``--master-port`` another program listens on (preflight's check and the
-    launcher's bind say the same)."""
+    launcher's bind say the same); ``given=False``: the multi-node default port, which the user
+    did not give."""
+    if not given:
+        return TrainingInputError(
+            f"the default --master-port {port} is already in use on this machine (another "
+            "run, or another program, listens on it)",
+            "give every node the same free --master-port",
+        )
     return TrainingInputError(
         f"--master-port {port} is already in use on this machine (another run, or another "
         "program, listens on it)",

@@ -26,12 +26,14 @@ What the launcher guarantees when processes fail:
   checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
 * nothing is left on disk: a rank hands its named error to the launcher through a pipe
   (``$MEGATRON_NPU_ERROR_FD``), not a temp folder;
-* the launcher holds the run's rendezvous store itself, as torch elastic's agent does: it
-  listens on ``--master-port`` (on node 0), or on a port the kernel picks while binding, before
-  any rank starts, and every rank connects to it as a client. No port is chosen, released and
-  bound again later, so another program cannot take it in between; a ``--master-port`` in use is
-  one named error (preflight checks it before that, too). The ranks key their rendezvous under
-  the run's id, so a run never reads or overwrites another run's keys;
+* the launcher holds the run's rendezvous store itself, as torch elastic's agent does: on node 0
+  it binds ``--master-port`` (or a port the kernel picks while binding; multi-node runs default to
+  29500) before any rank starts, serves the store on that socket once the ranks are forked (its
+  server thread never exists across a fork), and every rank connects to it as a client. No port
+  is chosen, released and bound again later, so another program cannot take it in between; a
+  port in use is one named error (preflight checks a given ``--master-port`` before that, too).
+  The ranks key their rendezvous under the run's id, so a run never reads or overwrites another
+  run's keys;
 * the first rank to fail stops the run: the launcher kills every rank's process group at once
   (checkpoints are crash-safe, so nothing is lost) and says which rank failed and how -- the
   named error it left (:mod:`.errors`, exit 2, or 3 for a stopped run) or its exit status /
@@ -43,10 +45,12 @@ What the launcher guarantees when processes fail:
 from __future__ import annotations
 
 import datetime
+import errno
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,11 +126,48 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+#: The port a multi-node run meets on when no ``--master-port`` is given (torchrun's default).
+MULTI_NODE_PORT = 29500
+
+
+def reserve_port(port: int, given: bool = True) -> socket.socket:
+    """A socket listening on ``port`` on every address of this machine (0: a port the kernel
+    picks as it binds), for :func:`host_store` to serve on. Binding it before any rank starts
+    means no other program can take the port in between; a taken one is one named error."""
+    dual = socket.has_dualstack_ipv6()
+    try:
+        return socket.create_server(
+            ("", port),
+            family=socket.AF_INET6 if dual else socket.AF_INET,
+            dualstack_ipv6=dual,
+            backlog=1024,
+        )
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise errors.port_in_use(port, given) from None
+        raise
+
+
 def host_store(
-    master_addr: str, port: int, timeout: datetime.timedelta
+    master_addr: str,
+    port: int,
+    timeout: datetime.timedelta,
+    listener: socket.socket | None = None,
 ) -> torch.distributed.TCPStore:
     """The run's rendezvous store, served from this process on ``port`` (0: a port the kernel
-    picks as it binds; read it from ``.port``). Ranks connect with ``is_master=False``."""
+    picks as it binds; read it from ``.port``), or on the socket :func:`reserve_port` bound
+    (the store takes it over). Ranks connect with ``is_master=False``."""
+    if listener is not None:
+        port = listener.getsockname()[1]
+        return torch.distributed.TCPStore(
+            master_addr,
+            port,
+            None,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
     try:
         return torch.distributed.TCPStore(
             master_addr, port, None, True, timeout, wait_for_workers=False
@@ -141,19 +182,16 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
     """Start ``args.nproc_per_node`` local ranks running ``python -m <module>`` (default
     ``megatron_npu.train``; ``evaluate`` passes its worker) on ``argv`` and watch them (see the
     module docstring). Returns the run's exit status."""
-    store = None
+    store = listener = None
     port = args.master_port
+    if port is None:
+        port = 0 if args.nnodes == 1 else MULTI_NODE_PORT
     if args.node_rank == 0:  # node 0's launcher serves the store every rank of the run joins
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         try:
-            store = host_store(
-                args.master_addr, port or 0 if args.nnodes == 1 else port or 29500, timeout
-            )
+            listener = reserve_port(port, given=args.master_port is not None)
         except errors.TrainingInputError as exc:
             return errors.report(exc)
-        port = store.port
-    elif port is None:
-        port = 29500
+        port = listener.getsockname()[1]
     nproc = args.nproc_per_node
     world = nproc * args.nnodes
     env = dict(os.environ)
@@ -169,6 +207,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": str(args.node_rank),
             AGENT_STORE_ENV: "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",  # read beside the agent store by older torch
             RUN_ID_ENV: run_id(args, port),
             preflight.DONE_ENV: "1",
         }
@@ -201,6 +240,9 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
                 )
             finally:
                 os.close(write_end)
+        if listener is not None:  # serving starts a thread: only once every rank is forked
+            timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+            store, listener = host_store(args.master_addr, port, timeout, listener), None
         return _watch(procs, args.node_rank * nproc, error_pipes)
     except _Interrupted as stop:
         _kill_groups(procs, signal.SIGTERM)
@@ -219,7 +261,9 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             proc.wait()
         for fd in error_pipes:
             os.close(fd)
-        del store  # the rendezvous ends with the run
+        if listener is not None:
+            listener.close()
+        del store  # the rendezvous ends with the run (its ranks passed their last barrier)
 
 
 def _watch(procs: list[subprocess.Popen], first_rank: int, error_pipes: list[int]) -> int:
@@ -451,6 +495,7 @@ def run_warm(
             )
             rank_env[RUN_ID_ENV] = run
             rank_env[AGENT_STORE_ENV] = "True"
+            rank_env["TORCHELASTIC_RESTART_COUNT"] = "0"
             logs.append(Path(tmp) / f"rank{rank}.log")
             proc = ctx.Process(target=_warm_rank, args=(target, payload, rank_env, str(logs[-1])))
             proc.start()

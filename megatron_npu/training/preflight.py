@@ -67,9 +67,9 @@ def _port_taken(host: str, port: int) -> bool:
 
 
 def check_port(args: Namespace) -> None:
-    """``--master-port`` is free on this machine (where rank 0 will listen on it), so a second
-    run on a busy port gets a named error instead of joining -- and harming -- another run's
-    rendezvous. Skipped under torchrun (its agent owns the port) and on nodes other than 0."""
+    """``--master-port`` is free on this machine (where the launcher, or a single rank, will
+    serve the run's store), so a second run on a busy port gets a named error before anything
+    starts. Skipped under torchrun (its agent owns the port) and on nodes other than 0."""
     if "RANK" in os.environ or args.master_port is None or args.node_rank != 0:
         return
     for host in dict.fromkeys(("0.0.0.0", args.master_addr)):
