@@ -64,7 +64,7 @@ def parse(data: Any, source: str) -> LocateResult:
     try:
         return LocateResult(source, model.parse(data, source))
     except FormatError as exc:
-        raise BadLocateResult(str(exc)) from None
+        raise BadLocateResult(exc.message) from None  # the skipped entry names the file
 
 
 def _shown(value: Any) -> Any:

@@ -244,3 +244,19 @@ def test_a_bad_parity_record_field_is_one_error_for_both_readers(
         read_records(tmp_path)
     assert str(harness.value) == f"{bad}: {error}"
     assert read_folder(tmp_path) == ([], [Skipped(str(bad), error)])  # the report skips it
+
+
+def test_what_a_writer_fills_in_after_building_a_document_is_written(tmp_path):
+    """A field left at its default and then changed in place (a list appended to, a default part
+    filled in) is written, while a field a file never had stays out of it."""
+    from megatron_npu.formats.locate_curve import LocateCurve
+
+    curve = LocateCurve.empty()
+    curve.add(1, 2.0, None)
+    assert json.loads(curve.to_json()) == {"iterations": [1], "losses": [2.0], "grad_norms": [None]}
+    metrics = MetricsFile.parse(_metrics())
+    assert "summary" in json.loads(metrics.to_json())  # given, though empty
+    bare = MetricsFile.parse({"config": {"arguments": {}}, "steps": []})
+    assert "summary" not in json.loads(bare.to_json())  # never given: left out
+    bare.summary.steps = 0
+    assert json.loads(bare.to_json())["summary"] == {"steps": 0}  # filled in: written

@@ -126,14 +126,6 @@ def config_hash(
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def read_record(path: Path) -> RunRecord | None:
     """The run's ``run.json``, or None when there is none or it does not fit its format (the run
     is then not reused)."""
@@ -141,12 +133,6 @@ def read_record(path: Path) -> RunRecord | None:
         return RunRecord.read(path)
     except FormatError:
         return None
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from megatron_npu.files import write_private
-
-    write_private(path, json.dumps(data, indent=2) + "\n")
 
 
 def run_environment() -> dict[str, str]:
@@ -439,7 +425,8 @@ def evaluate_lambada(
         result = LambadaResult.read(out)
     except FormatError as exc:
         return None, f"its lambada.json cannot be used: {exc}"
-    record = read_record(run_dir / "run.json") or RunRecord()
-    record.lambada = result
-    record.write(run_dir / "run.json")
+    record = read_record(run_dir / "run.json")
+    if record is not None:  # a record that does not fit is left as it is, not replaced
+        record.lambada = result
+        record.write(run_dir / "run.json")
     return result, None

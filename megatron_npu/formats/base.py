@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema, model_serializer
 from typing_extensions import Self
 
 from megatron_npu.files import write_private
+
+#: A figure written as it came: an integer stays an integer, so a file read and written again is
+#: the same text.
+Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
 
 
 class FormatError(ValueError):
@@ -120,6 +124,7 @@ class Document(Part):
     def to_data(self) -> dict[str, Any]:
         """The document as the decoded JSON of its file: the keys it was given, non-finite
         numbers as :attr:`non_finite` says."""
+        _mark_changed(self)
         return _non_finite(self.model_dump(mode="json", exclude_unset=True), self.non_finite)
 
     def to_json(self) -> str:
@@ -178,3 +183,26 @@ def _non_finite(value: Any, how: str) -> Any:
             return None
         return "NaN" if value != value else _STRINGS[value]
     return value
+
+
+def _mark_changed(model: BaseModel) -> None:
+    """Count a field as given when its value is no longer its default -- a default list appended
+    to, a default part filled in -- so that writing (which leaves out what was never given, to
+    write back a file as it was read) does not drop it."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if name not in model.model_fields_set:
+            if value != field.get_default(call_default_factory=True):
+                model.model_fields_set.add(name)
+        for part in _parts_in(value):
+            _mark_changed(part)
+
+
+def _parts_in(value: Any) -> list[BaseModel]:
+    if isinstance(value, BaseModel):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, BaseModel)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, BaseModel)]
+    return []

@@ -10,20 +10,16 @@ Non-finite numbers are written as the strings ``"NaN"``, ``"Infinity"`` and ``"-
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field
 from typing_extensions import Self
 
-from megatron_npu.formats.base import Document, FormatError, Part
+from megatron_npu.formats.base import Document, FormatError, Number, Part
 from megatron_npu.formats.lambada_result import LambadaResult
 
 SCHEMA = "megatron-npu/compare"
 SCHEMA_VERSION = 1
-
-#: A figure copied as it came: an integer stays an integer, so a file read and written again is
-#: the same text.
-Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
 
 
 class Provenance(Part):

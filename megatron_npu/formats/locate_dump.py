@@ -142,6 +142,7 @@ class DumpMeta(Document):
 
     schema_name: ClassVar[str] = "locate-dump"
     indent: ClassVar[int] = 1
+    non_finite: ClassVar[str] = "strings"  # a diverged step's loss, as the index writes it
 
     format: Literal[DUMP_FORMAT] = Field(description="always megatron-npu-locate-dump")
     version: Literal[DUMP_VERSION] = Field(description="the dump layout's version")

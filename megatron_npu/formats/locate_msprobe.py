@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from megatron_npu.formats.base import Document, Part
+from megatron_npu.formats.locate_result import MsprobeMetrics
 
 FORMAT = "megatron-npu-locate-msprobe"
 SCHEMA_VERSION = 1
@@ -34,21 +35,12 @@ class Row(Part):
     worst: str | None = Field(description="the output tensor with the largest error")
 
 
-class Metrics(Part):
-    """What ``msprobe compare`` shows for the divergent row's worst tensor."""
-
-    cosine: float | None = None
-    max_abs_error: float | None = None
-    max_rel_error: float | None = None
-    passes_msprobe_thresholds: bool = Field(description="cosine > 0.99 and max abs error < 0.001")
-
-
 class DivergentRow(Row):
     """The first divergent row, with what a dump can say about the adaptor."""
 
     omit_when_none = frozenset({"msprobe_metrics", "module_patches"})
 
-    msprobe_metrics: Metrics | None = Field(
+    msprobe_metrics: MsprobeMetrics | None = Field(
         None, description="msprobe's metrics of its worst tensor (task tensor only)"
     )
     patches: list[str] = Field(description="the adaptor patches the row reaches (by registry)")

@@ -126,10 +126,15 @@ class ModuleRow(Part):
 
 
 class MsprobeMetrics(Part):
-    """What ``msprobe compare`` shows for the named module's worst tensor."""
+    """What ``msprobe compare`` shows for a divergent module's or row's worst tensor (here and
+    in ``locate-msprobe.json``)."""
 
-    data_name: str = Field(
-        description="the tensor's file (the Data_name column of msprobe's table)"
+    omit_when_none = frozenset({"data_name"})
+
+    data_name: str | None = Field(
+        None,
+        description="the tensor's file (the Data_name column of msprobe's table); locate.json "
+        "names it, locate-msprobe.json does not",
     )
     cosine: float | None = Field(description="cosine similarity with the reference's tensor")
     max_abs_error: float | None = Field(description="largest absolute difference")

@@ -20,7 +20,8 @@ class StepRecord(Part):
 
     step: int = Field(description="the iteration, from 1")
     lm_loss: float | None = Field(
-        description="the step's LM loss; null on a skipped (overflow) step or a non-finite loss"
+        None,
+        description="the step's LM loss; null on a skipped (overflow) step or a non-finite loss",
     )
     grad_norm: float | None = Field(None, description="gradient norm before clipping")
     lr: float | None = Field(None, description="learning rate the step used")

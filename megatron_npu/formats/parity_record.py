@@ -70,7 +70,7 @@ def _number(value: Any) -> Any:
 
 
 #: a float; non-finite ones are the strings "NaN", "Infinity", "-Infinity" in the file
-Number = Annotated[
+Float = Annotated[
     float,
     BeforeValidator(_number),
     WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": list(_NON_FINITE)}]}),
@@ -156,31 +156,31 @@ class TensorMetrics(Part):
     exact_mismatch_count: StrictInt | None = Field(
         description="exact kind: elements that differ; null for float"
     )
-    cosine: Number | None = Field(description="msprobe's cosine; null for a single element")
-    max_abs_error: Number | None
-    max_rel_error: Number | None
-    mean_rel_error: Number | None
-    rel_eps: Number | None = Field(description="eps of the relative error |x - r| / (|r| + eps)")
-    dual_hundredth: Number | None = Field(description="share of relative errors below 0.01")
-    dual_thousandth: Number | None = Field(description="share of relative errors below 0.001")
-    dual_ten_thousandth: Number | None = Field(description="share of relative errors below 0.0001")
-    rmse: Number | None
-    error_balance: Number | None
-    small_value_threshold: Number | None = Field(description="T: |r| <= T is a small value")
+    cosine: Float | None = Field(description="msprobe's cosine; null for a single element")
+    max_abs_error: Float | None
+    max_rel_error: Float | None
+    mean_rel_error: Float | None
+    rel_eps: Float | None = Field(description="eps of the relative error |x - r| / (|r| + eps)")
+    dual_hundredth: Float | None = Field(description="share of relative errors below 0.01")
+    dual_thousandth: Float | None = Field(description="share of relative errors below 0.001")
+    dual_ten_thousandth: Float | None = Field(description="share of relative errors below 0.0001")
+    rmse: Float | None
+    error_balance: Float | None
+    small_value_threshold: Float | None = Field(description="T: |r| <= T is a small value")
     small_value_count: StrictInt | None
-    small_value_error_share: Number | None
-    ulp_max: Number | None
-    ulp_mean: Number | None
-    ulp_bad_bound: Number | None
-    ulp_bad_share: Number | None
-    rel_l2: Number | None = Field(None, description="relative L2 error (absent in schema 1)")
-    rel_l2_bound: Number | None = Field(
+    small_value_error_share: Float | None
+    ulp_max: Float | None
+    ulp_mean: Float | None
+    ulp_bad_bound: Float | None
+    ulp_bad_share: Float | None
+    rel_l2: Float | None = Field(None, description="relative L2 error (absent in schema 1)")
+    rel_l2_bound: Float | None = Field(
         None, description="the bound rule rel_l2 applies (absent in schema 1)"
     )
-    small_value_atol: Number | None = Field(
+    small_value_atol: Float | None = Field(
         None, description="a small value with |x - r| above this is wrong (absent in schema 1)"
     )
-    rel_l2_benchmark: Number | None = Field(
+    rel_l2_benchmark: Float | None = Field(
         None, description="rel_l2 of the benchmark path on the same example; null when none ran"
     )
 
@@ -196,17 +196,17 @@ class Tolerance(Part):
     """A case's override of the default thresholds; null keeps a default."""
 
     reason: StrictStr = Field(description="why the case needs other thresholds (required)")
-    cosine: Number | None = Field(description="cosine must be > this instead of 0.99")
-    abs_pass: Number | None = Field(
+    cosine: Float | None = Field(description="cosine must be > this instead of 0.99")
+    abs_pass: Float | None = Field(
         description="max abs error < this passes at once instead of 1e-3"
     )
-    dual_error: Number | None = Field(
+    dual_error: Float | None = Field(
         description="N of the error-level dual check (0.01, 0.001 or 0.0001)"
     )
-    dual_warning: Number | None = Field(
+    dual_warning: Float | None = Field(
         description="N of the warning-level dual check (0.01, 0.001 or 0.0001)"
     )
-    rel_l2: Number | None = Field(
+    rel_l2: Float | None = Field(
         None,
         description="relative L2 error must be <= this instead of the computed bound "
         "(absent in schema 1)",
@@ -231,15 +231,15 @@ class BenchmarkTensor(Part):
     level: Literal[BENCHMARK_LEVELS] = Field(
         description="msprobe level (megatron_npu.parity.benchmark.LEVEL_LIMITS)"
     )
-    tested: dict[str, Number] = Field(
+    tested: dict[str, Float] = Field(
         description="small_value_error_share, max_rel_error, mean_rel_error, rmse and "
         "error_balance of the tested path against the reference"
     )
-    benchmark: dict[str, Number] = Field(description="the same of the benchmark path")
-    ratios: dict[str, Number] = Field(
+    benchmark: dict[str, Float] = Field(description="the same of the benchmark path")
+    ratios: dict[str, Float] = Field(
         description="|tested| / max(|benchmark|, floor): msprobe's calc_ratio"
     )
-    limits: dict[str, Number] = Field(description="a ratio above its limit is an error")
+    limits: dict[str, Float] = Field(description="a ratio above its limit is an error")
     verdict: BenchmarkVerdict
 
 
@@ -286,7 +286,7 @@ class Provenance(Part):
     seed: StrictInt | None = Field(description="seed of the case")
     hostname: StrictStr = Field(description="socket.gethostname()")
     timestamp_utc: StrictStr = Field(description="ISO 8601 UTC, YYYY-MM-DDTHH:MM:SS.ffffffZ")
-    wall_time_s: Number = Field(description="wall time of the case in seconds")
+    wall_time_s: Float = Field(description="wall time of the case in seconds")
 
 
 class Parallel(Part):

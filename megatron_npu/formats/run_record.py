@@ -9,14 +9,10 @@ reused.
 
 from __future__ import annotations
 
-from typing import Annotated
+from pydantic import Field
 
-from pydantic import Field, WithJsonSchema
-
-from megatron_npu.formats.base import Document
+from megatron_npu.formats.base import Document, Number
 from megatron_npu.formats.lambada_result import LambadaResult
-
-Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
 
 
 class RunRecord(Document):
