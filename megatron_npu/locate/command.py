@@ -115,11 +115,15 @@ def clean_argv(argv: list[str]) -> tuple[list[str], int, list[str]]:
 
 
 def side_from_options(label: str, options: str, common: str, plant: str | None) -> RunSide:
+    from megatron_npu.training import arguments
+
     argv, world, disable = clean_argv(shlex.split(common) + shlex.split(options))
-    if _option(argv, "--device") is None:
+    try:  # train's own parser and checks: a bad option is named before any replay starts
+        parsed = arguments.checked_options(argv)
+    except arguments.ArgumentError as exc:
+        raise LocateError(f"--{label} options: {exc}") from None
+    if parsed.device is None:
         raise LocateError(f"--{label} options must name --device")
-    if _option(argv, "--train-iters") is None:
-        raise LocateError(f"--{label} options must give --train-iters")
     return RunSide(label, argv, world, plant, disable)
 
 

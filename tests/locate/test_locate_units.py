@@ -585,20 +585,27 @@ def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
 def test_bad_input_is_one_named_line_and_exit_2(tmp_path, capsys):
     from megatron_npu.cli import main
 
-    code = main(
-        [
-            "locate",
-            "--reference",
-            "--train-iters 2",
-            "--candidate",
-            "--device cpu --train-iters 2",
-            "--out",
-            str(tmp_path),
-        ]
+    model = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --mock-data"
+    common = f"{model} --micro-batch-size 2 --lr 1e-3 --train-iters 2"
+
+    def located(reference: str) -> tuple[int, list[str]]:
+        argv = ["locate", f"--reference={reference}", "--candidate", "--device cpu"]
+        code = main([*argv, "--common", common, "--out", str(tmp_path)])
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    assert located("--bf16") == (2, ["megatron-npu locate: --reference options must name --device"])
+    # train's own parser and checks judge a side's options before anything runs
+    assert located("--device cpu --hiden-size 64") == (
+        2,
+        ["megatron-npu locate: --reference options: unrecognized arguments: --hiden-size 64"],
     )
-    assert code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["megatron-npu locate: --reference options must name --device"]
+    assert located("--device cpu --num-attention-heads 5") == (  # train's own check
+        2,
+        [
+            "megatron-npu locate: --reference options: --hidden-size must be divisible by "
+            "--num-attention-heads"
+        ],
+    )
     code = main(["locate", "--compare-dir", str(tmp_path), "--out", str(tmp_path)])
     assert code == 2 and "needs --pair" in capsys.readouterr().err
 
