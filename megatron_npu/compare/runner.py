@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -133,6 +133,46 @@ def read_record(path: Path) -> RunRecord | None:
         return RunRecord.read(path)
     except FormatError:
         return None
+
+
+def _cached(
+    spec: RunSpec, run_dir: Path, digest: str, command: list[str], echo: TextIO
+) -> Outcome | None:
+    """The outcome of an identical finished run in ``run_dir`` (its ``run.json`` has ``digest``
+    and status ok, its ``metrics.json`` is there), said on ``echo``; None when there is none."""
+    cached = read_record(run_dir / "run.json")
+    if not (
+        cached
+        and cached.config_hash == digest
+        and cached.status == "ok"
+        and (run_dir / "metrics.json").is_file()
+    ):
+        return None
+    echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
+    wall = float(cached.wall_s or 0.0)
+    return Outcome("cached", None, wall, command, digest, cached.lambada, cached.session)
+
+
+def _finished(
+    record_path: Path,
+    digest: str,
+    error: str | None,
+    wall: float,
+    command: list[str],
+    session: str | None,
+) -> Outcome:
+    """Record a run that ran (``run.json``) and return its outcome: failed with ``error``, else
+    ok."""
+    status = "failed" if error else "ok"
+    RunRecord(
+        config_hash=digest,
+        status=status,
+        error=error,
+        wall_s=wall,
+        command=command,
+        session=session,
+    ).write(record_path)
+    return Outcome(status, error, wall, command, digest, session=session)
 
 
 def run_environment() -> dict[str, str]:
@@ -244,18 +284,9 @@ def execute(
         return Outcome("failed", str(exc), 0.0, command, "")
     digest = config_hash(spec, device, rerun_index, checkpoint, env)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
-    cached = read_record(record_path)
-    if cached and cached.config_hash == digest and cached.status == "ok" and metrics_path.is_file():
-        echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
-        return Outcome(
-            "cached",
-            None,
-            float(cached.wall_s or 0.0),
-            command,
-            digest,
-            cached.lambada,
-            cached.session,
-        )
+    cached = _cached(spec, run_dir, digest, command, echo)
+    if cached is not None:
+        return cached
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
@@ -271,15 +302,7 @@ def execute(
         if code != 0
         else "no metrics.json was written"
     )
-    RunRecord(
-        config_hash=digest,
-        status="ok" if ok else "failed",
-        error=error,
-        wall_s=wall,
-        command=command,
-        session=session,
-    ).write(record_path)
-    return Outcome("ok" if ok else "failed", error, wall, command, digest, session=session)
+    return _finished(record_path, digest, error, wall, command, session)
 
 
 def script_command(spec: RunSpec, log_dir: Path | None = None) -> list[str]:
@@ -337,18 +360,9 @@ def execute_script(
         run_dir / "metrics.json",
         run_dir / "train.log",
     )
-    cached = read_record(record_path)
-    if cached and cached.config_hash == digest and cached.status == "ok" and metrics_path.is_file():
-        echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
-        return Outcome(
-            "cached",
-            None,
-            float(cached.wall_s or 0.0),
-            command,
-            digest,
-            None,
-            cached.session,
-        )
+    cached = _cached(spec, run_dir, digest, command, echo)
+    if cached is not None:
+        return replace(cached, lambada=None)  # a script run has no LAMBADA evaluation
     if not script.is_file():
         return Outcome("failed", f"no script {script}", 0.0, command, digest)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -366,15 +380,7 @@ def execute_script(
             metrics.config.device = device
             metrics.config.device_emulated = emulated(device)
             metrics.write(metrics_path)
-    RunRecord(
-        config_hash=digest,
-        status="failed" if error else "ok",
-        error=error,
-        wall_s=wall,
-        command=command,
-        session=session,
-    ).write(record_path)
-    return Outcome("failed" if error else "ok", error, wall, command, digest, session=session)
+    return _finished(record_path, digest, error, wall, command, session)
 
 
 def evaluation_options(spec: RunSpec) -> dict[str, Any]:
