@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from megatron_npu import console
 from megatron_npu.devices import NAMES, DeviceUnavailableError
 from megatron_npu.disable_patch_option import add_disable_patch_argument, disable_flag_published
 from megatron_npu.patcher import PatchError
@@ -29,9 +30,9 @@ def _preprocess(args: argparse.Namespace) -> int:
     try:
         summary = run_preprocess(args)
     except (PreprocessError, OSError) as exc:
-        print(f"megatron-npu preprocess: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu preprocess: {exc}")
         return 2
-    print(
+    console.say(
         f"wrote {summary['prefix']}.{{bin,idx}}: {summary['documents']} documents, "
         f"{summary['tokens']} tokens ({summary['dtype']}), vocab {summary['vocab_size']}, "
         f"{summary['seconds']} s"
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         with disable_flag_published(getattr(args, "disable_patch", ())):
             return args.func(args)
     except (DeviceUnavailableError, PatchError) as exc:
-        print(f"megatron-npu: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu: {exc}")
         return 2
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron_npu import patcher
+from megatron_npu.console import tables
 from megatron_npu.devices import Device, resolve, torch_npu_schema
 from megatron_npu.ops import cpu_band_kernel, fallbacks
 from megatron_npu.ops.adamw import fused_adamw_available
@@ -114,10 +115,9 @@ def collect(device: str | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any], file: Any = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file or sys.stdout, width=160)
+    console = tables(file)
     console.print(f"[bold]device[/bold]   {data['device']['description']}")
     for name, version in data["versions"].items():
         console.print(f"[bold]{name:<14}[/bold] {version or 'not installed'}")

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_npu import console
 from megatron_npu.devices.facts import NPU_EMULATED
 
 KERNEL_COUNTS_ENV = "MEGATRON_NPU_KERNEL_COUNTS"
@@ -70,7 +71,7 @@ def prepare(argv: list[str]) -> str:
     script's absolute path. Exits 2 naming the script when there is none."""
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        print(f"megatron-npu run_script: no script {argv[0]!r}", file=sys.stderr)
+        console.error(f"megatron-npu run_script: no script {argv[0]!r}")
         raise SystemExit(2)
     # the script's folder first, as ``python SCRIPT`` has it from the start: the adaptor then
     # sees Megatron-LM's training layer when it is applied
@@ -90,7 +91,7 @@ def run(script: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        console.say(__doc__)
         raise SystemExit(0 if argv else 2)
     run(prepare(argv))
 

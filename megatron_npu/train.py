@@ -17,6 +17,7 @@ import copy
 import os
 import sys
 
+from megatron_npu import console
 from megatron_npu.training import (
     arguments,
     errors,
@@ -35,11 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments.parse_args(argv)  # fail fast, before any rank starts
     launched_rank = "RANK" in os.environ
     if args.nproc_per_node is not None and launched_rank:
-        print(
+        console.warn(
             " megatron-npu train: already a launched rank (RANK is set): "
-            "ignoring --nproc-per-node/--nnodes/--node-rank",
-            file=sys.stderr,
-            flush=True,
+            "ignoring --nproc-per-node/--nnodes/--node-rank"
         )
         argv = launch.strip_launch_options(argv)
     starts_ranks = args.nproc_per_node is not None and not launched_rank
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             # the world-size rules, data files, --save and the --load checkpoint
             for note in preflight.check(arguments.finalize(copy.copy(args), world)):
                 if os.environ.get("RANK", "0") == "0":
-                    print(note, flush=True)
+                    console.say(note)
             if os.environ.get("RANK", "0") == "0":  # held until this process ends the run
                 if args.metrics_out:
                     run_lock.hold(args.metrics_out, "--metrics-out")

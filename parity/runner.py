@@ -19,6 +19,7 @@ from pathlib import Path
 from megatron_npu.parity.results import read_records
 from megatron_npu.parity.summary import print_summary, summary_lines
 
+from megatron_npu import console
 from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
 
 CI_DEVICES = (CPU, NPU_EMULATED)
@@ -136,18 +137,16 @@ def main(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_dir = Path(args.results) / f"run-{stamp}-{args.mode}"
     run_dir.mkdir(parents=True, exist_ok=False, mode=0o750)
-    print(f"parity: {args.mode} run on {', '.join(devices)}; records in {run_dir}", flush=True)
+    console.say(f"parity: {args.mode} run on {', '.join(devices)}; records in {run_dir}")
     with tempfile.TemporaryDirectory(prefix="megatron-npu-parity-") as entry_dir:
         (Path(entry_dir) / ENTRY_NAME).write_text(ENTRY_MODULE, encoding="utf-8")
         code = subprocess.call(pytest_command(args, devices, run_dir, Path(entry_dir)))
     records = read_records(run_dir)
     if records:
-        from rich.console import Console
-
-        print_summary(records, console=Console(width=max(160, Console().width)))
+        print_summary(records)
     for line in summary_lines(records):
-        print(line)
+        console.say(line)
     if not records:
-        print("parity: no records were written", file=sys.stderr)
+        console.error("parity: no records were written")
         return code or 1
     return code

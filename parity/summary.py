@@ -112,9 +112,11 @@ def summary_lines(records: Iterable[ParityRecord]) -> list[str]:
 
 
 def print_summary(records: Iterable[ParityRecord], console: Any = None) -> Any:
-    """Print :func:`summary_table` as a rich table (to ``console`` or a new one); return it."""
-    from rich.console import Console
+    """Print :func:`summary_table` as a rich table (to ``console``, or the console's table
+    console on standard output); return it."""
     from rich.table import Table
+
+    from megatron_npu.console import tables
 
     table = Table(title="parity results")
     for column in SummaryRow._fields:
@@ -123,5 +125,5 @@ def print_summary(records: Iterable[ParityRecord], console: Any = None) -> Any:
         cells = list(row)
         cells[5] = f"[{_STYLE[row.verdict]}]{row.verdict}[/]"
         table.add_row(*cells)
-    (console if console is not None else Console()).print(table)
+    (console if console is not None else tables()).print(table)
     return table

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_npu.reports.errors import ReportInputError
+
+from megatron_npu import console
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         path = build_report(args.inputs, args.output, diff_base=args.diff_base)
     except (ReportInputError, OSError) as exc:
-        print(f"megatron-npu report: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu report: {exc}")
         return 2
-    print(f"report written to {path}")
+    console.say(f"report written to {path}")
     return 0

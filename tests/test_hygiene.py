@@ -8,7 +8,10 @@ lists are empty; an entry that is gone fails the test, so they can only shrink):
   holds a table keyed by device names (what is known of a device lives on the device);
 * code and docs say what the code does and why, not the project's planning: no issue numbers,
   "Done when" criteria, references to the documents the project was planned from, TODO/FIXME
-  markers or dated change notes.
+  markers or dated change notes;
+* the commands speak one way (``megatron_npu.console``): no ``print()`` call and no write to
+  ``sys.stdout``/``sys.stderr`` in ``megatron_npu``, ``parity`` or ``reports`` outside that module,
+  except the machine-readable JSON ``info --json`` writes.
 """
 
 from __future__ import annotations
@@ -174,6 +177,36 @@ def test_the_nvtx_stub_is_defined_once():
     assert nvtx_stubs() == {"megatron_npu/devices/base.py"}
 
 
+#: (file, line text) of the writes allowed to bypass the console: data, not lines
+CONSOLE_EXEMPT = {("megatron_npu/info.py", "sys.stdout.write('\\n')")}
+
+
+def console_bypasses(source: str, rel: str) -> list[tuple[str, str]]:
+    """(file, call) of each ``print(...)`` and ``sys.stdout``/``sys.stderr`` ``.write(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        called = ast.unparse(node.func)
+        if called == "print" or called in ("sys.stdout.write", "sys.stderr.write"):
+            found.append((rel, ast.unparse(node)))
+    return found
+
+
+def console_bypasses_in_tree() -> list[tuple[str, str]]:
+    found = []
+    for package in ("megatron_npu", "parity", "reports"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel != "megatron_npu/console.py":
+                found += console_bypasses(path.read_text(encoding="utf-8"), rel)
+    return [hit for hit in found if hit not in CONSOLE_EXEMPT]
+
+
+def test_the_commands_speak_through_the_console():
+    assert console_bypasses_in_tree() == []
+
+
 def test_the_scans_see_a_violation():
     """The regular expression and the AST scan find what they are for."""
     assert CITATION.findall("see REFERENCE.md section 3 and `docs/parity-results.md`.") == [
@@ -191,6 +224,11 @@ def test_the_scans_see_a_violation():
     assert not PLANNING.findall("a tissue 3 todo list, the seeds of the RNG, issued 4 times")
     table = 'SIZES = {"cpu": 1, CUDA: 2}\nNAMES = {"cpu": 1, "x": 2}\n'
     assert device_keyed_tables(table, "m.py") == [("m.py", 1)]
+    spoken = 'print("a", file=sys.stderr)\nsys.stderr.write("b")\nconsole.say("c")\n'
+    assert console_bypasses(spoken, "m.py") == [
+        ("m.py", "print('a', file=sys.stderr)"),
+        ("m.py", "sys.stderr.write('b')"),
+    ]
     tree = ast.parse('"""npu-emulated in a docstring"""\nDEVICE = "npu-emulated"\n')
     constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]
     assert len(constants) - len(_docstrings(tree)) == 1

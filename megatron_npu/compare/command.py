@@ -24,8 +24,9 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from megatron_npu import console
 from megatron_npu.compare import results as results_mod
 from megatron_npu.compare import rules, runner, table2
 from megatron_npu.compare.imported_run import import_run
@@ -45,28 +46,28 @@ from megatron_npu.formats.metrics import MetricsFile
 DEFAULT_OUT = "compare-out"
 
 
-def build_report(out_dir: Path, echo: TextIO) -> Path | None:
+def build_report(out_dir: Path) -> Path | None:
     """``reports.build_report([out_dir], out_dir / "report.html")`` when the reports package is
     importable; otherwise say so (nothing else is lost: results.json is already written)."""
     try:  # through sys.modules, so a stand-in module (tests) or a missing one is what is used
         reports = importlib.import_module("megatron_npu.reports")
     except ImportError:
-        echo.write(
+        console.say(
             " [compare] no report.html: the `reports` package is not importable here "
-            "(results.json and table2.md are written)\n"
+            "(results.json and table2.md are written)"
         )
         return None
     try:
         path = Path(reports.build_report([out_dir], out_dir / "report.html"))
     except Exception as exc:  # the comparison is done; a report failure must not hide it
-        echo.write(f" [compare] report.html failed: {type(exc).__name__}: {exc}\n")
+        console.say(f" [compare] report.html failed: {type(exc).__name__}: {exc}")
         return None
-    echo.write(f" [compare] report: {path}\n")
+    console.say(f" [compare] report: {path}")
     return path
 
 
 def run_compare(
-    matrix: Matrix, out_dir: Path, *, argv: list[str] | None = None, echo: TextIO = sys.stdout
+    matrix: Matrix, out_dir: Path, *, argv: list[str] | None = None
 ) -> tuple[dict[str, Any], int]:
     """Run, judge and write one comparison; returns (the results document as the plain data
     results.json holds, non-finite numbers as floats; exit status)."""
@@ -74,19 +75,19 @@ def run_compare(
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     for note in matrix.notes:
-        echo.write(f" [compare] {note}\n")
+        console.say(f" [compare] {note}")
     results: dict[str, RunResult] = {}
     skipped: list[dict[str, str]] = []
     session = uuid.uuid4().hex[:12]
     for spec in matrix.runs:
         if spec.kind == "import":
-            results[spec.name] = import_run(spec, echo)
+            results[spec.name] = import_run(spec)
             continue
         device = runner.resolve_device(spec)
         if device is None:
             reason = f"none of its devices ({', '.join(spec.devices)}) is available here"
             if spec.optional:
-                echo.write(f" [compare] {spec.name}: skipped, {reason}\n")
+                console.say(f" [compare] {spec.name}: skipped, {reason}")
                 skipped.append({"name": spec.name, "reason": reason})
                 continue
             results[spec.name] = RunResult(
@@ -100,7 +101,6 @@ def run_compare(
                 device,
                 run_dir,
                 timeout_s=spec.timeout_s or s.timeout_s,
-                echo=echo,
                 session=session,
             )
         else:
@@ -112,7 +112,6 @@ def run_compare(
                 timeout_s=spec.timeout_s or s.timeout_s,
                 rerun_index=1 if spec.rerun_of else 0,
                 checkpoint=s.lambada,
-                echo=echo,
                 session=session,
             )
         result = RunResult(spec, device, outcome)
@@ -122,16 +121,16 @@ def run_compare(
             except FormatError as exc:
                 outcome.status, outcome.error = "failed", f"its metrics.json cannot be used: {exc}"
         else:
-            echo.write(f" [compare] {spec.name}: FAILED ({outcome.error})\n")
+            console.say(f" [compare] {spec.name}: FAILED ({outcome.error})")
         if s.lambada and result.ok and spec.kind == "train":
             result.lambada = outcome.lambada
             if result.lambada is None:
                 result.lambada, why = runner.evaluate_lambada(
-                    spec, device, run_dir, s.lambada_data, timeout_s=s.timeout_s, echo=echo
+                    spec, device, run_dir, s.lambada_data, timeout_s=s.timeout_s
                 )
                 if why:
                     result.notes.append(f"LAMBADA evaluation failed: {why}")
-                    echo.write(f" [compare] {spec.name}: LAMBADA evaluation failed ({why})\n")
+                    console.say(f" [compare] {spec.name}: LAMBADA evaluation failed ({why})")
         results[spec.name] = result
     base = results.get(s.baseline)
     verdicts: list[rules.Verdict] = []
@@ -141,7 +140,7 @@ def run_compare(
         other = results.get(speed_reference(result, results, s.baseline))
         verdicts += judge(result, results[result.spec.reference], other, matrix, results)
     verdicts = [
-        confirm_slowdown(v, results, matrix, out_dir, echo) if v.rule == "performance" else v
+        confirm_slowdown(v, results, matrix, out_dir) if v.rule == "performance" else v
         for v in verdicts
     ]
     entries = [run_entry(r, s.warmup_steps) for r in results.values()]
@@ -162,16 +161,16 @@ def run_compare(
     title = f"Table 2: {matrix.source} matrix, baseline {s.baseline}"
     text = table2.markdown(rows, title)
     results_path, table_path = results_mod.write(out_dir, document, text)
-    echo.write("\n" + text + "\n")
+    console.say("\n" + text + "")
     for v in verdicts:
-        echo.write(f" {v.candidate:<22} {v.rule:<13} {v.status:<14} {v.detail}\n")
+        console.say(f" {v.candidate:<22} {v.rule:<13} {v.status:<14} {v.detail}")
     for item in skipped:
-        echo.write(f" {item['name']:<22} skipped: {item['reason']}\n")
+        console.say(f" {item['name']:<22} skipped: {item['reason']}")
     wall = time.perf_counter() - started
-    echo.write(
-        f"\n [compare] wrote {results_path} and {table_path} ({len(results)} runs, {wall:.0f} s)\n"
+    console.say(
+        f"\n [compare] wrote {results_path} and {table_path} ({len(results)} runs, {wall:.0f} s)"
     )
-    build_report(out_dir, echo)
+    build_report(out_dir)
     bad_runs = any(not r.ok for r in results.values())
     bad_verdicts = any(v.status in (rules.FAIL, rules.REFUSED) for v in verdicts)
     return document.model_dump(exclude_unset=True), 1 if bad_runs or bad_verdicts else 0
@@ -192,11 +191,11 @@ def main(args) -> int:
     try:
         matrix = load(args.matrix)
     except MatrixError as exc:
-        print(f"megatron-npu compare: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu compare: {exc}")
         return 2
     try:
         _, status = run_compare(matrix, Path(args.out), argv=sys.argv)
     except OSError as exc:
-        print(f"megatron-npu compare: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu compare: {exc}")
         return 2
     return status

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TextIO
-
+from megatron_npu import console
 from megatron_npu.compare import datasheet, imports, runner
 from megatron_npu.compare.judging import RunResult, precision_of
 from megatron_npu.compare.matrix import RunSpec
@@ -28,12 +27,12 @@ def _datasheet_peak(result: RunResult) -> None:
     summary.peak_devices = int(world)
 
 
-def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
+def import_run(spec: RunSpec) -> RunResult:
     """An imported run (:mod:`.imports`), or a failed one whose error names the file and line."""
     try:
         imported = imports.load(str(spec.path), spec.import_run)
     except imports.ImportedRunError as exc:
-        echo.write(f" [compare] {spec.name}: FAILED to import ({exc})\n")
+        console.say(f" [compare] {spec.name}: FAILED to import ({exc})")
         return RunResult(
             spec,
             spec.devices[0] if spec.devices else None,
@@ -45,7 +44,7 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
             f"{spec.path}: the file does not say which device ran it: "
             "set device = ... in the matrix"
         )
-        echo.write(f" [compare] {spec.name}: FAILED to import ({error})\n")
+        console.say(f" [compare] {spec.name}: FAILED to import ({error})")
         return RunResult(spec, None, runner.Outcome("failed", error, 0.0, [], ""))
     result = RunResult(
         spec,
@@ -59,7 +58,7 @@ def import_run(spec: RunSpec, echo: TextIO) -> RunResult:
         result.notes.append(f"the file says device {imported.device}; the matrix says {device}")
     if imported.emulated and not device_facts.emulated(device):
         result.notes.append("the file says its run was emulated")
-    echo.write(
-        f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})\n"
+    console.say(
+        f" [compare] {spec.name}: imported {imported.provenance['kind']} {spec.path} ({device})"
     )
     return result

@@ -27,8 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from megatron_npu import console
 from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
 from megatron_npu.devices.facts import emulated
 from megatron_npu.formats import FormatError
@@ -135,11 +136,9 @@ def read_record(path: Path) -> RunRecord | None:
         return None
 
 
-def _cached(
-    spec: RunSpec, run_dir: Path, digest: str, command: list[str], echo: TextIO
-) -> Outcome | None:
+def _cached(spec: RunSpec, run_dir: Path, digest: str, command: list[str]) -> Outcome | None:
     """The outcome of an identical finished run in ``run_dir`` (its ``run.json`` has ``digest``
-    and status ok, its ``metrics.json`` is there), said on ``echo``; None when there is none."""
+    and status ok, its ``metrics.json`` is there), said on the console; None when there is none."""
     cached = read_record(run_dir / "run.json")
     if not (
         cached
@@ -148,7 +147,7 @@ def _cached(
         and (run_dir / "metrics.json").is_file()
     ):
         return None
-    echo.write(f" [compare] {spec.name}: cached (config {digest}), not run again\n")
+    console.say(f" [compare] {spec.name}: cached (config {digest}), not run again")
     wall = float(cached.wall_s or 0.0)
     return Outcome("cached", None, wall, command, digest, cached.lambada, cached.session)
 
@@ -186,10 +185,9 @@ def stream(
     command: list[str],
     log_path: Path,
     timeout_s: float,
-    echo: TextIO,
     env: dict[str, str] | None = None,
 ) -> tuple[int | None, list[str], float]:
-    """Run ``command`` in its own process group, copying its output to ``echo`` and ``log_path``.
+    """Run ``command`` in its own process group, copying its output to the console and ``log_path``.
     Returns (exit code or None if killed at the timeout, the log's last lines, seconds)."""
     tail: list[str] = []
     start = time.perf_counter()
@@ -207,8 +205,7 @@ def stream(
         def pump() -> None:
             for line in proc.stdout:
                 log.write(line)
-                echo.write(line)
-                echo.flush()
+                console.relay(line)
                 tail.append(line.rstrip("\n"))
                 del tail[:-LOG_TAIL_LINES]
 
@@ -273,7 +270,6 @@ def execute(
     timeout_s: float,
     rerun_index: int = 0,
     checkpoint: bool = False,
-    echo: TextIO = sys.stdout,
     session: str | None = None,
 ) -> Outcome:
     """Train ``spec`` on ``device`` unless an identical finished run is cached in ``run_dir``."""
@@ -284,16 +280,15 @@ def execute(
         return Outcome("failed", str(exc), 0.0, command, "")
     digest = config_hash(spec, device, rerun_index, checkpoint, env)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
-    cached = _cached(spec, run_dir, digest, command, echo)
+    cached = _cached(spec, run_dir, digest, command)
     if cached is not None:
         return cached
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
     shown = "".join(f"{k}={v} " for k, v in env.items())
-    echo.write(f" [compare] {spec.name}: {device} | {shown}{' '.join(command[3:])}\n")
-    echo.flush()
-    code, tail, wall = stream(command, run_dir / "train.log", timeout_s, echo, env)
+    console.say(f" [compare] {spec.name}: {device} | {shown}{' '.join(command[3:])}")
+    code, tail, wall = stream(command, run_dir / "train.log", timeout_s, env)
     ok = code == 0 and metrics_path.is_file()
     error = (
         None
@@ -337,7 +332,6 @@ def execute_script(
     run_dir: Path,
     *,
     timeout_s: float,
-    echo: TextIO = sys.stdout,
     session: str | None = None,
 ) -> Outcome:
     """Run a user's Megatron-LM script through the adaptor (cached by hash like a train run) and
@@ -360,7 +354,7 @@ def execute_script(
         run_dir / "metrics.json",
         run_dir / "train.log",
     )
-    cached = _cached(spec, run_dir, digest, command, echo)
+    cached = _cached(spec, run_dir, digest, command)
     if cached is not None:
         return replace(cached, lambada=None)  # a script run has no LAMBADA evaluation
     if not script.is_file():
@@ -368,8 +362,8 @@ def execute_script(
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
-    echo.write(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}\n")
-    code, tail, wall = stream(command, log_path, timeout_s, echo, script_environment(spec, device))
+    console.say(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}")
+    code, tail, wall = stream(command, log_path, timeout_s, script_environment(spec, device))
     error = _failure(code, tail, timeout_s, log_path) if code != 0 else None
     if error is None:
         try:
@@ -401,7 +395,6 @@ def evaluate_lambada(
     data: str,
     *,
     timeout_s: float,
-    echo: TextIO = sys.stdout,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """LAMBADA accuracy of the run's final checkpoint (one process), or (None, why not)."""
     out = run_dir / "lambada.json"
@@ -423,8 +416,8 @@ def evaluate_lambada(
         str(out),
         *option_argv(evaluation_options(spec)),
     ]
-    echo.write(f" [compare] {spec.name}: LAMBADA on its final checkpoint\n")
-    code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s, echo)
+    console.say(f" [compare] {spec.name}: LAMBADA on its final checkpoint")
+    code, tail, _ = stream(command, run_dir / "evaluate.log", timeout_s)
     if code != 0:
         return None, _failure(code, tail, timeout_s)
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import TextIO
 
+from megatron_npu import console
 from megatron_npu.compare import rules, runner
 from megatron_npu.compare.judging import RunResult, speed_verdict
 from megatron_npu.compare.matrix import Matrix
@@ -21,7 +21,6 @@ def confirm_slowdown(
     results: dict[str, RunResult],
     matrix: Matrix,
     out_dir: Path,
-    echo: TextIO,
 ) -> rules.Verdict:
     """A speed ``fail`` between two runs trained here is re-timed: both are trained again back to
     back (reference first, no checkpoint, in ``runs/<name>/retime``) and the slowdown stands only
@@ -36,9 +35,9 @@ def confirm_slowdown(
     s = matrix.settings
     session = uuid.uuid4().hex[:12]
     for _ in range(CONFIRM_ROUNDS):
-        echo.write(
+        console.say(
             f" [compare] {cand.spec.name}: slower than {other.spec.name}; "
-            "timing both again, back to back\n"
+            "timing both again, back to back"
         )
         retimed = {}
         for run in (other, cand):
@@ -52,7 +51,6 @@ def confirm_slowdown(
                 timeout_s=run.spec.timeout_s or s.timeout_s,
                 rerun_index=2,
                 checkpoint=False,
-                echo=echo,
                 session=session,
             )
             try:

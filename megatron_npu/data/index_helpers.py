@@ -48,6 +48,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy
 
+from megatron_npu import console
+
 __all__ = [
     "HELPERS_MODULE",
     "PATCH_TARGETS",
@@ -226,7 +228,7 @@ def build_blending_indices(
     if len(w) != num_datasets:
         raise ValueError(f"build_blending_indices: {len(w)} weights for {num_datasets} datasets")
     if verbose:
-        print("> building indices for blended datasets ...", flush=True)
+        console.say("> building indices for blended datasets ...")
     counts = [0] * num_datasets
     chosen = [0] * size
     drawn = [0] * size
@@ -247,10 +249,10 @@ def build_blending_indices(
     dataset_index[:size] = numpy.asarray(chosen, dtype=numpy.int16)
     dataset_sample_index[:size] = numpy.asarray(drawn, dtype=numpy.int64)
     if verbose:
-        print(" > sample ratios:", flush=True)
+        console.say(" > sample ratios:")
         for d in range(num_datasets):
             ratio = counts[d] / size if size else math.nan
-            print(f"   dataset {d}, input: {w[d]:g}, achieved: {ratio:g}", flush=True)
+            console.say(f"   dataset {d}, input: {w[d]:g}, achieved: {ratio:g}")
 
 
 def build_exhaustive_blending_indices(

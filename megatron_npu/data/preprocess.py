@@ -22,7 +22,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy
 
+from megatron_npu import console
 from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.files import FILE_MODE, make_dir
 
@@ -315,7 +315,7 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
     )
     for warning in empty_output_warnings(summary):
-        print(f"megatron-npu preprocess: warning: {warning}", file=sys.stderr, flush=True)
+        console.warn(f"megatron-npu preprocess: warning: {warning}")
     return summary
 
 

@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from megatron_npu import console
 from megatron_npu.devices import torch_npu_schema
 
 SCHEMA_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -152,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wheel = args.wheel or download(version)
     except WheelUnavailableError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        console.error(f"error: {exc}")
         return 2
     schema_path().write_text(render(wheel, version), encoding="utf-8")
-    print(f"wrote {schema_path()} from {wheel.name}")
+    console.say(f"wrote {schema_path()} from {wheel.name}")
     return 0
 
 

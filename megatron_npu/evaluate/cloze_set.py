@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from megatron_npu import console
 from megatron_npu.evaluate.lambada import DEFAULT_DATA
 from megatron_npu.files import write_private
 
@@ -64,4 +65,4 @@ def build(path: str | Path = DEFAULT_DATA, size: int = SIZE) -> int:
 
 
 if __name__ == "__main__":
-    print(f"wrote {build(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DATA)} passages")
+    console.say(f"wrote {build(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DATA)} passages")

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from functools import partial
 from typing import TYPE_CHECKING
+
+from megatron_npu import console
 
 if TYPE_CHECKING:
     from megatron_npu.formats.lambada_result import LambadaResult
@@ -39,25 +40,25 @@ def main(argv: list[str]) -> int:
     quiet_expected_warnings()
     if "-h" in argv or "--help" in argv:
         arguments.build_parser("evaluate").print_help()
-        print(__doc__)
+        console.say(__doc__)
         return 0
     try:
         args = arguments.parse_args(list(argv), command="evaluate")
     except SystemExit as exc:
         return int(exc.code or 2)
     if not args.load:
-        print("megatron-npu evaluate: error: --load CKPT is required", file=sys.stderr)
+        console.error("megatron-npu evaluate: error: --load CKPT is required")
         return 2
     try:
         read_passages(args.valid_data)  # fail fast, before any rank starts
     except LambadaDataError as exc:
-        print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu evaluate: error: {exc}")
         return 2
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         try:
             arguments.finalize(copy.copy(args), args.nproc_per_node * args.nnodes)
         except arguments.ArgumentError as exc:
-            print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr)
+            console.error(f"megatron-npu evaluate: error: {exc}")
             return 2
         return launch.launch(list(argv), args, module="megatron_npu.evaluate.worker")
     return worker_main(launch.strip_launch_options(list(argv)))
@@ -76,7 +77,7 @@ def worker_main(argv: list[str]) -> int:
         with rank_session(args, env) as device:
             result = _evaluate(args, env, device)
     except arguments.ArgumentError as exc:
-        print(f"megatron-npu evaluate: error: {exc}", file=sys.stderr, flush=True)
+        console.error(f"megatron-npu evaluate: error: {exc}")
         raise SystemExit(2) from None
     if result is not None and args.results_out:
         result.write(args.results_out)
@@ -233,7 +234,7 @@ def _evaluate(args, env, device) -> LambadaResult | None:
         f"{' (strict)' if args.strict_lambada else ''} | number correct: "
         f"{correct:.4E} | total examples: {n:.4E} | avg accuracy: {accuracy:.4E}"
     )
-    print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
+    console.say("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
     return LambadaResult(
         task="lambada",
         set=set_name(args.valid_data),

@@ -6,13 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from megatron_npu import console
 from megatron_npu.files import make_dir, write_private
 from megatron_npu.formats import schema_files
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m megatron_npu.formats DIR", file=sys.stderr)
+        console.error("usage: python -m megatron_npu.formats DIR")
         return 2
     folder = make_dir(argv[0])
     files = schema_files()
@@ -21,7 +22,7 @@ def main(argv: list[str]) -> int:
             stale.unlink()
     for name, text in files.items():
         write_private(Path(folder, name), text)
-        print(Path(folder, name))
+        console.say(Path(folder, name))
     return 0
 
 

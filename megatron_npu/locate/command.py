@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_npu import console
 from megatron_npu.formats.locate_dump import ModuleInfo
 from megatron_npu.formats.locate_msprobe import LocateMsprobeResult
 from megatron_npu.formats.locate_result import FILENAME, LocateResult
@@ -198,7 +198,6 @@ class Locator:
         growth: float,
         timeout_s: float,
         max_trials: int = 16,
-        echo=print,
     ) -> None:
         if reference.world != candidate.world:
             raise LocateError(
@@ -207,7 +206,7 @@ class Locator:
             )
         self.reference, self.candidate, self.out = reference, candidate, out
         self.limit, self.rule_base, self.gain, self.growth = limit, rule_base, gain, growth
-        self.timeout_s, self.echo = timeout_s, echo
+        self.timeout_s = timeout_s
         self.max_trials = max_trials
         self.timing: dict[str, float] = {}
         self._trials = 0
@@ -239,7 +238,7 @@ class Locator:
                 given = self.out / "curves" / f"{side.label}.json"
                 given.parent.mkdir(parents=True, exist_ok=True)
                 iters = _option(side.argv, "--train-iters")
-                self.echo(f" locate: training {side.label} ({side.device}) for {iters} steps")
+                console.say(f" locate: training {side.label} ({side.device}) for {iters} steps")
                 name = "reference" if side is self.reference else "candidate"
                 # step 1 is dumped on the way: a bug in the first step needs no replay
                 spec = {
@@ -275,7 +274,7 @@ class Locator:
             "limit": self.limit,
             "save_before": str(folder / "checkpoint") if step > 1 else None,
         }
-        self.echo(f" locate: replaying step {step} of {self.reference.label} with hooks")
+        console.say(f" locate: replaying step {step} of {self.reference.label} with hooks")
         self._run(self.reference, spec, "dump-reference")
         self.timing["dump_reference_s"] = round(time.perf_counter() - start, 2)
         return folder
@@ -353,7 +352,9 @@ class Locator:
         def replay(disabled: list[str]) -> tuple[bool | None, str]:
             self._trials += 1
             name = f"trial-{self._trials}"
-            self.echo(f" locate: trial {self._trials}: {row.module} with {_trial_words(disabled)}")
+            console.say(
+                f" locate: trial {self._trials}: {row.module} with {_trial_words(disabled)}"
+            )
             try:
                 folder = self.dump_candidate(step, reference_dump, name, disabled)
                 trial = modules.compare_dumps(reference_dump, folder, comparison.rule, {row.module})
@@ -461,7 +462,7 @@ def reproduce_command(args: argparse.Namespace, step: int | None) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
+def locate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the search for parsed ``args``; write and return the locate.json content."""
     started = time.perf_counter()
     out = Path(args.out)
@@ -502,14 +503,15 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         growth=args.depth_growth,
         timeout_s=args.timeout,
         max_trials=args.max_trials,
-        echo=echo,
     )
     if args.step is not None:
         finding = curves.StepFinding(args.step, None, None, None, {"status": "not-run"})
     else:
         finding = loc.curves(ref_metrics, cand_metrics)
     step = finding.step if finding.step is not None else 1
-    echo(f" locate: first divergent step: {finding.step} ({finding.quantity or 'curves agree'})")
+    console.say(
+        f" locate: first divergent step: {finding.step} ({finding.quantity or 'curves agree'})"
+    )
     if args.reference_dump:
         ref_dump = Path(args.reference_dump)
         meta = dump.read_meta(ref_dump)
@@ -525,7 +527,7 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         if _has_dump(out / "dumps" / "candidate", step):
             cand_dump = out / "dumps" / "candidate"
         else:
-            echo(f" locate: replaying step {step} of {candidate.label} with hooks")
+            console.say(f" locate: replaying step {step} of {candidate.label} with hooks")
             cand_dump = loc.dump_candidate(step, ref_dump, "candidate")
         loc.timing["dump_candidate_s"] = round(time.perf_counter() - start, 2)
     data: dict[str, Any] = {
@@ -548,17 +550,17 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
         bound = comparison.gradient_bound()
         data["gradient_bound"] = bound
         worst = bound["worst"] or {}
-        echo(
+        console.say(
             f" locate: TTrace's gradient bound: {len(bound['exceeding'])} of "
             f"{bound['parameters']} gradients beyond it (worst {worst.get('parameter', '-')}: "
             f"{_short(worst.get('error'))} against {_short(worst.get('bound'))})"
         )
         if comparison.first is not None:
             row, phase = comparison.first
-            echo(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
+            console.say(f" locate: first divergent module: {row.name} ({row.kind}, {phase})")
             measured = comparison.first_msprobe
             if measured:
-                echo(msprobe_line(measured, f"its worst tensor ({measured['data_name']})"))
+                console.say(msprobe_line(measured, f"its worst tensor ({measured['data_name']})"))
             if not args.no_culprit:
                 found = loc.culprit(step, ref_dump, cand_dump, comparison)
                 data["culprit"] = found.as_dict()
@@ -572,14 +574,14 @@ def locate(args: argparse.Namespace, echo=print) -> dict[str, Any]:
                         else "not found"
                     )
                 )
-                echo(f" locate: culprit: {named}")
+                console.say(f" locate: culprit: {named}")
         else:
-            echo(" locate: no divergent module")
+            console.say(" locate: no divergent module")
     loc.timing["total_s"] = round(time.perf_counter() - started, 2)
     data["timing"] = loc.timing
     data["reproduce"] = reproduce_command(args, finding.step)
     path = LocateResult.of(data).write(out / FILENAME)
-    echo(f" locate: {path} ({loc.timing['total_s']:.0f} s)")
+    console.say(f" locate: {path} ({loc.timing['total_s']:.0f} s)")
     return data
 
 
@@ -674,7 +676,7 @@ def msprobe_line(metrics: dict[str, Any], what: str) -> str:
     )
 
 
-def locate_msprobe(args: argparse.Namespace, echo=print) -> LocateMsprobeResult:
+def locate_msprobe(args: argparse.Namespace) -> LocateMsprobeResult:
     """``--msprobe REF CAND``: compare two msprobe dumps row by row with the input-explained
     rule (:mod:`.msprobe_dumps`); write and return ``locate-msprobe.json``."""
     ref_path, cand_path = args.msprobe
@@ -694,30 +696,30 @@ def locate_msprobe(args: argparse.Namespace, echo=print) -> LocateMsprobeResult:
     )
     path = data.write(Path(args.out) / msprobe_dumps.RESULT_FILE)
     row = data.divergent
-    echo(
+    console.say(
         f" locate: msprobe {data.task} dumps, levels {', '.join(data.levels)}, "
         f"{len(data.rows)} rows compared over {', '.join(data.ranks)}"
     )
     if row is None:
-        echo(" locate: no row diverges beyond what its inputs explain")
+        console.say(" locate: no row diverges beyond what its inputs explain")
     else:
-        echo(
+        console.say(
             f" locate: first divergent row: {row.name} ({row.rank}): error "
             f"{row.output:.3g} from inputs off by {row.input:.3g} (tolerance "
             f"{row.tolerance:.3g})"
         )
         if row.module != row.name:
-            echo(f" locate: inside {row.module}")
+            console.say(f" locate: inside {row.module}")
         if row.msprobe_metrics:
-            echo(msprobe_line(row.msprobe_metrics.model_dump(), "it"))
+            console.say(msprobe_line(row.msprobe_metrics.model_dump(), "it"))
         reached = row.patches or row.module_patches or []
-        echo(
+        console.say(
             " locate: adaptor patches it reaches (suspects; a dump cannot switch them off, run "
             f"locate on the runs to decide): {', '.join(reached) or 'none'}"
         )
     if data.statement:
-        echo(f" locate: {data.statement}")
-    echo(f" locate: {path}")
+        console.say(f" locate: {data.statement}")
+    console.say(f" locate: {path}")
     return data
 
 
@@ -738,6 +740,6 @@ def main(args: argparse.Namespace) -> int:
         worker.WorkerError,
         msprobe_dumps.MsprobeDumpError,
     ) as exc:
-        print(f"megatron-npu locate: {exc}", file=sys.stderr)
+        console.error(f"megatron-npu locate: {exc}")
         return 2
     return 0

@@ -23,6 +23,7 @@ import os
 import sys
 import types
 
+from megatron_npu import console
 from megatron_npu.data import index_helpers
 from megatron_npu.devices.facts import CUDA
 from megatron_npu.registry import Patch
@@ -111,10 +112,9 @@ def _compile_where_possible(original):
             if built
             else "the adaptor's numpy index helpers serve (byte-identical)"
         )
-        print(
+        console.warn(
             f"megatron-npu: megatron-core's dataset helpers cannot be built here (no Makefile in "
-            f"{folder}): {serving}",
-            file=sys.stderr,
+            f"{folder}): {serving}"
         )
 
     return compile_helpers

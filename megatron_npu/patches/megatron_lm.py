@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 import time
 from typing import Any
 
+from megatron_npu import console
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
@@ -61,7 +61,7 @@ class MegatronLMOptionConflict(MegatronLMOptionError):
 def _refuse(error: MegatronLMOptionError) -> None:
     """Rank 0 prints the error's one line; the other ranks wait for it; every rank exits 2."""
     if os.environ.get("RANK", "0") == "0":
-        print(str(error), file=sys.stderr, flush=True)
+        console.error(str(error))
     else:  # let rank 0 say it before torchrun stops the others at the first exit
         time.sleep(_OTHER_RANKS_EXIT_AFTER_S)
     raise error

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import sys
 
+from megatron_npu import console
 from megatron_npu.devices.facts import CUDA
 from megatron_npu.ops import softmax as softmax_ops
 from megatron_npu.registry import Patch
@@ -60,10 +60,9 @@ def cuda_softmax_extension(causal: bool, masked: bool) -> str:
 @functools.cache
 def _say_missing(extension: str) -> None:
     """One line per process and extension: the torch softmax serves."""
-    print(
+    console.warn(
         f"megatron-npu: masked-softmax fusion: Megatron's CUDA extension {extension} is not "
-        "installed; its torch softmax serves (the --no-masked-softmax-fusion path)",
-        file=sys.stderr,
+        "installed; its torch softmax serves (the --no-masked-softmax-fusion path)"
     )
 
 

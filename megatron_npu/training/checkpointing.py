@@ -50,7 +50,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_npu import devices
+from megatron_npu import console, devices
 from megatron_npu.training import checkpoint_store as store
 from megatron_npu.training import safe_load, security
 from megatron_npu.training.errors import TrainingInputError
@@ -373,9 +373,7 @@ def load(args: Namespace, model, optimizer, scheduler) -> Resume:
                 "pass --load-optional to start from scratch instead",
             )
         if torch.distributed.get_rank() == 0:
-            print(
-                f" no checkpoint under {root}: starting from scratch (--load-optional)", flush=True
-            )
+            console.say(f" no checkpoint under {root}: starting from scratch (--load-optional)")
         return Resume()
     path = iteration_dir(root, iteration)
     try:
@@ -445,10 +443,9 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
                 else ""
             )
         )
-        print(
+        console.say(
             f" loaded checkpoint {path} at iteration {iteration} "
-            f"(saved layout {saved_layout}, this run {here}){note}",
-            flush=True,
+            f"(saved layout {saved_layout}, this run {here}){note}"
         )
     torch.distributed.barrier()
     return Resume(

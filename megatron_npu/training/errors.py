@@ -25,8 +25,8 @@ Where it is raised decides who prints it:
 from __future__ import annotations
 
 import os
-import sys
 
+from megatron_npu import console
 from megatron_npu.data.errors import TrainingInputError
 
 __all__ = [
@@ -108,7 +108,7 @@ def report(exc: TrainingInputError | TrainingStopped) -> int:
     where = (
         f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     )
-    print(f"{where}{_line(exc)}", file=sys.stderr, flush=True)
+    console.error(f"{where}{_line(exc)}")
     return exit_status(exc)
 
 

@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from megatron_npu import console
 from megatron_npu.devices.base import Device
 from megatron_npu.files import write_private
 from megatron_npu.training import children, errors, preflight
@@ -251,7 +252,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             time.sleep(POLL_S)
         _kill_groups(procs, signal.SIGKILL)
         name = signal.Signals(stop.signum).name
-        print(f"megatron-npu train: {name} received: stopped all {len(procs)} ranks", flush=True)
+        console.say(f"megatron-npu train: {name} received: stopped all {len(procs)} ranks")
         return 128 + stop.signum
     finally:
         for sig, handler in previous.items():
@@ -286,15 +287,11 @@ def _watch(procs: list[subprocess.Popen], first_rank: int, error_pipes: list[int
     if messages:
         for line, ranks in messages.items():
             where = "" if len(ranks) == len(procs) else f" (rank {', '.join(map(str, ranks))})"
-            print(f"{line}{where}", file=sys.stderr, flush=True)
+            console.error(f"{line}{where}")
         stopped = any(line.startswith(errors.STOPPED_PREFIX) for line in messages)
         return errors.STOPPED_EXIT_STATUS if stopped else errors.EXIT_STATUS
     rank, code = failed[0]
-    print(
-        f"megatron-npu train: {_describe_exit(rank, code)}; stopped the other ranks",
-        file=sys.stderr,
-        flush=True,
-    )
+    console.error(f"megatron-npu train: {_describe_exit(rank, code)}; stopped the other ranks")
     return 1
 
 

@@ -22,7 +22,6 @@ import contextlib
 import math
 import os
 import random
-import sys
 import time
 from argparse import Namespace
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from megatron_npu import devices
+from megatron_npu import console, devices
 from megatron_npu.ops.attention import causal_mask
 from megatron_npu.training import (
     arguments,
@@ -207,10 +206,8 @@ def _run(args, env) -> int:
         if not checkpointing.is_peer_failure(exc) or env.world_size == 1:
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        print(
-            f"megatron-npu train: rank {env.rank}: another rank stopped ({first}); stopping",
-            file=sys.stderr,
-            flush=True,
+        console.error(
+            f"megatron-npu train: rank {env.rank}: another rank stopped ({first}); stopping"
         )
         return 1
 
@@ -240,12 +237,11 @@ def _set_throughput_basis(args, device, vocab: int, run_metrics, rank0: bool) ->
             raise arguments.ArgumentError(str(exc)) from None
         run_metrics.peak = figure.as_dict()
         run_metrics.peak_devices = peak.aggregate_devices(device.name, args.world_size)
-        print(
+        console.say(
             f" model FLOPs per step: {run_metrics.model_flops_per_step:.4g} (Megatron-LM's GPT "
             f"formula: attention, MLP and logits GEMMs, forward + backward) | MFU against "
             f"{figure.tflops:.4g} TFLOP/s x {run_metrics.peak_devices} ({figure.source}: "
-            f"{figure.detail})",
-            flush=True,
+            f"{figure.detail})"
         )
 
 
@@ -354,14 +350,14 @@ def _train(args, env, device) -> int:
     trainer = build_trainer(args, env, device)
     if rank0:
         security.warn_if_root()
-        print(_describe_layout(args, device), flush=True)
+        console.say(_describe_layout(args, device))
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     resume = checkpointing.Resume()
     if args.load:
         resume = checkpointing.load(args, model, optimizer, scheduler)
     if resume.iteration >= args.train_iters:
         if rank0:
-            print(f" checkpoint is at iteration {resume.iteration}: nothing to train", flush=True)
+            console.say(f" checkpoint is at iteration {resume.iteration}: nothing to train")
         return 0
     consumed = resume.iteration * args.global_batch_size
     iterators = data_mod.iterators(args, trainer.train_data, model, consumed)
@@ -438,10 +434,9 @@ def _run_metrics(args, device, trainer: Trainer, resume, rank0: bool) -> metrics
     run_metrics.config["resumed_from"] = resume.loaded_from
     _set_throughput_basis(args, device, vocab, run_metrics, rank0)
     if rank0:
-        print(
+        console.say(
             f" data: {train_data.description} | padded vocab {vocab} | "
-            f"training iterations {resume.iteration + 1}..{args.train_iters}",
-            flush=True,
+            f"training iterations {resume.iteration + 1}..{args.train_iters}"
         )
     return run_metrics
 
@@ -520,11 +515,10 @@ def _finish(args, device, run_metrics, host_step_peak: int, rank0: bool) -> None
     summary = run_metrics.summary()
     if args.metrics_out:
         run_metrics.write(args.metrics_out)
-    print(
+    console.say(
         f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
         f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
         f"{summary['skipped_steps']} | {_throughput_note(summary)}peak allocated "
         f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB{_rss_note(summary)}"
-        f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}",
-        flush=True,
+        f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}"
     )

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_npu import console
 from megatron_npu.formats.metrics import MetricsFile, StepRecord
 from megatron_npu.training.peak import plausible
 
@@ -250,15 +251,14 @@ class Progress:
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 transient=False,
+                console=console.stdout(),
             )
             self._task = self._bar.add_task("train", total=total, completed=start, loss="")
             self._bar.start()
 
     def print(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(line, flush=True)
+        """One line; above the bar while it is live (the bar draws on the console that says it)."""
+        console.say(line)
 
     def update(self, step: int, lm_loss: float | None, log_now: bool) -> None:
         loss = f"lm loss {lm_loss:.4f}" if lm_loss is not None else ""
@@ -268,10 +268,9 @@ class Progress:
             done = step - self.start
             elapsed = time.perf_counter() - self.started
             eta = elapsed / done * (self.total - step) if done else 0.0
-            print(
+            console.say(
                 f" [progress] {step}/{self.total} steps ({100.0 * step / self.total:.0f}%) | "
-                f"elapsed {elapsed:.1f}s | eta {eta:.1f}s",
-                flush=True,
+                f"elapsed {elapsed:.1f}s | eta {eta:.1f}s"
             )
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ verdict selection, the Table 2 file and the optional report call."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sys
@@ -122,9 +123,8 @@ def _run(tmp_path, monkeypatch, reports_module):
     path = tmp_path / "m.toml"
     path.write_text(MATRIX)
     echo = io.StringIO()
-    document, status = command.run_compare(
-        m.load(path), tmp_path / "out", argv=["compare"], echo=echo
-    )
+    with contextlib.redirect_stdout(echo):
+        document, status = command.run_compare(m.load(path), tmp_path / "out", argv=["compare"])
     return document, status, echo.getvalue()
 
 
@@ -201,7 +201,7 @@ def test_a_like_for_like_slowdown_fails_and_unlike_pairs_are_not_timed(tmp_path,
         '[[run]]\nname = "other-session"\nspeed_reference = "ref"\noptions = { bf16 = true }\n'
         '[[run]]\nname = "flaky"\nspeed_reference = "ref"\noptions = { lr = 2e-3 }\n'
     )
-    document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
+    document, status = command.run_compare(m.load(path), tmp_path / "out")
     perf = {v["candidate"]: v for v in document["verdicts"] if v["rule"] == "performance"}
     # bf16 against fp32 is not like for like: not timed, with the reason
     assert perf["bf16"]["status"] == "not-applicable"
@@ -261,7 +261,7 @@ def test_a_pair_of_two_models_gets_no_speed_verdict(tmp_path, monkeypatch):
         '[compare]\nbaseline = "ref"\n[[run]]\nname = "ref"\ndevice = "cpu"\n[[run]]\n'
         'name = "deep"\ndevice = "cpu"\nspeed_reference = "ref"\noptions = { num-layers = 4 }\n'
     )
-    document, status = command.run_compare(m.load(path), tmp_path / "out", echo=io.StringIO())
+    document, status = command.run_compare(m.load(path), tmp_path / "out")
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     assert verdicts[("deep", "fingerprint")]["status"] == "refused"
     perf = verdicts[("deep", "performance")]

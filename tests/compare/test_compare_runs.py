@@ -4,8 +4,6 @@ reported while the others complete, and a second invocation reuses the finished 
 
 from __future__ import annotations
 
-import io
-
 import pytest
 
 from megatron_npu.compare import command
@@ -70,7 +68,7 @@ def compared(tmp_path_factory):
         path = folder / "matrix.toml"
         path.write_text(MATRIX)
         matrix = m.load(path)
-        first = command.run_compare(matrix, folder / "out", echo=io.StringIO())
+        first = command.run_compare(matrix, folder / "out")
         second = command.run_compare(
             m.load(path).__class__(
                 source=matrix.source,
@@ -79,7 +77,6 @@ def compared(tmp_path_factory):
                 notes=matrix.notes,
             ),
             folder / "out",
-            echo=io.StringIO(),
         )
     finally:
         mp.undo()

@@ -9,7 +9,6 @@ the rows a bug touches, without the cloze evaluation, to keep the time down."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ def _compare(tmp_path: Path, monkeypatch, plant: str | None, *names: str):
         for key, value in plant_env(plant).items():
             monkeypatch.setenv(key, value)
     monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
-    return command.run_compare(_default_rows(*names), tmp_path / "out", echo=io.StringIO())
+    return command.run_compare(_default_rows(*names), tmp_path / "out")
 
 
 def _verdicts(document) -> dict[tuple[str, str], dict]:
@@ -69,7 +68,7 @@ def _rows_alone(tmp_path, monkeypatch, *names: str) -> dict[tuple[str, str], dic
     )
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(__import__("sys").modules, "megatron_npu.reports", None)
-    document, status = command.run_compare(rows, tmp_path / "out", echo=io.StringIO())
+    document, status = command.run_compare(rows, tmp_path / "out")
     verdicts = _verdicts(document)
     assert status == 0, [v for v in verdicts.values() if v["status"] != "pass"]
     return verdicts

@@ -5,7 +5,6 @@ GPU the matrix's ``hardware`` label names."""
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def test_imported_h100_runs_get_their_mfu_against_the_datasheet(tmp_path, monkey
         f'[[run]]\nname = "bf16"\nimport = "{GPT345M / "mlm-native-bf16.log"}"\ndevice = "cuda"\n'
         'hardware = "H100 SXM"\n'
     )
-    document, _ = command.run_compare(m.load(matrix), tmp_path / "out", echo=io.StringIO())
+    document, _ = command.run_compare(m.load(matrix), tmp_path / "out")
     runs = {r["name"]: r for r in document["runs"]}
     for name, peak in (("fp32", 67.0), ("bf16", 989.0)):
         perf = runs[name]["perf"]

@@ -4,7 +4,6 @@ way an import file can be bad gives an ImportedRunError naming the file (and lin
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
@@ -40,9 +39,7 @@ def elsewhere(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.setitem(sys.modules, "megatron_npu.reports", None)
-        _, status = command.run_compare(
-            m.load(folder / "m.toml"), folder / "out", echo=io.StringIO()
-        )
+        _, status = command.run_compare(m.load(folder / "m.toml"), folder / "out")
     assert status == 0
     return folder / "out"
 
@@ -58,9 +55,7 @@ def test_imported_runs_take_part_in_every_rule(elsewhere, tmp_path, monkeypatch)
         f'[[run]]\nname = "metrics-file"\nimport = "{elsewhere / "runs" / "a" / "metrics.json"}"\n'
         '[[run]]\nname = "local"\ndevice = "cpu"\n'
     )
-    document, status = command.run_compare(
-        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
-    )
+    document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     runs = {r["name"]: r for r in document["runs"]}
     assert runs["gpu"]["status"] == "imported" and runs["gpu"]["device"] == "cuda"
     assert runs["gpu"]["imported_from"]["kind"] == "compare-results"
@@ -210,7 +205,7 @@ def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, mon
     # a script that logs no Megatron-LM line is a failed run naming its log, not an empty curve
     monkeypatch.setattr(runner, "script_command", lambda spec, *_: [sys.executable, str(spec.path)])
     outcome = runner.execute_script(
-        spec, "npu-emulated", tmp_path / "run", timeout_s=60, echo=io.StringIO(), session="s"
+        spec, "npu-emulated", tmp_path / "run", timeout_s=60, session="s"
     )
     assert outcome.status == "failed"
     assert outcome.error.startswith(

@@ -5,6 +5,7 @@ cut or altered copies of them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import shutil
@@ -209,7 +210,8 @@ device = "npu-emulated"
 options = {{ nproc-per-node = 2, tensor-model-parallel-size = 2 }}
 """)
     echo = io.StringIO()
-    document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out", echo=echo)
+    with contextlib.redirect_stdout(echo):
+        document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     for name in ("mlm-npu-emulated", "mlm-events", "npu-tp2"):
         assert (name, "fingerprint") in verdicts, echo.getvalue()

@@ -8,7 +8,6 @@ kernel with its output 2 % too large (``tests/compare/plants``) leaves it in fp3
 
 from __future__ import annotations
 
-import io
 import sys
 
 import pytest
@@ -71,9 +70,7 @@ def _compare(tmp_path, monkeypatch, precision, candidates, plant=None):
             monkeypatch.setenv(key, value)
     path = tmp_path / f"{precision}.toml"
     path.write_text(matrix(precision, candidates))
-    document, status = compare_command.run_compare(
-        m.load(path), tmp_path / precision, echo=io.StringIO()
-    )
+    document, status = compare_command.run_compare(m.load(path), tmp_path / precision)
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     return document, status, verdicts
 

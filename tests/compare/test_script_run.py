@@ -5,6 +5,7 @@ against the log the same configuration wrote on cpu (fixtures/megatron-lm/tp2-cp
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -80,7 +81,8 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
         'nproc_per_node = 2\ndevice = "npu-emulated"\ntimeout_s = 540\n'
     )
     echo = io.StringIO()
-    document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out", echo=echo)
+    with contextlib.redirect_stdout(echo):
+        document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     runs = {r["name"]: r for r in document["runs"]}
     assert runs["mlm-script"]["status"] == "ok", runs["mlm-script"]["error"]
     assert runs["mlm-script"]["command"][-len(ARGS) - 1 :] == [str(script), *ARGS]

@@ -7,7 +7,6 @@ routes Megatron's AdamW to that kernel."""
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 
 import pytest
@@ -61,9 +60,7 @@ def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, m
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     (tmp_path / "m.toml").write_text(MATRIX)
-    document, status = compare_command.run_compare(
-        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
-    )
+    document, status = compare_command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     verdict = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}[("npu", "approximate")]
     assert status == 1 and verdict["status"] == "fail", verdict
 
@@ -80,7 +77,7 @@ def test_locate_reads_a_failing_compare_pair_and_names_the_optimizer(tmp_path, m
             str(tmp_path / "loc"),
         ]
     )
-    data = command.locate(args, echo=lambda s: None)
+    data = command.locate(args)
     # the first step whose loss or grad norm leaves the approximate rule, from compare's curves
     runs = {r["name"]: r for r in document["runs"]}
     assert data["step"]["step"] is not None and data["step"]["step"] > 1  # step 1 is the same
@@ -111,9 +108,7 @@ def test_locate_reads_a_compare_pair_of_script_runs(tmp_path, monkeypatch):
         for name, device in (("mlm-cpu", "cpu"), ("mlm-npu", "npu-emulated"))
     )
     (tmp_path / "m.toml").write_text(f'[compare]\nbaseline = "mlm-cpu"\nlambada = false\n{runs}')
-    document, status = compare_command.run_compare(
-        m.load(tmp_path / "m.toml"), tmp_path / "out", echo=io.StringIO()
-    )
+    document, status = compare_command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     # the loss moves less than compare's 2 % and the grad norm less than its 10 %: the pair passes
     verdict = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     assert verdict[("mlm-npu", "approximate")]["status"] == "pass" and status == 0, verdict
@@ -131,7 +126,7 @@ def test_locate_reads_a_compare_pair_of_script_runs(tmp_path, monkeypatch):
             str(tmp_path / "loc"),
         ]
     )
-    data = command.locate(args, echo=lambda s: None)
+    data = command.locate(args)
     assert data["candidate"]["script"] == str(script)
     assert (data["reference"]["device"], data["candidate"]["device"]) == ("cpu", "npu-emulated")
     # locate's curve rule sees step 1's grad norm already 2 % apart

@@ -54,7 +54,7 @@ def _locate(out: Path, ref: Path, cand: Path) -> dict:
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["--msprobe", str(ref), str(cand), "--out", str(out)])
-    data = command.locate_msprobe(args, echo=lambda s: None).to_data()
+    data = command.locate_msprobe(args).to_data()
     assert json.loads((out / msprobe_dumps.RESULT_FILE).read_text()) == data
     return data
 

@@ -180,9 +180,7 @@ def test_locate_names_the_planted_bug(mutation, tmp_path, corpus_dir):
     device, extra, kind, module, phase, patch = CASES[mutation]
     common = f"{TINY} --default-corpus-dir {corpus_dir} {extra}"
     start = time.perf_counter()
-    data = command.locate(
-        _args(tmp_path, "--device cpu", f"--device {device}", common, mutation), echo=lambda s: None
-    )
+    data = command.locate(_args(tmp_path, "--device cpu", f"--device {device}", common, mutation))
     elapsed = time.perf_counter() - start
     assert data["step"]["approximate"]["status"] == "fail", data["step"]
     expected_step = _first_divergent_step(tmp_path)
@@ -203,9 +201,7 @@ def test_locate_names_the_planted_bug(mutation, tmp_path, corpus_dir):
 
 def test_locate_on_two_agreeing_runs_names_nothing(tmp_path, corpus_dir):
     common = f"{TINY} --default-corpus-dir {corpus_dir}"
-    data = command.locate(
-        _args(tmp_path, "--device cpu", "--device npu-emulated", common, None), echo=lambda s: None
-    )
+    data = command.locate(_args(tmp_path, "--device cpu", "--device npu-emulated", common, None))
     assert data["step"]["step"] is None
     assert data["step"]["approximate"]["status"] == "pass"
     assert data["divergent"] is None and data["culprit"] is None
@@ -247,9 +243,7 @@ LAYOUT_CASES = {
 def test_locate_across_pipeline_stages_and_in_fp16(layout, tmp_path, corpus_dir):
     mutation, extra, kind, module, shard, patch = LAYOUT_CASES[layout]
     common = f"{TINY} --default-corpus-dir {corpus_dir} {extra}"
-    data = command.locate(
-        _args(tmp_path, "--device cpu", "--device cpu", common, mutation), echo=lambda s: None
-    )
+    data = command.locate(_args(tmp_path, "--device cpu", "--device cpu", common, mutation))
     assert data["step"]["approximate"]["status"] == "fail", data["step"]
     assert data["step"]["step"] == _first_divergent_step(tmp_path)
     found = data["divergent"]
@@ -306,7 +300,7 @@ def test_locate_names_the_moe_experts(tmp_path, corpus_dir, experts):
         plant,
     )
     args.step, args.max_trials = 1, 4
-    data = command.locate(args, echo=lambda s: None)
+    data = command.locate(args)
     found = data["divergent"]
     # the experts (GroupedMLP holds its weights itself), or their grouped FC1 (TE's)
     assert (found["kind"], found["module"], found["phase"]) == (
@@ -338,7 +332,7 @@ def test_locate_on_a_context_parallel_run(tmp_path, corpus_dir):
         "ring-lower-block-whole",
     )
     args.step, args.max_trials = 1, 2
-    data = command.locate(args, echo=lambda s: None)
+    data = command.locate(args)
     found = data["divergent"]
     assert (found["kind"], found["module"], found["phase"], found["shard"]) == (
         "attention",

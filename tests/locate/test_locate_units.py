@@ -391,7 +391,7 @@ def test_the_report_renders_a_locate_msprobe_result(tmp_path):
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["--msprobe", str(ref), str(bad), "--out", str(out)])
-    data = command.locate_msprobe(args, echo=lambda s: None).to_data()
+    data = command.locate_msprobe(args).to_data()
     [located] = load([out]).locates
     view = locate_view.section(located, 0)
     assert view["mode"] == "msprobe" and view["divergent"] == data["divergent"]

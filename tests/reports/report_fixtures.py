@@ -3,6 +3,7 @@ cells of one patch, from the harness), and a real pytest-benchmark run of a few 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,8 @@ def compare_results(directory: Path) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         echo = io.StringIO()
-        _, status = command.run_compare(load(matrix), directory, echo=echo)
+        with contextlib.redirect_stdout(echo):
+            _, status = command.run_compare(load(matrix), directory)
     assert status == 0, echo.getvalue()[-3000:]
     return directory
 
