@@ -71,4 +71,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    launch.arm_rank()  # a rank of megatron-npu's launcher dies with it
     sys.exit(main())

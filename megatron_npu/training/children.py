@@ -1,11 +1,12 @@
 """Every process a run starts dies with the process that started it, whatever kills that one.
 
-Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) is armed in each child right
-after it is created, before it runs anything else; the kernel then kills the child the moment
-its parent exits -- also on SIGKILL, where no ``finally`` and no ``atexit`` runs. A run's
-processes form a chain, each link armed:
+Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) is armed in each child as it
+starts (a forked or spawned child before it runs anything else); the kernel then kills the child
+the moment its parent exits -- also on SIGKILL, where no ``finally`` and no ``atexit`` runs. A
+run's processes form a chain, each link armed:
 
-* launcher -> ranks: :func:`arm_preexec` is the ranks' ``preexec_fn`` (``training.launch``);
+* launcher -> ranks: each rank arms it as its first step (``training.launch.arm_rank``), and
+  exits if its launcher is already gone;
 * rank -> forked children (torch_dist's checkpoint writers, ``fork`` start method):
   :func:`tie_children` registers :func:`die_with_parent` as an after-fork hook;
 * rank -> spawned children (Megatron-Core's checkpoint results ``Manager`` and Python's

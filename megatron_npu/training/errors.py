@@ -15,23 +15,27 @@ Where it is raised decides who prints it:
 
 * in the launcher process (argument checks and :mod:`.preflight`, before any rank starts): the
   launcher prints it once;
-* in a rank started by the launcher: the rank writes it to its pipe ``$MEGATRON_NPU_ERROR_FD``
-  (:func:`report`) and exits 2 without printing; the launcher stops the other ranks and prints
-  each distinct message once (:func:`collect`);
-* in a rank started by torchrun (no error directory): the rank prints it itself, prefixed with
-  its rank.
+* in a rank started by the launcher: the rank writes it to the error file torch elastic gives
+  each rank it starts (``$TORCHELASTIC_ERROR_FILE``, in elastic's own format) and exits 2
+  without printing; the launcher stops the other ranks and prints each distinct message once
+  (:func:`collect`);
+* in a rank started by torchrun: the rank prints it itself, prefixed with its rank, and writes
+  the same error file, so torchrun's failure summary carries the named line too.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 from megatron_npu import console
 from megatron_npu.data.errors import TrainingInputError
 
 __all__ = [
-    "ERROR_FD_ENV",
+    "ERROR_FILE_ENV",
     "EXIT_STATUS",
+    "LAUNCHER_PID_ENV",
     "PREFIX",
     "STOPPED_EXIT_STATUS",
     "STOPPED_PREFIX",
@@ -45,8 +49,11 @@ __all__ = [
 
 #: Exit status of a run stopped by a :class:`TrainingInputError` (argparse uses 2 as well).
 EXIT_STATUS = 2
-#: Set by the launcher for its ranks: the pipe (file descriptor) a rank writes its message to.
-ERROR_FD_ENV = "MEGATRON_NPU_ERROR_FD"
+#: torch elastic's: the file a rank it started writes its failure to (torchrun sets it too).
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: Set by megatron-npu's launcher for its ranks: its process id (a rank of it prints nothing of
+#: its own failure; the launcher says it once).
+LAUNCHER_PID_ENV = "MEGATRON_NPU_LAUNCHER_PID"
 PREFIX = "megatron-npu train: error: "
 #: Exit status of a run stopped by a :class:`TrainingStopped` (diverged / trains nothing).
 STOPPED_EXIT_STATUS = 3
@@ -93,16 +100,16 @@ def exit_status(exc: TrainingInputError | TrainingStopped) -> int:
 
 
 def report(exc: TrainingInputError | TrainingStopped) -> int:
-    """Hand ``exc`` to whoever prints it (the launcher's pipe, else stderr) as one whole line;
-    returns the exit status the run ends with."""
+    """Hand ``exc`` to whoever prints it as one whole line (the launcher, through the rank's
+    error file; else stderr); returns the exit status the run ends with."""
     rank = os.environ.get("RANK")
-    error_fd = os.environ.get(ERROR_FD_ENV)
-    if error_fd and rank is not None:
-        data = _line(exc).encode("utf-8")
-        try:
-            while data:  # the launcher reads it after this rank exits
-                data = data[os.write(int(error_fd), data) :]
-            return exit_status(exc)
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file and rank is not None:
+        try:  # torch elastic's format: what its ProcessFailure and torchrun's summary read
+            with open(error_file, "w", encoding="utf-8") as handle:
+                json.dump({"message": _line(exc), "timestamp": int(time.time())}, handle)
+            if os.environ.get(LAUNCHER_PID_ENV):
+                return exit_status(exc)
         except OSError:
             pass  # no launcher to read it: print it instead
     where = (
@@ -112,27 +119,26 @@ def report(exc: TrainingInputError | TrainingStopped) -> int:
     return exit_status(exc)
 
 
-def _drain(fd: int) -> str:
-    os.set_blocking(fd, False)  # a writer end may live on in a stray process: never wait
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks).decode("utf-8", "replace").strip()
+def _read(path: str) -> str:
+    """The message of an error file (torch elastic's format; ``@record`` nests it), or ''."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            message = json.load(handle).get("message", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip()
 
 
-def collect(pipes: dict[int, int], ranks: list[int] | None = None) -> dict[str, list[int]]:
-    """The distinct lines the ranks wrote to their pipes (rank -> read end), each with the ranks
-    that reported it; ``ranks`` first, in that order, when given (the ranks that failed)."""
+def collect(files: dict[int, str], ranks: list[int] | None = None) -> dict[str, list[int]]:
+    """The distinct lines the ranks left in their error files (rank -> path), each with the
+    ranks that reported it; ``ranks`` first, in that order, when given (the ranks that
+    failed)."""
     found: dict[str, list[int]] = {}
-    order = [r for r in (ranks or []) if r in pipes] + sorted(set(pipes) - set(ranks or []))
+    order = [r for r in (ranks or []) if r in files] + sorted(set(files) - set(ranks or []))
     for rank in order:
-        line = _drain(pipes[rank])
+        line = _read(files[rank])
         if line:
             found.setdefault(line, []).append(rank)
     for reporters in found.values():

@@ -11,47 +11,49 @@ Two ways in, one worker:
 
 Without either (no ``--nproc-per-node``, no ``RANK`` in the environment) the run is one rank.
 
+:func:`launch` starts, watches and stops the ranks with torch elastic's process layer, the one
+torchrun's agent uses (``torch.distributed.elastic.multiprocessing.start_processes``): each rank
+in a session (process group) of its own, a failure file per rank (``$TORCHELASTIC_ERROR_FILE``),
+the first failure stopping the rest (SIGTERM to each rank's process group, SIGKILL after
+:data:`STOP_GRACE_S`), SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher stopping all ranks. What it
+adds where torch elastic falls short:
+
+* a parent-death signal: torch elastic arms none, so a launcher killed with SIGKILL would leave
+  its ranks running. Each rank arms ``PR_SET_PDEATHSIG`` (SIGKILL, Linux) as its first step
+  (:func:`arm_rank`) and exits if its launcher is already gone; each rank arms the same signal
+  in every process it forks or spawns (:mod:`.children`: torch_dist's checkpoint writers, the
+  checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
+* the rendezvous store bound before any rank starts: torchrun's static rendezvous lets rank 0
+  bind ``MASTER_PORT`` after its imports, and a port chosen, released and bound again seconds
+  later can be taken in between. The launcher on node 0 binds ``--master-port`` (or a port the
+  kernel picks while binding; multi-node runs default to 29500) first, serves the store on that
+  socket once the ranks are started (its server thread never exists across a fork), and every
+  rank connects to it as a client, as to torch elastic's agent store. A port in use is one named
+  error (preflight checks a given ``--master-port`` before that, too). The ranks key their
+  rendezvous under the run's id, so a run never reads or overwrites another run's keys;
+* one named line instead of torchrun's failure summary: a rank's named error (:mod:`.errors`)
+  goes to its error file, and the launcher prints each distinct one once (exit 2, or 3 for a
+  stopped run), else which rank failed and how (exit 1); the error files live in a temporary
+  folder that goes with the run.
+
 Tools that run many short jobs in one process (``locate``'s replays) start their ranks with
 :func:`run_warm` instead: each rank is a function forked from a fork server that imported
 Megatron once (:mod:`.warm_imports`), with the same torchrun environment and parent-death
 signal, its output in a log, the first failure stopping the rest.
 The process-group backend is the active device's (``gloo`` on cpu and npu-emulated, ``hccl`` on
 npu, ``nccl`` on cuda).
-
-What the launcher guarantees when processes fail:
-
-* every rank runs in its own process group with a parent-death signal (``PR_SET_PDEATHSIG``,
-  SIGKILL, Linux): a killed launcher takes its ranks with it; each rank arms the same signal in
-  every process it forks or spawns (:mod:`.children`: torch_dist's checkpoint writers, the
-  checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
-* nothing is left on disk: a rank hands its named error to the launcher through a pipe
-  (``$MEGATRON_NPU_ERROR_FD``), not a temp folder;
-* the launcher holds the run's rendezvous store itself, as torch elastic's agent does: on node 0
-  it binds ``--master-port`` (or a port the kernel picks while binding; multi-node runs default to
-  29500) before any rank starts, serves the store on that socket once the ranks are forked (its
-  server thread never exists across a fork), and every rank connects to it as a client. No port
-  is chosen, released and bound again later, so another program cannot take it in between; a
-  port in use is one named error (preflight checks a given ``--master-port`` before that, too).
-  The ranks key their rendezvous under the run's id, so a run never reads or overwrites another
-  run's keys;
-* the first rank to fail stops the run: the launcher kills every rank's process group at once
-  (checkpoints are crash-safe, so nothing is lost) and says which rank failed and how -- the
-  named error it left (:mod:`.errors`, exit 2, or 3 for a stopped run) or its exit status /
-  signal (exit 1);
-* SIGINT or SIGTERM to the launcher stops all ranks (SIGTERM, then SIGKILL after
-  :data:`STOP_GRACE_S`) and exits 130 / 143.
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from megatron_npu import console
 from megatron_npu.devices.base import Device
@@ -104,12 +108,16 @@ RUN_ID_ENV = "MEGATRON_NPU_RUN_ID"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
-def _kill_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+def arm_rank() -> None:
+    """A rank's first step: die with the launcher that started it (``PR_SET_PDEATHSIG``), and
+    exit at once if that launcher is already gone. torch elastic starts each rank in a session
+    of its own but arms no parent-death signal, so a launcher killed with SIGKILL would leave its
+    ranks running; a rank that no launcher started does nothing here."""
+    launcher = os.environ.get(errors.LAUNCHER_PID_ENV)
+    if launcher and launcher.isdigit() and "RANK" in os.environ:
+        children.die_with_parent()
+        if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+            os._exit(1)
 
 
 def _describe_exit(rank: int, code: int) -> str:
@@ -120,11 +128,6 @@ def _describe_exit(rank: int, code: int) -> str:
             name = f"signal {-code}"
         return f"rank {rank} was killed by {name}"
     return f"rank {rank} exited with status {code}"
-
-
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
 
 
 #: The port a multi-node run meets on when no ``--master-port`` is given (torchrun's default).
@@ -183,7 +186,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
     """Start ``args.nproc_per_node`` local ranks running ``python -m <module>`` (default
     ``megatron_npu.train``; ``evaluate`` passes its worker) on ``argv`` and watch them (see the
     module docstring). Returns the run's exit status."""
-    store = listener = None
+    store = listener = context = None
     port = args.master_port
     if port is None:
         port = 0 if args.nnodes == 1 else MULTI_NODE_PORT
@@ -195,11 +198,12 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
         port = listener.getsockname()[1]
     nproc = args.nproc_per_node
     world = nproc * args.nnodes
-    env = dict(os.environ)
-    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+    env: dict[str, str] = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun's rule: several ranks on one host must not each spawn a thread per core.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    rendezvous = run_id(args, port)
     env.update(
         {
             "MASTER_ADDR": args.master_addr,
@@ -209,90 +213,101 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             "GROUP_RANK": str(args.node_rank),
             AGENT_STORE_ENV: "True",
             "TORCHELASTIC_RESTART_COUNT": "0",  # read beside the agent store by older torch
-            RUN_ID_ENV: run_id(args, port),
+            "TORCHELASTIC_RUN_ID": rendezvous,
+            RUN_ID_ENV: rendezvous,
+            errors.LAUNCHER_PID_ENV: str(os.getpid()),
             preflight.DONE_ENV: "1",
         }
     )
-    command = [sys.executable, "-m", module, *strip_launch_options(argv)]
-    procs: list[subprocess.Popen] = []
-    error_pipes: list[int] = []  # read ends, one per rank (nothing on disk to leave behind)
-    preexec = children.arm_preexec(os.getpid(), new_group=True)
-
-    def interrupted(signum, _frame):
-        raise _Interrupted(signum)
-
-    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for local in range(nproc):
-            rank = args.node_rank * nproc + local
-            read_end, write_end = os.pipe()
-            error_pipes.append(read_end)
-            rank_env = {
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local),
-                errors.ERROR_FD_ENV: str(write_end),
-            }
-            try:
-                procs.append(
-                    subprocess.Popen(
-                        command, env=rank_env, preexec_fn=preexec, pass_fds=(write_end,)
-                    )
-                )
-            finally:
-                os.close(write_end)
-        if listener is not None:  # serving starts a thread: only once every rank is forked
-            timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-            store, listener = host_store(args.master_addr, port, timeout, listener), None
-        return _watch(procs, args.node_rank * nproc, error_pipes)
-    except _Interrupted as stop:
-        _kill_groups(procs, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        _kill_groups(procs, signal.SIGKILL)
-        name = signal.Signals(stop.signum).name
-        console.say(f"megatron-npu train: {name} received: stopped all {len(procs)} ranks")
-        return 128 + stop.signum
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _kill_groups(procs, signal.SIGKILL)  # no rank, no checkpoint writer outlives the run
-        for proc in procs:
-            proc.wait()
-        for fd in error_pipes:
-            os.close(fd)
-        if listener is not None:
-            listener.close()
-        del store  # the rendezvous ends with the run (its ranks passed their last barrier)
+    _quiet_elastic_logs()
+    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    stopped_by = None
+    with tempfile.TemporaryDirectory(prefix="megatron-npu-run-") as error_dir:
+        try:
+            context = start_processes(
+                name="megatron-npu",
+                entrypoint=sys.executable,
+                args={local: ("-m", module, *strip_launch_options(argv)) for local in range(nproc)},
+                envs={
+                    local: {
+                        **env,
+                        "RANK": str(args.node_rank * nproc + local),
+                        "LOCAL_RANK": str(local),
+                    }
+                    for local in range(nproc)
+                },
+                # the ranks write to this process's stdout and stderr; the folder holds only
+                # each rank's error file ($TORCHELASTIC_ERROR_FILE) and goes with the run
+                logs_specs=DefaultLogsSpecs(log_dir=error_dir, redirects=Std.NONE, tee=Std.NONE),
+            )
+            if listener is not None:  # serving starts a thread: only once every rank is forked
+                timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+                store, listener = host_store(args.master_addr, port, timeout, listener), None
+            outcome = context.wait(period=POLL_S)
+        except SignalException as stop:
+            stopped_by = stop.sigval
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if context is not None:
+                # SIGTERM, then SIGKILL after the grace: no rank and no checkpoint writer
+                # outlives the run (a rank's children share its process group)
+                context.close(death_sig=signal.SIGTERM, timeout=STOP_GRACE_S)
+            if listener is not None:
+                listener.close()
+            del store  # the rendezvous ends with the run (its ranks passed their last barrier)
+        if stopped_by is not None:
+            console.say(
+                f"megatron-npu train: {stopped_by.name} received: stopped all {nproc} ranks"
+            )
+            return 128 + stopped_by
+        return _outcome(outcome, args.node_rank * nproc, context.error_files)
 
 
-def _watch(procs: list[subprocess.Popen], first_rank: int, error_pipes: list[int]) -> int:
-    """Wait for the ranks; on the first failure kill the rest and report it once."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            _kill_groups(procs, signal.SIGKILL)
-            for proc in procs:
-                proc.wait()
-            break
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(POLL_S)
-    failed.sort(key=lambda item: (item[1] >= 0, item[0]))  # a signal is the cause, not an echo
+#: The signals that stop a run (those torch elastic's launcher handles): the launcher stops every
+#: rank and exits 128 + the signal.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _outcome(outcome, first_rank: int, error_files: Mapping[int, str]) -> int:
+    """The run's exit status from torch elastic's result; the failure said once: each distinct
+    named error the ranks left in their error files, else how the first failed rank ended.
+
+    torch elastic stops the other ranks (SIGTERM) as soon as one fails and counts them as
+    failed too; a rank the launcher itself stopped is not the cause, unless no other failed.
+    Among the rest a rank killed by a signal comes first (the others failing after it is an
+    echo), then the lowest rank."""
+    if outcome is None or not outcome.is_failed():
+        return 0
+    ended = [(first_rank + local, failure.exitcode) for local, failure in outcome.failures.items()]
+    causes = [item for item in ended if item[1] != -signal.SIGTERM] or ended
+    failed = sorted(causes, key=lambda item: (item[1] >= 0, item[0]))
     messages = errors.collect(
-        {first_rank + i: fd for i, fd in enumerate(error_pipes)}, [rank for rank, _ in failed]
+        {first_rank + local: path for local, path in error_files.items()},
+        [rank for rank, _ in failed],
     )
     if messages:
         for line, ranks in messages.items():
-            where = "" if len(ranks) == len(procs) else f" (rank {', '.join(map(str, ranks))})"
+            where = (
+                "" if len(ranks) == len(error_files) else f" (rank {', '.join(map(str, ranks))})"
+            )
             console.error(f"{line}{where}")
         stopped = any(line.startswith(errors.STOPPED_PREFIX) for line in messages)
         return errors.STOPPED_EXIT_STATUS if stopped else errors.EXIT_STATUS
     rank, code = failed[0]
     console.error(f"megatron-npu train: {_describe_exit(rank, code)}; stopped the other ranks")
     return 1
+
+
+def _quiet_elastic_logs() -> None:
+    """torch elastic logs each rank it stops and the first failure; the launcher says the
+    failure itself, once. ``$LOGLEVEL`` (torch elastic's own switch) keeps its logs."""
+    if "LOGLEVEL" in os.environ:
+        return
+    prefix = "torch.distributed.elastic.multiprocessing"
+    for name in [prefix, *logging.root.manager.loggerDict]:
+        if name.startswith(prefix):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 _LAUNCH_VALUED = ("--nproc-per-node", "--nnodes", "--node-rank")

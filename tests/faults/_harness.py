@@ -65,7 +65,8 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "MASTER_PORT",
         "MEGATRON_NPU_DEVICE",
         "MEGATRON_NPU_PREFLIGHT_DONE",
-        "MEGATRON_NPU_ERROR_FD",
+        "TORCHELASTIC_ERROR_FILE",
+        "MEGATRON_NPU_LAUNCHER_PID",
         "MEGATRON_NPU_RUN_ID",
     ):
         env.pop(key, None)

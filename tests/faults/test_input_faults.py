@@ -31,7 +31,13 @@ LAUNCHED = "ranks were started"
 
 
 def run_main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
-    for key in ("RANK", "WORLD_SIZE", "MEGATRON_NPU_PREFLIGHT_DONE", "MEGATRON_NPU_ERROR_FD"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "MEGATRON_NPU_PREFLIGHT_DONE",
+        "TORCHELASTIC_ERROR_FILE",
+        "MEGATRON_NPU_LAUNCHER_PID",
+    ):
         monkeypatch.delenv(key, raising=False)
 
     def tripwire(_argv, _args):

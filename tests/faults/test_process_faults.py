@@ -224,3 +224,63 @@ def test_forked_writer_dies_with_its_rank(protected, method, tmp_path):
         assert not left, f"processes outlived their parent: {left}"
     else:
         assert left, "the unprotected children should have outlived their parent"
+
+
+@pytest.mark.parametrize("armed", [True, False])
+def test_a_rank_dies_with_its_killed_launcher(armed):
+    """What a rank's first step (``launch.arm_rank``) does: torch elastic starts the rank in a
+    session of its own, with no parent-death signal; armed, the rank dies with a launcher killed
+    by SIGKILL; the control, a rank with no launcher's pid to check, outlives it."""
+    import subprocess
+    import sys
+
+    from ._harness import REPO, alive, run_env
+
+    rank = (
+        "import time\n"
+        "from megatron_npu.training import launch\n"
+        "launch.arm_rank()\n"
+        "print('armed', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        f"env = dict(os.environ, RANK='0')\n"
+        f"if {armed}:\n"
+        "    env['MEGATRON_NPU_LAUNCHER_PID'] = str(os.getpid())\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env=env,\n"
+        "                         start_new_session=True, stdout=subprocess.PIPE, text=True)\n"
+        "assert child.stdout.readline().strip() == 'armed'\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher], cwd=REPO, env=run_env(), stdout=subprocess.PIPE, text=True
+    )
+    child = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    left = alive([child], deadline_s=30.0 if armed else 2.0)
+    for pid in left:  # never leave it to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert bool(left) is not armed, f"armed={armed}: left {left}"
+
+
+def test_a_rank_whose_launcher_is_gone_exits_at_once():
+    """A launcher that died before its rank armed the signal: the rank's parent is no longer
+    the launcher it names, so it exits instead of training alone."""
+    import subprocess
+    import sys
+
+    from ._harness import REPO, run_env
+
+    code = "from megatron_npu.training import launch; launch.arm_rank(); print('trained alone')"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**run_env(), "RANK": "0", "MEGATRON_NPU_LAUNCHER_PID": str(os.getpid() + 10**6)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (1, ""), done

@@ -16,7 +16,6 @@ The runs that start processes are in ``test_run_faults.py``.
 from __future__ import annotations
 
 import ast
-import os
 import socket
 import subprocess
 import sys
@@ -265,26 +264,44 @@ def test_busy_master_port_is_a_named_error(capsys, monkeypatch):
         run_main([*TINY, "--master-port", str(port)], capsys, monkeypatch)
 
 
-def test_a_rank_reports_through_its_pipe(monkeypatch):
-    pipes = {}
+def test_a_rank_reports_through_its_error_file(tmp_path, monkeypatch, capsys):
+    """A rank of the launcher leaves its line in torch elastic's error file and prints nothing;
+    torch's own reader of that file (what torchrun's summary shows) reads the same line."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    files = {}
+    monkeypatch.setenv(errors.LAUNCHER_PID_ENV, "1")
     for rank, exc in (
         (0, TrainingStopped("zero-lr", "lr 0")),
         (1, TrainingInputError("bad", "fix")),
+        (2, TrainingInputError("bad", "fix")),
     ):
-        read_end, write_end = os.pipe()
+        files[rank] = str(tmp_path / f"error-{rank}.json")
         monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv(errors.ERROR_FD_ENV, str(write_end))
+        monkeypatch.setenv(errors.ERROR_FILE_ENV, files[rank])
         assert errors.report(exc) == (3 if rank == 0 else 2)
-        os.close(write_end)
-        pipes[rank] = read_end
-    try:
-        assert errors.collect(pipes, [1]) == {
-            "megatron-npu train: error: bad; fix": [1],
-            "megatron-npu train: stopped: lr 0": [0],
-        }
-    finally:
-        for fd in pipes.values():
-            os.close(fd)
+    files[3] = str(tmp_path / "absent.json")  # a rank killed before it wrote one
+    assert capsys.readouterr() == ("", "")
+    assert errors.collect(files, [2]) == {
+        "megatron-npu train: error: bad; fix": [1, 2],
+        "megatron-npu train: stopped: lr 0": [0],
+    }
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=files[1])
+    assert failure.message == "megatron-npu train: error: bad; fix"
+
+
+def test_a_torchrun_rank_prints_its_error_and_fills_torchruns_file(tmp_path, monkeypatch, capsys):
+    """Under torchrun (no megatron-npu launcher) the rank says its line itself, with its rank,
+    and the error file torchrun gave it carries the same line."""
+    monkeypatch.delenv(errors.LAUNCHER_PID_ENV, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(errors.ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    assert errors.report(TrainingInputError("bad", "fix")) == 2
+    assert capsys.readouterr().err == "[rank 1] megatron-npu train: error: bad; fix\n"
+    assert errors.collect({1: str(tmp_path / "error.json")}) == {
+        "megatron-npu train: error: bad; fix": [1]
+    }
 
 
 def test_rendezvous_namespace_is_per_run():
