@@ -24,7 +24,9 @@ warmup_steps = 2               # performance: steps left out of the s/step stati
 noise_factor = 3.0             # noise: the rounding band is this times the reruns' envelope
 noise_floor = 1e-6             # noise: the least relative difference the band ever holds
 
-[defaults]                     # train options of every run (Megatron's names, without "--")
+[defaults]                     # train options of every run (Megatron's names, without "--");
+                               # each train run's are checked by train's own parser when the
+                               # matrix is read: a bad one is an error naming the run
 num-layers = 2
 bf16 = false                   # true -> "--bf16"; false/absent -> left out
 
@@ -210,6 +212,19 @@ def _check_options(options: dict, where: str) -> dict[str, Any]:
     return out
 
 
+def _check_train_options(spec: RunSpec, where: str) -> None:
+    """The run's options as ``megatron-npu train`` will read them: train's own parser and its
+    checks, the world-size rules included, when the matrix is read -- so a misspelt or
+    inconsistent option is one named error before any run starts, not a failed run later."""
+    from megatron_npu.training import arguments
+
+    try:
+        args = arguments.checked_options(option_argv(spec.options))
+        arguments.finalize(args, (args.nproc_per_node or 1) * args.nnodes)
+    except arguments.ArgumentError as exc:
+        raise MatrixError(f"{where}: its train options: {exc}") from None
+
+
 def _devices(value: Any, where: str) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
     if not names:
@@ -351,6 +366,9 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
         aligned, notes = align_vocab_padding(trained) if trained else ([], [])
         by_name = {r.name: r for r in aligned}
         runs = [by_name.get(r.name, r) for r in runs]
+    for spec in runs:
+        if spec.kind == "train":
+            _check_train_options(spec, f"{source} run {spec.name!r}")
     return Matrix(source=source, settings=settings, runs=tuple(runs), notes=tuple(notes))
 
 

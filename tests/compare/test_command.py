@@ -16,12 +16,12 @@ from megatron_npu.compare import command, judging, runner
 from megatron_npu.compare import matrix as m
 from megatron_npu.formats.metrics import MetricsFile
 
-MATRIX = """
-[compare]
-baseline = "ref"
-[defaults]
-num-layers = 2
-layout-independent-init = true
+from .minimal_matrix import DEFAULTS
+
+MATRIX = (
+    '[compare]\nbaseline = "ref"\n'
+    + DEFAULTS
+    + """layout-independent-init = true
 [[run]]
 name = "ref"
 device = "cpu"
@@ -45,6 +45,7 @@ name = "gpu"
 device = "cuda"
 optional = true
 """
+)
 
 
 def _metrics(spec, device, losses):
@@ -196,7 +197,7 @@ def test_a_like_for_like_slowdown_fails_and_unlike_pairs_are_not_timed(tmp_path,
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     path = tmp_path / "m.toml"
     path.write_text(
-        '[[run]]\nname = "ref"\n[[run]]\nname = "bf16"\noptions = { bf16 = true }\n'
+        DEFAULTS + '[[run]]\nname = "ref"\n[[run]]\nname = "bf16"\noptions = { bf16 = true }\n'
         '[[run]]\nname = "bf16-named"\noptions = { bf16 = true }\nspeed_reference = "ref"\n'
         '[[run]]\nname = "other-session"\nspeed_reference = "ref"\noptions = { bf16 = true }\n'
         '[[run]]\nname = "flaky"\nspeed_reference = "ref"\noptions = { lr = 2e-3 }\n'
@@ -258,7 +259,7 @@ def test_a_pair_of_two_models_gets_no_speed_verdict(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     path = tmp_path / "m.toml"
     path.write_text(
-        '[compare]\nbaseline = "ref"\n[[run]]\nname = "ref"\ndevice = "cpu"\n[[run]]\n'
+        DEFAULTS + '[compare]\nbaseline = "ref"\n[[run]]\nname = "ref"\ndevice = "cpu"\n[[run]]\n'
         'name = "deep"\ndevice = "cpu"\nspeed_reference = "ref"\noptions = { num-layers = 4 }\n'
     )
     document, status = command.run_compare(m.load(path), tmp_path / "out")

@@ -14,6 +14,8 @@ import pytest
 from megatron_npu.compare import command, imports
 from megatron_npu.compare import matrix as m
 
+from .minimal_matrix import DEFAULTS
+
 TINY = """
 [defaults]
 num-layers = 1
@@ -140,7 +142,7 @@ def test_a_bad_field_of_an_imported_results_file_is_named(tmp_path):
 def test_matrix_import_and_script_keys(tmp_path):
     def load(text):
         path = tmp_path / "m.toml"
-        path.write_text('[[run]]\nname = "a"\n' + text)
+        path.write_text(DEFAULTS + '[[run]]\nname = "a"\n' + text)
         return m.load(path)
 
     spec = load('[[run]]\nname = "g"\nimport = "logs/g.log"\nhardware = "8x H200"\n').run("g")

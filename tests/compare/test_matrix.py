@@ -6,6 +6,8 @@ import pytest
 
 from megatron_npu.compare import matrix as m
 
+from .minimal_matrix import DEFAULTS, TRAIN_DEFAULTS
+
 
 def write(tmp_path, text):
     path = tmp_path / "m.toml"
@@ -13,13 +15,13 @@ def write(tmp_path, text):
     return path
 
 
-BASE = """
-[defaults]
-num-layers = 2
-[[run]]
+BASE = (
+    DEFAULTS
+    + """[[run]]
 name = "a"
 device = "cpu"
 """
+)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +50,18 @@ device = "cpu"
             '[[run]]\nname = "g"\nimport = "x.log"\n[[run]]\nname = "b"\nrerun_of = "g"\n'
             'perturb = "init-ulp"\n',
             "perturb reruns a run trained here, not an import run",
+        ),
+        (
+            '[[run]]\nname = "b"\noptions = { num-layerz = 3 }\n',
+            "run 'b': its train options: unrecognized arguments: --num-layerz 3",
+        ),
+        (
+            '[[run]]\nname = "b"\noptions = { tensor-model-parallel-size = 2 }\n',
+            "run 'b': its train options: world size 1 is not divisible by",
+        ),
+        (
+            '[[run]]\nname = "b"\noptions = { lr = "fast" }\n',
+            "run 'b': its train options: argument --lr: must be a number, got 'fast'",
         ),
     ],
 )
@@ -81,13 +95,7 @@ def test_runs_are_typed_and_reruns_copy_their_original(tmp_path):
     assert b.devices == ("npu", "npu-emulated") and b.reference == "a"
     assert m.option_argv(
         {k: v for k, v in b.options.items() if k != "make-vocab-size-divisible-by"}
-    ) == [
-        "--num-layers",
-        "2",
-        "--bf16",
-        "--lr",
-        "0.002",
-    ]
+    ) == [*m.option_argv({**TRAIN_DEFAULTS, "lr": 2e-3}), "--bf16"]
     assert (
         a2.options == a.options
         and a2.devices == a.devices
@@ -97,7 +105,9 @@ def test_runs_are_typed_and_reruns_copy_their_original(tmp_path):
 
 
 def test_vocab_padding_is_aligned_across_tensor_parallel_sizes(tmp_path):
-    text = BASE + '[[run]]\nname = "tp2"\noptions = { tensor-model-parallel-size = 2 }\n'
+    text = BASE + (
+        '[[run]]\nname = "tp2"\noptions = { tensor-model-parallel-size = 2, nproc-per-node = 2 }\n'
+    )
     matrix = m.load(write(tmp_path, text))
     by_name = {r.name: r for r in matrix.runs}
     # Megatron pads to divisible-by x TP: 256 x 1 == 128 x 2
@@ -152,7 +162,7 @@ def test_perturbed_reruns_copy_their_original_and_are_not_judged(tmp_path):
         for p in ("init-ulp", "init-ulp-down", "threads", "seed")
     )
     runs = {r.name: r for r in m.load(write(tmp_path, text)).runs}
-    assert runs["init-ulp"].options == {"num-layers": 2, "init-ulp-nudge": 1}
+    assert runs["init-ulp"].options == {**runs["a"].options, "init-ulp-nudge": 1}
     assert runs["init-ulp-down"].options["init-ulp-nudge"] == -1
     assert runs["threads"].options == runs["a"].options
     assert runs["seed"].options["seed"] == 1235
