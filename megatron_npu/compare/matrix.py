@@ -73,6 +73,7 @@ without it the fingerprint rule refuses such a pair (naming ``padded_vocab_size`
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -217,10 +218,11 @@ def _check_train_options(spec: RunSpec, where: str) -> None:
     checks, the world-size rules included, when the matrix is read -- so a misspelt or
     inconsistent option is one named error before any run starts, not a failed run later."""
     from megatron_npu.training import arguments
+    from megatron_npu.training.options import TrainOptions
 
     try:
-        args = arguments.checked_options(option_argv(spec.options))
-        arguments.finalize(args, (args.nproc_per_node or 1) * args.nnodes)
+        options = TrainOptions.parse(option_argv(spec.options))
+        arguments.finalize(copy.copy(options.args), options.world_size)
     except arguments.ArgumentError as exc:
         raise MatrixError(f"{where}: its train options: {exc}") from None
 

@@ -41,11 +41,19 @@ from megatron_npu.locate import (
     worker,
 )
 from megatron_npu.locate.culprit import search
-from megatron_npu.locate.options import take
 
-#: train options that locate sets itself (a compare run's command carries them)
-_DROPPED_WITH_VALUE = ("--metrics-out", "--progress", "--save", "--load", "--save-interval")
-_DROPPED_FLAGS = ("--no-save-optim", "--no-save-rng")
+#: train options that locate sets itself (a compare run's command carries them), and the launch
+#: option it reads as the side's world
+_SET_BY_LOCATE = (
+    "--metrics-out",
+    "--progress",
+    "--save",
+    "--load",
+    "--save-interval",
+    "--no-save-optim",
+    "--no-save-rng",
+    "--nproc-per-node",
+)
 
 
 #: a culprit-search item that serves a torch_npu kernel natively (the rest are patch ids)
@@ -59,8 +67,8 @@ class LocateError(ValueError):
 @dataclass
 class RunSide:
     """One of the two runs: ``megatron-npu train`` options (``argv``, ``--device`` included,
-    without ``--nproc-per-node``), or with ``script`` a user's Megatron-LM script, ``argv`` then
-    being the script's own arguments and ``script_device`` the device it runs on."""
+    without ``--nproc-per-node`` and the options locate sets), or with ``script`` a user's
+    Megatron-LM script, ``argv`` then being the script's own arguments."""
 
     label: str
     argv: list[str]
@@ -68,13 +76,8 @@ class RunSide:
     plant: str | None = None  # testing aid: a parity mutation planted in this run
     disable: list[str] = field(default_factory=list)
     script: str | None = None
-    script_device: str | None = None
-
-    @property
-    def device(self) -> str:
-        if self.script:
-            return self.script_device or "auto"
-        return _option(self.argv, "--device") or "auto"
+    device: str = "auto"
+    train_iters: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -92,6 +95,8 @@ class RunSide:
 
 
 def _option(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in a Megatron-LM script's or a launcher's command line (train's
+    own options are read by train's parser, :func:`train_side`)."""
     for i, token in enumerate(argv):
         if token == name and i + 1 < len(argv):
             return argv[i + 1]
@@ -100,31 +105,33 @@ def _option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def clean_argv(argv: list[str]) -> tuple[list[str], int, list[str]]:
-    """(train options, world size, disabled patches) from a train command line."""
+def train_side(label: str, argv: list[str], plant: str | None = None) -> RunSide:
+    """A side that trains with ``megatron-npu train``: its options parsed and checked by train's
+    own parser (a bad option is named before any replay starts); the options locate sets itself
+    left out of what the replays carry."""
+    from megatron_npu.training import arguments
+    from megatron_npu.training.options import TrainOptions
+
     try:
-        out, taken = take(
-            argv, (*_DROPPED_WITH_VALUE, "--nproc-per-node", "--disable-patch"), _DROPPED_FLAGS
-        )
-    except ValueError as exc:
-        raise LocateError(str(exc)) from None
-    ranks = taken.get("--nproc-per-node", ["1"])[-1]
-    if not ranks.isdigit():
-        raise LocateError(f"--nproc-per-node: {ranks!r} is not a number of ranks")
-    return out, int(ranks), taken.get("--disable-patch", [])
+        options = TrainOptions.parse(argv)
+    except arguments.ArgumentError as exc:
+        raise LocateError(f"--{label} options: {exc}") from None
+    return RunSide(
+        label,
+        options.argv(without=_SET_BY_LOCATE),
+        options.world_size,
+        plant,
+        list(options.disabled),
+        device=options.args.device or "auto",
+        train_iters=options.args.train_iters,
+    )
 
 
 def side_from_options(label: str, options: str, common: str, plant: str | None) -> RunSide:
-    from megatron_npu.training import arguments
-
-    argv, world, disable = clean_argv(shlex.split(common) + shlex.split(options))
-    try:  # train's own parser and checks: a bad option is named before any replay starts
-        parsed = arguments.checked_options(argv)
-    except arguments.ArgumentError as exc:
-        raise LocateError(f"--{label} options: {exc}") from None
-    if parsed.device is None:
+    side = train_side(label, shlex.split(common) + shlex.split(options), plant)
+    if side.device == "auto":
         raise LocateError(f"--{label} options must name --device")
-    return RunSide(label, argv, world, plant, disable)
+    return side
 
 
 def script_side(label: str, options: str, common: str, script: str) -> RunSide:
@@ -140,7 +147,21 @@ def script_side(label: str, options: str, common: str, script: str) -> RunSide:
         raise LocateError(f"--{label}: {exc}") from None
     if device is None:
         raise LocateError(f"--{label} options must name --device")
-    return RunSide(label, argv, world, None, disable, str(Path(script).resolve()), device)
+    return RunSide(
+        label,
+        argv,
+        world,
+        None,
+        disable,
+        str(Path(script).resolve()),
+        device,
+        _iterations(argv),
+    )
+
+
+def _iterations(script_args: list[str]) -> int | None:
+    value = _option(script_args, "--train-iters")
+    return int(value) if value and value.isdigit() else None
 
 
 def _script_side_from_command(name: str, command: list[str], metrics: Path) -> RunSide:
@@ -157,7 +178,7 @@ def _script_side_from_command(name: str, command: list[str], metrics: Path) -> R
     except FormatError as exc:
         raise LocateError(f"compare run {name!r}: {exc}") from None
     argv, _, _, disable = script_runs.split_options(script_args)
-    return RunSide(name, argv, world, None, disable, script, device or "auto")
+    return RunSide(name, argv, world, None, disable, script, device or "auto", _iterations(argv))
 
 
 def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
@@ -181,8 +202,7 @@ def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
         raise LocateError(
             f"{run_dir / 'run.json'}: its command is neither a train nor a script run"
         )
-    argv, world, disable = clean_argv(command[command.index("train") + 1 :])
-    return RunSide(name, argv, world, None, disable), metrics
+    return train_side(name, command[command.index("train") + 1 :]), metrics
 
 
 class Locator:
@@ -237,7 +257,7 @@ class Locator:
             if given is None:
                 given = self.out / "curves" / f"{side.label}.json"
                 given.parent.mkdir(parents=True, exist_ok=True)
-                iters = _option(side.argv, "--train-iters")
+                iters = side.train_iters
                 console.say(f" locate: training {side.label} ({side.device}) for {iters} steps")
                 name = "reference" if side is self.reference else "candidate"
                 # step 1 is dumped on the way: a bug in the first step needs no replay

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from typing import NoReturn
 
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
@@ -540,21 +539,6 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         prog=f"megatron-npu {command}", description=descriptions[command]
     )
     return add_arguments(parser, command)
-
-
-def checked_options(argv: Sequence[str], command: str = "train") -> argparse.Namespace:
-    """The options of ``command`` parsed and checked as :func:`parse_args` does, for a tool that
-    takes them as one of its own options (``locate --reference "..."``): a bad one raises
-    :class:`ArgumentError` with argparse's message instead of exiting."""
-    parser = build_parser(command)
-
-    def refuse(message: str) -> NoReturn:
-        raise ArgumentError(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
-    args = parser.parse_args(list(argv))
-    check(args)
-    return args
 
 
 def parse_args(argv: Sequence[str] | None = None, command: str = "train") -> argparse.Namespace:

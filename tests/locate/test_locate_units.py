@@ -524,11 +524,27 @@ def test_patch_code_objects_cover_the_applied_patches():
 # ------------------------------------------------------------------ the command line
 
 
-def test_clean_argv_takes_the_layout_and_switches_and_drops_what_locate_sets():
-    from megatron_npu.locate.command import clean_argv
+#: a whole train command line's model, data and schedule (train's parser requires them)
+_MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --mock-data "
+    "--micro-batch-size 2 --lr 1e-3 --train-iters 2"
+).split()
 
-    argv, world, disable = clean_argv(
+
+#: _MODEL as train's parser gives it back: in the parser's order, numbers as Python writes them
+_MODEL_GIVEN_BACK = [
+    *_MODEL[:8],
+    *("--micro-batch-size", "2", "--train-iters", "2", "--lr", "0.001", "--mock-data"),
+]
+
+
+def test_a_side_takes_the_layout_and_switches_and_drops_what_locate_sets():
+    from megatron_npu.locate.command import train_side
+
+    side = train_side(
+        "reference",
         [
+            *_MODEL,
             "--device",
             "cpu",
             "--nproc-per-node",
@@ -543,10 +559,22 @@ def test_clean_argv_takes_the_layout_and_switches_and_drops_what_locate_sets():
             "2",
             "--progress",
             "plain",
-        ]
+        ],
     )
-    assert argv == ["--device", "cpu", "--tensor-model-parallel-size", "2"]
-    assert (world, disable) == (2, ["norm.wrapped-torch-norm"])
+    # train's parser reads the line; what the replays carry is in the parser's order
+    assert side.argv == [
+        "--device",
+        "cpu",
+        "--tensor-model-parallel-size",
+        "2",
+        *_MODEL_GIVEN_BACK,
+    ]
+    assert (side.world, side.disable, side.device, side.train_iters) == (
+        2,
+        ["norm.wrapped-torch-norm"],
+        "cpu",
+        2,
+    )
 
 
 def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
@@ -563,8 +591,7 @@ def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
                     "-m",
                     "megatron_npu.cli",
                     "train",
-                    "--num-layers",
-                    "2",
+                    *_MODEL,
                     "--device",
                     "npu-emulated",
                     "--metrics-out",
@@ -576,7 +603,11 @@ def test_a_compare_run_gives_its_train_options_and_metrics(tmp_path):
         )
     )
     side, metrics = side_from_compare(tmp_path, "npu-fp32")
-    assert side.argv == ["--num-layers", "2", "--device", "npu-emulated"]
+    assert side.argv == [
+        "--device",
+        "npu-emulated",
+        *_MODEL_GIVEN_BACK,
+    ]
     assert side.device == "npu-emulated" and metrics == run / "metrics.json"
     with pytest.raises(LocateError, match="no finished compare run named 'ref'"):
         side_from_compare(tmp_path, "ref")
