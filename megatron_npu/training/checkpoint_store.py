@@ -19,6 +19,8 @@ the flag and Megatron's ``--override-opt_param-scheduler``) and every file's siz
 (a truncated, emptied or altered file is refused naming the file). Checkpoints without a manifest
 (Megatron-LM's own, older ones, or one whose manifest was deleted) are refused by the launcher's
 checks unless ``--allow-unverified-load``; with it they load unverified, with a note saying so.
+The manifest's model is :class:`megatron_npu.formats.checkpoint_manifest.CheckpointManifest`
+(schema ``docs/schemas/checkpoint-manifest.schema.json``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from argparse import Namespace
 from pathlib import Path
 
 from megatron_npu.files import fsync_dir, make_dir, write_private
+from megatron_npu.formats import FormatError
+from megatron_npu.formats.checkpoint_manifest import SCHEMA as MANIFEST_SCHEMA
+from megatron_npu.formats.checkpoint_manifest import CheckpointManifest
 from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.training import security
 from megatron_npu.training.errors import TrainingInputError
@@ -38,7 +43,6 @@ from megatron_npu.training.schedule import FIELD_FLAGS, scheduler_settings
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megatron_npu_checkpoint.json"
-MANIFEST_SCHEMA = "megatron-npu/checkpoint"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 _CHUNK = 1 << 20
@@ -205,14 +209,17 @@ def commit(
         files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
     if fault is not None:
         fault(work)
-    manifest = {
-        "schema": MANIFEST_SCHEMA,
-        "version": 1,
-        "iteration": iteration,
-        **manifest_fields,
-        "files": files,
-    }
-    write_private(os.path.join(work, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    manifest = CheckpointManifest.parse(
+        {
+            "schema": MANIFEST_SCHEMA,
+            "version": 1,
+            "iteration": iteration,
+            **manifest_fields,
+            "files": files,
+        },
+        MANIFEST,
+    )
+    manifest.write(os.path.join(work, MANIFEST))
     security.harden_tree(work)
     for dirpath, _dirs, _names in os.walk(work):
         fsync_dir(dirpath)
@@ -228,43 +235,49 @@ def commit(
     return final
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict | None:
-    """The manifest of checkpoint directory ``path`` (None if it has none)."""
+def read_manifest(path: str | os.PathLike[str]) -> CheckpointManifest | None:
+    """The manifest of checkpoint directory ``path`` (None if it has none); an unreadable or
+    malformed one is a :class:`TrainingInputError` naming the file and what is wrong."""
     file = os.path.join(path, MANIFEST)
     if not os.path.isfile(file):
         return None
     try:
-        manifest = json.loads(Path(file).read_text(encoding="utf-8"))
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TrainingInputError(
             f"checkpoint manifest {file} is unreadable ({exc.__class__.__name__}): the checkpoint "
             "cannot be verified",
             remedy_other_iteration(os.path.dirname(os.fspath(path)), None),
         ) from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != MANIFEST_SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
         raise TrainingInputError(f"checkpoint manifest {file} is not a megatron-npu manifest")
-    return manifest
+    try:
+        return CheckpointManifest.parse(data, file)
+    except FormatError as exc:
+        raise TrainingInputError(
+            f"checkpoint manifest {exc}: the checkpoint cannot be verified",
+            remedy_other_iteration(os.path.dirname(os.fspath(path)), None),
+        ) from None
 
 
-def verify_files(path: str | os.PathLike[str], manifest: dict) -> None:
+def verify_files(path: str | os.PathLike[str], manifest: CheckpointManifest) -> None:
     """Every file the save wrote is there, whole and unchanged (size and SHA-256)."""
     root = os.path.dirname(os.fspath(path).rstrip(os.sep))
-    iteration = manifest.get("iteration")
-    for rel, expected in sorted(manifest.get("files", {}).items()):
+    iteration = manifest.iteration
+    for rel, expected in sorted(manifest.files.items()):
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
             raise TrainingInputError(
                 f"checkpoint file {file} is missing", remedy_other_iteration(root, iteration)
             )
         size = os.path.getsize(file)
-        if size != expected["bytes"]:
-            what = "empty" if size == 0 else "truncated" if size < expected["bytes"] else "longer"
+        if size != expected.bytes:
+            what = "empty" if size == 0 else "truncated" if size < expected.bytes else "longer"
             raise TrainingInputError(
-                f"checkpoint file {file} is {what}: {size} bytes, the save wrote "
-                f"{expected['bytes']}",
+                f"checkpoint file {file} is {what}: {size} bytes, the save wrote {expected.bytes}",
                 remedy_other_iteration(root, iteration),
             )
-        if _sha256(file) != expected["sha256"]:
+        if _sha256(file) != expected.sha256:
             raise TrainingInputError(
                 f"checkpoint file {file} is corrupted: its SHA-256 differs from the one recorded "
                 "at save time",
@@ -297,26 +310,27 @@ def check_optimizer_kind(
     )
 
 
-def check_schedule(path: str | os.PathLike[str], manifest: dict, args: Namespace) -> None:
+def check_schedule(
+    path: str | os.PathLike[str], manifest: CheckpointManifest, args: Namespace
+) -> None:
     """Megatron's ``OptimizerParamScheduler.load_state_dict`` asserts the saved schedule equals
     the command line's unless told which to use; say so before any rank starts."""
-    saved = manifest.get("scheduler")
+    saved = manifest.scheduler
     if not saved or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     here = scheduler_settings(args)
     changed = [f for f in FIELD_FLAGS if f in saved and saved[f] != here[f]]
     if not changed:
         return
-    saved_args = manifest.get("arguments", {})
+    saved_train_iters = manifest.arguments.train_iters
     detail = "; ".join(
         f"{f} {saved[f]} in the checkpoint, {here[f]} here (set by {FIELD_FLAGS[f]})"
         for f in changed
     )
     lead = ""
-    if saved_args.get("train_iters") not in (None, args.train_iters):
+    if saved_train_iters not in (None, args.train_iters):
         lead = (
-            f"--train-iters {args.train_iters} differs from the checkpoint's "
-            f"{saved_args['train_iters']}: "
+            f"--train-iters {args.train_iters} differs from the checkpoint's {saved_train_iters}: "
         )
     raise TrainingInputError(
         f"{lead}checkpoint {path} was saved with another LR/WD schedule ({detail})",

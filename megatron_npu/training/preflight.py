@@ -157,9 +157,9 @@ def check_load(args: Namespace) -> str | None:
     manifest = store.read_manifest(path)
     if manifest is not None:
         here = store.fingerprint(args, tokenizer_vocab_size(args))
-        store.check_fingerprint(path, manifest.get("fingerprint", {}), here)
-        if manifest.get("scheduler") is not None:  # saved with its optimizer state
-            saved_distopt = manifest.get("arguments", {}).get("use_distributed_optimizer")
+        store.check_fingerprint(path, manifest.fingerprint, here)
+        if manifest.scheduler is not None:  # saved with its optimizer state
+            saved_distopt = manifest.arguments.use_distributed_optimizer
             if saved_distopt is not None:
                 store.check_optimizer_kind(path, saved_distopt, args)
             if not args.no_load_optim:

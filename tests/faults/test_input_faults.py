@@ -146,6 +146,14 @@ def _crafted_common(ckpt: Path) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
+def _negative_size(ckpt: Path) -> None:
+    """A manifest that parses as JSON but not as a manifest (a size below zero)."""
+    manifest_path = ckpt / "iter_0000004" / checkpoint_store.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["common.pt"]["bytes"] = -1
+    manifest_path.write_text(json.dumps(manifest))
+
+
 def _no_manifest(ckpt: Path) -> None:
     (ckpt / "iter_0000004" / checkpoint_store.MANIFEST).unlink()
 
@@ -280,6 +288,11 @@ CKPT_FAULTS = {
             t, g, lambda c: (c / "iter_0000004" / checkpoint_store.MANIFEST).write_text("{nope")
         ),
         r"manifest .* is unreadable",
+    ),
+    "malformed-manifest": (
+        lambda t, g: _ckpt(t, g, _negative_size),
+        r"manifest .*megatron_npu_checkpoint\.json: files\.common\.pt\.bytes: input should be "
+        r"greater than or equal to 0 \(got -1\): the checkpoint cannot be verified",
     ),
     "other-hidden-size": (
         lambda t, g: [*_ckpt(t, g), "--hidden-size", "64"],

@@ -48,6 +48,13 @@ def test_manifest_records_checksums_fingerprint_and_schedule(tp2_saved):
     for name, entry in files.items():
         data = (save / "iter_0000005" / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    # the manifest's model reads the file and writes it back byte for byte
+    from megatron_npu.formats.checkpoint_manifest import CheckpointManifest
+
+    path = save / "iter_0000005" / "megatron_npu_checkpoint.json"
+    read = CheckpointManifest.read(path)
+    assert read.arguments.global_batch_size == 8 and read.files[".metadata"].bytes > 0
+    assert read.to_json() == path.read_text()
 
 
 def test_checkpoint_holds_optimizer_scheduler_and_rng(tp2_saved):
