@@ -15,6 +15,11 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
 * ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
   embedded corpus's carries its content hash -- or Megatron's mock dataset), plus ``--split``;
 * ``seed``;
+* ``init``: where the initial weights come from -- megatron-npu's layout-independent stream
+  (``--layout-independent-init``: the same weights in every layout and on every device), or
+  Megatron's own initialisation, on the host (``--use-cpu-initialization``: one CPU stream per
+  weight, the same on every device) or on the device (each tensor-parallel rank draws its shard
+  from the device's own generator, so a CUDA run and a CPU-drawn run start from other weights);
 * ``tokenizer``: type and vocab/merge file names.
 
 A candidate whose fingerprint differs from its reference on a field the matrix does not list in
@@ -47,7 +52,7 @@ MODEL_FIELDS = (
     "attention_window",
     "experts",
 )
-FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "tokenizer")
+FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "init", "tokenizer")
 
 
 def _names(paths: Any) -> list[str]:
@@ -94,8 +99,20 @@ def _experts(args: dict[str, Any]) -> str:
     )
 
 
-def fingerprint(config: RunConfig) -> dict[str, Any]:
-    """The fingerprint of one run from its ``metrics.json`` ``config`` block."""
+def _init(args: dict[str, Any], device: str | None) -> str:
+    if args.get("layout_independent_init"):
+        return "layout-independent"
+    if args.get("use_cpu_initialization"):
+        return "megatron, host"
+    from megatron_npu.devices.facts import known
+
+    facts = known(device)
+    return f"megatron, device ({facts.torch_type if facts else device or 'unknown'} generator)"
+
+
+def fingerprint(config: RunConfig, device: str | None = None) -> dict[str, Any]:
+    """The fingerprint of one run from its ``metrics.json`` ``config`` block; ``device``: the
+    device the run ran on where its file does not say (an imported log's, the matrix's)."""
     args = config.arguments
     heads = args.get("num_attention_heads")
     kv = args.get("kv_channels") or (
@@ -144,6 +161,7 @@ def fingerprint(config: RunConfig) -> dict[str, Any]:
         identity = os.path.basename(prefix.rstrip(",")) or described
     out["data"] = f"{source}: {identity} split {args.get('split') or '100,0,0'}"
     out["seed"] = args.get("seed")
+    out["init"] = _init(args, config.device or device)
     tokenizer = args.get("tokenizer_type") or (
         "NullTokenizer" if args.get("mock_data") else "ByteLevel"
     )

@@ -58,7 +58,7 @@ class RunResult:
         )
 
     def fingerprint(self) -> dict[str, Any]:
-        return fp.fingerprint(self.metrics.config) if self.metrics else {}
+        return fp.fingerprint(self.metrics.config, self.device) if self.metrics else {}
 
     def speed_setup(self) -> rules.SpeedSetup:
         args = self.arguments

@@ -112,7 +112,7 @@ def fingerprint_rule(
             reference,
             "fingerprint",
             PASS,
-            "same model shape, padded vocab, data, seed and tokenizer",
+            "same model shape, padded vocab, data, seed, initial weights and tokenizer",
             tol,
         )
     listed = ", ".join(f"{f} ({a!r} vs {b!r})" for f, a, b in diffs)

@@ -137,8 +137,8 @@ class Run(Part):
     )
     fingerprint: dict[str, Any] = Field(
         default_factory=dict,
-        description="model shape, padded vocabulary, data, seed and tokenizer the run used; {} "
-        "for a failed run",
+        description="model shape, padded vocabulary, data, seed, initial weights and tokenizer "
+        "the run used; {} for a failed run",
     )
     status: str = Field(
         description="ok, cached (an identical finished run was reused), imported or failed"

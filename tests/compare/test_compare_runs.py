@@ -48,9 +48,9 @@ device = "cpu"
 options = { seed = 4321 }
 
 [[run]]
-name = "bad-option"          # fails at argument checking
-device = "cpu"
-options = { num-attention-heads = 3 }
+name = "bad-data"            # fails at the launcher's input checks (the matrix's own check
+device = "cpu"                # takes the options; the data file is missing at run time)
+options = { data-path = ["/nonexistent/corpus_text_document"], tokenizer-type = "ByteLevel" }
 
 [[run]]
 name = "killed"              # killed at its timeout
@@ -121,8 +121,8 @@ def test_failed_and_killed_runs_are_reported_and_the_rest_complete(compared):
     (document, status), _ = compared
     runs = {r["name"]: r for r in document["runs"]}
     assert status == 1
-    assert runs["bad-option"]["status"] == "failed" and "exit code 2" in runs["bad-option"]["error"]
-    assert "num-attention-heads" in runs["bad-option"]["error"]
+    assert runs["bad-data"]["status"] == "failed" and "exit code 2" in runs["bad-data"]["error"]
+    assert "/nonexistent/corpus_text_document" in runs["bad-data"]["error"]
     assert runs["killed"]["status"] == "failed" and "timeout" in runs["killed"]["error"]
     assert all(
         runs[n]["status"] == "ok" for n in ("base", "base-rerun", "lr-plus-10pct", "other-seed")

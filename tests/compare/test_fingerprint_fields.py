@@ -39,6 +39,7 @@ EXPECTED = {
     "experts": "dense",
     "padded_vocab_size": 1024,
     "seed": 1234,
+    "init": "megatron, host",  # --use-cpu-initialization
     "tokenizer": "NullTokenizer",
 }
 
@@ -70,3 +71,33 @@ def test_bias_is_read_under_either_trainers_name():
         ({}, True),
     ):
         assert fp.fingerprint(RunConfig(arguments=args))["bias_linear"] is bias
+
+
+def test_the_init_field_tells_apart_runs_that_start_from_other_weights():
+    """Megatron's device initialisation draws from the device's own generator: a CUDA run and a
+    run drawn on the host's generator (cpu, npu-emulated) start from other weights; the host
+    initialisation and the layout-independent stream are the same on every device."""
+
+    def init(device, **args):
+        return fp.fingerprint(RunConfig(device=device, arguments=args))["init"]
+
+    assert init("cuda") == "megatron, device (cuda generator)"
+    assert init("npu-emulated") == init("cpu") == "megatron, device (cpu generator)"
+    assert init("npu") == "megatron, device (npu generator)"
+    assert init("cuda", use_cpu_initialization=True) == init(
+        "npu-emulated", use_cpu_initialization=True
+    )
+    assert init("cuda", layout_independent_init=True, use_cpu_initialization=True) == init(
+        "npu", layout_independent_init=True
+    )
+    assert init("cuda", use_cpu_initialization=True) != init("cuda", layout_independent_init=True)
+    names = [
+        n
+        for n, *_ in fp.differences(
+            fp.fingerprint(RunConfig(device="cuda", arguments={"use_cpu_initialization": True})),
+            fp.fingerprint(
+                RunConfig(device="npu-emulated", arguments={"layout_independent_init": True})
+            ),
+        )
+    ]
+    assert names == ["init"]
