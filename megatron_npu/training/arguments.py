@@ -379,22 +379,10 @@ def add_arguments(
         help="(always on with --bf16, as in Megatron)",
     )
 
-    g = parser.add_argument_group("training")
+    g = parser.add_argument_group("run")
     g.add_argument("--micro-batch-size", type=_positive, required=training)
     g.add_argument("--global-batch-size", type=_positive, default=None)
     g.add_argument("--train-iters", type=_positive, required=training)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=_finite, required=training)
-    g.add_argument("--min-lr", type=_finite, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=_non_negative, default=0)
-    g.add_argument("--lr-decay-iters", type=_positive, default=None)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
-    g.add_argument("--clip-grad", type=_finite, default=1.0)
-    g.add_argument("--weight-decay", type=_finite, default=0.01)
-    g.add_argument("--adam-beta1", type=_finite, default=0.9)
-    g.add_argument("--adam-beta2", type=_finite, default=0.999)
-    g.add_argument("--adam-eps", type=_finite, default=1e-8)
-    g.add_argument("--sgd-momentum", type=_finite, default=0.9)
     g.add_argument("--seed", type=int, default=DEFAULT_SEED)
     g.add_argument(
         "--init-ulp-nudge",
@@ -418,6 +406,20 @@ def add_arguments(
         help="keep training when the loss is NaN/inf, every step is skipped or the learning "
         "rate is 0 throughout (default: such a run stops with exit status 3)",
     )
+
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=_finite, required=training)
+    g.add_argument("--min-lr", type=_finite, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=_non_negative, default=0)
+    g.add_argument("--lr-decay-iters", type=_positive, default=None)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--clip-grad", type=_finite, default=1.0)
+    g.add_argument("--weight-decay", type=_finite, default=0.01)
+    g.add_argument("--adam-beta1", type=_finite, default=0.9)
+    g.add_argument("--adam-beta2", type=_finite, default=0.999)
+    g.add_argument("--adam-eps", type=_finite, default=1e-8)
+    g.add_argument("--sgd-momentum", type=_finite, default=0.9)
 
     g = parser.add_argument_group("data")
     g.add_argument(

@@ -8,8 +8,9 @@ words. The result holds
 
 * ``args``: the checked namespace, derived values filled in (what a rank session reads);
 * the same options in sections, as the parser's help groups them: ``launch``, ``parallel``,
-  ``model``, ``moe``, ``fusions``, ``attention``, ``precision``, ``training``, ``data``,
-  ``checkpoint``, ``logging`` (``options.parallel.tensor_model_parallel_size``);
+  ``model``, ``moe``, ``fusions``, ``attention``, ``precision``, ``run`` (batch, iterations,
+  seed, divergence stop), ``optimizer``, ``data``, ``checkpoint``, ``logging``
+  (``options.parallel.tensor_model_parallel_size``, ``options.optimizer.lr``);
 * ``disabled``: the patches ``--disable-patch`` switches off (a switch of every command, read
   before train's parser);
 * :meth:`TrainOptions.argv`: the options as a command line that parses back to the same
@@ -38,7 +39,8 @@ SECTIONS = {
     "fusions": "fusions",
     "attention": "fused attention",
     "precision": "mixed precision",
-    "training": "training",
+    "run": "run",
+    "optimizer": "optimizer",
     "data": "data",
     "checkpoint": "checkpointing",
     "logging": "logging",

@@ -80,6 +80,8 @@ def test_parse_checks_and_keeps_what_was_given():
     assert options.world_size == 2
     assert options.parallel.tensor_model_parallel_size == 2
     assert options.model.num_layers == 2 and options.launch.device == "cpu"
+    assert options.optimizer.lr == 1e-3 and options.run.train_iters == 2
+    assert options.data.mock_data and options.checkpoint.save is None
     assert options.argv(without=["--nproc-per-node", "device"])[:2] == [
         "--tensor-model-parallel-size",
         "2",
