@@ -83,3 +83,38 @@ def test_a_command_in_a_pipe_prints_unwrapped_lines():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "y" * 200 + "\n"
     assert done.stderr == "e" * 120 + "\n"
+
+
+def test_the_packages_other_loggers_are_left_to_the_root_handlers(capsys):
+    """Only the console's own logger has the handler: a module logger's INFO record (silent
+    under the root's default WARNING level) prints nothing, and its records still reach the
+    root logger's handlers (a user's log file)."""
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            caught.append(record.getMessage())
+
+    root = logging.getLogger()
+    handler = Catch()
+    root.addHandler(handler)
+    try:
+        logging.getLogger("megatron_npu.patches.data").info("quiet detail")
+        logging.getLogger("megatron_npu.patches.data").warning("a module warning")
+    finally:
+        root.removeHandler(handler)
+    assert capsys.readouterr() == ("", "")
+    assert caught == ["a module warning"]
+
+
+def test_warnings_go_above_a_live_progress_bar(capsys):
+    """On stderr a warning would tear a live bar's lines apart: while one is live it is said on
+    the bar's console, then on stderr again."""
+    console.bar_live(True)
+    try:
+        console.warn("while the bar runs")
+    finally:
+        console.bar_live(False)
+    console.warn("after it")
+    out, err = capsys.readouterr()
+    assert (out, err) == ("while the bar runs\n", "after it\n")

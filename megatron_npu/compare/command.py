@@ -161,7 +161,7 @@ def run_compare(
     title = f"Table 2: {matrix.source} matrix, baseline {s.baseline}"
     text = table2.markdown(rows, title)
     results_path, table_path = results_mod.write(out_dir, document, text)
-    console.say("\n" + text + "")
+    console.say("\n" + text)
     for v in verdicts:
         console.say(f" {v.candidate:<22} {v.rule:<13} {v.status:<14} {v.detail}")
     for item in skipped:

@@ -32,6 +32,7 @@ import os
 import re
 from typing import Any
 
+from megatron_npu.devices.facts import known
 from megatron_npu.formats.metrics import RunConfig, RunData
 
 MODEL_FIELDS = (
@@ -104,8 +105,6 @@ def _init(args: dict[str, Any], device: str | None) -> str:
         return "layout-independent"
     if args.get("use_cpu_initialization"):
         return "megatron, host"
-    from megatron_npu.devices.facts import known
-
     facts = known(device)
     return f"megatron, device ({facts.torch_type if facts else device or 'unknown'} generator)"
 

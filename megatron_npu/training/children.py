@@ -5,8 +5,8 @@ starts (a forked or spawned child before it runs anything else); the kernel then
 the moment its parent exits -- also on SIGKILL, where no ``finally`` and no ``atexit`` runs. A
 run's processes form a chain, each link armed:
 
-* launcher -> ranks: each rank arms it as its first step (``training.launch.arm_rank``), and
-  exits if its launcher is already gone;
+* launcher -> ranks: each rank arms it before it does any work (``training.launch.arm_rank``),
+  and exits if its launcher is already gone;
 * rank -> forked children (torch_dist's checkpoint writers, ``fork`` start method):
   :func:`tie_children` registers :func:`die_with_parent` as an after-fork hook;
 * rank -> spawned children (Megatron-Core's checkpoint results ``Manager`` and Python's

@@ -31,6 +31,7 @@ import time
 
 from megatron_npu import console
 from megatron_npu.data.errors import TrainingInputError
+from megatron_npu.files import write_private
 
 __all__ = [
     "ERROR_FILE_ENV",
@@ -105,9 +106,11 @@ def report(exc: TrainingInputError | TrainingStopped) -> int:
     rank = os.environ.get("RANK")
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file and rank is not None:
-        try:  # torch elastic's format: what its ProcessFailure and torchrun's summary read
-            with open(error_file, "w", encoding="utf-8") as handle:
-                json.dump({"message": _line(exc), "timestamp": int(time.time())}, handle)
+        try:  # torch elastic's format: what its ProcessFailure and torchrun's summary read;
+            # written whole or not at all (a rank stopped while writing leaves no half file)
+            write_private(
+                error_file, json.dumps({"message": _line(exc), "timestamp": int(time.time())})
+            )
             if os.environ.get(LAUNCHER_PID_ENV):
                 return exit_status(exc)
         except OSError:

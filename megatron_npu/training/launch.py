@@ -11,16 +11,17 @@ Two ways in, one worker:
 
 Without either (no ``--nproc-per-node``, no ``RANK`` in the environment) the run is one rank.
 
-:func:`launch` starts, watches and stops the ranks with torch elastic's process layer, the one
-torchrun's agent uses (``torch.distributed.elastic.multiprocessing.start_processes``): each rank
-in a session (process group) of its own, a failure file per rank (``$TORCHELASTIC_ERROR_FILE``),
-the first failure stopping the rest (SIGTERM to each rank's process group, SIGKILL after
-:data:`STOP_GRACE_S`), SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher stopping all ranks. What it
-adds where torch elastic falls short:
+:func:`launch` starts and stops the ranks with torch elastic's process layer, the one torchrun's
+agent uses (``torch.distributed.elastic.multiprocessing.start_processes``): each rank in a session
+(process group) of its own, a failure file per rank (``$TORCHELASTIC_ERROR_FILE``), the first
+failure stopping the rest (SIGTERM to each rank's process group, SIGKILL after
+:data:`STOP_GRACE_S`, then every rank's group), SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher
+stopping all ranks (exit 128 + the signal). What it adds where torch elastic falls short:
 
 * a parent-death signal: torch elastic arms none, so a launcher killed with SIGKILL would leave
-  its ranks running. Each rank arms ``PR_SET_PDEATHSIG`` (SIGKILL, Linux) as its first step
-  (:func:`arm_rank`) and exits if its launcher is already gone; each rank arms the same signal
+  its ranks running. Each rank arms ``PR_SET_PDEATHSIG`` (SIGKILL, Linux) before it does any
+  work (:func:`arm_rank`), and exits if its launcher is already gone (its parent is no longer
+  the launcher: a launcher killed during the rank's imports); each rank arms the same signal
   in every process it forks or spawns (:mod:`.children`: torch_dist's checkpoint writers, the
   checkpoint results ``Manager`` and the resource tracker), so they die with their rank;
 * the rendezvous store bound before any rank starts: torchrun's static rendezvous lets rank 0
@@ -31,10 +32,13 @@ adds where torch elastic falls short:
   rank connects to it as a client, as to torch elastic's agent store. A port in use is one named
   error (preflight checks a given ``--master-port`` before that, too). The ranks key their
   rendezvous under the run's id, so a run never reads or overwrites another run's keys;
+* the cause of a failure: the launcher watches the ranks itself, so the rank that failed first
+  is the one named (torch elastic's ``wait`` stops the others first and counts them as failed);
 * one named line instead of torchrun's failure summary: a rank's named error (:mod:`.errors`)
   goes to its error file, and the launcher prints each distinct one once (exit 2, or 3 for a
   stopped run), else which rank failed and how (exit 1); the error files live in a temporary
-  folder that goes with the run.
+  folder that goes with the run (one whose launcher was killed with SIGKILL stays behind in
+  ``$TMPDIR``, as ``megatron-npu-run-*``).
 
 Tools that run many short jobs in one process (``locate``'s replays) start their ranks with
 :func:`run_warm` instead: each rank is a function forked from a fork server that imported
@@ -46,6 +50,7 @@ npu, ``nccl`` on cuda).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import logging
@@ -109,10 +114,11 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def arm_rank() -> None:
-    """A rank's first step: die with the launcher that started it (``PR_SET_PDEATHSIG``), and
-    exit at once if that launcher is already gone. torch elastic starts each rank in a session
-    of its own but arms no parent-death signal, so a launcher killed with SIGKILL would leave its
-    ranks running; a rank that no launcher started does nothing here."""
+    """Before a rank does any work: die with the launcher that started it
+    (``PR_SET_PDEATHSIG``), and exit at once if that launcher is already gone. torch elastic
+    starts each rank in a session of its own but arms no parent-death signal, so a launcher
+    killed with SIGKILL would leave its ranks running; a rank that no launcher started does
+    nothing here."""
     launcher = os.environ.get(errors.LAUNCHER_PID_ENV)
     if launcher and launcher.isdigit() and "RANK" in os.environ:
         children.die_with_parent()
@@ -220,7 +226,7 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
         }
     )
     _quiet_elastic_logs()
-    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    previous = {s: signal.getsignal(s) for s in _stop_signals()}
     stopped_by = None
     with tempfile.TemporaryDirectory(prefix="megatron-npu-run-") as error_dir:
         try:
@@ -243,16 +249,19 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
             if listener is not None:  # serving starts a thread: only once every rank is forked
                 timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
                 store, listener = host_store(args.master_addr, port, timeout, listener), None
-            outcome = context.wait(period=POLL_S)
+            failed = _first_failures(context, args.node_rank * nproc)
         except SignalException as stop:
             stopped_by = stop.sigval
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if context is not None:
-                # SIGTERM, then SIGKILL after the grace: no rank and no checkpoint writer
-                # outlives the run (a rank's children share its process group)
+                # SIGTERM, then SIGKILL after the grace; then every rank's process group, the
+                # ranks that had ended too: no process a rank started outlives the run
                 context.close(death_sig=signal.SIGTERM, timeout=STOP_GRACE_S)
+                for pid in context.pids().values():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
             if listener is not None:
                 listener.close()
             del store  # the rendezvous ends with the run (its ranks passed their last barrier)
@@ -261,27 +270,37 @@ def launch(argv: Sequence[str], args, module: str = "megatron_npu.train") -> int
                 f"megatron-npu train: {stopped_by.name} received: stopped all {nproc} ranks"
             )
             return 128 + stopped_by
-        return _outcome(outcome, args.node_rank * nproc, context.error_files)
+        return _outcome(failed, args.node_rank * nproc, context.error_files)
 
 
-#: The signals that stop a run (those torch elastic's launcher handles): the launcher stops every
-#: rank and exits 128 + the signal.
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+def _stop_signals() -> list[signal.Signals]:
+    """The signals torch elastic turns into a stop of the run (``$TORCHELASTIC_SIGNALS_TO_HANDLE``,
+    its default SIGTERM, SIGINT, SIGHUP and SIGQUIT): the launcher restores their handlers."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    return [getattr(signal, n.strip()) for n in names.split(",") if hasattr(signal, n.strip())]
 
 
-def _outcome(outcome, first_rank: int, error_files: Mapping[int, str]) -> int:
-    """The run's exit status from torch elastic's result; the failure said once: each distinct
-    named error the ranks left in their error files, else how the first failed rank ended.
+def _first_failures(context, first_rank: int) -> list[tuple[int, int]]:
+    """Wait until every rank has exited 0 (``[]``) or one has failed: then the (rank, exit code)
+    of those that have failed by now, before any is stopped. torch elastic's own ``wait`` stops
+    the others first and counts them as failed too, which would hide the cause."""
+    while True:
+        codes = {local: h.proc.poll() for local, h in context.subprocess_handlers.items()}
+        failed = [(first_rank + local, c) for local, c in codes.items() if c not in (None, 0)]
+        if failed:
+            return failed
+        if all(code == 0 for code in codes.values()):
+            return []
+        time.sleep(POLL_S)
 
-    torch elastic stops the other ranks (SIGTERM) as soon as one fails and counts them as
-    failed too; a rank the launcher itself stopped is not the cause, unless no other failed.
-    Among the rest a rank killed by a signal comes first (the others failing after it is an
-    echo), then the lowest rank."""
-    if outcome is None or not outcome.is_failed():
+
+def _outcome(failed: list[tuple[int, int]], first_rank: int, error_files: Mapping[int, str]) -> int:
+    """The run's exit status, and its failure said once: each distinct named error the ranks
+    left in their error files, else how the rank that failed first ended (a rank killed by a
+    signal first: the others failing after it are an echo; then the lowest rank)."""
+    if not failed:
         return 0
-    ended = [(first_rank + local, failure.exitcode) for local, failure in outcome.failures.items()]
-    causes = [item for item in ended if item[1] != -signal.SIGTERM] or ended
-    failed = sorted(causes, key=lambda item: (item[1] >= 0, item[0]))
+    failed = sorted(failed, key=lambda item: (item[1] >= 0, item[0]))
     messages = errors.collect(
         {first_rank + local: path for local, path in error_files.items()},
         [rank for rank, _ in failed],

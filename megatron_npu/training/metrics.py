@@ -255,6 +255,7 @@ class Progress:
             )
             self._task = self._bar.add_task("train", total=total, completed=start, loss="")
             self._bar.start()
+            console.bar_live(True)
 
     def print(self, line: str) -> None:
         """One line; above the bar while it is live (the bar draws on the console that says it)."""
@@ -276,4 +277,5 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+            console.bar_live(False)
             self._bar = None

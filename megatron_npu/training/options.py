@@ -15,8 +15,7 @@ words. The result holds
   before train's parser);
 * :meth:`TrainOptions.argv`: the options as a command line that parses back to the same
   namespace -- each option given a value other than its default, in the parser's order,
-  optionally without some of them. A replay or a cache key carries this line, never a string
-  taken apart by hand.
+  optionally without some of them: what a replay carries across a process boundary.
 """
 
 from __future__ import annotations
@@ -51,8 +50,22 @@ def _options_of(action: argparse.Action) -> str:
     return next(s for s in action.option_strings if s.startswith("--"))
 
 
+#: the action kinds train's parser uses, the ones :func:`_tokens` can write back
+_WRITABLE = (
+    argparse._StoreAction,
+    argparse._StoreTrueAction,
+    argparse._StoreFalseAction,
+    argparse.BooleanOptionalAction,
+)
+
+
 def _tokens(action: argparse.Action, value: Any) -> list[str]:
     """``value`` of ``action`` as the tokens that parse back to it."""
+    if not isinstance(action, _WRITABLE) or action.nargs == "?":
+        raise TypeError(
+            f"{_options_of(action)}: TrainOptions.argv cannot write a {type(action).__name__}"
+            f"{' with nargs=?' if action.nargs == '?' else ''} back as a command line"
+        )
     if isinstance(action, argparse.BooleanOptionalAction):
         long = [s for s in action.option_strings if s.startswith("--")]
         return [next(s for s in long if s.startswith("--no-") == (not value))]

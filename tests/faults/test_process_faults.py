@@ -139,12 +139,15 @@ def _long_run(tmp_path: Path, name: str):
     return proc, marker, lines
 
 
-def test_rank_killed_during_training_ends_the_run(tmp_path):
-    proc, marker, lines = _long_run(tmp_path, "kill-rank")
-    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_rank_killed_during_training_ends_the_run(sig, tmp_path):
+    """The killed rank is the one named, also when the signal is the SIGTERM the launcher
+    stops the other ranks with."""
+    proc, marker, lines = _long_run(tmp_path, f"kill-rank-{sig.name}")
+    os.kill(_rank_pid(proc.pid, 1), sig)
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 1, out
-    assert "rank 1 was killed by SIGKILL" in out and "Traceback" not in out, out
+    assert f"rank 1 was killed by {sig.name}" in out and "Traceback" not in out, out
     assert_no_orphans(str(marker))
     if marker.exists():
         strict_json(marker)

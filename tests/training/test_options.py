@@ -120,3 +120,15 @@ def test_the_disabled_patches_are_read_before_trains_parser():
 def test_bad_options_are_an_argument_error(extra, words):
     with pytest.raises(arguments.ArgumentError, match=words.replace(".", r"\.")):
         TrainOptions.parse([*TINY, *extra])
+
+
+def test_an_option_kind_argv_cannot_write_back_is_refused(monkeypatch):
+    """A future option of a kind argv() has no form for fails loudly, never writes a wrong line."""
+    import megatron_npu.training.options as options_module
+
+    parser = _parser("train")
+    parser.add_argument("--tag", action="append")
+    monkeypatch.setitem(options_module._parsers, "train", parser)
+    given = parser.parse_args([*TINY, "--tag", "a"])
+    with pytest.raises(TypeError, match="--tag: TrainOptions.argv cannot write a _AppendAction"):
+        TrainOptions("train", given, given).argv()
