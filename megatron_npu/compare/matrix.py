@@ -73,7 +73,6 @@ without it the fingerprint rule refuses such a pair (naming ``padded_vocab_size`
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -222,7 +221,7 @@ def _check_train_options(spec: RunSpec, where: str) -> None:
 
     try:
         options = TrainOptions.parse(option_argv(spec.options))
-        arguments.finalize(copy.copy(options.args), options.world_size)
+        arguments.finalize(options.args, options.world_size)  # its world-size rules
     except arguments.ArgumentError as exc:
         raise MatrixError(f"{where}: its train options: {exc}") from None
 
