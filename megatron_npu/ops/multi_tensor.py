@@ -50,7 +50,10 @@ def check_finite_and_unscale_(
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if not tensors:
         return found_inf
-    inv = torch.as_tensor(inv_scale, dtype=torch.float32, device=device).reshape(1)
+    if torch.is_tensor(inv_scale):
+        inv = inv_scale.to(device=device, dtype=torch.float32).reshape(1)
+    else:  # filled on the device: a host scalar copied there would wait for the device
+        inv = torch.full((1,), float(inv_scale), dtype=torch.float32, device=device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -6,16 +6,26 @@
   non-finite check and unscale, then Megatron's MAX all-reduce over the grad-stats group.
 * ``clip_grads.l2_norm_impl`` / ``multi_tensor_scale_impl`` (amp_C or Megatron's local
   fallback, which builds its result with ``device="cuda"``) -> the op layer's multi-tensor ops.
+
+On ``cuda`` apex's and Transformer Engine's multi-tensor kernels stay where they are installed. A
+GPU with neither gets Megatron's local fallbacks, which loop over the parameters in Python: the
+gradient norm launches one norm per parameter and reads each back to the host
+(``torch.tensor`` of a list of device scalars), so every step waits on the device once per
+parameter, and clipping launches a multiply and a copy per parameter. ``*-cuda-fallback`` put
+the same foreach ops in their place only where Megatron bound its local fallback: one device read
+per step, a few launches, one line saying so.
 """
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from megatron_npu import devices
+from megatron_npu import console, devices
+from megatron_npu.devices.facts import CUDA
 from megatron_npu.devices.torch_namespace import TorchNamespace
 from megatron_npu.ops.multi_tensor import (
     check_finite_and_unscale_,
@@ -53,6 +63,31 @@ def multi_tensor_scale_impl(chunk_size, noop_flag, tensor_lists, scale):
     found = multi_tensor_scale_(tensor_lists[0], tensor_lists[1], scale)
     if noop_flag is not None and torch.is_tensor(noop_flag) and found is not None:
         noop_flag.copy_(torch.maximum(noop_flag, found.to(noop_flag).reshape(noop_flag.shape)))
+
+
+@functools.cache
+def _say_foreach_serves() -> None:
+    """One line per process: what serves in place of the missing multi-tensor kernels."""
+    console.warn(
+        "megatron-npu: neither apex's nor Transformer Engine's multi-tensor kernels are "
+        "installed; torch's foreach kernels serve Megatron's gradient norm and clipping in place "
+        "of its per-parameter fallback"
+    )
+
+
+def _where_megatron_fell_back(ours: Any, fallback: str):
+    """A wrap that installs ``ours`` where the target is ``megatron.core.utils.<fallback>``
+    (neither TE nor apex imported) and leaves any other kernel as it is."""
+
+    def wrap(original: Any) -> Any:
+        from megatron.core import utils
+
+        if original is not getattr(utils, fallback, None):
+            return original
+        _say_foreach_serves()
+        return ours
+
+    return wrap
 
 
 class _OptimWithFusedAdamW(ModuleType):
@@ -136,5 +171,39 @@ PATCHES = [
         check_signature=False,
         parity="megatron_npu.parity.cases.optimizer:GRAD_CLIP_SCALE",
         benchmark="perf.cases.optimizer:MULTI_TENSOR_SCALE",
+    ),
+    Patch(
+        id="optimizer.l2-norm-cuda-fallback",
+        target=f"{_CLIP}.l2_norm_impl",
+        replacement=_where_megatron_fell_back(l2_norm_impl, "local_multi_tensor_l2_norm"),
+        kind="wrap",
+        devices=frozenset({CUDA}),
+        reason="a GPU without apex/TE: Megatron's per-parameter norm loop reads the device once "
+        "per parameter -> the foreach norm, one read per step (amp_C/TE kernels stay)",
+        versions=">=0.13",
+        check_signature=False,
+        parity_exempt="picks optimizer.l2-norm's foreach kernel, whose numerics are that "
+        "entry's parity case; the named test checks the norm and the one device read",
+        benchmark_exempt="the kernel it picks is optimizer.l2-norm's benchmark (path native "
+        "against Megatron's loop)",
+        exempt_test="tests/patches/test_optimizer_cuda_fallback.py::"
+        "test_the_norm_reads_the_device_once",
+    ),
+    Patch(
+        id="optimizer.multi-tensor-scale-cuda-fallback",
+        target=f"{_CLIP}.multi_tensor_scale_impl",
+        replacement=_where_megatron_fell_back(multi_tensor_scale_impl, "local_multi_tensor_scale"),
+        kind="wrap",
+        devices=frozenset({CUDA}),
+        reason="a GPU without apex/TE: Megatron's per-parameter scale loop (a multiply and a copy "
+        "per parameter) -> the foreach scale (amp_C/TE kernels stay)",
+        versions=">=0.13",
+        check_signature=False,
+        parity_exempt="picks optimizer.multi-tensor-scale's foreach kernel, whose numerics are "
+        "that entry's parity case; the named test checks the clipped grads and the launches",
+        benchmark_exempt="the kernel it picks is optimizer.multi-tensor-scale's benchmark (path "
+        "native against Megatron's loop)",
+        exempt_test="tests/patches/test_optimizer_cuda_fallback.py::"
+        "test_clipping_launches_do_not_grow_with_the_parameters",
     ),
 ]
