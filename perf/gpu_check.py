@@ -17,8 +17,8 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
   bf16 (pip's megatron-core: no Makefile for the dataset helpers, no fused-softmax extension) and
   ``megatron-npu train`` with the same options held against the script's fp32 curve;
 * ``fairness.json``: the GPT-345M ``--use-flash-attn`` bf16 row's s/step against the same model
-  written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager), global batch 16 in one
-  micro-batch; the target is a ratio of at most 1.25.
+  written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager) with the row's own batch,
+  micro-batches and dropout; the target is a ratio of at most 1.25.
 
 Every part runs even when an earlier one failed; the exit status is 1 if any did (a run that did
 not finish, an attention case beyond its bound, a ratio above the target). Verdicts that fail are
@@ -298,23 +298,23 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     return not unfinished and bool(data.runs)
 
 
-def fairness(out: Path) -> bool:
+def fairness_twin(matrix_path: Path, device: str):
+    """The plain trainer of :data:`FAIRNESS_RUN` as the matrix at ``matrix_path`` gives it:
+    the same model, micro-batches and dropout (``perf.plain_gpt.twin_of``)."""
     sys.path.insert(0, str(HERE.parent))
-    from perf.plain_gpt import GPTShape, PlainTrainer
+    from megatron_npu.compare.matrix import load, option_argv
+    from perf.plain_gpt import twin_of
 
+    spec = next(r for r in load(matrix_path).runs if r.name == FAIRNESS_RUN)
+    return twin_of(option_argv(spec.options), device=device)
+
+
+def fairness(out: Path) -> bool:
     run = CompareResults.read(out / "compare" / "results.json").run(FAIRNESS_RUN)
     if run is None or not run.perf:
         (out / "fairness.json").write_text(json.dumps({"error": f"no {FAIRNESS_RUN} run"}) + "\n")
         return False
-    shape = GPTShape(
-        num_layers=24,
-        hidden_size=1024,
-        num_attention_heads=16,
-        seq_length=1024,
-        vocab_size=50304,
-        micro_batch_size=16,
-    )
-    trainer = PlainTrainer(shape, torch.bfloat16, device=CUDA)
+    trainer = fairness_twin(out / "compare" / "matrix.toml", CUDA)
     times = []
     for i in range(13):
         torch.cuda.synchronize()
@@ -331,7 +331,9 @@ def fairness(out: Path) -> bool:
         "plain_torch_eager_s_per_step": plain,
         "ratio": ours / plain,
         "target": FAIRNESS_TARGET,
-        "shape": shape.__dict__,
+        "shape": trainer.shape.__dict__,
+        "micro_batches": trainer.micro_batches,
+        "dtype": str(trainer.dtype),
     }
     (out / "fairness.json").write_text(json.dumps(record, indent=1) + "\n")
     return ours / plain <= FAIRNESS_TARGET
