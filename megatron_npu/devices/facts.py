@@ -4,10 +4,10 @@ The device names are defined here, once; every other module uses these constants
 one :class:`DeviceFacts`: the torch device type its tensors live on, its process-group backend,
 whether it emulates another device's code path, the class of devices whose step times may be
 compared with its own, how a run on it measures its peak memory, whether its ranks share one
-host's compute, and the GEMM sizes the peak probe tries on it. Commands that judge results from
-other machines (compare, reports) read these facts without building the device; the
-:class:`~megatron_npu.devices.base.Device` built on this machine carries the same object as its
-``facts``. This module imports nothing, so any layer can read it.
+host's compute, the GEMM sizes the peak probe tries on it, and how a profiler sees its kernels.
+Commands that judge results from other machines (compare, reports) read these facts without
+building the device; the :class:`~megatron_npu.devices.base.Device` built on this machine carries
+the same object as its ``facts``. This module imports nothing, so any layer can read it.
 """
 
 from __future__ import annotations
@@ -54,16 +54,38 @@ class DeviceFacts:
     host_shared: bool
     #: square GEMM sizes the peak probe tries (the best rate over all of them is kept)
     probe_sizes: tuple[int, ...]
+    #: the ``torch.profiler.ProfilerActivity`` that records its kernels (where torch_npu or CUDA
+    #: registers it); None where the host does the work
+    profiler_activity: str | None = None
+    #: True where Nsight Systems' capture range (``cudaProfilerStart``/``Stop``) applies
+    cuda_profiler_api: bool = False
 
 
 FACTS: dict[str, DeviceFacts] = {
     CPU: DeviceFacts(CPU, "cpu", "gloo", False, "host CPU", RSS, True, _HOST_PROBE),
     NPU_EMULATED: DeviceFacts(NPU_EMULATED, "cpu", "gloo", True, None, RSS, True, _HOST_PROBE),
     NPU: DeviceFacts(
-        NPU, "npu", "hccl", False, "accelerator", ALLOCATOR, False, _ACCELERATOR_PROBE
+        NPU,
+        "npu",
+        "hccl",
+        False,
+        "accelerator",
+        ALLOCATOR,
+        False,
+        _ACCELERATOR_PROBE,
+        profiler_activity="PrivateUse1",
     ),
     CUDA: DeviceFacts(
-        CUDA, "cuda", "nccl", False, "accelerator", ALLOCATOR, False, _ACCELERATOR_PROBE
+        CUDA,
+        "cuda",
+        "nccl",
+        False,
+        "accelerator",
+        ALLOCATOR,
+        False,
+        _ACCELERATOR_PROBE,
+        profiler_activity="CUDA",
+        cuda_profiler_api=True,
     ),
 }
 

@@ -515,6 +515,27 @@ def add_arguments(
         default="auto",
         help="progress display: rich bar on a TTY, plain lines otherwise (auto)",
     )
+    if training:
+        g = parser.add_argument_group("profiling (Megatron-LM's names and defaults)")
+        g.add_argument(
+            "--profile",
+            action="store_true",
+            help="profile steps START+1..END on the --profile-ranks (see --use-pytorch-profiler)",
+        )
+        g.add_argument(
+            "--use-pytorch-profiler",
+            action="store_true",
+            help="the torch profiler: a Chrome trace and a summary per rank in --profile-dir "
+            "(without it: Nsight Systems' capture range on cuda, the torch profiler elsewhere)",
+        )
+        g.add_argument("--profile-step-start", type=_non_negative, default=10)
+        g.add_argument("--profile-step-end", type=_non_negative, default=12)
+        g.add_argument("--profile-ranks", type=_non_negative, nargs="+", default=[0])
+        g.add_argument(
+            "--profile-dir",
+            default="profile",
+            help="where the torch profiler's files go (default: ./profile)",
+        )
     if not training:
         parser.set_defaults(**EVALUATE_DEFAULTS)
         g = parser.add_argument_group("evaluation")
@@ -708,11 +729,29 @@ def check(args: argparse.Namespace) -> None:
         )
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must be <= --lr")
+    if getattr(args, "profile", False):
+        _check_profile_window(args)
     if args.nnodes > 1 and args.nproc_per_node is None:
         raise ArgumentError("--nnodes needs --nproc-per-node (or launch with torchrun)")
     if args.node_rank >= args.nnodes:
         raise ArgumentError("--node-rank must be < --nnodes")
     check_fused_attention(args)
+
+
+def _check_profile_window(args: argparse.Namespace) -> None:
+    """``--profile`` must cover at least one step the run trains."""
+    start, end = args.profile_step_start, args.profile_step_end
+    if end <= start:
+        raise ArgumentError(
+            f"--profile-step-end {end} must be greater than --profile-step-start {start} "
+            "(steps START+1..END are profiled)"
+        )
+    if start >= args.train_iters:
+        raise ArgumentError(
+            f"--profile-step-start {start} leaves no step of --train-iters {args.train_iters} "
+            "to profile (steps START+1..END are profiled)",
+            f"lower --profile-step-start below {args.train_iters}",
+        )
 
 
 def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -734,6 +773,9 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     )
     if problems:
         raise ArgumentError("; ".join(problems))
+    outside = sorted(r for r in getattr(args, "profile_ranks", ()) if r >= world_size)
+    if getattr(args, "profile", False) and outside:
+        raise ArgumentError(f"--profile-ranks {outside} are not ranks of a world of {world_size}")
     args.world_size = world_size
     args.data_parallel_size = world_size // replicas
     if args.global_batch_size is None:

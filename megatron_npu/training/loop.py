@@ -43,6 +43,7 @@ from megatron_npu.training import (
     metrics,
     moe_metrics,
     peak,
+    profiling,
     quiet_expected_warnings,
     security,
     weight_nudge,
@@ -370,21 +371,26 @@ def _train(args, env, device) -> int:
         chunk.train()
     device.accelerator.reset_peak_memory_stats()
     on_host = device.torch_type == "cpu"
-    host_step_peak = 0
+    host_step_peak: int | None = None  # set by the first step's probe on the host
     last_saved = resume.iteration
     floor, first_scale = _loss_scales(args)
     guard = divergence.Guard(
         args.divergence_steps, args.divergence_stop, min_loss_scale=floor, scale=first_scale
     )
+    profiler = profiling.StepProfiler(args, device, env.rank)
     try:
         for step in range(resume.iteration + 1, args.train_iters + 1):
             # the host has no allocator statistics: its peak is measured on the first step
-            # (a warm-up step, outside the s/step statistics) by the profiler
-            probe = host_peak.measure() if on_host and step == resume.iteration + 1 else None
+            # (a warm-up step, outside the s/step statistics) by the profiler, unless --profile
+            # records that step (one profiler at a time): the run then has no host peak
+            first = step == resume.iteration + 1 and step not in profiler.steps
+            probe = host_peak.measure() if on_host and first else None
+            profiler.starting(step)
             with probe or contextlib.nullcontext() as measured:
                 start = _timed_sync(device)
                 loss, grad_norm, lr, skipped = trainer.step(step, iterators)
                 elapsed = _timed_sync(device) - start
+            profiler.finished(step, elapsed)
             if measured is not None:
                 host_step_peak = measured.peak_bytes
                 run_metrics.profiled_step = step
@@ -414,6 +420,7 @@ def _train(args, env, device) -> int:
         if args.save and last_saved != args.train_iters:
             _save(args, trainer, args.train_iters, progress)
     finally:
+        profiler.close()
         if progress is not None:
             progress.close()
     _finish(args, device, run_metrics, host_step_peak, rank0)
@@ -491,14 +498,19 @@ def _save(args, trainer: Trainer, step: int, progress) -> None:
         progress.print(f" saved checkpoint at iteration {step} to {args.save}")
 
 
-def _finish(args, device, run_metrics, host_step_peak: int, rank0: bool) -> None:
+def _mib(nbytes: int | None) -> str:
+    return "not measured" if nbytes is None else f"{nbytes / 2**20:.0f} MiB"
+
+
+def _finish(args, device, run_metrics, host_step_peak: int | None, rank0: bool) -> None:
     """The run's peak memory over every rank (collective), then on rank 0 the summary: into the
-    metrics file and the closing line."""
+    metrics file and the closing line. A host run whose first step ``--profile`` recorded has
+    no allocator peak (None)."""
     on_host = device.torch_type == "cpu"
     # [allocator peak, process peak RSS]: torch's allocator statistics on an accelerator, the
     # profiled step on the host (where max_memory_allocated answers the resident set)
     peaks = torch.tensor(
-        [host_step_peak, device.accelerator.max_memory_allocated()]
+        [host_step_peak or 0, device.accelerator.max_memory_allocated()]
         if on_host
         else [device.accelerator.max_memory_allocated(), 0],
         dtype=torch.int64,
@@ -507,9 +519,14 @@ def _finish(args, device, run_metrics, host_step_peak: int, rank0: bool) -> None
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     if not rank0:
         return
-    run_metrics.peak_memory_bytes = int(peaks[0].item())
+    unmeasured = on_host and host_step_peak is None
+    run_metrics.peak_memory_bytes = None if unmeasured else int(peaks[0].item())
     run_metrics.peak_memory_source = (
-        host_peak.SOURCE if on_host else f"torch.{device.torch_type}.max_memory_allocated"
+        None
+        if unmeasured
+        else host_peak.SOURCE
+        if on_host
+        else f"torch.{device.torch_type}.max_memory_allocated"
     )
     run_metrics.peak_rss_bytes = int(peaks[1].item()) if on_host else None
     summary = run_metrics.summary()
@@ -519,6 +536,6 @@ def _finish(args, device, run_metrics, host_step_peak: int, rank0: bool) -> None
         f" done: {summary['steps']} steps | median {summary['median_step_time_s'] or 0:.3f} "
         f"s/step | {summary['tokens_per_s'] or 0:.0f} tokens/s | skipped "
         f"{summary['skipped_steps']} | {_throughput_note(summary)}peak allocated "
-        f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB{_rss_note(summary)}"
+        f"{_mib(summary['peak_memory_bytes'])}{_rss_note(summary)}"
         f"{' | metrics: ' + args.metrics_out if args.metrics_out else ''}"
     )

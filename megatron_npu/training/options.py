@@ -9,8 +9,8 @@ words. The result holds
 * ``args``: the checked namespace, derived values filled in (what a rank session reads);
 * the same options in sections, as the parser's help groups them: ``launch``, ``parallel``,
   ``model``, ``moe``, ``fusions``, ``attention``, ``precision``, ``run`` (batch, iterations,
-  seed, divergence stop), ``optimizer``, ``data``, ``checkpoint``, ``logging``
-  (``options.parallel.tensor_model_parallel_size``, ``options.optimizer.lr``);
+  seed, divergence stop), ``optimizer``, ``data``, ``checkpoint``, ``logging``, ``profiling``
+  (train only) (``options.parallel.tensor_model_parallel_size``, ``options.optimizer.lr``);
 * ``disabled``: the patches ``--disable-patch`` switches off (a switch of every command, read
   before train's parser);
 * :meth:`TrainOptions.argv`: the options as a command line that parses back to the same
@@ -43,6 +43,7 @@ SECTIONS = {
     "data": "data",
     "checkpoint": "checkpointing",
     "logging": "logging",
+    "profiling": "profiling",
 }
 
 
@@ -115,9 +116,10 @@ class TrainOptions:
     def section(self, name: str) -> SimpleNamespace:
         """The options of one section (module docstring), checked values."""
         title = SECTIONS[name]
-        group = next(
-            g for g in _parser(self.command)._action_groups if (g.title or "").startswith(title)
-        )
+        groups = _parser(self.command)._action_groups
+        group = next((g for g in groups if (g.title or "").startswith(title)), None)
+        if group is None:
+            raise AttributeError(f"{self.command} has no {name} options")
         return SimpleNamespace(
             **{a.dest: getattr(self.args, a.dest) for a in group._group_actions if a.dest}
         )

@@ -1,0 +1,154 @@
+"""Megatron-LM's ``--profile`` options in ``megatron-npu train``: the window of steps, the ranks,
+the files the torch profiler leaves, the capture range for Nsight Systems on cuda, and the
+options that would profile nothing."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_npu.devices.facts import CUDA, facts
+from megatron_npu.formats.metrics import MetricsFile
+from megatron_npu.formats.profile_summary import ProfileSummary
+from megatron_npu.training import arguments, profiling
+from megatron_npu.training.options import TrainOptions
+
+from ._runner import TINY, train
+
+TRACE_READ = "aten::_local_scalar_dense"
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """Two ranks, 4 steps, steps 2 and 3 profiled on rank 1 alone."""
+    tmp = tmp_path_factory.mktemp("profiled")
+    folder = tmp / "profile"
+    run = train(
+        tmp,
+        *TINY,
+        "--train-iters", "4",
+        "--profile", "--use-pytorch-profiler",
+        "--profile-step-start", "1", "--profile-step-end", "3",
+        "--profile-ranks", "1",
+        "--profile-dir", str(folder),
+        nproc=2,
+    )  # fmt: skip
+    return run, folder
+
+
+def test_the_profiled_rank_writes_a_trace_and_its_summary(profiled):
+    run, folder = profiled
+    assert sorted(p.name for p in folder.iterdir()) == ["summary-rank1.json", "trace-rank1.json"]
+    summary = ProfileSummary.read(folder / "summary-rank1.json")
+    assert (summary.rank, summary.steps, summary.device) == (1, [2, 3], "cpu")
+    assert summary.trace == "trace-rank1.json"
+    assert summary.device_busy_s_per_step is None and summary.device_kernels_per_step is None
+    assert summary.host_ops_per_step > 0 and summary.top and summary.wall_s_per_step > 0
+    assert " profile of steps [2, 3]: " in run.stdout
+
+
+def test_the_summary_counts_what_the_trace_holds(profiled):
+    """The device reads of the summary are the trace's ``_local_scalar_dense`` events per step."""
+    _, folder = profiled
+    trace = json.loads((folder / "trace-rank1.json").read_text())
+    reads = sum(1 for e in trace["traceEvents"] if e.get("name") == TRACE_READ)
+    summary = ProfileSummary.read(folder / "summary-rank1.json")
+    assert reads > 0
+    assert summary.device_reads_per_step == reads / 2
+
+
+def test_without_the_torch_profiler_off_cuda_one_line_and_the_torch_profiler(tmp_path):
+    """``--profile`` alone asks for Nsight's capture range; on cpu the torch profiler records the
+    window instead and one line says so. A window holding step 1 leaves the host run without an
+    allocator peak (its probe is a profiler too) and says so rather than report a figure."""
+    folder = tmp_path / "p"
+    run = train(
+        tmp_path,
+        *TINY,
+        "--train-iters", "2",
+        "--profile", "--profile-step-start", "0", "--profile-step-end", "1",
+        "--profile-dir", str(folder),
+    )  # fmt: skip
+    said = [line for line in run.stdout.splitlines() if "--use-pytorch-profiler" in line]
+    assert said == [
+        "megatron-npu: --profile without --use-pytorch-profiler asks for Nsight Systems' capture "
+        f"range, which is CUDA's; on cpu the torch profiler records steps 1..1 into {folder}"
+    ]
+    assert ProfileSummary.read(folder / "summary-rank0.json").steps == [1]
+    metrics = MetricsFile.read(run.metrics_path)
+    assert metrics.summary.peak_memory_bytes is None
+    assert "peak allocated not measured" in run.stdout
+
+
+class _CudaRuntime:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def cudaProfilerStart(self) -> None:  # noqa: N802 - CUDA's name
+        self.calls.append("start")
+
+    def cudaProfilerStop(self) -> None:  # noqa: N802
+        self.calls.append("stop")
+
+
+class _Nvtx:
+    def __init__(self, calls: list[str], **_: object) -> None:
+        self.calls = calls
+
+    def __enter__(self):
+        self.calls.append("nvtx on")
+
+    def __exit__(self, *exc):
+        self.calls.append("nvtx off")
+
+
+def test_on_cuda_without_the_torch_profiler_the_window_is_nsights_capture_range(monkeypatch):
+    """Megatron-LM's ``--profile`` on a GPU: ``cudaProfilerStart`` before step START+1 with NVTX
+    ranges on, ``cudaProfilerStop`` after step END; no torch profiler, no files."""
+    runtime = _CudaRuntime()
+    monkeypatch.setattr(profiling.torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(
+        profiling.torch.autograd.profiler, "emit_nvtx", lambda **kw: _Nvtx(runtime.calls, **kw)
+    )
+    args = SimpleNamespace(
+        profile=True,
+        use_pytorch_profiler=False,
+        profile_step_start=2,
+        profile_step_end=4,
+        profile_ranks=[0],
+        profile_dir="/nonexistent",
+    )
+    cuda = SimpleNamespace(name=CUDA, facts=facts(CUDA))
+    profiler = profiling.StepProfiler(args, cuda, 0)
+    seen = []
+    for step in range(1, 7):
+        profiler.starting(step)
+        seen.append((step, list(runtime.calls)))
+        profiler.finished(step, 0.1)
+    profiler.close()
+    assert seen[1] == (2, []) and seen[2] == (3, ["start", "nvtx on"])
+    assert runtime.calls == ["start", "nvtx on", "nvtx off", "stop"]
+    assert seen[4] == (5, ["start", "nvtx on", "nvtx off", "stop"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--profile-step-start", "3", "--profile-step-end", "3"], "must be greater than"),
+        (["--profile-step-start", "4", "--profile-step-end", "6"], "leaves no step"),
+    ],
+)
+def test_a_window_that_profiles_nothing_is_named(extra, message):
+    with pytest.raises(arguments.ArgumentError, match=message):
+        TrainOptions.parse([*TINY, "--train-iters", "4", "--profile", *extra])
+
+
+def test_a_profile_rank_outside_the_world_is_named():
+    options = TrainOptions.parse(
+        [*TINY, "--train-iters", "4", "--profile", "--profile-step-end", "2"]
+        + ["--profile-step-start", "0", "--profile-ranks", "0", "2"]
+    )
+    with pytest.raises(arguments.ArgumentError, match=r"--profile-ranks \[2\] are not ranks"):
+        arguments.finalize(options.args, 2)
