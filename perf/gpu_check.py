@@ -18,7 +18,13 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
   ``megatron-npu train`` with the same options held against the script's fp32 curve;
 * ``fairness.json``: the GPT-345M ``--use-flash-attn`` bf16 row's s/step against the same model
   written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager) with the row's own batch,
-  micro-batches and dropout; the target is a ratio of at most 1.25.
+  micro-batches and dropout; the target is a ratio of at most 1.25;
+* ``profile/``: where that row's step time goes beside its twin's (``train --profile
+  --use-pytorch-profiler`` and the same profiler around the twin): device busy time against wall
+  time, kernels, device reads, the ops that took the time.
+
+``--only PART...`` runs some parts (``fairness`` and ``breakdown`` read the ``compare`` part's
+folder), so the check fits commands of a few minutes each.
 
 Every part runs even when an earlier one failed; the exit status is 1 if any did (a run that did
 not finish, an attention case beyond its bound, a ratio above the target). Verdicts that fail are
@@ -298,15 +304,64 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     return not unfinished and bool(data.runs)
 
 
+def _fairness_argv(matrix_path: Path) -> list[str]:
+    """:data:`FAIRNESS_RUN`'s train options as the matrix at ``matrix_path`` gives them."""
+    from megatron_npu.compare.matrix import load, option_argv
+
+    spec = next(r for r in load(matrix_path).runs if r.name == FAIRNESS_RUN)
+    return option_argv(spec.options)
+
+
 def fairness_twin(matrix_path: Path, device: str):
     """The plain trainer of :data:`FAIRNESS_RUN` as the matrix at ``matrix_path`` gives it:
     the same model, micro-batches and dropout (``perf.plain_gpt.twin_of``)."""
     sys.path.insert(0, str(HERE.parent))
-    from megatron_npu.compare.matrix import load, option_argv
     from perf.plain_gpt import twin_of
 
-    spec = next(r for r in load(matrix_path).runs if r.name == FAIRNESS_RUN)
-    return twin_of(option_argv(spec.options), device=device)
+    return twin_of(_fairness_argv(matrix_path), device=device)
+
+
+#: the steps ``breakdown`` profiles (after six warm-up steps, as train counts them)
+PROFILED = (7, 8)
+
+
+def breakdown(out: Path, matrix_path: Path | None = None, device: str = CUDA) -> bool:
+    """Where :data:`FAIRNESS_RUN`'s step time goes, beside its plain twin's: ``megatron-npu
+    train --profile --use-pytorch-profiler`` of steps 7-8 of the row (``profile/train/``: the
+    Chrome trace and ``summary-rank0.json``) and the twin's steps 7-8 under the same profiler
+    (``profile/plain-summary.json``). A device busy for less of the wall time than the twin's
+    points at host work (launches, reads that wait for the device); the summaries' kernels at
+    the device's. Ok when both summaries were written."""
+    from megatron_npu.devices.facts import facts
+    from megatron_npu.training import profiling
+
+    matrix_path = matrix_path or out / "compare" / "matrix.toml"
+    folder = out / "profile"
+    window = ["--profile-step-start", str(PROFILED[0] - 1), "--profile-step-end", str(PROFILED[-1])]
+    command = [
+        sys.executable, "-m", "megatron_npu.cli", "train", *_fairness_argv(matrix_path),
+        "--device", device, "--train-iters", str(PROFILED[-1]), "--progress", "none",
+        "--profile", "--use-pytorch-profiler", *window, "--profile-dir", str(folder / "train"),
+    ]  # fmt: skip
+    with open(out / "profile.log", "w") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    trainer = fairness_twin(matrix_path, device)
+    sync = torch.cuda.synchronize if device == CUDA else lambda: None
+    for _ in range(PROFILED[0] - 1):
+        trainer.step()
+    wall = []
+    with profiling.recorder(facts(device)) as prof:
+        for _ in PROFILED:
+            sync()
+            start = time.perf_counter()
+            trainer.step()
+            sync()
+            wall.append(time.perf_counter() - start)
+    plain = profiling.summarize(
+        prof, what="plain PyTorch twin", device=device, steps=PROFILED, wall_s=wall
+    )
+    plain.write(folder / "plain-summary.json")
+    return (folder / "train" / "summary-rank0.json").is_file()
 
 
 def fairness(out: Path) -> bool:
@@ -339,6 +394,10 @@ def fairness(out: Path) -> bool:
     return ours / plain <= FAIRNESS_TARGET
 
 
+#: the check's parts, in the order they run
+PARTS = ("machine", "attention", "compare", "fairness", "breakdown")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -348,18 +407,27 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a Megatron-LM checkout (its pretrain_gpt.py is run on cuda)",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="run these parts alone (fairness and breakdown read the compare part's folder)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; nothing to check", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name, part in (
-        ("machine", lambda: machine(args.out) or True),
-        ("attention", lambda: attention(args.out)),
-        ("compare", lambda: compare(args.out, args.megatron_lm)),
-        ("fairness", lambda: fairness(args.out)),
-    ):
+    parts = {
+        "machine": lambda: machine(args.out) or True,
+        "attention": lambda: attention(args.out),
+        "compare": lambda: compare(args.out, args.megatron_lm),
+        "fairness": lambda: fairness(args.out),
+        "breakdown": lambda: breakdown(args.out),
+    }
+    for name, part in ((n, parts[n]) for n in PARTS if n in args.only):
         start = time.perf_counter()
         try:
             ok = part()

@@ -94,3 +94,23 @@ def test_flash_attention_applies_on_cuda():
     ``megatron-npu train`` refuses the option on cuda)."""
     entry = get_patch("attention.dot-product")
     assert plan_status(entry, CUDA, megatron_core_version()) == ("", "")
+
+
+def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path):
+    """The breakdown part on this host with a small row of the fairness run's name: train's
+    profiled steps and the twin's, the same steps under the same profiler, each summary typed."""
+    from megatron_npu.formats.profile_summary import ProfileSummary
+
+    path = tmp_path / "matrix.toml"
+    path.write_text(
+        f'[[run]]\nname = "{gpu_check.FAIRNESS_RUN}"\ndevice = "cpu"\noptions = {{ '
+        "num-layers = 2, hidden-size = 64, num-attention-heads = 4, seq-length = 32, "
+        "micro-batch-size = 2, global-batch-size = 4, train-iters = 12, lr = 1e-4, "
+        "mock-data = true, vocab-size = 200 }\n"
+    )
+    assert gpu_check.breakdown(tmp_path, path, device="cpu"), (tmp_path / "profile.log").read_text()
+    train = ProfileSummary.read(tmp_path / "profile" / "train" / "summary-rank0.json")
+    plain = ProfileSummary.read(tmp_path / "profile" / "plain-summary.json")
+    assert train.steps == plain.steps == list(gpu_check.PROFILED)
+    assert (train.what, plain.what) == ("megatron-npu train", "plain PyTorch twin")
+    assert train.device == plain.device == "cpu"
