@@ -58,7 +58,8 @@ class ProfileSummary(Document):
     )
     device_reads_per_step: NonNegativeFloat = Field(
         description="reads of a tensor's value to the host per step (aten::_local_scalar_dense: "
-        ".item(), float(), bool() of a tensor): on a device each waits for its queue to drain"
+        ".item(), float(), bool() of a tensor), host tensors' included: a read of a device "
+        "tensor waits for the device's queue to drain"
     )
     top: list[ProfiledOp] = Field(
         description="the ops that took the most time (device time where recorded, else host "
