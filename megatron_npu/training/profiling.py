@@ -126,7 +126,8 @@ class StepProfiler:
         self._seen: list[int] = []
 
     def starting(self, step: int) -> None:
-        if not self.steps or step != self.steps[0]:
+        """Open the window at its first step this run trains (a resumed run may start inside)."""
+        if step not in self.steps or self._seen or self._prof is not None or self._nvtx:
             return
         if self.nsys:
             torch.cuda.cudart().cudaProfilerStart()
@@ -145,7 +146,15 @@ class StepProfiler:
             self.close()
 
     def close(self) -> None:
-        """Stop the window (also when the run ends inside it) and write what it recorded."""
+        """Stop the window (also when the run ends inside it) and write what it recorded; say
+        so when the run trained none of its steps (it resumed past them, or stopped before)."""
+        if self.steps and not self._seen and self._prof is None and self._nvtx is None:
+            console.warn(
+                f"megatron-npu: --profile: this run trained none of steps "
+                f"{self.steps[0]}..{self.steps[-1]}; nothing was profiled"
+            )
+            self.steps = range(0)
+            return
         if self._nvtx is not None:
             self._nvtx.__exit__(None, None, None)
             self._nvtx = None

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_npu.devices.facts import CUDA, facts
 from megatron_npu.formats.metrics import MetricsFile
@@ -152,3 +153,37 @@ def test_a_profile_rank_outside_the_world_is_named():
     )
     with pytest.raises(arguments.ArgumentError, match=r"--profile-ranks \[2\] are not ranks"):
         arguments.finalize(options.args, 2)
+
+
+def _cpu_profiler(tmp_path, start: int, end: int) -> profiling.StepProfiler:
+    args = SimpleNamespace(
+        profile=True,
+        use_pytorch_profiler=True,
+        profile_step_start=start,
+        profile_step_end=end,
+        profile_ranks=[0],
+        profile_dir=str(tmp_path / "p"),
+    )
+    return profiling.StepProfiler(args, SimpleNamespace(name="cpu", facts=facts("cpu")), 0)
+
+
+def _drive(profiler: profiling.StepProfiler, steps) -> None:
+    for step in steps:
+        profiler.starting(step)
+        torch.ones(8).sum().item()
+        profiler.finished(step, 0.01)
+    profiler.close()
+
+
+def test_a_run_resumed_inside_the_window_profiles_the_rest(tmp_path):
+    _drive(_cpu_profiler(tmp_path, 10, 12), range(12, 15))
+    summary = ProfileSummary.read(tmp_path / "p" / "summary-rank0.json")
+    assert summary.steps == [12] and summary.device_reads_per_step == 1
+
+
+def test_a_run_that_trains_none_of_the_window_says_so(tmp_path, capsys):
+    _drive(_cpu_profiler(tmp_path, 10, 12), range(13, 15))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megatron-npu: --profile: this run trained none of steps 11..12; nothing was profiled"
+    ]
+    assert not (tmp_path / "p").exists()
