@@ -141,19 +141,24 @@ class PlainTrainer:
 def twin_of(argv: Sequence[str], device: str = "cpu") -> PlainTrainer:
     """The plain trainer of the model, batch and dropout a ``megatron-npu train`` command line
     gives (train's own parser and defaults; the vocabulary padded as train pads it). A model this
-    file does not write (another norm, position embedding or MLP, GQA, untied output, no biases)
-    is a ``ValueError`` naming the option."""
+    file does not write (another norm, position embedding or MLP, GQA, other head widths, a
+    longer position table, experts, untied output, no biases) is a ``ValueError`` naming the
+    option."""
     from megatron_npu.training import model, preflight
     from megatron_npu.training.options import TrainOptions
 
     options = TrainOptions.parse(argv)
     args = options.args
+    head_width = args.hidden_size // args.num_attention_heads
     unlike = {
         "--normalization": args.normalization != "LayerNorm",
         "--position-embedding-type": args.position_embedding_type != "learned_absolute",
         "--swiglu": args.swiglu,
         "--ffn-hidden-size": args.ffn_hidden_size != 4 * args.hidden_size,
         "--group-query-attention": args.num_query_groups != args.num_attention_heads,
+        "--kv-channels": args.kv_channels not in (None, head_width),
+        "--max-position-embeddings": args.max_position_embeddings != args.seq_length,
+        "--num-experts": args.num_experts is not None,
         "--untie-embeddings-and-output-weights": args.untie_embeddings_and_output_weights,
         "--disable-bias-linear": args.disable_bias_linear,
         "--tensor/pipeline/context-model-parallel-size": options.world_size != 1,

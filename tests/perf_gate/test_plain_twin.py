@@ -109,6 +109,9 @@ def test_dropout_reaches_the_step():
         (["--group-query-attention", "--num-query-groups", "2"], "--group-query-attention"),
         (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights"),
         (["--disable-bias-linear"], "--disable-bias-linear"),
+        (["--kv-channels", "8"], "--kv-channels"),
+        (["--max-position-embeddings", "64"], "--max-position-embeddings"),
+        (["--num-experts", "2", "--no-bias-gelu-fusion"], "--num-experts"),
     ],
 )
 def test_a_model_it_does_not_write_is_named(extra, named):
