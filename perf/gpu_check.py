@@ -23,8 +23,9 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
   --use-pytorch-profiler`` and the same profiler around the twin): device busy time against wall
   time, kernels, device reads, the ops that took the time.
 
-``--only PART...`` runs some parts (``fairness`` and ``breakdown`` read the ``compare`` part's
-folder), so the check fits commands of a few minutes each.
+``--only PART...`` runs some parts, so the check fits commands of a few minutes each:
+``fairness`` takes the row's s/step from the ``compare`` part's results when that part ran it,
+else runs the row alone (``fairness-run/``) and measures it by compare's own statistic.
 
 Every part runs even when an earlier one failed; the exit status is 1 if any did (a run that did
 not finish, an attention case beyond its bound, a ratio above the target). Verdicts that fail are
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -304,6 +306,12 @@ def compare(out: Path, megatron_lm: Path | None) -> bool:
     return not unfinished and bool(data.runs)
 
 
+def _matrix_of(out: Path) -> Path:
+    """The matrix the compare part ran (``compare/matrix.toml``), else the check's own."""
+    ran = out / "compare" / "matrix.toml"
+    return ran if ran.is_file() else MATRIX
+
+
 def _fairness_argv(matrix_path: Path) -> list[str]:
     """:data:`FAIRNESS_RUN`'s train options as the matrix at ``matrix_path`` gives them."""
     from megatron_npu.compare.matrix import load, option_argv
@@ -321,6 +329,71 @@ def fairness_twin(matrix_path: Path, device: str):
     return twin_of(_fairness_argv(matrix_path), device=device)
 
 
+def _train_row(out: Path, matrix_path: Path, device: str, name: str, *extra: str) -> Path:
+    """Run :data:`FAIRNESS_RUN`'s options through ``megatron-npu train`` on ``device`` (its output
+    in ``<name>.log``); returns where its metrics go."""
+    metrics = out / name / "metrics.json"
+    command = [
+        sys.executable, "-m", "megatron_npu.cli", "train", *_fairness_argv(matrix_path),
+        "--device", device, "--progress", "none", "--metrics-out", str(metrics), *extra,
+    ]  # fmt: skip
+    with open(out / f"{name}.log", "w") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return metrics
+
+
+def _row_speed(out: Path, matrix_path: Path, device: str) -> tuple[float, list[float], str]:
+    """The row's median s/step and its 95 % interval: from the compare part's results when it
+    ran the row, else from a run of the row alone, by compare's own statistic."""
+    from megatron_npu.compare import rules
+    from megatron_npu.compare.matrix import Settings
+    from megatron_npu.formats.metrics import MetricsFile
+
+    results = out / "compare" / "results.json"
+    run = CompareResults.read(results).run(FAIRNESS_RUN) if results.is_file() else None
+    if run is not None and run.perf:
+        return run.perf.median_s_per_step, list(run.perf.ci95_s_per_step), "compare"
+    metrics = MetricsFile.read(_train_row(out, matrix_path, device, "fairness-run"))
+    warmup = Settings.__dataclass_fields__["warmup_steps"].default
+    stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], warmup)
+    return stats.median, list(stats.ci95), "a run of the row alone (fairness-run/)"
+
+
+def _timed_steps(trainer, count: int, device: str) -> list[float]:
+    """Wall time of ``count`` steps of ``trainer``, the device synchronised at both ends."""
+    sync = torch.cuda.synchronize if device == CUDA else lambda: None
+    times = []
+    for _ in range(count):
+        sync()
+        start = time.perf_counter()
+        trainer.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def fairness(out: Path, matrix_path: Path | None = None, device: str = CUDA) -> bool:
+    """:data:`FAIRNESS_RUN`'s s/step against its plain twin's (median of 10 steps after 3)."""
+    matrix_path = matrix_path or _matrix_of(out)
+    ours, ci95, source = _row_speed(out, matrix_path, device)
+    trainer = fairness_twin(matrix_path, device)
+    plain = statistics.median(_timed_steps(trainer, 13, device)[3:])
+    record = {
+        "megatron_npu_s_per_step": ours,
+        "megatron_npu_ci95": ci95,
+        "megatron_npu_source": source,
+        "plain_torch_eager_s_per_step": plain,
+        "ratio": ours / plain,
+        "target": FAIRNESS_TARGET,
+        "device": device,
+        "shape": trainer.shape.__dict__,
+        "micro_batches": trainer.micro_batches,
+        "dtype": str(trainer.dtype),
+    }
+    (out / "fairness.json").write_text(json.dumps(record, indent=1) + "\n")
+    return ours / plain <= FAIRNESS_TARGET
+
+
 #: the steps ``breakdown`` profiles (after six warm-up steps, as train counts them)
 PROFILED = (7, 8)
 
@@ -335,63 +408,23 @@ def breakdown(out: Path, matrix_path: Path | None = None, device: str = CUDA) ->
     from megatron_npu.devices.facts import facts
     from megatron_npu.training import profiling
 
-    matrix_path = matrix_path or out / "compare" / "matrix.toml"
+    matrix_path = matrix_path or _matrix_of(out)
     folder = out / "profile"
-    window = ["--profile-step-start", str(PROFILED[0] - 1), "--profile-step-end", str(PROFILED[-1])]
-    command = [
-        sys.executable, "-m", "megatron_npu.cli", "train", *_fairness_argv(matrix_path),
-        "--device", device, "--train-iters", str(PROFILED[-1]), "--progress", "none",
-        "--profile", "--use-pytorch-profiler", *window, "--profile-dir", str(folder / "train"),
-    ]  # fmt: skip
-    with open(out / "profile.log", "w") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    _train_row(
+        out, matrix_path, device, "profile-run",
+        "--train-iters", str(PROFILED[-1]), "--profile", "--use-pytorch-profiler",
+        "--profile-step-start", str(PROFILED[0] - 1), "--profile-step-end", str(PROFILED[-1]),
+        "--profile-dir", str(folder / "train"),
+    )  # fmt: skip
     trainer = fairness_twin(matrix_path, device)
-    sync = torch.cuda.synchronize if device == CUDA else lambda: None
-    for _ in range(PROFILED[0] - 1):
-        trainer.step()
-    wall = []
+    _timed_steps(trainer, PROFILED[0] - 1, device)
     with profiling.recorder(facts(device)) as prof:
-        for _ in PROFILED:
-            sync()
-            start = time.perf_counter()
-            trainer.step()
-            sync()
-            wall.append(time.perf_counter() - start)
+        wall = _timed_steps(trainer, len(PROFILED), device)
     plain = profiling.summarize(
         prof, what="plain PyTorch twin", device=device, steps=PROFILED, wall_s=wall
     )
     plain.write(folder / "plain-summary.json")
     return (folder / "train" / "summary-rank0.json").is_file()
-
-
-def fairness(out: Path) -> bool:
-    run = CompareResults.read(out / "compare" / "results.json").run(FAIRNESS_RUN)
-    if run is None or not run.perf:
-        (out / "fairness.json").write_text(json.dumps({"error": f"no {FAIRNESS_RUN} run"}) + "\n")
-        return False
-    trainer = fairness_twin(out / "compare" / "matrix.toml", CUDA)
-    times = []
-    for i in range(13):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        trainer.step()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    plain = sorted(times)[len(times) // 2]
-    ours = run.perf.median_s_per_step
-    record = {
-        "megatron_npu_s_per_step": ours,
-        "megatron_npu_ci95": run.perf.ci95_s_per_step,
-        "plain_torch_eager_s_per_step": plain,
-        "ratio": ours / plain,
-        "target": FAIRNESS_TARGET,
-        "shape": trainer.shape.__dict__,
-        "micro_batches": trainer.micro_batches,
-        "dtype": str(trainer.dtype),
-    }
-    (out / "fairness.json").write_text(json.dumps(record, indent=1) + "\n")
-    return ours / plain <= FAIRNESS_TARGET
 
 
 #: the check's parts, in the order they run
@@ -412,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=PARTS,
         default=list(PARTS),
-        help="run these parts alone (fairness and breakdown read the compare part's folder)",
+        help="run these parts alone (fairness reads the compare part's run of its row when there "
+        "is one, else runs the row itself)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -96,11 +96,9 @@ def test_flash_attention_applies_on_cuda():
     assert plan_status(entry, CUDA, megatron_core_version()) == ("", "")
 
 
-def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path):
-    """The breakdown part on this host with a small row of the fairness run's name: train's
-    profiled steps and the twin's, the same steps under the same profiler, each summary typed."""
-    from megatron_npu.formats.profile_summary import ProfileSummary
-
+@pytest.fixture
+def small_fairness_row(tmp_path) -> Path:
+    """A matrix whose fairness row is a small model on this host."""
     path = tmp_path / "matrix.toml"
     path.write_text(
         f'[[run]]\nname = "{gpu_check.FAIRNESS_RUN}"\ndevice = "cpu"\noptions = {{ '
@@ -108,9 +106,40 @@ def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path):
         "micro-batch-size = 2, global-batch-size = 4, train-iters = 12, lr = 1e-4, "
         "mock-data = true, vocab-size = 200 }\n"
     )
-    assert gpu_check.breakdown(tmp_path, path, device="cpu"), (tmp_path / "profile.log").read_text()
-    train = ProfileSummary.read(tmp_path / "profile" / "train" / "summary-rank0.json")
-    plain = ProfileSummary.read(tmp_path / "profile" / "plain-summary.json")
+    return path
+
+
+def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path, small_fairness_row):
+    """The breakdown part on this host: train's profiled steps and the twin's, the same steps
+    under the same profiler, each summary typed."""
+    from megatron_npu.formats.profile_summary import ProfileSummary
+
+    out = tmp_path / "out"
+    out.mkdir()
+    ok = gpu_check.breakdown(out, small_fairness_row, device="cpu")
+    assert ok, (out / "profile-run.log").read_text()
+    train = ProfileSummary.read(out / "profile" / "train" / "summary-rank0.json")
+    plain = ProfileSummary.read(out / "profile" / "plain-summary.json")
     assert train.steps == plain.steps == list(gpu_check.PROFILED)
     assert (train.what, plain.what) == ("megatron-npu train", "plain PyTorch twin")
     assert train.device == plain.device == "cpu"
+
+
+def test_fairness_without_the_compare_part_runs_the_row_itself(tmp_path, small_fairness_row):
+    """No compare results: the row runs alone and is measured by compare's statistic (its
+    median after the warm-up steps), against the twin of the same row."""
+    import json
+
+    from megatron_npu.compare import rules
+    from megatron_npu.formats.metrics import MetricsFile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    gpu_check.fairness(out, small_fairness_row, device="cpu")
+    record = json.loads((out / "fairness.json").read_text())
+    metrics = MetricsFile.read(out / "fairness-run" / "metrics.json")
+    stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], 2)
+    assert record["megatron_npu_source"] == "a run of the row alone (fairness-run/)"
+    assert record["megatron_npu_s_per_step"] == stats.median
+    assert record["ratio"] == stats.median / record["plain_torch_eager_s_per_step"]
+    assert (record["micro_batches"], record["shape"]["micro_batch_size"]) == (2, 2)
