@@ -3,9 +3,9 @@
 rank's Chrome trace), and the same figures of any step profiled the same way (the GPU check's
 plain PyTorch twin).
 
-It answers where a slow step's time goes: the device busy for only part of the wall time points
-at the host (launches, device reads that make the host wait); a few kernels holding most of the
-device time point at them.
+It answers where a slow step's time goes: kernel time well below the wall time points at the
+host (launches, device reads that make the host wait); a few kernels holding most of the kernel
+time point at them.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class ProfileSummary(Document):
         description="median wall time of a profiled step, device synchronised at both ends "
         "(the profiler's own cost included)"
     )
-    device_busy_s_per_step: NonNegativeFloat | None = Field(
-        description="device kernel time per step (summed self device time); null where the "
-        "profiler records no device activity (cpu)"
+    device_kernel_s_per_step: NonNegativeFloat | None = Field(
+        description="device kernel time per step, summed over the kernels (kernels of streams "
+        "that overlap add up; the profiler's user-annotation ranges are left out); null where "
+        "the profiler records no device activity (cpu)"
     )
     device_kernels_per_step: NonNegativeFloat | None = Field(
         description="device kernels per step; null where none are recorded (cpu)"

@@ -520,7 +520,9 @@ def add_arguments(
         g.add_argument(
             "--profile",
             action="store_true",
-            help="profile steps START+1..END on the --profile-ranks (see --use-pytorch-profiler)",
+            help="profile a window of steps on the --profile-ranks, as Megatron-LM does: "
+            "START+1..END (Nsight's capture range), or START..END-1 with "
+            "--use-pytorch-profiler (from step 1)",
         )
         g.add_argument(
             "--use-pytorch-profiler",
@@ -738,19 +740,29 @@ def check(args: argparse.Namespace) -> None:
     check_fused_attention(args)
 
 
+def profile_window(args: argparse.Namespace) -> range:
+    """The steps (from 1) ``--profile`` records, as Megatron-LM's loop does. Its torch profiler
+    (``--use-pytorch-profiler``: schedule wait START-1, warm-up 1, active END-START, stepped at
+    the top of each iteration) records steps max(START, 1)..END-1; Nsight's capture range
+    (started once START iterations are done, stopped once END are) records START+1..END."""
+    start, end = args.profile_step_start, args.profile_step_end
+    return range(max(start, 1), end) if args.use_pytorch_profiler else range(start + 1, end + 1)
+
+
 def _check_profile_window(args: argparse.Namespace) -> None:
-    """``--profile`` must cover at least one step the run trains."""
+    """``--profile`` must record at least one step the run trains."""
     start, end = args.profile_step_start, args.profile_step_end
     if end <= start:
         raise ArgumentError(
-            f"--profile-step-end {end} must be greater than --profile-step-start {start} "
-            "(steps START+1..END are profiled)"
+            f"--profile-step-end {end} must be greater than --profile-step-start {start}"
         )
-    if start >= args.train_iters:
+    window = profile_window(args)
+    if not window or window[0] > args.train_iters:
+        what = f"steps {window[0]}..{window[-1]}" if window else "no step"
         raise ArgumentError(
-            f"--profile-step-start {start} leaves no step of --train-iters {args.train_iters} "
-            "to profile (steps START+1..END are profiled)",
-            f"lower --profile-step-start below {args.train_iters}",
+            f"--profile-step-start {start} --profile-step-end {end} records {what}, none of "
+            f"--train-iters {args.train_iters}",
+            "choose a window inside the run (see --profile's help)",
         )
 
 

@@ -504,22 +504,24 @@ def _mib(nbytes: int | None) -> str:
 
 def _finish(args, device, run_metrics, host_step_peak: int | None, rank0: bool) -> None:
     """The run's peak memory over every rank (collective), then on rank 0 the summary: into the
-    metrics file and the closing line. A host run whose first step ``--profile`` recorded has
-    no allocator peak (None)."""
+    metrics file and the closing line. A host run where ``--profile`` recorded the first step
+    of any rank has no allocator peak (None): the largest over the ranks is not known."""
     on_host = device.torch_type == "cpu"
-    # [allocator peak, process peak RSS]: torch's allocator statistics on an accelerator, the
-    # profiled step on the host (where max_memory_allocated answers the resident set)
+    # [allocator peak, process peak RSS, 1 where this rank could not measure]: torch's allocator
+    # statistics on an accelerator, the profiled step on the host (where max_memory_allocated
+    # answers the resident set)
+    unmeasured_here = int(on_host and host_step_peak is None)
     peaks = torch.tensor(
-        [host_step_peak or 0, device.accelerator.max_memory_allocated()]
+        [host_step_peak or 0, device.accelerator.max_memory_allocated(), unmeasured_here]
         if on_host
-        else [device.accelerator.max_memory_allocated(), 0],
+        else [device.accelerator.max_memory_allocated(), 0, 0],
         dtype=torch.int64,
         device=devices.current_torch_device(),
     )
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     if not rank0:
         return
-    unmeasured = on_host and host_step_peak is None
+    unmeasured = bool(peaks[2].item())
     run_metrics.peak_memory_bytes = None if unmeasured else int(peaks[0].item())
     run_metrics.peak_memory_source = (
         None

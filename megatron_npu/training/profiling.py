@@ -1,23 +1,25 @@
 """Megatron-LM's ``--profile``: a window of training steps profiled on the ranks
 ``--profile-ranks`` names.
 
-The window is Megatron-LM's: the iterations that start after ``--profile-step-start`` completed
-ones up to ``--profile-step-end`` (steps ``start + 1 .. end`` as train counts them, from 1;
-defaults 10 and 12, so steps 11 and 12).
+The window is Megatron-LM's (:func:`~megatron_npu.training.arguments.profile_window`; defaults
+10 and 12): steps START..END-1 (counted from 1, from step 1 at the earliest) with its torch
+profiler, START+1..END with Nsight's capture range.
 
 * ``--use-pytorch-profiler`` (any device): the torch profiler records the window, host and device
   activity, with shapes. Each profiling rank writes ``trace-rank<R>.json`` (Chrome trace format:
   Perfetto, ``chrome://tracing``) and ``summary-rank<R>.json``
-  (:class:`~megatron_npu.formats.profile_summary.ProfileSummary`: the device's busy time against
-  the wall time, kernels, host ops, device reads and the ops that took the time) into
+  (:class:`~megatron_npu.formats.profile_summary.ProfileSummary`: the device's kernel time
+  against the wall time, kernels, host ops, device reads and the ops that took the time) into
   ``--profile-dir``.
 * without it, on ``cuda``: Megatron-LM's capture range for Nsight Systems
   (``cudaProfilerStart``/``Stop`` around the window, NVTX ranges per op), run under
   ``nsys profile --capture-range=cudaProfilerApi``; nothing is written here.
-* without it, elsewhere: the capture range is CUDA's, so the torch profiler records the window,
-  as with ``--use-pytorch-profiler``, and one line says so.
+* without it, elsewhere: the capture range is CUDA's, so the torch profiler records its window
+  (START+1..END), as with ``--use-pytorch-profiler``, and one line says so.
 
-The profiled steps run slower (the profiler's own cost); their times stay in the step records.
+The profiler starts with the window's first step (Megatron-LM's schedule runs it one warm-up
+step earlier); the profiled steps run slower by the profiler's own cost, and their times stay in
+the step records.
 """
 
 from __future__ import annotations
@@ -35,16 +37,12 @@ from megatron_npu import console
 from megatron_npu.devices.facts import DeviceFacts
 from megatron_npu.files import make_dir
 from megatron_npu.formats.profile_summary import SCHEMA, ProfiledOp, ProfileSummary
+from megatron_npu.training.arguments import profile_window
 
 #: the op a read of a tensor's value to the host runs (``.item()``, ``float()``, ``bool()``)
 DEVICE_READ = "aten::_local_scalar_dense"
 #: how many ops a summary lists
 TOP = 25
-
-
-def window(args: Any) -> range:
-    """The steps ``--profile`` covers (1-based)."""
-    return range(args.profile_step_start + 1, args.profile_step_end + 1)
 
 
 def recorder(device: DeviceFacts) -> torch.profiler.profile:
@@ -70,7 +68,13 @@ def summarize(
     """The figures of ``prof``, which recorded ``steps`` taking ``wall_s`` seconds each."""
     n = max(len(steps), 1)
     averages = prof.key_averages()
-    on_device = [a for a in averages if a.device_type != torch.autograd.DeviceType.CPU]
+    # kernels only: a record_function range also shows on the device's timeline (a "user
+    # annotation" spanning the kernels under it), which summed with them would count them twice
+    on_device = [
+        a
+        for a in averages
+        if a.device_type != torch.autograd.DeviceType.CPU and not a.is_user_annotation
+    ]
     on_host = [a for a in averages if a.device_type == torch.autograd.DeviceType.CPU]
     counts = Counter({a.key: a.count for a in on_host})
     ranked = (
@@ -86,7 +90,7 @@ def summarize(
         rank=rank,
         steps=list(steps),
         wall_s_per_step=statistics.median(wall_s) if wall_s else 0.0,
-        device_busy_s_per_step=(
+        device_kernel_s_per_step=(
             sum(a.self_device_time_total for a in on_device) / 1e6 / n if on_device else None
         ),
         device_kernels_per_step=sum(a.count for a in on_device) / n if on_device else None,
@@ -110,7 +114,8 @@ class StepProfiler:
     :meth:`finished` after it, :meth:`close` when the loop ends (module docstring)."""
 
     def __init__(self, args: Any, device: Any, rank: int) -> None:
-        self.steps = window(args) if args.profile and rank in args.profile_ranks else range(0)
+        profiled = args.profile and rank in args.profile_ranks
+        self.steps = profile_window(args) if profiled else range(0)
         self.rank, self.device = rank, device
         self.folder = Path(args.profile_dir)
         self.nsys = device.facts.cuda_profiler_api and not args.use_pytorch_profiler
