@@ -20,7 +20,7 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
   written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager) with the row's own batch,
   micro-batches and dropout; the target is a ratio of at most 1.25;
 * ``profile/``: where that row's step time goes beside its twin's (``train --profile
-  --use-pytorch-profiler`` and the same profiler around the twin): device busy time against wall
+  --use-pytorch-profiler`` and the same profiler around the twin): kernel time against wall
   time, kernels, device reads, the ops that took the time.
 
 ``--only PART...`` runs some parts, so the check fits commands of a few minutes each:
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -312,41 +313,51 @@ def _matrix_of(out: Path) -> Path:
     return ran if ran.is_file() else MATRIX
 
 
-def _fairness_argv(matrix_path: Path) -> list[str]:
-    """:data:`FAIRNESS_RUN`'s train options as the matrix at ``matrix_path`` gives them."""
-    from megatron_npu.compare.matrix import load, option_argv
+def _fairness_row(matrix_path: Path):
+    """The matrix at ``matrix_path`` (compare's reader) and its :data:`FAIRNESS_RUN` row."""
+    from megatron_npu.compare.matrix import load
 
-    spec = next(r for r in load(matrix_path).runs if r.name == FAIRNESS_RUN)
-    return option_argv(spec.options)
+    matrix = load(matrix_path)
+    for spec in matrix.runs:
+        if spec.name == FAIRNESS_RUN:
+            return matrix, spec
+    raise ValueError(f"{matrix_path} has no run named {FAIRNESS_RUN!r}")
 
 
 def fairness_twin(matrix_path: Path, device: str):
     """The plain trainer of :data:`FAIRNESS_RUN` as the matrix at ``matrix_path`` gives it:
     the same model, micro-batches and dropout (``perf.plain_gpt.twin_of``)."""
+    from megatron_npu.compare.matrix import option_argv
+
     sys.path.insert(0, str(HERE.parent))
     from perf.plain_gpt import twin_of
 
-    return twin_of(_fairness_argv(matrix_path), device=device)
+    return twin_of(option_argv(_fairness_row(matrix_path)[1].options), device=device)
 
 
 def _train_row(out: Path, matrix_path: Path, device: str, name: str, *extra: str) -> Path:
-    """Run :data:`FAIRNESS_RUN`'s options through ``megatron-npu train`` on ``device`` (its output
-    in ``<name>.log``); returns where its metrics go."""
-    metrics = out / name / "metrics.json"
-    command = [
-        sys.executable, "-m", "megatron_npu.cli", "train", *_fairness_argv(matrix_path),
-        "--device", device, "--progress", "none", "--metrics-out", str(metrics), *extra,
-    ]  # fmt: skip
-    with open(out / f"{name}.log", "w") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    return metrics
+    """Run :data:`FAIRNESS_RUN` as compare runs a train row (its command, environment and
+    timeout), into ``<name>/`` with its output in ``<name>.log``; returns its metrics file. A
+    run that fails raises, naming the log."""
+    from megatron_npu.compare.runner import stream, train_command
+
+    matrix, spec = _fairness_row(matrix_path)
+    folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)  # never read an earlier run's files
+    folder.mkdir(parents=True)
+    command = [*train_command(spec, device, folder, folder, checkpoint=False), *extra]
+    log = out / f"{name}.log"
+    code, _, _ = stream(command, log, matrix.settings.timeout_s)
+    if code != 0:
+        raise RuntimeError(f"{FAIRNESS_RUN} on {device} ended with exit {code}: see {log}")
+    return folder / "metrics.json"
 
 
 def _row_speed(out: Path, matrix_path: Path, device: str) -> tuple[float, list[float], str]:
     """The row's median s/step and its 95 % interval: from the compare part's results when it
-    ran the row, else from a run of the row alone, by compare's own statistic."""
+    ran the row, else from a run of the row alone, by compare's own statistic and the matrix's
+    warm-up steps."""
     from megatron_npu.compare import rules
-    from megatron_npu.compare.matrix import Settings
     from megatron_npu.formats.metrics import MetricsFile
 
     results = out / "compare" / "results.json"
@@ -354,7 +365,7 @@ def _row_speed(out: Path, matrix_path: Path, device: str) -> tuple[float, list[f
     if run is not None and run.perf:
         return run.perf.median_s_per_step, list(run.perf.ci95_s_per_step), "compare"
     metrics = MetricsFile.read(_train_row(out, matrix_path, device, "fairness-run"))
-    warmup = Settings.__dataclass_fields__["warmup_steps"].default
+    warmup = _fairness_row(matrix_path)[0].settings.warmup_steps
     stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], warmup)
     return stats.median, list(stats.ci95), "a run of the row alone (fairness-run/)"
 
@@ -394,7 +405,8 @@ def fairness(out: Path, matrix_path: Path | None = None, device: str = CUDA) -> 
     return ours / plain <= FAIRNESS_TARGET
 
 
-#: the steps ``breakdown`` profiles (after six warm-up steps, as train counts them)
+#: the steps ``breakdown`` profiles (after six warm-up steps, as train counts them; with the torch
+#: profiler ``--profile-step-start 7 --profile-step-end 9`` records them, as in Megatron-LM)
 PROFILED = (7, 8)
 
 
@@ -402,7 +414,7 @@ def breakdown(out: Path, matrix_path: Path | None = None, device: str = CUDA) ->
     """Where :data:`FAIRNESS_RUN`'s step time goes, beside its plain twin's: ``megatron-npu
     train --profile --use-pytorch-profiler`` of steps 7-8 of the row (``profile/train/``: the
     Chrome trace and ``summary-rank0.json``) and the twin's steps 7-8 under the same profiler
-    (``profile/plain-summary.json``). A device busy for less of the wall time than the twin's
+    (``profile/plain-summary.json``). Kernel time a smaller share of the wall time than the twin's
     points at host work (launches, reads that wait for the device); the summaries' kernels at
     the device's. Ok when both summaries were written."""
     from megatron_npu.devices.facts import facts
@@ -410,10 +422,11 @@ def breakdown(out: Path, matrix_path: Path | None = None, device: str = CUDA) ->
 
     matrix_path = matrix_path or _matrix_of(out)
     folder = out / "profile"
+    shutil.rmtree(folder, ignore_errors=True)  # never read an earlier run's files
     _train_row(
         out, matrix_path, device, "profile-run",
         "--train-iters", str(PROFILED[-1]), "--profile", "--use-pytorch-profiler",
-        "--profile-step-start", str(PROFILED[0] - 1), "--profile-step-end", str(PROFILED[-1]),
+        "--profile-step-start", str(PROFILED[0]), "--profile-step-end", str(PROFILED[-1] + 1),
         "--profile-dir", str(folder / "train"),
     )  # fmt: skip
     trainer = fairness_twin(matrix_path, device)

@@ -142,8 +142,10 @@ def twin_of(argv: Sequence[str], device: str = "cpu") -> PlainTrainer:
     """The plain trainer of the model, batch and dropout a ``megatron-npu train`` command line
     gives (train's own parser and defaults; the vocabulary padded as train pads it). A model this
     file does not write (another norm, position embedding or MLP, GQA, other head widths, a
-    longer position table, experts, untied output, no biases) is a ``ValueError`` naming the
-    option."""
+    longer position table, experts, untied output, no biases, model parallelism, more than one
+    rank) or whose step it does not take (fp16's loss scaling, SGD, another clipping norm,
+    Megatron's unfused attention: its attention is SDPA's fused kernel) is a ``ValueError``
+    naming the option."""
     from megatron_npu.training import model, preflight
     from megatron_npu.training.options import TrainOptions
 
@@ -161,13 +163,23 @@ def twin_of(argv: Sequence[str], device: str = "cpu") -> PlainTrainer:
         "--num-experts": args.num_experts is not None,
         "--untie-embeddings-and-output-weights": args.untie_embeddings_and_output_weights,
         "--disable-bias-linear": args.disable_bias_linear,
-        "--tensor/pipeline/context-model-parallel-size": options.world_size != 1,
+        "--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size != 1,
+        "--context-parallel-size": args.context_parallel_size != 1,
+        "--nproc-per-node/--nnodes (more than one rank)": options.world_size != 1,
+        "--fp16 (a loss-scaled step)": args.fp16,
+        "--optimizer sgd": args.optimizer != "adam",
+        "--clip-grad other than 1.0": args.clip_grad != 1.0,
+        "no --use-flash-attn (Megatron's unfused attention)": not args.use_flash_attn,
     }
     refused = [name for name, differs in unlike.items() if differs]
     if refused:
         raise ValueError(f"the plain GPT does not write a model with {', '.join(refused)}")
     if args.global_batch_size % args.micro_batch_size:
-        raise ValueError("--global-batch-size is not a multiple of --micro-batch-size")
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size}"
+        )
     shape = GPTShape(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -101,10 +101,11 @@ def small_fairness_row(tmp_path) -> Path:
     """A matrix whose fairness row is a small model on this host."""
     path = tmp_path / "matrix.toml"
     path.write_text(
+        "[compare]\nwarmup_steps = 3\n\n"
         f'[[run]]\nname = "{gpu_check.FAIRNESS_RUN}"\ndevice = "cpu"\noptions = {{ '
         "num-layers = 2, hidden-size = 64, num-attention-heads = 4, seq-length = 32, "
         "micro-batch-size = 2, global-batch-size = 4, train-iters = 12, lr = 1e-4, "
-        "mock-data = true, vocab-size = 200 }\n"
+        "mock-data = true, vocab-size = 200, use-flash-attn = true }\n"
     )
     return path
 
@@ -127,7 +128,7 @@ def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path, small_fairn
 
 def test_fairness_without_the_compare_part_runs_the_row_itself(tmp_path, small_fairness_row):
     """No compare results: the row runs alone and is measured by compare's statistic (its
-    median after the warm-up steps), against the twin of the same row."""
+    median after the matrix's 3 warm-up steps), against the twin of the same row."""
     import json
 
     from megatron_npu.compare import rules
@@ -138,8 +139,19 @@ def test_fairness_without_the_compare_part_runs_the_row_itself(tmp_path, small_f
     gpu_check.fairness(out, small_fairness_row, device="cpu")
     record = json.loads((out / "fairness.json").read_text())
     metrics = MetricsFile.read(out / "fairness-run" / "metrics.json")
-    stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], 2)
+    stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], 3)
     assert record["megatron_npu_source"] == "a run of the row alone (fairness-run/)"
     assert record["megatron_npu_s_per_step"] == stats.median
     assert record["ratio"] == stats.median / record["plain_torch_eager_s_per_step"]
     assert (record["micro_batches"], record["shape"]["micro_batch_size"]) == (2, 2)
+
+
+def test_a_failed_row_run_names_its_log(tmp_path, small_fairness_row):
+    """The row's run failing (here: a learning rate of 0, which train stops as a run that trains
+    nothing) is one error naming the log, not a missing metrics file."""
+    text = small_fairness_row.read_text()
+    small_fairness_row.write_text(text.replace("lr = 1e-4", "lr = 0.0"))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RuntimeError, match=r"ended with exit 3: see .*fairness-run\.log"):
+        gpu_check.fairness(out, small_fairness_row, device="cpu")

@@ -28,6 +28,7 @@ TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
     "--vocab-size", "200", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--use-flash-attn",
 ]  # fmt: skip
 
 
@@ -89,15 +90,19 @@ def test_micro_batches_accumulate_to_the_whole_batch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_dropout_reaches_the_step():
-    """Train's default dropout (0.1, both kinds) in the twin: the first loss moves off the
-    dropout-free one; without dropout the twins agree."""
-    losses = {}
-    for name, extra in (("default", []), ("none", ["--attention-dropout", "0"])):
-        extra = extra + (["--hidden-dropout", "0"] if name == "none" else [])
-        losses[name] = twin_of(TINY + extra).step()
-    again = twin_of(TINY + ["--attention-dropout", "0", "--hidden-dropout", "0"]).step()
-    assert again == losses["none"] != losses["default"]
+@pytest.mark.parametrize("kind", ["--attention-dropout", "--hidden-dropout"])
+def test_each_dropout_reaches_the_step(kind):
+    """Each kind of dropout alone moves the first loss off the dropout-free one, which repeats."""
+    off = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    none = twin_of(TINY + off).step()
+    assert twin_of(TINY + off).step() == none
+    assert twin_of(TINY + off + [kind, "0.3"]).step() != none
+
+
+def test_a_row_without_flash_attention_is_named():
+    argv = [a for a in TINY if a != "--use-flash-attn"]
+    with pytest.raises(ValueError, match="no --use-flash-attn"):
+        twin_of(argv)
 
 
 @pytest.mark.parametrize(
@@ -112,6 +117,11 @@ def test_dropout_reaches_the_step():
         (["--kv-channels", "8"], "--kv-channels"),
         (["--max-position-embeddings", "64"], "--max-position-embeddings"),
         (["--num-experts", "2", "--no-bias-gelu-fusion"], "--num-experts"),
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--nproc-per-node", "2"], "--nproc-per-node/--nnodes"),
+        (["--fp16"], "--fp16"),
+        (["--optimizer", "sgd"], "--optimizer sgd"),
+        (["--clip-grad", "0"], "--clip-grad other than 1.0"),
     ],
 )
 def test_a_model_it_does_not_write_is_named(extra, named):
