@@ -13,7 +13,9 @@ gradient norm launches one norm per parameter and reads each back to the host
 (``torch.tensor`` of a list of device scalars), so every step waits on the device once per
 parameter, and clipping launches a multiply and a copy per parameter. ``*-cuda-fallback`` put
 the same foreach ops in their place only where Megatron bound its local fallback: one device read
-per step, a few launches, one line saying so.
+per step, a few launches, one line saying so. Every module that bound the same fallback gets them
+too: ``megatron.core.optimizer.optimizer`` copies the fp16 main parameters to the model's through
+``multi_tensor_scale_impl``.
 """
 
 from __future__ import annotations
