@@ -314,7 +314,8 @@ def _matrix_of(out: Path) -> Path:
 
 
 def _fairness_row(matrix_path: Path):
-    """The matrix at ``matrix_path`` (compare's reader) and its :data:`FAIRNESS_RUN` row."""
+    """The matrix at ``matrix_path`` (compare's reader, which checks every row's options: read
+    it once per part) and its :data:`FAIRNESS_RUN` row."""
     from megatron_npu.compare.matrix import load
 
     matrix = load(matrix_path)
@@ -327,21 +328,25 @@ def _fairness_row(matrix_path: Path):
 def fairness_twin(matrix_path: Path, device: str):
     """The plain trainer of :data:`FAIRNESS_RUN` as the matrix at ``matrix_path`` gives it:
     the same model, micro-batches and dropout (``perf.plain_gpt.twin_of``)."""
+    return _twin(_fairness_row(matrix_path)[1], device)
+
+
+def _twin(spec, device: str):
     from megatron_npu.compare.matrix import option_argv
 
     sys.path.insert(0, str(HERE.parent))
     from perf.plain_gpt import twin_of
 
-    return twin_of(option_argv(_fairness_row(matrix_path)[1].options), device=device)
+    return twin_of(option_argv(spec.options), device=device)
 
 
-def _train_row(out: Path, matrix_path: Path, device: str, name: str, *extra: str) -> Path:
+def _train_row(out: Path, row, device: str, name: str, *extra: str) -> Path:
     """Run :data:`FAIRNESS_RUN` as compare runs a train row (its command, environment and
     timeout), into ``<name>/`` with its output in ``<name>.log``; returns its metrics file. A
     run that fails raises, naming the log."""
     from megatron_npu.compare.runner import stream, train_command
 
-    matrix, spec = _fairness_row(matrix_path)
+    matrix, spec = row
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)  # never read an earlier run's files
     folder.mkdir(parents=True)
@@ -353,7 +358,7 @@ def _train_row(out: Path, matrix_path: Path, device: str, name: str, *extra: str
     return folder / "metrics.json"
 
 
-def _row_speed(out: Path, matrix_path: Path, device: str) -> tuple[float, list[float], str]:
+def _row_speed(out: Path, row, device: str) -> tuple[float, list[float], str]:
     """The row's median s/step and its 95 % interval: from the compare part's results when it
     ran the row, else from a run of the row alone, by compare's own statistic and the matrix's
     warm-up steps."""
@@ -364,8 +369,8 @@ def _row_speed(out: Path, matrix_path: Path, device: str) -> tuple[float, list[f
     run = CompareResults.read(results).run(FAIRNESS_RUN) if results.is_file() else None
     if run is not None and run.perf:
         return run.perf.median_s_per_step, list(run.perf.ci95_s_per_step), "compare"
-    metrics = MetricsFile.read(_train_row(out, matrix_path, device, "fairness-run"))
-    warmup = _fairness_row(matrix_path)[0].settings.warmup_steps
+    metrics = MetricsFile.read(_train_row(out, row, device, "fairness-run"))
+    warmup = row[0].settings.warmup_steps
     stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], warmup)
     return stats.median, list(stats.ci95), "a run of the row alone (fairness-run/)"
 
@@ -385,9 +390,9 @@ def _timed_steps(trainer, count: int, device: str) -> list[float]:
 
 def fairness(out: Path, matrix_path: Path | None = None, device: str = CUDA) -> bool:
     """:data:`FAIRNESS_RUN`'s s/step against its plain twin's (median of 10 steps after 3)."""
-    matrix_path = matrix_path or _matrix_of(out)
-    ours, ci95, source = _row_speed(out, matrix_path, device)
-    trainer = fairness_twin(matrix_path, device)
+    row = _fairness_row(matrix_path or _matrix_of(out))
+    ours, ci95, source = _row_speed(out, row, device)
+    trainer = _twin(row[1], device)
     plain = statistics.median(_timed_steps(trainer, 13, device)[3:])
     record = {
         "megatron_npu_s_per_step": ours,
@@ -420,16 +425,16 @@ def breakdown(out: Path, matrix_path: Path | None = None, device: str = CUDA) ->
     from megatron_npu.devices.facts import facts
     from megatron_npu.training import profiling
 
-    matrix_path = matrix_path or _matrix_of(out)
+    row = _fairness_row(matrix_path or _matrix_of(out))
     folder = out / "profile"
     shutil.rmtree(folder, ignore_errors=True)  # never read an earlier run's files
     _train_row(
-        out, matrix_path, device, "profile-run",
+        out, row, device, "profile-run",
         "--train-iters", str(PROFILED[-1]), "--profile", "--use-pytorch-profiler",
         "--profile-step-start", str(PROFILED[0]), "--profile-step-end", str(PROFILED[-1] + 1),
         "--profile-dir", str(folder / "train"),
     )  # fmt: skip
-    trainer = fairness_twin(matrix_path, device)
+    trainer = _twin(row[1], device)
     _timed_steps(trainer, PROFILED[0] - 1, device)
     with profiling.recorder(facts(device)) as prof:
         wall = _timed_steps(trainer, len(PROFILED), device)

@@ -117,6 +117,30 @@ class _TorchForOptimizerFactory(TorchNamespace):
 
 _CLIP = "megatron.core.optimizer.clip_grads"
 
+
+def _cuda_fallback(
+    entry: str, name: str, ours: Any, fallback: str, reason: str, test: str
+) -> Patch:
+    """``<entry>-cuda-fallback``: ``clip_grads.<name>`` is ``entry``'s kernel (``ours``) on a GPU
+    where Megatron bound ``megatron.core.utils.<fallback>``; numerics and benchmark are
+    ``entry``'s, and ``test`` fails with the entry off."""
+    return Patch(
+        id=f"{entry}-cuda-fallback",
+        target=f"{_CLIP}.{name}",
+        replacement=_where_megatron_fell_back(ours, fallback),
+        kind="wrap",
+        devices=frozenset({CUDA}),
+        reason=f"a GPU without apex/TE: {reason} (amp_C/TE kernels stay)",
+        versions=">=0.13",
+        check_signature=False,
+        parity_exempt=f"picks {entry}'s foreach kernel, whose numerics are that entry's parity "
+        "case; the named test checks the device reads or launches it saves",
+        benchmark_exempt=f"the kernel it picks is {entry}'s benchmark (path native against "
+        "Megatron's loop)",
+        exempt_test=f"tests/patches/test_optimizer_cuda_fallback.py::{test}",
+    )
+
+
 PATCHES = [
     Patch(
         id="optimizer.adam",
@@ -174,38 +198,27 @@ PATCHES = [
         parity="megatron_npu.parity.cases.optimizer:GRAD_CLIP_SCALE",
         benchmark="perf.cases.optimizer:MULTI_TENSOR_SCALE",
     ),
-    Patch(
-        id="optimizer.l2-norm-cuda-fallback",
-        target=f"{_CLIP}.l2_norm_impl",
-        replacement=_where_megatron_fell_back(l2_norm_impl, "local_multi_tensor_l2_norm"),
-        kind="wrap",
-        devices=frozenset({CUDA}),
-        reason="a GPU without apex/TE: Megatron's per-parameter norm loop reads the device once "
-        "per parameter -> the foreach norm, one read per step (amp_C/TE kernels stay)",
-        versions=">=0.13",
-        check_signature=False,
-        parity_exempt="picks optimizer.l2-norm's foreach kernel, whose numerics are that "
-        "entry's parity case; the named test checks the norm and the one device read",
-        benchmark_exempt="the kernel it picks is optimizer.l2-norm's benchmark (path native "
-        "against Megatron's loop)",
-        exempt_test="tests/patches/test_optimizer_cuda_fallback.py::"
-        "test_the_norm_reads_the_device_once",
-    ),
-    Patch(
-        id="optimizer.multi-tensor-scale-cuda-fallback",
-        target=f"{_CLIP}.multi_tensor_scale_impl",
-        replacement=_where_megatron_fell_back(multi_tensor_scale_impl, "local_multi_tensor_scale"),
-        kind="wrap",
-        devices=frozenset({CUDA}),
-        reason="a GPU without apex/TE: Megatron's per-parameter scale loop (a multiply and a copy "
-        "per parameter) -> the foreach scale (amp_C/TE kernels stay)",
-        versions=">=0.13",
-        check_signature=False,
-        parity_exempt="picks optimizer.multi-tensor-scale's foreach kernel, whose numerics are "
-        "that entry's parity case; the named test checks the clipped grads and the launches",
-        benchmark_exempt="the kernel it picks is optimizer.multi-tensor-scale's benchmark (path "
-        "native against Megatron's loop)",
-        exempt_test="tests/patches/test_optimizer_cuda_fallback.py::"
-        "test_clipping_launches_do_not_grow_with_the_parameters",
+    *(
+        _cuda_fallback(entry, name, ours, fallback, reason, test)
+        for entry, name, ours, fallback, reason, test in (
+            (
+                "optimizer.l2-norm",
+                "l2_norm_impl",
+                l2_norm_impl,
+                "local_multi_tensor_l2_norm",
+                "Megatron's per-parameter norm loop reads the device once per parameter -> the "
+                "foreach norm, one read per step",
+                "test_the_norm_reads_the_device_once",
+            ),
+            (
+                "optimizer.multi-tensor-scale",
+                "multi_tensor_scale_impl",
+                multi_tensor_scale_impl,
+                "local_multi_tensor_scale",
+                "Megatron's per-parameter scale loop (a multiply and a copy per parameter) -> "
+                "the foreach scale",
+                "test_clipping_launches_do_not_grow_with_the_parameters",
+            ),
+        )
     ),
 ]

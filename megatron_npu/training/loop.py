@@ -521,15 +521,13 @@ def _finish(args, device, run_metrics, host_step_peak: int | None, rank0: bool) 
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     if not rank0:
         return
-    unmeasured = bool(peaks[2].item())
-    run_metrics.peak_memory_bytes = None if unmeasured else int(peaks[0].item())
-    run_metrics.peak_memory_source = (
-        None
-        if unmeasured
-        else host_peak.SOURCE
-        if on_host
-        else f"torch.{device.torch_type}.max_memory_allocated"
-    )
+    if peaks[2].item():  # some rank could not measure
+        run_metrics.peak_memory_bytes, run_metrics.peak_memory_source = None, None
+    else:
+        run_metrics.peak_memory_bytes = int(peaks[0].item())
+        run_metrics.peak_memory_source = (
+            host_peak.SOURCE if on_host else f"torch.{device.torch_type}.max_memory_allocated"
+        )
     run_metrics.peak_rss_bytes = int(peaks[1].item()) if on_host else None
     summary = run_metrics.summary()
     if args.metrics_out:

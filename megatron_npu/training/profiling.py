@@ -125,6 +125,7 @@ class StepProfiler:
                 f"Systems' capture range, which is CUDA's; on {device.name} the torch profiler "
                 f"records steps {self.steps[0]}..{self.steps[-1]} into {self.folder}"
             )
+        self._opened = False
         self._prof: torch.profiler.profile | None = None
         self._nvtx: Any = None
         self._wall: list[float] = []
@@ -132,8 +133,9 @@ class StepProfiler:
 
     def starting(self, step: int) -> None:
         """Open the window at its first step this run trains (a resumed run may start inside)."""
-        if step not in self.steps or self._seen or self._prof is not None or self._nvtx:
+        if self._opened or step not in self.steps:
             return
+        self._opened = True
         if self.nsys:
             torch.cuda.cudart().cudaProfilerStart()
             self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
@@ -153,7 +155,7 @@ class StepProfiler:
     def close(self) -> None:
         """Stop the window (also when the run ends inside it) and write what it recorded; say
         so when the run trained none of its steps (it resumed past them, or stopped before)."""
-        if self.steps and not self._seen and self._prof is None and self._nvtx is None:
+        if self.steps and not self._opened:
             console.warn(
                 f"megatron-npu: --profile: this run trained none of steps "
                 f"{self.steps[0]}..{self.steps[-1]}; nothing was profiled"
