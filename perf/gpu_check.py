@@ -38,16 +38,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from megatron_npu.compare.matrix import tomllib
 from megatron_npu.devices.facts import CUDA
 from megatron_npu.formats.compare_results import CompareResults
 
@@ -278,12 +281,43 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
     return ok
 
 
-def compare(out: Path, megatron_lm: Path | None) -> bool:
-    """The matrix through ``megatron-npu compare``: ok when every run finished (a failing verdict
-    is a finding, printed, not a failure of the check)."""
+def select_runs(matrix: str, names: Sequence[str]) -> str:
+    """``matrix`` (TOML text) with only the runs ``names`` and those they are judged against:
+    each one's ``reference``, else the ``[compare]`` baseline, which stays in any case. A name
+    the matrix lacks raises, naming it."""
+    data = tomllib.loads(matrix)
+    runs = data.get("run", [])
+    by_name = {run["name"]: run for run in runs}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise ValueError(f"the matrix has no run named {', '.join(map(repr, unknown))}")
+    baseline = data.get("compare", {}).get("baseline")
+    keep: set[str] = set()
+    todo = [*names, baseline] if baseline else list(names)
+    while todo:
+        name = todo.pop()
+        if name in keep:
+            continue
+        keep.add(name)
+        reference = by_name.get(name, {}).get("reference", baseline)
+        if isinstance(reference, str) and reference in by_name:
+            todo.append(reference)
+    head, *blocks = re.split(r"(?m)^(?=\[\[run\]\]\s*$)", matrix)
+    if len(blocks) != len(runs):
+        raise ValueError("every run of the matrix must open with its own [[run]] line")
+    kept = (block for block, run in zip(blocks, runs, strict=True) if run["name"] in keep)
+    return head + "".join(kept)
+
+
+def compare(out: Path, megatron_lm: Path | None, runs: Sequence[str] = ()) -> bool:
+    """The matrix through ``megatron-npu compare``, only ``runs`` (and what they are judged
+    against) when given: ok when every run finished (a failing verdict is a finding, printed,
+    not a failure of the check)."""
     matrix = MATRIX.read_text()
     if megatron_lm is not None:
         matrix += "\n" + megatron_lm_rows(megatron_lm.resolve() / "pretrain_gpt.py")
+    if runs:
+        matrix = select_runs(matrix, runs)
     folder = out / "compare"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "matrix.toml"
@@ -466,6 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         help="run these parts alone (fairness reads the compare part's run of its row when there "
         "is one, else runs the row itself)",
     )
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the compare part runs only these rows of its matrix, and those they are judged "
+        "against",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; nothing to check", file=sys.stderr)
@@ -475,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = {
         "machine": lambda: machine(args.out) or True,
         "attention": lambda: attention(args.out),
-        "compare": lambda: compare(args.out, args.megatron_lm),
+        "compare": lambda: compare(args.out, args.megatron_lm, args.runs),
         "fairness": lambda: fairness(args.out),
         "breakdown": lambda: breakdown(args.out),
     }

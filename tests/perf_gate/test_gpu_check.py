@@ -89,6 +89,23 @@ def test_the_script_rows_are_the_h100_runs_arguments():
     assert gpu_check.MLM_ARGS == native
 
 
+def test_a_selection_of_runs_keeps_what_they_are_judged_against(tmp_path):
+    """``--runs`` keeps the named rows, their references (explicit or the baseline) and the
+    baseline, and the result is a matrix compare's reader takes."""
+    script = tmp_path / "pretrain_gpt.py"
+    text = gpu_check.MATRIX.read_text() + "\n" + gpu_check.megatron_lm_rows(script)
+    path = tmp_path / "matrix.toml"
+    path.write_text(gpu_check.select_runs(text, ["cuda-fp16-flash-sbh", "train-as-mlm-fp32"]))
+    kept = {r.name: r for r in matrix.load(path).runs}
+    assert set(kept) == {
+        "cuda-fp32", "cuda-fp16", "cuda-fp16-flash-sbh", "mlm-fp32", "train-as-mlm-fp32",
+    }  # fmt: skip
+    assert kept["cuda-fp16-flash-sbh"].options["initial-loss-scale"] == 65536
+    assert kept["train-as-mlm-fp32"].reference == "mlm-fp32"
+    with pytest.raises(ValueError, match="'no-such-run'"):
+        gpu_check.select_runs(text, ["cuda-fp16", "no-such-run"])
+
+
 def test_flash_attention_applies_on_cuda():
     """--use-flash-attn on cuda: the fused-attention entry is planned there (without it
     ``megatron-npu train`` refuses the option on cuda)."""
