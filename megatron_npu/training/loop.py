@@ -99,6 +99,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(device_type, data_iterator, model):
     gpt = model_mod.unwrap(model)
     batch = next(data_iterator) if data_iterator is not None else None
+    seq = batch["tokens"].shape[-1] if batch is not None else None  # before a context-parallel cut
     if batch is not None and gpt.config.context_parallel_size > 1:
         batch = data_mod.context_parallel_rows(batch)
 
@@ -110,9 +111,9 @@ def forward_step(device_type, data_iterator, model):
     tokens = take("tokens", gpt.pre_process)
     position_ids = take("position_ids", gpt.pre_process)
     if batch is not None and not data_mod.RESET_ATTENTION_MASK:
-        # the plain causal mask, stated as such: attention recognises the shared tensor by
-        # identity instead of comparing every micro-batch's copy on the host
-        attention_mask = causal_mask(*batch["attention_mask"].shape[-2:], device=device_type)
+        # the plain causal mask, stated as such (the data layer builds none): attention
+        # recognises the shared tensor by identity instead of comparing a copy on the host
+        attention_mask = causal_mask(seq, seq, device=device_type)
     else:
         attention_mask = take("attention_mask", True)
     labels = take("labels", gpt.post_process)
