@@ -209,7 +209,9 @@ def native_adamw_step_(
                     maximize,
                 )
             continue
-        steps = [torch.tensor(float(step), device=device) for _ in idx]
+        # one step tensor read by every parameter's update: the kernel takes a list, and a
+        # tensor per parameter would be one host-to-device copy per parameter per step
+        steps = [torch.tensor(float(step), device=device)] * len(idx)
         vmax = [max_exp_avg_sqs[i] for i in idx] if amsgrad else []
         torch._fused_adamw_(
             [params[i] for i in idx],

@@ -92,3 +92,27 @@ def test_an_error_of_the_real_update_is_not_swallowed(fresh, monkeypatch):
     with pytest.raises(RuntimeError, match="device out of memory"):
         _step(*_tensors(torch.float32))
     assert fallbacks.recorded() == []
+
+
+def test_the_fused_update_makes_one_step_tensor_whatever_the_parameter_count(monkeypatch):
+    """The fused kernel reads the step from a tensor per parameter; they are one tensor, made
+    once per call (on a GPU a tensor made per parameter is a host-to-device copy each), and the
+    update equals torch's AdamW at that step."""
+    seen = []
+
+    def fused(params, grads, m, v, vmax, steps, **kwargs):
+        seen.append((len(params), len({id(s) for s in steps})))
+        return REAL(params, grads, m, v, vmax, steps, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", fused)
+    for count in (20, 80):
+        params, grads = _tensors(torch.float32, n=count, seed=count)
+        expected = [p.clone().requires_grad_() for p in params]
+        reference = torch.optim.AdamW(expected, lr=1e-3, weight_decay=0.1, foreach=False)
+        for p, g in zip(expected, grads, strict=True):
+            p.grad = g.clone()
+        reference.step()
+        _step(params, grads)
+        for got, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    assert [s for s in seen if s[0] > 1] == [(20, 1), (80, 1)]  # (a one-element probe first)
