@@ -83,7 +83,7 @@ def test_non_finite_numbers_are_strict_json(tmp_path):
 COMPETITOR = Path(__file__).resolve().parents[1] / "competitor"
 
 
-@pytest.mark.parametrize("machine", ["nvidia-h100", "nvidia-h200"])
+@pytest.mark.parametrize("machine", ["nvidia-h100", "nvidia-h200", "nvidia-h200-gpu-check"])
 def test_committed_compare_results_read_and_write_back_unchanged(machine, tmp_path):
     path = COMPETITOR / machine / "results.json"
     results = CompareResults.read(path)
