@@ -16,6 +16,10 @@ What is read (``megatron/training/training.py`` ``training_log`` and ``arguments
   loss is the mean of iterations 1 and 2); the importer takes the first line's share back out
   of that line's loss, step time, throughput and skipped count (:func:`_undo_first_line_sums`),
   for each process whose argument dump the log holds;
+* the ``learning rate`` of line ``N`` is the rate after iteration ``N``'s scheduler step, the
+  one iteration ``N + 1`` uses; a metrics file's ``lr`` is the rate its step used, so step ``N``
+  takes line ``N - 1``'s (:func:`lr_each_step_used`; the same for TensorBoard's
+  ``learning-rate``);
 * ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` -- the
   peak of ``torch.cuda.max_memory_allocated`` (largest over ranks and lines): the allocator's on
   a GPU, the process's RSS where the adaptor ran it on cpu.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -254,10 +259,25 @@ def model_flops(
         return None
 
 
+def lr_each_step_used(
+    logged: dict[int, float | None], steps: Iterable[int]
+) -> dict[int, float | None]:
+    """The learning rate each of ``steps`` used, from the rates Megatron-LM ``logged`` per
+    iteration. At iteration ``N`` it logs the rate after ``N``'s scheduler step
+    (``training_log`` reads the optimizer's param groups after ``train_step``): the rate
+    iteration ``N + 1`` uses. Step ``N`` used the one logged at ``N - 1``; None where that
+    iteration was not logged (the first step, steps between log intervals)."""
+    return {step: logged.get(step - 1) for step in steps}
+
+
 def to_metrics(parsed: dict[str, Any], source: str) -> MetricsFile:
     """The parsed log in the shape of ``megatron-npu train --metrics-out`` (config, steps,
     summary), so that compare's rules read it like a local run."""
     args = dict(parsed["arguments"])
+    records = parsed["iterations"]
+    lr_used = lr_each_step_used(
+        {rec["iteration"]: rec.get("lr") for rec in records}, (rec["iteration"] for rec in records)
+    )
     steps = []
     for rec in parsed["iterations"]:
         skipped = bool(rec.get("skipped")) or "lm_loss" not in rec
@@ -266,7 +286,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> MetricsFile:
                 "step": rec["iteration"],
                 "lm_loss": None if skipped else rec.get("lm_loss"),
                 "grad_norm": rec.get("grad_norm"),
-                "lr": rec.get("lr"),
+                "lr": lr_used[rec["iteration"]],
                 "loss_scale": rec.get("loss_scale"),
                 "skipped": skipped,
                 "step_time_s": rec["step_time_ms"] / 1000.0,

@@ -129,12 +129,13 @@ def to_metrics(events: dict[str, Any], source: str) -> MetricsFile:
     scalars = events["scalars"]
     losses = scalars[LOSS]
     times = scalars.get(ITERATION_TIME, {})
+    lr_used = mlm_log.lr_each_step_used(scalars.get(LEARNING_RATE, {}), losses)
     steps = [
         {
             "step": step,
             "lm_loss": losses[step],
             "grad_norm": scalars.get(GRAD_NORM, {}).get(step),
-            "lr": scalars.get(LEARNING_RATE, {}).get(step),
+            "lr": lr_used[step],  # the rate the step used (Megatron-LM logs the next one's)
             "loss_scale": scalars.get(LOSS_SCALE, {}).get(step),
             # no time logged for this step (no --log-timers-to-tensorboard, or the first step):
             # NaN, which the timing statistics leave out

@@ -2,7 +2,8 @@
 from the weights ``pretrain_gpt.py`` draws, reads the same mock data in the same order and
 computes the same loss at every step, bitwise (fp32 on cpu; the script is the Megatron-LM tag of
 the installed release, unmodified, through ``run_script``; both on one host thread, since the
-thread count changes a CPU GEMM's reduction order).
+thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
+compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
 Two configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
 GPT on Megatron's device-path initialisation (its default) and a Llama-style model (SwiGLU,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_npu.compare import mlm_log, tensorboard_events
 from tests.megatron_lm._client import pretrain_gpt
 from tests.training._runner import train
 
@@ -97,3 +99,18 @@ def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
     assert ours.losses == theirs  # bitwise: TensorBoard holds the fp32 value
     norms = {s.step: round(s.grad_norm, 3) for s in ours.steps}
     assert norms == script.grad_norms  # as printed, three decimals
+    # the learning rate each step used, as compare imports the script's log and its TensorBoard
+    # scalars (which hold the rate after each step): train's own from step 2 (the script never
+    # says which rate its first step used), equal to the printed digits
+    used = {s.step: s.lr for s in ours.steps}
+    assert len(set(used.values())) == 4  # linear decay: every step's rate is its own
+    imported = (
+        mlm_log.to_metrics(mlm_log.parse(tmp_path / "run.log"), "log"),
+        tensorboard_events.to_metrics(tensorboard_events.read(script.tensorboard), "events"),
+    )
+    for metrics in imported:
+        lr = {s.step: s.lr for s in metrics.steps}
+        assert lr[1] is None
+        assert {k: float(f"{v:.6E}") for k, v in lr.items() if k > 1} == {
+            k: float(f"{v:.6E}") for k, v in used.items() if k > 1
+        }
