@@ -26,6 +26,7 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
 ``--only PART...`` runs some parts, so the check fits commands of a few minutes each:
 ``fairness`` takes the row's s/step from the ``compare`` part's results when that part ran it,
 else runs the row alone (``fairness-run/``) and measures it by compare's own statistic.
+``--runs NAME...`` has the compare part run only those rows and the rows they are judged against.
 
 Every part runs even when an earlier one failed; the exit status is 1 if any did (a run that did
 not finish, an attention case beyond its bound, a ratio above the target). Verdicts that fail are

@@ -279,7 +279,7 @@ def to_metrics(parsed: dict[str, Any], source: str) -> MetricsFile:
         {rec["iteration"]: rec.get("lr") for rec in records}, (rec["iteration"] for rec in records)
     )
     steps = []
-    for rec in parsed["iterations"]:
+    for rec in records:
         skipped = bool(rec.get("skipped")) or "lm_loss" not in rec
         steps.append(
             {

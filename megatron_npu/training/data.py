@@ -76,10 +76,10 @@ def _is_built_on_rank() -> bool:
     ) or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-#: The datasets build no document masks: every sample's attention mask is the plain causal one,
-#: so the training loop hands attention the shared causal mask and the datasets build no mask at
-#: all (Megatron's ``create_attention_mask``: a [s, s] mask per sample is 8 MB of host copies
-#: per micro-batch of 8 x 1024 tokens, during which a GPU waits).
+#: No document masks: every sample's attention mask is the plain causal one, which the training
+#: loop hands attention itself, so the datasets build none (Megatron's ``create_attention_mask``:
+#: a [s, s] mask per sample is 8 MB of host copies per micro-batch of 8 x 1024 tokens, during
+#: which a GPU waits).
 RESET_ATTENTION_MASK = False
 
 
