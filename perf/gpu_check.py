@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_npu.compare.matrix import tomllib
+from megatron_npu.compare.matrix import parse, tomllib
 from megatron_npu.devices.facts import CUDA
 from megatron_npu.formats.compare_results import CompareResults
 
@@ -283,26 +283,25 @@ def attention(out: Path, device: str = CUDA, seq: int = 8192, window: int = 2048
 
 
 def select_runs(matrix: str, names: Sequence[str]) -> str:
-    """``matrix`` (TOML text) with only the runs ``names`` and those they are judged against:
-    each one's ``reference``, else the ``[compare]`` baseline, which stays in any case. A name
-    the matrix lacks raises, naming it."""
+    """``matrix`` (TOML text) with only the runs ``names`` and those they need: the baseline and,
+    as compare's reader resolves them, each kept run's reference (its own, else the baseline),
+    original of a rerun and named speed pair. A name the matrix lacks raises, naming it."""
     data = tomllib.loads(matrix)
-    runs = data.get("run", [])
-    by_name = {run["name"]: run for run in runs}
-    unknown = sorted(set(names) - set(by_name))
+    parsed = parse(data, "gpu_check")
+    specs = {spec.name: spec for spec in parsed.runs}
+    unknown = sorted(set(names) - set(specs))
     if unknown:
         raise ValueError(f"the matrix has no run named {', '.join(map(repr, unknown))}")
-    baseline = data.get("compare", {}).get("baseline")
     keep: set[str] = set()
-    todo = [*names, baseline] if baseline else list(names)
+    todo = [*names, parsed.settings.baseline]
     while todo:
         name = todo.pop()
-        if name in keep:
+        if name in keep or name not in specs:
             continue
         keep.add(name)
-        reference = by_name.get(name, {}).get("reference", baseline)
-        if isinstance(reference, str) and reference in by_name:
-            todo.append(reference)
+        spec = specs[name]
+        todo += [n for n in (spec.reference, spec.rerun_of, spec.speed_reference) if n]
+    runs = data.get("run", [])
     head, *blocks = re.split(r"(?m)^(?=\[\[run\]\]\s*$)", matrix)
     if len(blocks) != len(runs):
         raise ValueError("every run of the matrix must open with its own [[run]] line")
