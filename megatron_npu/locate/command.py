@@ -230,6 +230,11 @@ class Locator:
         self.max_trials = max_trials
         self.timing: dict[str, float] = {}
         self._trials = 0
+        # every replay runs under the environment locate started with: a library that sets a
+        # variable in this process on the way (torch's compiler writes its cache folder's) must
+        # not make one replay's conditions differ from another's, nor restart the warm ranks'
+        # fork server
+        self.environment = worker.replay_environment()
 
     def _run(self, side: RunSide, spec: dict[str, Any], log: str, disable: list[str] = ()) -> None:
         """One run of ``side``; ``disable`` holds the trial's items: patch ids to switch off and
@@ -246,9 +251,9 @@ class Locator:
         log_path = self.out / "logs" / f"{log}.log"
         if side.script:
             spec.update(script=side.script, script_args=side.argv, device=side.device)
-            script_runs.run(spec, side.world, self.timeout_s, log_path)
+            script_runs.run(spec, side.world, self.timeout_s, log_path, self.environment)
         else:
-            worker.run(spec, side.world, self.timeout_s, log_path)
+            worker.run(spec, side.world, self.timeout_s, log_path, self.environment)
 
     def curves(self, ref_metrics: Path | None, cand_metrics: Path | None) -> curves.StepFinding:
         start = time.perf_counter()

@@ -477,8 +477,13 @@ def _warm_rank(
 ) -> None:
     """A rank's first steps after the fork: die with the fork server (which dies with the
     process that started it), take the rank's environment, write stdout and stderr to its log,
-    use the thread count its environment asks for (the fork server imported torch before)."""
+    use the thread count its environment asks for (the fork server imported torch before), and
+    start its own processes as a freshly started one does. A fork server's child inherits the
+    ``forkserver`` start method; Megatron-LM's data-loader workers would then start a second
+    fork server, which imports the script as ``__main__`` anew (seconds per run) where a rank
+    started by torchrun forks them."""
     children.die_with_parent()
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

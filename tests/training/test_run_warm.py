@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import builtins
 import json
+import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +36,7 @@ def _report(out: str) -> None:
     rank = os.environ.get("RANK", "0")
     record = {
         "env": {k: os.environ.get(k) for k in KEYS},
+        "start_method": multiprocessing.get_start_method(),
         "marker": getattr(builtins, "_warm_test_marker", None),
         "port_held": _held(os.environ["MASTER_PORT"]),
     }
@@ -74,6 +78,19 @@ def test_ranks_get_torchrun_environment_and_their_output_is_logged(tmp_path):
     assert records[0]["port_held"] and records[1]["port_held"]
     text = log.read_text()
     assert "rank 0 reporting" in text and "rank 1 reporting" in text
+
+
+def test_a_rank_starts_its_own_processes_as_a_fresh_process_does(tmp_path):
+    """A rank's data-loader workers start as under torchrun (Python's default start method),
+    not through a second fork server that imports the rank's main module anew."""
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    run_warm(_report, str(tmp_path), 1, env=_env())
+    assert json.loads((tmp_path / "rank0.json").read_text())["start_method"] == fresh
 
 
 def test_the_first_failing_rank_stops_the_others_and_is_named(tmp_path):
