@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from megatron_npu import devices
 from megatron_npu.training.errors import TrainingInputError
 
 
@@ -192,10 +193,22 @@ def _chunk_reads_data(chunk: torch.nn.Module) -> bool:
     return bool(gpt.pre_process or gpt.post_process)
 
 
+def pins_batches(device: torch.device) -> bool:
+    """Whether the loader stages micro-batches in page-locked host memory for ``device``, as
+    Megatron-LM's loader does (``pin_memory=True``). A copy to an accelerator from pageable
+    memory waits for the device's queue to drain first (CUDA documents it for every pageable
+    host-to-device copy), so each micro-batch would stall the step until the device caught up;
+    from page-locked memory the copy is queued behind the work before it. A host-only device
+    has nothing to copy to."""
+    return device.type != "cpu"
+
+
 def iterators(
     args: Namespace, data: TrainData, model: list[torch.nn.Module], consumed_samples: int
 ) -> list[Iterator[dict[str, torch.Tensor]] | None]:
-    """One iterator per model chunk (None for chunks that hold neither end of the pipeline)."""
+    """One iterator per model chunk (None for chunks that hold neither end of the pipeline),
+    its batches pinned for the active device (:func:`pins_batches`)."""
+    pin = pins_batches(devices.current_torch_device())
     total = args.train_iters * args.global_batch_size
     out: list[Iterator[dict[str, torch.Tensor]] | None] = []
     for chunk in model:
@@ -216,7 +229,7 @@ def iterators(
             data.dataset,
             batch_sampler=sampler,
             num_workers=0,
-            pin_memory=False,
+            pin_memory=pin,
             generator=torch.Generator().manual_seed(args.seed),
         )
         out.append(checked_token_ids(iter(loader), data))
