@@ -21,8 +21,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def reference(logits, target, smoothing, dtype=torch.float64):
     """Megatron's loss (label smoothing over the other classes) computed plainly in ``dtype``:
-    fp64 is the reference; fp32 is the stock computation the kernel's loss is benchmarked
-    against, whose error bounds a loss that cancels to near zero (a confident right answer)."""
+    fp64 is the reference; fp32 is the stock computation the kernel's loss and gradient are
+    benchmarked against, whose error bounds a loss that cancels to near zero (a confident right
+    answer)."""
     x = logits.to(dtype)
     log_probs = x - torch.logsumexp(x, dim=-1, keepdim=True)
     nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -119,9 +120,13 @@ def test_cross_entropy_matches_fp64_reference(dtype_name, tokens, tp, per_rank, 
     ref = reference(ref_leaf, target, smoothing)
     ref.backward(grad_loss.double())
     assert loss.dtype == torch.float32 and grad.dtype == dtype
-    stock = reference(logits, target, smoothing, torch.float32)
-    require_accurate(loss, ref, torch.float32, "loss", benchmark=stock)
-    require_accurate(grad, ref_leaf.grad, dtype, "dlogits")
+    stock_leaf = logits.clone().requires_grad_()
+    stock = reference(stock_leaf, target, smoothing, torch.float32)
+    stock.backward(grad_loss)
+    require_accurate(loss, ref, torch.float32, "loss", benchmark=stock.detach())
+    # the stock gradient (softmax less the one-hot target, in fp32) bounds one that cancels: a
+    # confident right answer's target entry is 1 - p with p within a few ulp of 1
+    require_accurate(grad, ref_leaf.grad, dtype, "dlogits", benchmark=stock_leaf.grad)
 
 
 def test_cross_entropy_through_a_process_group():
