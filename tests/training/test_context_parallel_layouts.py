@@ -82,9 +82,11 @@ LAYOUTS = {
 }
 #: ``--extended``: CP beside the other parallel dimensions, the NPU path's kernels (which
 #: tests/ops/test_context_parallel.py checks against whole-sequence attention), and the plain CP2
-#: ring and all-to-all, which cp4-a2a-p2p (an all-to-all within pairs, a ring across them) and
-#: rope-gqa-cp2-p2p reach by default
+#: ring, all-to-all and all-gather, which cp4-a2a-p2p (an all-to-all within pairs, a ring across
+#: them), rope-gqa-cp2-p2p and window-cp2-allgather reach by default (the all-gather without a
+#: window is one of the op test's cases)
 EXTENDED = {
+    "cp2-allgather",
     "cp2-p2p-flash-npu",
     "tp2-sp-cp2-p2p",
     "pp2-cp2-a2a",
