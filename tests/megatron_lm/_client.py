@@ -167,7 +167,14 @@ def pretrain_gpt(
         timeout=timeout,
     )
     (tmp / f"{name}.log").write_text(proc.stdout)
-    run = Run(proc.returncode, proc.stdout, tensorboard=tb if tensorboard else None)
+    (tmp / f"{name}.rc").write_text(str(proc.returncode))
+    return read_run(tmp, name, tb if tensorboard else None)
+
+
+def read_run(tmp: Path, name: str, tensorboard: Path | None = None) -> Run:
+    """The run :func:`pretrain_gpt` left in ``tmp`` as ``name`` (its log and exit status)."""
+    log = (tmp / f"{name}.log").read_text()
+    run = Run(int((tmp / f"{name}.rc").read_text()), log, tensorboard=tensorboard)
     try:  # compare's Megatron-LM log importer: one reading of that log for product and tests
         parsed = mlm_log.parse(tmp / f"{name}.log")
     except mlm_log.LogFormatError:  # a run that logged no step: the tests read the text

@@ -11,10 +11,19 @@ import subprocess
 import sys
 
 import pytest
+from once_per_run import built_once
 
 from megatron_npu.compare import mlm_log, rules
 
-from ._client import TINY, Run, check_trained, client_devices, client_specs, pretrain_gpt
+from ._client import (
+    TINY,
+    Run,
+    check_trained,
+    client_devices,
+    client_specs,
+    pretrain_gpt,
+    read_run,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -113,25 +122,42 @@ def test_flash_attn_routes_to_the_npu_kernel(tmp_path):
     assert flash.get("npu_gelu", 0) > 0 and flash.get("npu_apply_adam_w", 0) > 0, flash
 
 
-def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path):
-    """The layout rule on Megatron-LM's own script: the same model (vocab padded to 1280 in
-    both layouts), weights initialised on the host (``--use-cpu-initialization``: Megatron draws
-    each master weight whole and slices it), no dropout: TP1 and TP2 losses agree per step within
-    the layout rule's 1e-5 (``megatron_npu.compare.rules.layout``)."""
-    args = (
-        *TINY,
-        "--mock-data",
-        "--train-iters",
-        "12",
-        "--vocab-size",
-        "1279",
-        "--use-cpu-initialization",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
+#: a model two layouts and both layer specs train alike: vocab padded to 1280 in every layout,
+#: weights initialised on the host (``--use-cpu-initialization``: Megatron draws each master
+#: weight whole and slices it), no dropout
+HOST_INITIALISED = (
+    *TINY,
+    "--mock-data",
+    "--train-iters",
+    "12",
+    "--vocab-size",
+    "1279",
+    "--use-cpu-initialization",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+)
+
+
+@pytest.fixture(scope="module")
+def host_initialised_tp1(xdist_shared) -> Run:
+    """:data:`HOST_INITIALISED` with the local spec at TP1 on cpu, run once for every test that
+    compares against it."""
+    root = built_once(
+        xdist_shared,
+        "pretrain-gpt-host-initialised-tp1",
+        lambda d: d.mkdir() or pretrain_gpt(d, *HOST_INITIALISED, name="tp1"),
     )
-    tp1 = pretrain_gpt(tmp_path, *args, name="tp1")
+    return read_run(root, "tp1", root / "tp1-tb")
+
+
+def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path, host_initialised_tp1):
+    """The layout rule on Megatron-LM's own script: the same model
+    (:data:`HOST_INITIALISED`): TP1 and TP2 losses agree per step within the layout rule's 1e-5
+    (``megatron_npu.compare.rules.layout``)."""
+    args = HOST_INITIALISED
+    tp1 = host_initialised_tp1
     tp2 = pretrain_gpt(tmp_path, *args, "--tensor-model-parallel-size", "2", nproc=2, name="tp2")
     for run in (tp1, tp2):
         assert run.returncode == 0, run.tail()
@@ -608,26 +634,14 @@ def test_te_spec_runs(tmp_path):
     assert counts["npu_rms_norm"] >= 4 * 2 * 2 * 20, counts
 
 
-def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
+def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path, host_initialised_tp1):
     """fp32, host-initialised weights, no dropout: the TE spec's curve is the local spec's step
     for step (Megatron-LM draws the same weights; the norms are fused into QKV / FC1); a TE-spec
     checkpoint written at TP2 after 6 steps resumes at TP1, and steps 7-12 agree with the
     straight TP1 run by the layout rule (1e-5)."""
-    args = (
-        *TINY,
-        "--mock-data",
-        "--train-iters",
-        "12",
-        "--vocab-size",
-        "1279",
-        "--use-cpu-initialization",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
-    )
+    args = HOST_INITIALISED
     te = pretrain_gpt(tmp_path, *args, *TE, name="te")
-    local = pretrain_gpt(tmp_path, *args, name="local")
+    local = host_initialised_tp1
     ckpt = str(tmp_path / "ckpt")
     saved = pretrain_gpt(
         tmp_path,
