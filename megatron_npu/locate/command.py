@@ -251,9 +251,9 @@ class Locator:
         log_path = self.out / "logs" / f"{log}.log"
         if side.script:
             spec.update(script=side.script, script_args=side.argv, device=side.device)
-            script_runs.run(spec, side.world, self.timeout_s, log_path, self.environment)
+            script_runs.run(spec, side.world, self.timeout_s, log_path, env=self.environment)
         else:
-            worker.run(spec, side.world, self.timeout_s, log_path, self.environment)
+            worker.run(spec, side.world, self.timeout_s, log_path, env=self.environment)
 
     def curves(self, ref_metrics: Path | None, cand_metrics: Path | None) -> curves.StepFinding:
         start = time.perf_counter()

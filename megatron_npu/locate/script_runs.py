@@ -216,17 +216,18 @@ def run(
     world: int,
     timeout_s: float,
     log: Path,
-    env: dict[str, str] | None = None,
+    *,
+    env: dict[str, str],
 ) -> None:
     """The runs of one locate ``spec`` (``script``, ``script_args``, ``device``, ``disable`` and
-    the step fields of :func:`replay_arguments`), one after another, under ``env`` (default
-    :func:`~.worker.replay_environment`) with what the script needs; raises
+    the step fields of :func:`replay_arguments`), one after another, under ``env`` (the locate
+    run's :func:`~.worker.replay_environment`) with what the script needs; raises
     :class:`~.worker.WorkerError` naming the failed run with its log's tail."""
-    from megatron_npu.locate.worker import WorkerError, replay_environment
+    from megatron_npu.locate.worker import WorkerError
     from megatron_npu.run_script import environment
     from megatron_npu.training.launch import RankFailure, run_warm
 
-    env = {**(replay_environment() if env is None else env), **environment(spec["script"])}
+    env = {**env, **environment(spec["script"])}
     runs = replay_arguments(spec)
     for index, argv in enumerate(runs):
         last = index == len(runs) - 1

@@ -180,15 +180,15 @@ def run(
     world: int = 1,
     timeout_s: float = 900.0,
     log: Path | None = None,
-    env: dict[str, str] | None = None,
+    *,
+    env: dict[str, str],
 ) -> None:
-    """Run ``spec`` on ``world`` ranks under ``env`` (default :func:`replay_environment`) and
-    wait; raise :class:`WorkerError` on failure. The ranks start warm
-    (:func:`megatron_npu.training.launch.run_warm`): a locate run replays a step many times, and
-    each replay would otherwise import Megatron anew."""
+    """Run ``spec`` on ``world`` ranks under ``env`` (the locate run's
+    :func:`replay_environment`) and wait; raise :class:`WorkerError` on failure. The ranks start
+    warm (:func:`megatron_npu.training.launch.run_warm`): a locate run replays a step many
+    times, and each replay would otherwise import Megatron anew."""
     from megatron_npu.training.launch import RankFailure, run_warm
 
-    env = replay_environment() if env is None else env
     try:
         run_warm(_run_rank, spec, world, timeout_s=timeout_s, log=log, env=env)
     except RankFailure as exc:

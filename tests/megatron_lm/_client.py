@@ -117,6 +117,10 @@ class Run:
         return "\n".join(self.log.splitlines()[-lines:])
 
 
+def _tensorboard_dir(tmp: Path, name: str) -> Path:
+    return tmp / f"{name}-tb"
+
+
 def pretrain_gpt(
     tmp: Path,
     *args: str,
@@ -129,7 +133,7 @@ def pretrain_gpt(
 ) -> Run:
     """Launch ``pretrain_gpt.py ARGS`` on ``nproc`` ranks of ``device``; return its log."""
     folder = megatron_lm_folder()
-    tb = tmp / f"{name}-tb"
+    tb = _tensorboard_dir(tmp, name)
     extra = ("--tensorboard-dir", str(tb), "--tensorboard-log-interval", "1") if tensorboard else ()
     command = [
         sys.executable,
@@ -168,13 +172,15 @@ def pretrain_gpt(
     )
     (tmp / f"{name}.log").write_text(proc.stdout)
     (tmp / f"{name}.rc").write_text(str(proc.returncode))
-    return read_run(tmp, name, tb if tensorboard else None)
+    return read_run(tmp, name, tensorboard)
 
 
-def read_run(tmp: Path, name: str, tensorboard: Path | None = None) -> Run:
-    """The run :func:`pretrain_gpt` left in ``tmp`` as ``name`` (its log and exit status)."""
+def read_run(tmp: Path, name: str, tensorboard: bool = True) -> Run:
+    """The run :func:`pretrain_gpt` left in ``tmp`` as ``name`` (its log, exit status and, when
+    it wrote one, TensorBoard folder)."""
     log = (tmp / f"{name}.log").read_text()
-    run = Run(int((tmp / f"{name}.rc").read_text()), log, tensorboard=tensorboard)
+    tb = _tensorboard_dir(tmp, name) if tensorboard else None
+    run = Run(int((tmp / f"{name}.rc").read_text()), log, tensorboard=tb)
     try:  # compare's Megatron-LM log importer: one reading of that log for product and tests
         parsed = mlm_log.parse(tmp / f"{name}.log")
     except mlm_log.LogFormatError:  # a run that logged no step: the tests read the text

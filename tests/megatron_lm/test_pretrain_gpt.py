@@ -144,12 +144,12 @@ HOST_INITIALISED = (
 def host_initialised_tp1(xdist_shared) -> Run:
     """:data:`HOST_INITIALISED` with the local spec at TP1 on cpu, run once for every test that
     compares against it."""
-    root = built_once(
-        xdist_shared,
-        "pretrain-gpt-host-initialised-tp1",
-        lambda d: d.mkdir() or pretrain_gpt(d, *HOST_INITIALISED, name="tp1"),
-    )
-    return read_run(root, "tp1", root / "tp1-tb")
+
+    def build(folder):
+        folder.mkdir()
+        pretrain_gpt(folder, *HOST_INITIALISED, name="tp1")
+
+    return read_run(built_once(xdist_shared, "pretrain-gpt-host-initialised-tp1", build), "tp1")
 
 
 def test_tp1_and_tp2_runs_agree_by_the_layout_rule(tmp_path, host_initialised_tp1):
