@@ -9,5 +9,8 @@ default and Megatron's ``compile_helpers()`` all work on ``cpu``, ``npu-emulated
 """
 
 import megatron_npu
+from megatron_npu.patches import jit_fusions
 
+# a script process on a non-CUDA device: Megatron's @jit_fuser functions load uncompiled
+jit_fusions.load_eagerly(None)
 RESULTS = megatron_npu.apply(None, transfer=True)

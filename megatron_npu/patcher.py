@@ -416,17 +416,22 @@ def _split_ids(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def disabled_patches(disable: Iterable[str] = (), known: Iterable[str] = ()) -> dict[str, str]:
-    """Patch id -> reason, for every patch switched off by ``disable``, ``--disable-patch`` or
-    ``$MEGATRON_NPU_DISABLE``; raise :class:`UnknownPatchError` naming an id not in ``known``."""
-    sources = [
+def disable_requests(disable: Iterable[str] = ()) -> list[tuple[list[str], str]]:
+    """(ids, reason) for each way of switching patches off: ``disable``, ``--disable-patch``
+    and ``$MEGATRON_NPU_DISABLE``, as asked (unchecked: :func:`disabled_patches` checks them)."""
+    return [
         (list(disable), "disabled by apply(disable=...)"),
         (_split_ids(os.environ.get(DISABLE_FLAG_ENV, "")), f"disabled by {DISABLE_FLAG}"),
         (_split_ids(os.environ.get(DISABLE_ENV, "")), f"disabled by {DISABLE_ENV}"),
     ]
+
+
+def disabled_patches(disable: Iterable[str] = (), known: Iterable[str] = ()) -> dict[str, str]:
+    """Patch id -> reason, for every patch switched off by ``disable``, ``--disable-patch`` or
+    ``$MEGATRON_NPU_DISABLE``; raise :class:`UnknownPatchError` naming an id not in ``known``."""
     known_ids = set(known)
     reasons: dict[str, str] = {}
-    for ids, reason in sources:
+    for ids, reason in disable_requests(disable):
         for patch_id in ids:
             if patch_id not in known_ids:
                 raise UnknownPatchError(

@@ -18,6 +18,7 @@ import os
 import sys
 
 from megatron_npu import console
+from megatron_npu.patches import jit_fusions
 from megatron_npu.training import (
     arguments,
     errors,
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if starts_ranks:
             return launch.launch(argv, args)
+        jit_fusions.load_eagerly(args.device)
         from megatron_npu.training import loop
 
         return loop.run(argv)

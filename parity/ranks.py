@@ -62,8 +62,10 @@ def _worker(
         import torch
 
         from megatron_npu import devices
+        from megatron_npu.patches import jit_fusions
 
         torch.set_num_threads(1)
+        jit_fusions.load_eagerly(device)
         dev = devices.make(device)
         if dev.torch_type != "cpu":  # hccl / nccl: one accelerator per rank
             dev.accelerator.set_device(rank)

@@ -66,11 +66,14 @@ def main(argv: list[str]) -> int:
 
 def worker_main(argv: list[str]) -> int:
     """One rank of an evaluation (what the launcher starts)."""
+    from megatron_npu.patches import jit_fusions
     from megatron_npu.training import arguments, launch, quiet_expected_warnings
-    from megatron_npu.training.rank_session import rank_session
 
     quiet_expected_warnings()
     args = arguments.parse_args(list(argv), command="evaluate")
+    jit_fusions.load_eagerly(args.device)
+    from megatron_npu.training.rank_session import rank_session
+
     args.no_load_optim = args.no_load_rng = True
     env = launch.dist_env(args.master_addr, args.master_port)
     try:

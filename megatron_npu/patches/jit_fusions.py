@@ -112,3 +112,68 @@ PATCHES = [
         benchmark_exempt="removes a compiler, adds no code of its own",
     )
 ]
+
+
+def load_eagerly(device: str | None) -> bool:
+    """Make ``megatron.core.jit`` hand out the identity decorator from the moment it loads, in a
+    process about to train on ``device`` (None: the device ``megatron_npu.apply`` picks); True
+    when it will.
+
+    Loaded as Megatron ships it, ``jit_fuser`` is ``torch.compile``, and every module that
+    decorates a function with it calls ``torch.compile`` while it loads, which imports dynamo and
+    inductor: about 1.5 s of each rank's start-up here, spent on wrappers that the entries above
+    then replace with the very functions they wrapped. Loaded through this hook, ``jit_fuser``
+    is the identity, as Megatron's own ``disable_jit_fuser()`` (Megatron-LM's
+    ``--disable-jit-fuser``) sets it, before any module takes it, so those modules hold Megatron's
+    functions themselves: the code that runs is the same, and the entries above find nothing to
+    unwrap.
+
+    Only for a device these entries serve, with none of them disabled (``--disable-patch``,
+    ``$MEGATRON_NPU_DISABLE``), and only before
+    ``megatron.core`` is first imported (afterwards the entries above do the work). A process
+    that calls it keeps the eager functions for its life: entry points call it (a rank, a
+    script's ``import megatron_npu.auto``), ``megatron_npu.apply`` does not, so a process that
+    applies and restores keeps Megatron's compiled functions.
+    """
+    import sys
+
+    from megatron_npu import devices, patcher
+
+    if "megatron.core" in sys.modules or devices.requested_name(device) not in PATCHES[0].devices:
+        return False
+    off = {i for ids, _ in patcher.disable_requests() for i in ids}
+    if any(patch.id in off for patch in PATCHES):
+        return False
+    if not any(isinstance(f, _EagerJitFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _EagerJitFinder())
+    return True
+
+
+class _EagerJitFinder:
+    """Finds ``megatron.core.jit`` as the other finders do; its loader sets ``jit_fuser`` to the
+    identity right after the module's own code (every release has that name; not all have
+    ``disable_jit_fuser``)."""
+
+    NAME = "megatron.core.jit"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _EagerJitLoader(spec.loader)
+        return spec
+
+
+class _EagerJitLoader:
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        module.jit_fuser = eager_decorator

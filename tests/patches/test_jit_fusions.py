@@ -97,3 +97,82 @@ def test_every_jit_fuser_function_on_the_dense_path_is_listed():
                 compiled.add(f"{module.__name__}.{key}")
     missing = sorted(compiled - targets)
     assert not missing, f"compiled fusions without a jit-eager patch: {missing}"
+
+
+_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+_MODEL += ["--seq-length", "32", "--micro-batch-size", "2"]
+#: what each kind of process the adaptor runs in does first, on the device ``{device}``
+_ENTRY_POINTS = {
+    "script": "import megatron_npu.auto",
+    "train-rank": "from megatron_npu import train\n"
+    f"train.main(['--device', '{{device}}', '--mock-data', '--vocab-size', '255', *{_MODEL!r}, "
+    "'--global-batch-size', '2', '--lr', '1e-3', '--train-iters', '1', '--progress', 'none'])",
+    "evaluate-rank": "from megatron_npu.evaluate import command\n"
+    "command._evaluate = lambda *args: None\n"
+    f"command.worker_main(['--device', '{{device}}', '--task', 'lambada', *{_MODEL!r}])",
+}
+#: read once the adaptor is restored (while applied, the jit-eager entries make both look eager)
+_REPORT = """
+import megatron_npu
+import torch
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_gelu
+megatron_npu.restore()
+compiled = hasattr(fused_bias_gelu.bias_gelu, "_torchdynamo_orig_callable")
+print(compiled, jit.jit_fuser is torch.compile)
+"""
+
+
+def _compiled_after(entry: str, device: str, **env: str) -> tuple[bool, bool]:
+    """(Megatron's bias_gelu is a torch.compile wrapper, jit_fuser is torch.compile) in a fresh
+    process once ``entry`` ran there on ``device``."""
+    import os
+    import subprocess
+    import sys
+
+    code = _ENTRY_POINTS[entry].format(device=device) + "\n" + _REPORT
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "MEGATRON_NPU_DEVICE": device, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, fuser_is_compile = done.stdout.split()[-2:]
+    return compiled == "True", fuser_is_compile == "True"
+
+
+@pytest.mark.parametrize(
+    ("entry", "device"),
+    [("script", "npu-emulated"), ("train-rank", "cpu"), ("evaluate-rank", "npu-emulated")],
+)
+def test_a_process_on_a_non_cuda_device_loads_megatrons_fusions_uncompiled(entry, device):
+    """A script's ``import megatron_npu.auto``, a train rank and an evaluate rank load
+    ``megatron.core.jit`` with the identity decorator: Megatron's fused functions are its own
+    functions from the start, and stay so once the adaptor is restored, so no process pays for
+    torch.compile wrapping functions that the jit-eager entries unwrap."""
+    assert _compiled_after(entry, device) == (False, False)
+
+
+def test_a_parity_rank_loads_megatrons_fusions_uncompiled():
+    """A rank-pool worker for a non-CUDA device compiles nothing while it starts and applies the
+    adaptor: Megatron's fusions load uncompiled there too."""
+    from megatron_npu.parity.case import Parallel
+    from megatron_npu.parity.harness import Job
+    from megatron_npu.parity.ranks import RankPool
+
+    pool = RankPool(2, timeout_s=120, runner="megatron_npu.parity._selftest:jit_fusions_compiled")
+    try:
+        assert pool.submit(Job("any", "cpu", "float32", Parallel(tp=2), ())) == {"compiled": False}
+    finally:
+        pool.close()
+
+
+def test_megatron_loads_as_shipped_on_cuda_or_with_a_jit_eager_entry_disabled():
+    """On ``cuda`` the hook stays out (Megatron's torch.compile fusions are its GPU path), and
+    with a jit-eager entry switched off the user asked for that function compiled, so Megatron
+    loads as shipped and the entries decide."""
+    off = jit_fusions.patch_id("megatron.core.fusions.fused_bias_gelu.bias_gelu")
+    assert _compiled_after("script", "cpu", MEGATRON_NPU_DISABLE=off) == (True, True)
+    assert jit_fusions.load_eagerly("cuda") is False
