@@ -105,6 +105,9 @@ PATCHES = [
         replacement=eager_decorator,
         versions="<0.17",
         check_signature=False,
+        # the name is torch.compile itself: copies of it are every `from torch import compile`
+        # in any loaded module, the user's own included, which must keep theirs
+        rebind_copies=False,
         reason="GroupedMLP decorates its GLU and prob-weighted activation with jit_fuser inside "
         "__init__, out of reach of a function patch: the decorator itself runs them eagerly",
         parity_exempt="Megatron's own elementwise code, unchanged, run without torch.compile",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -176,3 +178,19 @@ def test_megatron_loads_as_shipped_on_cuda_or_with_a_jit_eager_entry_disabled():
     off = jit_fusions.patch_id("megatron.core.fusions.fused_bias_gelu.bias_gelu")
     assert _compiled_after("script", "cpu", MEGATRON_NPU_DISABLE=off) == (True, True)
     assert jit_fusions.load_eagerly("cuda") is False
+
+
+def test_a_users_own_torch_compile_is_left_alone(monkeypatch):
+    """The eager decorator goes to Megatron's experts module alone: a user's module that holds
+    ``torch.compile`` under a name of its own (``from torch import compile``) keeps it while the
+    adaptor is applied."""
+    import types
+
+    users = types.ModuleType("users_model")
+    users.compile = torch.compile
+    monkeypatch.setitem(sys.modules, users.__name__, users)
+    megatron_npu.apply("cpu", transfer=True)
+    try:
+        assert users.compile is torch.compile
+    finally:
+        megatron_npu.restore()
