@@ -81,11 +81,14 @@ LAYOUTS = {
     ),
 }
 #: ``--extended``: CP beside the other parallel dimensions, the NPU path's kernels (which
-#: tests/ops/test_context_parallel.py checks against whole-sequence attention), and the plain CP2
+#: tests/ops/test_context_parallel.py checks against whole-sequence attention), the plain CP2
 #: ring, all-to-all and all-gather, which cp4-a2a-p2p (an all-to-all within pairs, a ring across
-#: them), rope-gqa-cp2-p2p and window-cp2-allgather reach by default (the all-gather without a
-#: window is one of the op test's cases)
+#: them) and window-cp2-allgather reach by default (the all-gather without a window is one of the
+#: op test's cases), and the Llama-style ring, which
+#: tests/megatron_lm/test_pretrain_gpt.py::test_context_parallel_trains_and_matches_cp1 trains
+#: against CP1 by default (RoPE, GQA, the p2p ring on cpu, the same TE-spec attention)
 EXTENDED = {
+    "rope-gqa-cp2-p2p",
     "cp2-allgather",
     "cp2-p2p-flash-npu",
     "tp2-sp-cp2-p2p",
