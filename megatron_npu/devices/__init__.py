@@ -67,15 +67,19 @@ def detect() -> str:
     return NPU
 
 
-def requested_name(name: str | None = None) -> str:
-    """The device name asked for: ``name``, else $MEGATRON_NPU_DEVICE, else auto-detection."""
+def chosen_name(name: str | None = None) -> str | None:
+    """The device name asked for: ``name``, else $MEGATRON_NPU_DEVICE; None when neither names
+    one (auto-detection then picks ``npu`` or ``cpu``, :func:`detect`)."""
     chosen = name or os.environ.get(ENV_VAR, "").strip() or None
-    if chosen is None:
-        return detect()
-    if chosen not in _MODULES:
+    if chosen is not None and chosen not in _MODULES:
         source = f"${ENV_VAR}" if name is None else "device"
         raise ValueError(f"{source}={chosen!r} is not a device: choose one of {', '.join(NAMES)}")
     return chosen
+
+
+def requested_name(name: str | None = None) -> str:
+    """The device name asked for: ``name``, else $MEGATRON_NPU_DEVICE, else auto-detection."""
+    return chosen_name(name) or detect()
 
 
 def resolve(name: str | Device | None = None) -> Device:

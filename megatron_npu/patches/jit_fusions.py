@@ -14,6 +14,7 @@ cross entropy), that replacement is what runs; these entries cover the rest.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from megatron_npu.registry import Patch
@@ -139,11 +140,11 @@ def load_eagerly(device: str | None) -> bool:
     script's ``import megatron_npu.auto``), ``megatron_npu.apply`` does not, so a process that
     applies and restores keeps Megatron's compiled functions.
     """
-    import sys
-
     from megatron_npu import devices, patcher
 
-    if "megatron.core" in sys.modules or devices.requested_name(device) not in PATCHES[0].devices:
+    # no name given: auto-detection (left to apply, which runs it once) picks npu or cpu
+    chosen = devices.chosen_name(device)
+    if "megatron.core" in sys.modules or chosen not in (None, *PATCHES[0].devices):
         return False
     off = {i for ids, _ in patcher.disable_requests() for i in ids}
     if any(patch.id in off for patch in PATCHES):
