@@ -188,11 +188,14 @@ def run(
     warm (:func:`megatron_npu.training.launch.run_warm`): a locate run replays a step many
     times, and each replay would otherwise import Megatron anew."""
     from megatron_npu.training.launch import RankFailure, run_warm
+    from megatron_npu.training.main_guard import UnguardedMainError
 
     try:
         run_warm(_run_rank, spec, world, timeout_s=timeout_s, log=log, env=env)
     except RankFailure as exc:
         raise WorkerError(f"locate worker {exc}") from None
+    except UnguardedMainError as exc:
+        raise WorkerError(str(exc)) from None
 
 
 if __name__ == "__main__":

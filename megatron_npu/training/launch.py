@@ -76,7 +76,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from megatron_npu import console
 from megatron_npu.devices.base import Device
 from megatron_npu.files import write_private
-from megatron_npu.training import children, errors, preflight
+from megatron_npu.training import children, errors, main_guard, preflight
 
 
 @dataclass(frozen=True)
@@ -510,7 +510,10 @@ def run_warm(
     caller that runs many short jobs one after another (locate's replays) pays for the imports
     once. ``target`` is a module-level function (it travels by name); ``log`` receives every
     rank's output. As with any multiprocessing start method but ``fork``, the caller's main
-    module must import without side effects (``if __name__ == "__main__":``)."""
+    module must import without side effects (``if __name__ == "__main__":``); a call from its
+    top level outside that guard raises :class:`~.main_guard.UnguardedMainError` before any
+    rank starts."""
+    main_guard.check()
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
     base["PYTHONUNBUFFERED"] = "1"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_npu.training import main_guard
 from megatron_npu.training.launch import RankFailure, launch, run_warm
 
 pytestmark = pytest.mark.multiprocess
@@ -131,3 +132,67 @@ def test_the_launcher_holds_the_rendezvous_port_before_its_ranks_start():
     )
     # each rank exits 0 only if the port it is told to meet on is already listened on
     assert launch([], args, module="tests.training._port_probe") == 0
+
+
+_LOCATE_CALL = """import sys
+from megatron_npu import cli
+code = cli.main([
+    "locate", "--step", "1", "--out", "out",
+    "--reference", "--device cpu", "--candidate", "--device npu-emulated",
+    "--common", "--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+    "--max-position-embeddings 8 --micro-batch-size 1 --global-batch-size 1 --train-iters 1 "
+    "--lr 1e-4 --vocab-size 64",
+])
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["top-level", "guarded"])
+def test_a_users_script_that_starts_ranks_outside_its_main_guard_gets_one_named_error(
+    tmp_path, guarded
+):
+    """A rank from the fork server imports the caller's main module first; a call at its top
+    level outside ``if __name__ == "__main__":`` would run again in every rank, each stopping
+    with multiprocessing's own traceback. locate names the line once instead, before any rank
+    starts; under the guard the same call replays both runs."""
+    script = tmp_path / "user_locate.py"
+    if guarded:
+        body = "".join(f"    {line}\n" for line in _LOCATE_CALL.splitlines())
+        script.write_text(f"if __name__ == '__main__':\n{body}")
+    else:
+        script.write_text(_LOCATE_CALL)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    if guarded:
+        assert run.returncode == 0, run.stderr
+        assert (tmp_path / "out" / "locate.json").is_file()
+        return
+    assert run.returncode == 2, run.stderr
+    assert not (tmp_path / "out" / "locate.json").exists()
+    assert [line for line in run.stderr.splitlines() if line.strip()] == [
+        f"megatron-npu locate: the ranks start from a fork server and each first imports the "
+        f"main module {script}, whose line 3 runs this call outside "
+        '`if __name__ == "__main__":`, so every rank would run it again: put the call under '
+        "that guard (Python's rule for multiprocessing's fork-server and spawn start methods)"
+    ], run.stderr
+
+
+def test_the_guard_is_recognised_as_python_programs_write_it():
+    source = (
+        "import x\n"  # 1
+        "if '__main__' == __name__:\n"  # 2
+        "    x.go()\n"  # 3
+        "try:\n"  # 4
+        "    if __name__ == '__main__':\n"  # 5
+        "        x.go()\n"  # 6
+        "        x.stop()\n"  # 7
+        "except ImportError:\n"  # 8
+        "    pass\n"  # 9
+        "if __name__ != '__main__':\n"  # 10
+        "    x.go()\n"  # 11
+        "if __name__ == '__mp_main__' or x:\n"  # 12
+        "    x.go()\n"  # 13
+    )
+    covered = {line for span in main_guard._guarded_lines(source) for line in span}
+    assert covered == {3, 6, 7}
