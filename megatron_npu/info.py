@@ -141,7 +141,7 @@ def render(data: dict[str, Any], file: Any = None) -> None:
     table = Table(title="patches", show_lines=False)
     for column in ("id", "target", "status", "npu path", "reason"):
         table.add_column(column, overflow="fold")
-    styles = {"applied": "green", "failed": "bold red"}
+    styles = {"applied": "green", "failed": "bold red", "kept-original": "yellow"}
     for row in data["patches"]:
         style = styles.get(row["status"], "dim")
         npu = row["npu_path"]

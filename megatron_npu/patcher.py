@@ -49,7 +49,18 @@ FAILED = "failed"
 DISABLED = "disabled"
 #: the package holding the target (``Patch.requires``) is not importable in this process
 NOT_INSTALLED = "not-installed"
-STATUSES = (APPLIED, SKIPPED_BY_VERSION, NOT_FOR_DEVICE, FAILED, DISABLED, NOT_INSTALLED)
+#: the replacement built for the target is the target itself (a wrap that found nothing to
+#: replace, e.g. apex's kernel where it serves only Megatron's fallback): nothing was installed
+KEPT_ORIGINAL = "kept-original"
+STATUSES = (
+    APPLIED,
+    SKIPPED_BY_VERSION,
+    NOT_FOR_DEVICE,
+    FAILED,
+    DISABLED,
+    NOT_INSTALLED,
+    KEPT_ORIGINAL,
+)
 
 #: Comma-separated patch ids the user switched off.
 DISABLE_ENV = "MEGATRON_NPU_DISABLE"
@@ -282,7 +293,8 @@ def _resolve_for(patch: Patch) -> tuple[Any, str]:
 
 
 def _plan(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]:
-    """Build ``patch``'s replacement and every site it goes to, changing nothing yet."""
+    """Build ``patch``'s replacement and every site it goes to, changing nothing yet; no site
+    when the replacement is the original itself."""
     owner, name = _resolve_for(patch)
     if patch.creates and not hasattr(owner, name):
         _state.originals[patch.id] = None
@@ -291,6 +303,8 @@ def _plan(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]
     original, descriptor = _unwrap_descriptor(raw)
     _state.originals[patch.id] = original
     new = patch.build(original)
+    if new is original:
+        return []
     if patch.check_signature and not (patch.kind == "wrap" and _is_pass_through(original, new)):
         check_signature(patch, original, new)
     installed = (
@@ -304,6 +318,12 @@ def _plan(patch: Patch, copies: dict[int, list[tuple[Any, str]]]) -> list[_Site]
             if mod is not owner
         ]
     return sites
+
+
+def _qualified_name(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{name}" if module else name
 
 
 def _install(sites: list[_Site], installed: list[_Site]) -> None:
@@ -545,7 +565,8 @@ def apply(
                     continue
                 before = len(sites)
                 try:
-                    _install(_plan(patch, copies), sites)
+                    planned = _plan(patch, copies)
+                    _install(planned, sites)
                 except Exception as exc:  # noqa: BLE001  (every failure becomes a PatchError)
                     _uninstall(sites[before:])
                     del sites[before:]
@@ -553,6 +574,18 @@ def apply(
                     error.__cause__ = exc
                     errors.append(error)
                     results.append(PatchResult(patch.id, patch.target, FAILED, str(error)))
+                    continue
+                if not planned:
+                    kept = _state.originals[patch.id]
+                    results.append(
+                        PatchResult(
+                            patch.id,
+                            patch.target,
+                            KEPT_ORIGINAL,
+                            f"the target stays as found ({_qualified_name(kept)}); the patch "
+                            f"is for: {patch.reason}",
+                        )
+                    )
                     continue
                 results.append(
                     PatchResult(patch.id, patch.target, APPLIED, patch.reason, len(sites) - before)

@@ -90,6 +90,23 @@ def test_double_apply_and_device_switch_never_stack_wrappers(fake):
     assert fake.thing.f is _original_f
 
 
+def test_a_wrap_that_keeps_the_original_is_reported_as_kept(fake):
+    """A wrap may find nothing to replace (its builder returns the target itself): nothing is
+    bound, and the status says so instead of ``applied``."""
+    kept = Patch("t.kept", "fakemeg.core.thing.f", lambda original: original, "when f is slow",
+                 kind="wrap")  # fmt: skip
+    results = _apply([kept, Patch("t.m", "fakemeg.core.thing.Config.method", _counting_wrap,
+                                  "test", kind="wrap")])  # fmt: skip
+    assert [r.status for r in results] == [patcher.KEPT_ORIGINAL, patcher.APPLIED]
+    assert results[0].reason == (
+        f"the target stays as found ({__name__}._original_f); the patch is for: when f is slow"
+    )
+    assert results[0].sites == 0
+    assert fake.thing.f is _original_f and "f" in vars(fake.thing)
+    megatron_npu.restore()
+    assert fake.thing.f is _original_f and fake.user.f is _original_f
+
+
 def test_from_import_copies_are_rebound_and_restored(fake):
     _apply([Patch("t.f", "fakemeg.core.thing.f", _replacement_f, "test")])
     assert fake.user.f is _replacement_f

@@ -21,7 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_npu
 from megatron_npu.devices.facts import CPU, CUDA, NON_CUDA
-from megatron_npu.patcher import NOT_FOR_DEVICE, megatron_core_version, plan_status
+from megatron_npu.patcher import (
+    APPLIED,
+    KEPT_ORIGINAL,
+    NOT_FOR_DEVICE,
+    megatron_core_version,
+    plan_status,
+)
 from megatron_npu.patches import optimizer as optimizer_patches
 from megatron_npu.registry import all_patches, get_patch
 
@@ -40,16 +46,19 @@ _LINE = (
 )
 
 
-def _apply_here() -> None:
+def _apply_here() -> dict[str, str]:
+    """Apply the entries here; their statuses by id."""
     entries = {p.id: p for p in all_patches()}
     widened = [dataclasses.replace(entries[i], devices=frozenset({CPU})) for i in (_NORM, _SCALE)]
-    megatron_npu.apply(CPU, patches=[*widened, *(entries[i] for i in _ROUTING)])
+    results = megatron_npu.apply(CPU, patches=[*widened, *(entries[i] for i in _ROUTING)])
+    return {r.id: r.status for r in results}
 
 
 @pytest.fixture
 def cuda_entries_here(gloo_world_of_one):
     optimizer_patches._say_foreach_serves.cache_clear()
-    _apply_here()
+    statuses = _apply_here()
+    assert statuses[_NORM] == statuses[_SCALE] == APPLIED
     yield
     megatron_npu.restore()
 
@@ -138,7 +147,7 @@ def test_the_mixed_precision_copy_takes_the_same_kernel(cuda_entries_here):
 
 def test_installed_multi_tensor_kernels_stay(gloo_world_of_one, monkeypatch, capsys):
     """Where apex or TE bound their kernels (a stand-in here), the entries leave them: nothing is
-    replaced and nothing is said."""
+    replaced, nothing is said, and their status says they kept the kernels."""
     from megatron.core.optimizer import clip_grads
 
     def amp_c_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -150,8 +159,9 @@ def test_installed_multi_tensor_kernels_stay(gloo_world_of_one, monkeypatch, cap
     monkeypatch.setattr(clip_grads, "l2_norm_impl", amp_c_l2norm)
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", amp_c_scale)
     optimizer_patches._say_foreach_serves.cache_clear()
-    _apply_here()
+    statuses = _apply_here()
     try:
+        assert statuses[_NORM] == statuses[_SCALE] == KEPT_ORIGINAL
         assert clip_grads.l2_norm_impl is amp_c_l2norm
         assert clip_grads.multi_tensor_scale_impl is amp_c_scale
     finally:
