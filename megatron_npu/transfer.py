@@ -187,15 +187,18 @@ def _to_active(device: Device) -> Any:
 
 
 def _loader_with_own_generator(init: Any) -> Any:
-    """``DataLoader(...)`` without a ``generator`` draws its workers' base seed from torch's
-    default CPU generator each time an iterator starts. On CUDA that generator is not the one
-    dropout uses; here the "CUDA" generator *is* the CPU generator, so the draw would shift the
+    """For a host-only device (``cpu``, ``npu-emulated``). ``DataLoader(...)`` without a
+    ``generator`` draws its workers' base seed from torch's default CPU generator each time an
+    iterator starts. On CUDA that generator is not the one dropout uses; here the "CUDA"
+    generator *is* the CPU generator, so the draw would shift the
     dropout stream by where in the run the loader happens to start (Megatron-LM builds it after
     loading a checkpoint, so a resumed run would not repeat the straight one). The loader gets a
     generator of its own, seeded from the process's initial seed, as CUDA's separation implies.
 
     ``pin_memory`` is switched off: page-locked host memory only speeds host-to-device copies,
-    and there is no device here (a CUDA build of torch would ask the absent driver for one)."""
+    and there is no device here (a CUDA build of torch would ask the absent driver for one).
+    A real ``npu`` keeps the loader as torch ships it: pinned batches and the device's own
+    generator for dropout."""
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -228,8 +231,9 @@ def _install_mapping(device: Device) -> None:
     _set(torch.Tensor, "to", _map_first_device_argument(torch.Tensor.to))
     _set(torch.nn.Module, "cuda", _to_active(device))
     _set(torch.nn.Module, "to", _map_first_device_argument(torch.nn.Module.to))
-    loader = torch.utils.data.DataLoader
-    _set(loader, "__init__", _loader_with_own_generator(loader.__init__))
+    if device.torch_type == "cpu":  # a host-only device: the loader's two assumptions fail
+        loader = torch.utils.data.DataLoader
+        _set(loader, "__init__", _loader_with_own_generator(loader.__init__))
     for name, default in (("init_process_group", True), ("new_group", False)):
         function = getattr(torch.distributed, name)
         _set(torch.distributed, name, _backend_for(device, function, default=default))

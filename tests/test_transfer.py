@@ -256,3 +256,21 @@ def test_auto_module_applies_transfer_for_the_environment_device(monkeypatch):
         megatron_npu.restore()
         sys.modules.pop("megatron_npu.auto", None)
     assert not transfer.installed()
+
+
+def test_the_data_loader_is_adjusted_on_host_only_devices_alone(monkeypatch):
+    """On cpu the loader gets a generator of its own and no pinned memory (there is no device
+    to copy to); on a real npu without torch_npu's transfer module the mapping is the adaptor's,
+    and the loader stays as torch ships it (pinned batches speed the copies to the NPU)."""
+    monkeypatch.setattr(transfer, "has_torch_npu_transfer", lambda: False)
+    npu = Device(name="npu", torch_type="npu", dist_backend="hccl", accelerator=CpuAccelerator())
+    cpu = Device(name="cpu", torch_type="cpu", dist_backend="gloo", accelerator=CpuAccelerator())
+    seen = {}
+    for device in (cpu, npu):
+        assert transfer.install(device) == "megatron-npu"
+        try:
+            loader = torch.utils.data.DataLoader(range(4), pin_memory=True)
+            seen[device.name] = (loader.pin_memory, loader.generator is not None)
+        finally:
+            transfer.uninstall()
+    assert seen == {"cpu": (False, True), "npu": (True, False)}
