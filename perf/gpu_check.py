@@ -18,7 +18,8 @@ On a machine whose torch sees a CUDA device it writes, into ``DIR``:
   ``megatron-npu train`` with the same options held against the script's fp32 curve;
 * ``fairness.json``: the GPT-345M ``--use-flash-attn`` bf16 row's s/step against the same model
   written plainly (``perf/plain_gpt.py``, SDPA's flash kernel, eager) with the row's own batch,
-  micro-batches and dropout; the target is a ratio of at most 1.25;
+  micro-batches and dropout; the target is a ratio of at most 1.25
+  (:class:`megatron_npu.formats.fairness_record.FairnessRecord`);
 * ``profile/``: where that row's step time goes beside its twin's (``train --profile
   --use-pytorch-profiler`` and the same profiler around the twin): kernel time against wall
   time, kernels, device reads, the ops that took the time.
@@ -37,6 +38,7 @@ about 9 minutes (the matrix's 16 runs about 8).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -54,6 +56,7 @@ import torch
 from megatron_npu.compare.matrix import parse, tomllib
 from megatron_npu.devices.facts import CUDA
 from megatron_npu.formats.compare_results import CompareResults
+from megatron_npu.formats.fairness_record import FairnessRecord
 
 HERE = Path(__file__).resolve().parent
 MATRIX = HERE / "gpu_matrix.toml"
@@ -428,20 +431,20 @@ def fairness(out: Path, matrix_path: Path | None = None, device: str = CUDA) -> 
     ours, ci95, source = _row_speed(out, row, device)
     trainer = _twin(row[1], device)
     plain = statistics.median(_timed_steps(trainer, 13, device)[3:])
-    record = {
-        "megatron_npu_s_per_step": ours,
-        "megatron_npu_ci95": ci95,
-        "megatron_npu_source": source,
-        "plain_torch_eager_s_per_step": plain,
-        "ratio": ours / plain,
-        "target": FAIRNESS_TARGET,
-        "device": device,
-        "shape": trainer.shape.__dict__,
-        "micro_batches": trainer.micro_batches,
-        "dtype": str(trainer.dtype),
-    }
-    (out / "fairness.json").write_text(json.dumps(record, indent=1) + "\n")
-    return ours / plain <= FAIRNESS_TARGET
+    record = FairnessRecord(
+        megatron_npu_s_per_step=ours,
+        megatron_npu_ci95=ci95,
+        megatron_npu_source=source,
+        plain_torch_eager_s_per_step=plain,
+        ratio=ours / plain,
+        target=FAIRNESS_TARGET,
+        device=device,
+        shape=dataclasses.asdict(trainer.shape),
+        micro_batches=trainer.micro_batches,
+        dtype=str(trainer.dtype),
+    )
+    record.write(out / "fairness.json")
+    return record.fair
 
 
 #: the steps ``breakdown`` profiles (after six warm-up steps, as train counts them; with the torch

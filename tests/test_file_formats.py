@@ -11,6 +11,7 @@ import pytest
 
 from megatron_npu.formats import FormatError, formats, schema_files
 from megatron_npu.formats.compare_results import CompareResults
+from megatron_npu.formats.fairness_record import FairnessRecord
 from megatron_npu.formats.lambada_result import LambadaResult
 from megatron_npu.formats.metrics import MetricsFile
 from megatron_npu.formats.parity_record import ParityRecord
@@ -90,6 +91,18 @@ def test_committed_compare_results_read_and_write_back_unchanged(machine, tmp_pa
     assert json.loads(results.to_json()) == json.loads(path.read_text())
     results.write(tmp_path / "results.json")
     assert CompareResults.read(tmp_path / "results.json") == results
+
+
+def test_the_committed_fairness_record_reads_back_and_its_ratio_is_checked(tmp_path):
+    path = COMPETITOR / "nvidia-h200-gpu-check" / "fairness.json"
+    record = FairnessRecord.read(path)
+    assert json.loads(record.to_json()) == json.loads(path.read_text())
+    assert (record.device, record.shape.num_layers, record.fair) == ("cuda", 24, False)
+    data = json.loads(path.read_text())
+    data["ratio"] = 1.2  # not the figures' own ratio
+    (tmp_path / "fairness.json").write_text(json.dumps(data))
+    with pytest.raises(FormatError, match=r"fairness\.json: ratio: 1\.2 is not "):
+        FairnessRecord.read(tmp_path / "fairness.json")
 
 
 def test_compare_results_keep_non_finite_numbers_as_strings():

@@ -146,21 +146,22 @@ def test_the_breakdown_profiles_the_row_and_its_twin_alike(tmp_path, small_fairn
 def test_fairness_without_the_compare_part_runs_the_row_itself(tmp_path, small_fairness_row):
     """No compare results: the row runs alone and is measured by compare's statistic (its
     median after the matrix's 3 warm-up steps), against the twin of the same row."""
-    import json
-
     from megatron_npu.compare import rules
+    from megatron_npu.formats.fairness_record import FairnessRecord
     from megatron_npu.formats.metrics import MetricsFile
 
     out = tmp_path / "out"
     out.mkdir()
-    gpu_check.fairness(out, small_fairness_row, device="cpu")
-    record = json.loads((out / "fairness.json").read_text())
+    fair = gpu_check.fairness(out, small_fairness_row, device="cpu")
+    record = FairnessRecord.read(out / "fairness.json")
     metrics = MetricsFile.read(out / "fairness-run" / "metrics.json")
     stats = rules.step_time_stats([s.step_time_s for s in metrics.steps], 3)
-    assert record["megatron_npu_source"] == "a run of the row alone (fairness-run/)"
-    assert record["megatron_npu_s_per_step"] == stats.median
-    assert record["ratio"] == stats.median / record["plain_torch_eager_s_per_step"]
-    assert (record["micro_batches"], record["shape"]["micro_batch_size"]) == (2, 2)
+    assert record.megatron_npu_source == "a run of the row alone (fairness-run/)"
+    assert record.megatron_npu_s_per_step == stats.median
+    assert record.megatron_npu_ci95 == tuple(stats.ci95)
+    assert record.ratio == stats.median / record.plain_torch_eager_s_per_step
+    assert fair == (record.ratio <= gpu_check.FAIRNESS_TARGET == record.target)
+    assert (record.micro_batches, record.shape.micro_batch_size, record.device) == (2, 2, "cpu")
 
 
 def test_a_failed_row_run_names_its_log(tmp_path, small_fairness_row):
