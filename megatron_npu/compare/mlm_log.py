@@ -24,8 +24,10 @@ What is read (``megatron/training/training.py`` ``training_log`` and ``arguments
   peak of ``torch.cuda.max_memory_allocated`` (largest over ranks and lines): the allocator's on
   a GPU, the process's RSS where the adaptor ran it on cpu.
 
-Other lines, rank prefixes (``[rank3]:``, ``[default0]:``) and the output of several ranks
-interleaved line by line are allowed. The same iteration logged twice with the same figures
+Other lines, line prefixes (torchrun's ``[rank3]:``/``[default0]:``, Slurm's ``srun --label``
+``0:``, pdsh's ``node:``, OpenMPI's ``[1,0]<stdout>:``, a timestamp per line: whatever stands
+before the argument header's dashes) and the output of several ranks interleaved line by line
+are allowed. The same iteration logged twice with the same figures
 (several ranks, or a restart that repeats lines) counts once; with other figures it is an error.
 Every problem is a :class:`LogFormatError` naming the file and line.
 """
@@ -43,7 +45,13 @@ from megatron_npu.formats.metrics import MetricsFile
 
 ARGS_START = re.compile(r"-{3,} arguments -{3,}")
 ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
-ARG_LINE = re.compile(r"^(?:\[[^\]]*\]:?)?\s+([A-Za-z_]\w*) (?:\.+ | )(.*)$")
+#: one argument as ``_print_args`` writes it: ``'  {} {} {}'.format(name, dots, value)``, the
+#: dots ``'.' * (48 - len(name))`` (none for a name of 48 characters or more)
+ARG_LINE = re.compile(r"^  ([A-Za-z_]\w*) (\.*) (.*)$")
+#: the same, found anywhere in a line whose prefix is not the argument header's (a timestamp
+#: of varying width per line); the dot count tells an argument from other text
+ARG_IN_LINE = re.compile(r"\s ([A-Za-z_]\w*) (\.*) (.*)$")
+ARG_NAME_WIDTH = 48
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|(.*)$")
 PADDED_VOCAB = re.compile(
     r"padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)"
@@ -82,6 +90,15 @@ class LogFormatError(ValueError):
 
 def looks_like_log(text: str) -> bool:
     return bool(ITERATION.search(text)) or bool(ARGS_START.search(text))
+
+
+def _argument(line: str, prefix: str) -> tuple[str, str] | None:
+    """``(name, value text)`` of an argument-dump line whose header line began with ``prefix``,
+    or None for another line (another rank's output inside the dump)."""
+    for match in (ARG_LINE.match(line[len(prefix) :]), ARG_IN_LINE.search(line)):
+        if match and len(match.group(2)) == max(ARG_NAME_WIDTH - len(match.group(1)), 0):
+            return match.group(1), match.group(3)
+    return None
 
 
 def _value(text: str) -> Any:
@@ -155,6 +172,7 @@ def parse(path: str | Path) -> dict[str, Any]:
     arguments: dict[str, Any] | None = None
     in_args = False
     args_line = 0
+    prefix = ""  # what stands before the argument header's dashes
     padded = tokenizer_vocab = None
     peak_mb = None
     records: dict[int, tuple[int, dict[str, Any]]] = {}
@@ -165,13 +183,15 @@ def parse(path: str | Path) -> dict[str, Any]:
             if ARGS_END.search(line):
                 in_args = False
                 continue
-            match = ARG_LINE.search(line.rstrip())
-            if match:
-                arguments.setdefault(match.group(1), _value(match.group(2)))
+            found = _argument(line, prefix)
+            if found:
+                arguments.setdefault(found[0], _value(found[1]))
             continue
-        if ARGS_START.search(line):
+        header = ARGS_START.search(line)
+        if header:
             if arguments is None:
                 arguments, in_args, args_line = {}, True, number
+                prefix = line[: header.start()]
             if processes[-1]:
                 processes.append([])
             continue
@@ -202,6 +222,11 @@ def parse(path: str | Path) -> dict[str, Any]:
         raise LogFormatError(
             f"{path}: no argument dump ('---- arguments ----'): not a Megatron-LM training log, "
             "or its start is missing (the fingerprint is read from it)"
+        )
+    if not arguments:
+        raise LogFormatError(
+            f"{path}:{args_line}: the argument dump holds no line that reads as Megatron-LM's "
+            "'  name ....... value'"
         )
     if not records:
         raise LogFormatError(

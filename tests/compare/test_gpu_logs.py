@@ -12,6 +12,7 @@ import pytest
 
 from megatron_npu.compare import command, datasheet, imports, mlm_log
 from megatron_npu.compare import matrix as m
+from megatron_npu.compare.fingerprint import fingerprint
 from megatron_npu.training import flops
 
 GPU_LOGS = Path(__file__).resolve().parents[3] / "shared" / "gpu-logs"
@@ -80,3 +81,38 @@ def test_an_event_folder_counts_the_flops_its_log_counts(precision):
     log = imports.load(str(GPT345M / f"mlm-native-{precision}.log")).metrics.summary
     events = imports.load(str(GPT345M / f"mlm-native-{precision}-tb")).metrics.summary
     assert events.model_flops_per_step == pytest.approx(log.model_flops_per_step, rel=1e-3)
+
+
+def _cluster_prefixes(line: str, number: int) -> dict[str, str]:
+    """The line as cluster launchers and loggers write it: Slurm's ``srun --label``, pdsh's host
+    prefix before it, OpenMPI's ``--tag-output``, a per-line timestamp of fixed and of varying
+    width (a logging handler's)."""
+    return {
+        "srun-label": f"0: {line}",
+        "pdsh": f"gpu-node-07: 0: {line}",
+        "openmpi-tag": f"[1,0]<stdout>:{line}",
+        "iso-timestamp": f"2026-11-29T05:{number % 60:02d}:00.{number % 1000:03d}Z {line}",
+        "logging": f"2026-11-29 5:{number % 60}:{number % 7} INFO {line}",
+    }
+
+
+@pytest.mark.parametrize("launcher", list(_cluster_prefixes("", 0)))
+def test_a_log_with_each_line_prefixed_reads_as_the_plain_log(tmp_path, launcher):
+    """Every argument of the dump is read (an empty value and the names longer than the dots'
+    48 columns too) and every iteration, so the fingerprint and 0.16's first-line sums come out
+    as from the plain log."""
+    log = GPU_LOGS / "h100-tiny" / "gpt-fp32.log"
+    lines = log.read_text().splitlines()
+    prefixed = tmp_path / f"{launcher}.log"
+    prefixed.write_text(
+        "".join(_cluster_prefixes(line, n)[launcher] + "\n" for n, line in enumerate(lines))
+    )
+    start = next(n for n, x in enumerate(lines) if "-- arguments --" in x)
+    end = next(n for n, x in enumerate(lines) if "-- end of arguments --" in x)
+    dumped = {x.split()[0] for x in lines[start + 1 : end]}
+    plain, read = mlm_log.parse(log), mlm_log.parse(prefixed)
+    assert set(read["arguments"]) == set(plain["arguments"]) == dumped
+    assert read["arguments"]["config_logger_dir"] == ""
+    assert read == plain
+    configs = [imports.load(path).metrics.config for path in (prefixed, log)]
+    assert fingerprint(configs[0]) == fingerprint(configs[1])

@@ -115,6 +115,12 @@ def test_truncated_corrupt_and_wrong_logs_are_named_with_their_line(tmp_path):
     cut.write_text("\n".join(lines[start + 700 :]) + "\n")  # the start of the log lost
     assert "no argument dump" in _error(cut) and _error(cut).startswith(f"{cut}: ")
     end = next(n for n, x in enumerate(lines, 1) if mlm_log.ARGS_END.search(x))
+    undotted = lines[:start] + [x.strip() for x in lines[start : end - 1]]
+    cut.write_text("\n".join(undotted + lines[end - 1 :]) + "\n")  # a dump in another layout
+    assert _error(cut) == (
+        f"{cut}:{start}: the argument dump holds no line that reads as Megatron-LM's "
+        "'  name ....... value'"
+    )
     cut.write_text("\n".join(lines[:end]) + "\n")  # killed before its first step
     assert "no 'iteration N/ M | ...' lines" in _error(cut)
     corrupt = tmp_path / "corrupt.log"
