@@ -1,17 +1,28 @@
-"""Reading a user's file as UTF-8 text, with one named error for each way it can fail."""
+"""Reading a user's file as UTF-8 text, with one named error for each way it can fail. A
+gzip-compressed file (an archived cluster log, ``train.log.gz``) reads as its content."""
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from pathlib import Path
+
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def read_text(path: Path, error: type[Exception], what: str, expected: str = "") -> str:
-    """The file's text; ``error`` names the file when it cannot be read, is empty (blank) or is
-    not UTF-8 (then the message says it is not a ``what``, and ``expected`` what was)."""
+    """The file's text (decompressed when it is gzip); ``error`` names the file when it cannot be
+    read or decompressed, is empty (blank) or is not UTF-8 (then the message says it is not a
+    ``what``, and ``expected`` what was)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if raw.startswith(GZIP_MAGIC):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise error(f"{path}: a damaged gzip file ({exc})") from None
     if not raw.strip():
         raise error(f"{path}: empty file")
     try:

@@ -5,6 +5,7 @@ GPU the matrix's ``hardware`` label names."""
 
 from __future__ import annotations
 
+import gzip
 import sys
 from pathlib import Path
 
@@ -116,3 +117,15 @@ def test_a_log_with_each_line_prefixed_reads_as_the_plain_log(tmp_path, launcher
     assert read == plain
     configs = [imports.load(path).metrics.config for path in (prefixed, log)]
     assert fingerprint(configs[0]) == fingerprint(configs[1])
+
+
+def test_an_archived_gzip_log_reads_as_the_log(tmp_path):
+    log = GPU_LOGS / "h100-tiny" / "gpt-bf16.log"
+    archived = tmp_path / "gpt-bf16.log.gz"
+    archived.write_bytes(gzip.compress(log.read_bytes()))
+    assert mlm_log.parse(archived) == mlm_log.parse(log)
+    assert imports.load(archived).metrics.steps == imports.load(log).metrics.steps
+    damaged = tmp_path / "cut.log.gz"
+    damaged.write_bytes(archived.read_bytes()[:2000])
+    with pytest.raises(imports.ImportedRunError, match=r"cut\.log\.gz: a damaged gzip file \("):
+        imports.load(damaged)
