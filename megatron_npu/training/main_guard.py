@@ -20,11 +20,11 @@ class UnguardedMainError(RuntimeError):
     """The main module starts ranks from its top level, outside its ``__main__`` guard."""
 
 
-def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"``, either way round."""
+def _compares_name_to_main(test: ast.expr, op: type[ast.cmpop]) -> bool:
+    """``__name__ <op> "__main__"``, either way round."""
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
         return False
-    if not isinstance(test.ops[0], ast.Eq):
+    if not isinstance(test.ops[0], op):
         return False
     sides = (test.left, test.comparators[0])
     names = [s.id for s in sides if isinstance(s, ast.Name)]
@@ -32,12 +32,24 @@ def _is_main_test(test: ast.expr) -> bool:
     return names == ["__name__"] and constants == ["__main__"]
 
 
+def _span(body: list[ast.stmt]) -> range:
+    return range(body[0].lineno, (body[-1].end_lineno or 0) + 1)
+
+
 def _guarded_lines(source: str) -> list[range]:
-    """The line ranges of every ``if __name__ == "__main__":`` body in ``source``."""
+    """The line ranges that run only in the main module as ``__main__``: the body of every
+    ``if __name__ == "__main__":`` (alone or in an ``and``), the ``else`` of every
+    ``if __name__ != "__main__":``."""
     spans = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.If) and _is_main_test(node.test):
-            spans.append(range(node.body[0].lineno, (node.body[-1].end_lineno or 0) + 1))
+        if not isinstance(node, ast.If):
+            continue
+        tests = node.test.values if isinstance(node.test, ast.BoolOp) else [node.test]
+        conjunction = not isinstance(node.test, ast.BoolOp) or isinstance(node.test.op, ast.And)
+        if conjunction and any(_compares_name_to_main(t, ast.Eq) for t in tests):
+            spans.append(_span(node.body))
+        elif _compares_name_to_main(node.test, ast.NotEq) and node.orelse:
+            spans.append(_span(node.orelse))
     return spans
 
 

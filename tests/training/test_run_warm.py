@@ -193,6 +193,14 @@ def test_the_guard_is_recognised_as_python_programs_write_it():
         "    x.go()\n"  # 11
         "if __name__ == '__mp_main__' or x:\n"  # 12
         "    x.go()\n"  # 13
+        "if __name__ != '__main__':\n"  # 14
+        "    pass\n"  # 15
+        "else:\n"  # 16
+        "    x.go()\n"  # 17
+        "if __name__ == '__main__' and x.ready:\n"  # 18
+        "    x.go()\n"  # 19
+        "if __name__ == '__main__' or x.ready:\n"  # 20
+        "    x.go()\n"  # 21
     )
     covered = {line for span in main_guard._guarded_lines(source) for line in span}
-    assert covered == {3, 6, 7}
+    assert covered == {3, 6, 7, 17, 19}
