@@ -650,7 +650,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs=2,
         metavar=("REF", "CAND"),
         help="two msprobe dumps made anywhere (a dump folder, a step<N> or rank<R> folder, or a "
-        "dump.json; levels L0 and mix, tensor or statistics): name the first module or API "
+        "dump.json; levels L0, L1 and mix, tensor or statistics): name the first module or API "
         "whose error its inputs do not explain (writes locate-msprobe.json)",
     )
     g.add_argument("--plant-candidate", help=argparse.SUPPRESS)  # testing aid: a parity mutation

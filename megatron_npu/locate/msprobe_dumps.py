@@ -1,7 +1,8 @@
 """Locate on msprobe dumps: the first module or API whose error its inputs do not explain.
 
-msprobe (``mindstudio-probe``, Ascend's precision tool) dumps every module (level ``L0``) or
-module and API (``mix``) call of a step on GPU, NPU or CPU: a folder per step and rank holding
+msprobe (``mindstudio-probe``, Ascend's precision tool) dumps every module (level ``L0``), API
+(``L1``, its default) or module and API (``mix``) call of a step on GPU, NPU or CPU: a folder per
+step and rank holding
 ``dump.json`` (one row per call, named ``Module.<path>.<Class>.forward.<n>``,
 ``Functional.<api>.<n>.forward``, their ``backward`` rows and ``parameters_grad`` rows), and with
 the ``tensor`` task the tensors in ``dump_tensor_data/*.pt``. ``msprobe compare`` judges each row
@@ -172,6 +173,15 @@ def _read_rank(dump_json: Path) -> RankDump:
         row = _row(name, data if isinstance(data, dict) else {}, order, data_dir)
         if row is not None:
             rows[match_key(name)] = row
+    if not rows:
+        level = document.get("level")
+        first = next(iter(document["data"]), None)
+        raise MsprobeDumpError(
+            f"{dump_json}: no module or API call to compare (level {level!r}, "
+            + (f"first row {first!r}" if first else "no rows")
+            + "): locate reads msprobe's levels L0, L1 and mix, whose rows are named "
+            "Module.<path>.<Class>.<phase>.<n> and <Api>.<name>.<n>.<phase>"
+        )
     parents: dict[str, str | None] = {}
     construct = dump_json.with_name("construct.json")
     if construct.is_file():

@@ -1,10 +1,14 @@
 """Make an msprobe dump of one training step of a small Llama-style stack (RMSNorm, SwiGLU MLP,
-tied output), on the CPU: ``python _msprobe_dump.py LEVEL TASK OUT [--plant]``.
+tied output), on the CPU: ``python _msprobe_dump.py LEVEL TASK OUT [--plant | --plant-kernel]``.
 
 ``--plant`` puts a 2 % error in the second layer's norm (half of its output features scaled by
 1.02), the kind of error a fused kernel makes: every later row inherits it. Both runs make the
 same calls (the scale is a buffer, ones when nothing is planted), so msprobe names their rows
-alike, as it does for a fused kernel that computes wrongly."""
+alike, as it does for a fused kernel that computes wrongly.
+
+``--plant-kernel`` makes ``torch.rsqrt`` itself 2 % off for every other sample, before msprobe
+wraps it: the API-level picture (msprobe's default level ``L1`` records API calls alone) of a
+kernel that computes wrongly from correct inputs."""
 
 from __future__ import annotations
 
@@ -56,6 +60,15 @@ class Model(torch.nn.Module):
         return self.final_norm(x) @ self.embedding.weight.t()
 
 
+def _faulty(kernel):
+    def faulty(x):
+        out = kernel(x)
+        skew = 1 + 0.02 * (torch.arange(out.shape[0]) % 2 == 0)
+        return out * skew.reshape(-1, *[1] * (out.dim() - 1))
+
+    return faulty
+
+
 def main() -> None:
     level, task, out = sys.argv[1:4]
     from msprobe.pytorch import PrecisionDebugger
@@ -76,6 +89,8 @@ def main() -> None:
         )
     )
     torch.manual_seed(0)
+    if "--plant-kernel" in sys.argv:
+        torch.rsqrt = _faulty(torch.rsqrt)
     model = Model("--plant" in sys.argv)
     tokens = torch.randint(0, VOCAB, (4, 16))
     debugger = PrecisionDebugger(config_path=str(config))

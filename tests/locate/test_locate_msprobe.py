@@ -1,9 +1,10 @@
 """``megatron-npu locate --msprobe REF CAND`` on real msprobe dumps made here on the CPU
-(``mindstudio-probe``'s ``PrecisionDebugger``, levels L0 and mix, tasks tensor and statistics) of
-one training step of a small Llama-style stack, the candidate with a 2 % error planted in one
-norm (tests/locate/_msprobe_dump.py): every later row inherits the error, and locate names the
-norm that made it; a healthy pair names nothing; statistics-only dumps name it with the
-statement of what statistics can conclude, and their error figures are lower bounds."""
+(``mindstudio-probe``'s ``PrecisionDebugger``, levels L0, L1 and mix, tasks tensor and
+statistics) of one training step of a small Llama-style stack, the candidate with a 2 % error
+planted in one norm, or for L1 in the ``rsqrt`` kernel (tests/locate/_msprobe_dump.py): every
+later row inherits the error, and locate names the norm or API call that made it; a healthy
+pair names nothing; statistics-only dumps name it with the statement of what statistics can
+conclude, and their error figures are lower bounds."""
 
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ pytestmark = pytest.mark.slow
 
 MAKE = Path(__file__).with_name("_msprobe_dump.py")
 PLANTED = "Module.layers.1.norm.RMSNorm.forward.0"
-DUMPS = {  # name -> (level, task, planted)
-    "ref-L0-tensor": ("L0", "tensor", False),
-    "cand-L0-tensor": ("L0", "tensor", True),
-    "ref2-L0-tensor": ("L0", "tensor", False),
-    "ref-mix-tensor": ("mix", "tensor", False),
-    "cand-mix-tensor": ("mix", "tensor", True),
-    "ref-L0-statistics": ("L0", "statistics", False),
-    "cand-L0-statistics": ("L0", "statistics", True),
+DUMPS = {  # name -> (level, task, what is planted)
+    "ref-L0-tensor": ("L0", "tensor", None),
+    "cand-L0-tensor": ("L0", "tensor", "--plant"),
+    "ref2-L0-tensor": ("L0", "tensor", None),
+    "ref-mix-tensor": ("mix", "tensor", None),
+    "cand-mix-tensor": ("mix", "tensor", "--plant"),
+    "ref-L0-statistics": ("L0", "statistics", None),
+    "cand-L0-statistics": ("L0", "statistics", "--plant"),
+    "ref-L1-tensor": ("L1", "tensor", None),
+    "cand-L1-tensor": ("L1", "tensor", "--plant-kernel"),
 }
 
 
@@ -43,7 +46,7 @@ def dumps(xdist_shared) -> Path:
         for name, (level, task, planted) in DUMPS.items():
             argv = [sys.executable, str(MAKE), level, task, str(root / name)]
             done = subprocess.run(
-                argv + (["--plant"] if planted else []), capture_output=True, text=True, timeout=300
+                argv + ([planted] if planted else []), capture_output=True, text=True, timeout=300
             )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -88,6 +91,25 @@ def test_locate_names_the_norm_that_made_the_error(dumps, tmp_path, kind):
         assert any(r["kind"] == "api" and r["module"] == PLANTED for r in data["rows"])
 
 
+def test_an_api_level_dump_names_the_faulty_kernel(dumps, tmp_path):
+    """msprobe's default level, L1, records API calls alone (no module rows, no construct.json
+    parents): the planted ``torch.rsqrt`` is named at its first call, from inputs that agree, and
+    the rows after it that inherit its error are not."""
+    data = _locate(tmp_path, dumps / "ref-L1-tensor" / "dump", dumps / "cand-L1-tensor" / "dump")
+    assert data["levels"] == ["L1"] and not data["unmatched"]
+    row = data["divergent"]
+    assert (row["name"], row["kind"], row["phase"], row["input"]) == (
+        "Torch.rsqrt.0.forward",
+        "api",
+        "forward",
+        0,
+    )
+    assert math.isclose(row["output"], 0.0136, rel_tol=0.05)
+    assert all(r["kind"] == "api" for r in data["rows"])
+    after = [r for r in data["rows"] if r["name"].startswith("Functional.linear.")]
+    assert after and all(r["output"] > 0 and not r["diverges"] for r in after)
+
+
 def test_two_healthy_runs_name_nothing(dumps, tmp_path):
     data = _locate(tmp_path, dumps / "ref-L0-tensor" / "dump", dumps / "ref2-L0-tensor" / "dump")
     assert data["divergent"] is None and len(data["rows"]) > 30 and not data["unmatched"]
@@ -106,6 +128,27 @@ def test_not_a_dump_is_one_named_error(tmp_path, capsys):
     assert command.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"megatron-npu locate: {tmp_path}: no dump.json under it: not an msprobe dump"]
+
+
+@pytest.mark.parametrize(
+    "data", [{}, {"Aten.native_layer_norm.default.0.forward": {}}], ids=["empty", "unread-level"]
+)
+def test_a_dump_with_nothing_to_compare_is_one_named_error(tmp_path, capsys, data):
+    """A dump whose rows locate cannot read (none, or another level's names) would otherwise
+    compare nothing and name nothing, as if the two runs agreed."""
+    dump = tmp_path / "dump" / "step0" / "rank0" / "dump.json"
+    dump.parent.mkdir(parents=True)
+    dump.write_text(json.dumps({"task": "tensor", "level": "L2", "data": data}))
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--msprobe", str(dump), str(dump), "--out", str(tmp_path / "o")])
+    assert command.main(args) == 2
+    first = f"first row {next(iter(data))!r}" if data else "no rows"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megatron-npu locate: {dump}: no module or API call to compare (level 'L2', {first}): "
+        "locate reads msprobe's levels L0, L1 and mix, whose rows are named "
+        "Module.<path>.<Class>.<phase>.<n> and <Api>.<name>.<n>.<phase>"
+    ]
 
 
 def test_the_patches_a_row_reaches_come_from_the_registry():
