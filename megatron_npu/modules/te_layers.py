@@ -16,7 +16,8 @@ written by a GPU run with TE maps key for key:
   (TP axis 0 / 1); ``TELinear`` with ``parallel_mode="duplicated"``: a replicated ``weight``;
 - ``TENorm``: ``weight``, ``bias`` (LayerNorm only), ``_extra_state``;
 - ``TEDotProductAttention``: ``_extra_state`` in its ``state_dict``, none in the sharded one
-  from megatron-core 0.15 (TE's wrapper saves only a learnable softmax offset there);
+  from megatron-core 0.15 (TE's wrapper saves only a learnable softmax offset there), and a
+  missing one is not an error when loaded (TE's own load hook);
 - ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (MoE experts with
   ``--moe-grouped-gemm``): ``weight0`` ... ``weight{n-1}`` (``bias0`` ...) and one
   ``_extra_state``; in distributed checkpoints one entry per global expert, sharded along the
@@ -452,6 +453,13 @@ class TENorm(TEExtraState, Norm):
 # --------------------------------------------------------------------------- attention
 
 
+def _core_attention_extra_state_optional(module: Any, incompatible_keys: Any) -> None:
+    """TE's own load hook on its DotProductAttention: a missing
+    ``core_attention._extra_state`` is not an error (its fp8 metadata; none with fp8 off)."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if "core_attention._extra_state" not in key]
+
+
 def _build_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -513,6 +521,9 @@ def _build_attention() -> type:
             self.config = config
             self.cp_comm_type = cp_comm_type or "p2p"
             self.cp_group = None
+            # as TE's DotProductAttention: its _extra_state is left out of distributed
+            # checkpoints (megatron-core 0.15+), so a strict load must not miss it
+            self.register_load_state_dict_post_hook(_core_attention_extra_state_optional)
             if context_parallel:
                 from megatron.core import parallel_state
 

@@ -120,6 +120,19 @@ def test_te_spec_sharded_keys_leave_core_attention_extra_state_out(gloo_world_of
     assert extra.key == "decoder.layers.self_attention.linear_qkv._extra_state"  # layers stacked
 
 
+def test_a_state_without_core_attention_extra_state_loads_strictly(gloo_world_of_one, cpu_adaptor):
+    """What a distributed checkpoint brings back lacks the core attention's ``_extra_state``
+    (above): TE's DotProductAttention lets a strict load miss it, and so does the adaptor's, while
+    any other missing key still fails the load."""
+    model = _gpt(_te_spec(), _config())
+    state = {k: v for k, v in model.state_dict().items() if "core_attention._extra_state" not in k}
+    assert len(state) < len(model.state_dict())
+    model.load_state_dict(state, strict=True)
+    del state["decoder.layers.0.self_attention.linear_qkv.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*linear_qkv\.weight"):
+        model.load_state_dict(state, strict=True)
+
+
 @pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", True)])
 def test_te_spec_computes_what_the_local_spec_computes(
     gloo_world_of_one, cpu_adaptor, normalization, zero_centered
