@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 def worker_main(argv: list[str]) -> int:
     """One rank of an evaluation (what the launcher starts)."""
     from megatron_npu.patches import jit_fusions
-    from megatron_npu.training import arguments, launch, quiet_expected_warnings
+    from megatron_npu.training import arguments, errors, launch, quiet_expected_warnings
 
     quiet_expected_warnings()
     args = arguments.parse_args(list(argv), command="evaluate")
@@ -82,6 +82,8 @@ def worker_main(argv: list[str]) -> int:
     except arguments.ArgumentError as exc:
         console.error(f"megatron-npu evaluate: error: {exc}")
         raise SystemExit(2) from None
+    except errors.TrainingInputError as exc:  # e.g. a checkpoint that does not load: one line
+        return errors.report(exc, "evaluate")
     if result is not None and args.results_out:
         result.write(args.results_out)
     return 0

@@ -339,7 +339,21 @@ def latest_iteration(root: str) -> int | None:
     return store.read_tracker(root)
 
 
+def _rank_failure(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside torch.distributed.checkpoint's
+    ``CheckpointException`` (whose message names only the ranks): ``failures`` maps each rank
+    to its (exception, stack) pair."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
+
+
 def _load_failed(path: str, root: str, iteration, exc: BaseException) -> TrainingInputError:
+    exc = _rank_failure(exc)
     first = safe_load.refusal_detail(exc)  # one whole line, never cut mid-sentence
     return TrainingInputError(
         f"checkpoint {path} could not be loaded ({exc.__class__.__name__}: {first})",

@@ -55,7 +55,9 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: Set by megatron-npu's launcher for its ranks: its process id (a rank of it prints nothing of
 #: its own failure; the launcher says it once).
 LAUNCHER_PID_ENV = "MEGATRON_NPU_LAUNCHER_PID"
-PREFIX = "megatron-npu train: error: "
+#: what a command's error line starts with (``train``'s: :data:`PREFIX`)
+ERROR_PREFIX = "megatron-npu {command}: error: "
+PREFIX = ERROR_PREFIX.format(command="train")
 #: Exit status of a run stopped by a :class:`TrainingStopped` (diverged / trains nothing).
 STOPPED_EXIT_STATUS = 3
 STOPPED_PREFIX = "megatron-npu train: stopped: "
@@ -92,24 +94,28 @@ def port_in_use(port: int, given: bool = True) -> TrainingInputError:
     )
 
 
-def _line(exc: TrainingInputError | TrainingStopped) -> str:
-    return f"{STOPPED_PREFIX if isinstance(exc, TrainingStopped) else PREFIX}{exc}"
+def _line(exc: TrainingInputError | TrainingStopped, command: str = "train") -> str:
+    if isinstance(exc, TrainingStopped):
+        return f"{STOPPED_PREFIX}{exc}"
+    return f"{ERROR_PREFIX.format(command=command)}{exc}"
 
 
 def exit_status(exc: TrainingInputError | TrainingStopped) -> int:
     return STOPPED_EXIT_STATUS if isinstance(exc, TrainingStopped) else EXIT_STATUS
 
 
-def report(exc: TrainingInputError | TrainingStopped) -> int:
+def report(exc: TrainingInputError | TrainingStopped, command: str = "train") -> int:
     """Hand ``exc`` to whoever prints it as one whole line (the launcher, through the rank's
-    error file; else stderr); returns the exit status the run ends with."""
+    error file; else stderr), named as ``megatron-npu <command>``'s; returns the exit status the
+    run ends with."""
     rank = os.environ.get("RANK")
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file and rank is not None:
         try:  # torch elastic's format: what its ProcessFailure and torchrun's summary read;
             # written whole or not at all (a rank stopped while writing leaves no half file)
             write_private(
-                error_file, json.dumps({"message": _line(exc), "timestamp": int(time.time())})
+                error_file,
+                json.dumps({"message": _line(exc, command), "timestamp": int(time.time())}),
             )
             if os.environ.get(LAUNCHER_PID_ENV):
                 return exit_status(exc)
@@ -118,7 +124,7 @@ def report(exc: TrainingInputError | TrainingStopped) -> int:
     where = (
         f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     )
-    console.error(f"{where}{_line(exc)}")
+    console.error(f"{where}{_line(exc, command)}")
     return exit_status(exc)
 
 

@@ -101,3 +101,37 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
     assert (
         0 < tp1["target_nll"] < 6.3
     )  # trained: below the uniform 257-way guess (ln 257 = 5.55) + slack
+
+
+def test_a_transformer_engine_spec_checkpoint_evaluates_and_a_mismatch_is_one_line(tmp_path):
+    """The main job evaluates each run's final checkpoint: a TE-spec run's loads (its core
+    attention's ``_extra_state`` is not in a distributed checkpoint, and TE lets a load miss it);
+    the same checkpoint read as another model (half the hidden size) is one line naming the
+    tensor that does not fit, exit 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_NPU_PEAK_TFLOPS": "1"}
+    ckpt, corpus = tmp_path / "ckpt", str(tmp_path / "corpus")
+    te = ["--transformer-impl", "transformer_engine"]
+    _cli(
+        "train", *MODEL, *te, "--micro-batch-size", "4", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr", "1e-3", "--save", str(ckpt), "--no-save-optim",
+        "--progress", "none", "--default-corpus-dir", corpus, env=env,
+    )  # fmt: skip
+    evaluate = ["evaluate", "--task", "lambada", "--load", str(ckpt), *te]
+    out = tmp_path / "te.json"
+    _cli(*evaluate, *MODEL, "--results-out", str(out), "--default-corpus-dir", corpus, env=env)
+    assert json.loads(out.read_text())["iteration"] == 2
+    other = [v if v != "64" else "32" for v in MODEL]  # --hidden-size 32
+    refused = subprocess.run(
+        [sys.executable, "-m", "megatron_npu.cli", *evaluate, *other,
+         "--default-corpus-dir", corpus],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"megatron-npu evaluate: error: checkpoint {ckpt}/iter_0000002 could not be loaded "
+        "(CheckpointingException: Global shape mismatch for loaded (torch.Size([128, 64])) and "
+        "expected ((128, 32)) tensor for key embedding.position_embeddings.weight); save a new "
+        "checkpoint, or pass --load-optional to start from scratch"
+    ], refused.stderr[-2000:]
