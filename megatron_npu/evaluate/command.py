@@ -79,11 +79,8 @@ def worker_main(argv: list[str]) -> int:
     try:
         with rank_session(args, env) as device:
             result = _evaluate(args, env, device)
-    except arguments.ArgumentError as exc:
-        console.error(f"megatron-npu evaluate: error: {exc}")
-        raise SystemExit(2) from None
-    except errors.TrainingInputError as exc:  # e.g. a checkpoint that does not load: one line
-        return errors.report(exc, "evaluate")
+    except errors.TrainingInputError as exc:  # options, a checkpoint that does not load, ...:
+        return errors.report(exc, "evaluate")  # one line, said once by the launcher
     if result is not None and args.results_out:
         result.write(args.results_out)
     return 0

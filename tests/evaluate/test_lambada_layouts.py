@@ -106,8 +106,8 @@ def test_accuracy_is_equal_across_tp1_and_tp2_loads(tmp_path):
 def test_a_transformer_engine_spec_checkpoint_evaluates_and_a_mismatch_is_one_line(tmp_path):
     """The main job evaluates each run's final checkpoint: a TE-spec run's loads (its core
     attention's ``_extra_state`` is not in a distributed checkpoint, and TE lets a load miss it);
-    the same checkpoint read as another model (half the hidden size) is one line naming the
-    tensor that does not fit, exit 2."""
+    the same checkpoint read as another model (half the hidden size), on two ranks, is one line
+    naming the tensor that does not fit, exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_NPU_PEAK_TFLOPS": "1"}
     ckpt, corpus = tmp_path / "ckpt", str(tmp_path / "corpus")
     te = ["--transformer-impl", "transformer_engine"]
@@ -121,8 +121,8 @@ def test_a_transformer_engine_spec_checkpoint_evaluates_and_a_mismatch_is_one_li
     _cli(*evaluate, *MODEL, "--results-out", str(out), "--default-corpus-dir", corpus, env=env)
     assert json.loads(out.read_text())["iteration"] == 2
     other = [v if v != "64" else "32" for v in MODEL]  # --hidden-size 32
-    refused = subprocess.run(
-        [sys.executable, "-m", "megatron_npu.cli", *evaluate, *other,
+    refused = subprocess.run(  # on two ranks: both refuse it, the launcher says it once
+        [sys.executable, "-m", "megatron_npu.cli", *evaluate, *other, "--nproc-per-node", "2",
          "--default-corpus-dir", corpus],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
