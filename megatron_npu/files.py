@@ -17,6 +17,8 @@ from pathlib import Path
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
+#: the first two bytes of a gzip file: how a user's compressed input is told from plain text
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def make_dir(path: str | os.PathLike[str]) -> Path:

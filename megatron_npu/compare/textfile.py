@@ -7,7 +7,7 @@ import gzip
 import zlib
 from pathlib import Path
 
-GZIP_MAGIC = b"\x1f\x8b"
+from megatron_npu.files import GZIP_MAGIC
 
 
 def read_text(path: Path, error: type[Exception], what: str, expected: str = "") -> str:

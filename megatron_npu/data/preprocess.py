@@ -5,7 +5,8 @@ This is the equivalent of Megatron-LM's ``tools/preprocess_data.py`` for the GPT
 * Inputs whose name ends in ``.json`` or ``.jsonl`` are JSON Lines (e.g. WikiExtractor ``--json``
   output): one JSON object per line, text under ``json_key`` (default ``"text"``); blank lines
   are ignored. Any other file is plain text, **one document per blank-line-separated paragraph**
-  (a paragraph's inner line breaks are kept).
+  (a paragraph's inner line breaks are kept). A gzip-compressed input (``corpus.jsonl.gz``)
+  reads as its content, the ``.gz`` set aside when telling JSON Lines by the name.
 * Every record becomes one document holding a single sequence, with the EOD token appended when
   ``append_eod`` (as Megatron does, an empty record gets no EOD and becomes an empty document).
 * Output prefix per key: ``{output_prefix}_{key}_document`` (Megatron's naming), written with
@@ -19,11 +20,13 @@ This is the equivalent of Megatron-LM's ``tools/preprocess_data.py`` for the GPT
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import multiprocessing
 import os
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,7 +34,7 @@ import numpy
 
 from megatron_npu import console
 from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
-from megatron_npu.files import FILE_MODE, make_dir
+from megatron_npu.files import FILE_MODE, GZIP_MAGIC, make_dir
 
 __all__ = [
     "PreprocessError",
@@ -54,11 +57,12 @@ def dataset_prefix(output_prefix: str | os.PathLike, key: str) -> str:
 
 
 def _is_jsonl(path: str) -> bool:
-    return path.lower().endswith(JSONL_SUFFIXES)
+    return path.lower().removesuffix(".gz").endswith(JSONL_SUFFIXES)
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, decoded line) pairs; decoding per line so errors name the exact line."""
+    """(line number, decoded line) pairs; decoding per line so errors name the exact line. A
+    gzip-compressed file (``corpus.jsonl.gz``, told by its first bytes) reads as its content."""
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -68,11 +72,22 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     except PermissionError:
         raise PreprocessError(f"{path}: input file is not readable") from None
     with handle:
-        for lineno, raw in enumerate(handle, start=1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PreprocessError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
+        compressed = handle.read(2) == GZIP_MAGIC
+        handle.seek(0)
+        source = gzip.GzipFile(fileobj=handle) if compressed else handle
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(source, start=1):
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise PreprocessError(
+                        f"{path}:{lineno}: not valid UTF-8 ({exc.reason})"
+                    ) from None
+        except (OSError, EOFError, zlib.error) as exc:
+            if not compressed:
+                raise
+            raise PreprocessError(f"{path}:{lineno + 1}: a damaged gzip file ({exc})") from None
 
 
 def _jsonl_records(path: str, keys: Sequence[str]) -> Iterator[dict[str, str]]:
@@ -271,7 +286,7 @@ def add_preprocess_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         required=True,
         metavar="FILE",
         help="JSONL (.json/.jsonl, one object per line) or plain-text files "
-        "(one document per blank-line-separated paragraph)",
+        "(one document per blank-line-separated paragraph), each possibly gzip-compressed",
     )
     parser.add_argument(
         "--output-prefix",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import stat
@@ -161,6 +162,29 @@ def test_bad_jsonl_names_file_and_line_and_leaves_nothing(
     assert str(info.value).startswith(f"{src}:{lineno}: ")
     assert message in str(info.value)
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("name", ["in.jsonl.gz", "in.txt.gz"])
+def test_a_gzip_input_writes_what_its_content_writes(tmp_path, name):
+    """A compressed corpus (JSON Lines or plain text) gives the same dataset files, byte for
+    byte, as the same file uncompressed; a damaged archive is one error naming the file."""
+    tok = ByteLevelTokenizer()
+    plain = tmp_path / name.removesuffix(".gz")
+    if name.startswith("in.jsonl"):
+        write_jsonl(plain, TEXTS)
+    else:
+        plain.write_text("first paragraph\nstill first\n\nsecond\n", encoding="utf-8")
+    packed = tmp_path / name
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for source, out in ((plain, "a"), (packed, "b")):
+        preprocess([source], tmp_path / out / "corpus", tok)
+    for suffix in (".bin", ".idx"):
+        a, b = (tmp_path / d / f"corpus_text_document{suffix}" for d in ("a", "b"))
+        assert a.read_bytes() == b.read_bytes()
+    damaged = tmp_path / f"cut-{name}"
+    damaged.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(PreprocessError, match=rf"^{damaged}:\d+: a damaged gzip file \("):
+        preprocess([damaged], tmp_path / "c" / "corpus", tok)
 
 
 def test_invalid_utf8_names_the_line(tmp_path):
