@@ -5,20 +5,35 @@ and appendix C) whatever the umask. Every result file (metrics, compare and loca
 parity records, checkpoint manifests and trackers, caches) is written through
 :func:`write_private`: into a temp file beside it, fsynced, then renamed over the old one, so a
 reader never sees a partial file and a crash or a full disk leaves the previous file intact.
-Every directory the tools create comes from :func:`make_dir`.
+Every directory the tools create comes from :func:`make_dir`. A user's input file is opened
+through :func:`open_input`, which reads a gzip-compressed one as its content.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
 import tempfile
+import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 #: the first two bytes of a gzip file: how a user's compressed input is told from plain text
 GZIP_MAGIC = b"\x1f\x8b"
+#: what reading a damaged gzip file raises
+GZIP_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def open_input(path: str | os.PathLike[str]) -> tuple[BinaryIO, bool]:
+    """``path`` opened to read bytes, through gzip's decompressor when its first bytes are
+    gzip's (an archived ``train.log.gz``, ``corpus.jsonl.gz``); and whether they are. Opening
+    raises what :func:`open` raises; reading a damaged archive, one of :data:`GZIP_ERRORS`."""
+    with open(path, "rb") as probe:
+        compressed = probe.read(2) == GZIP_MAGIC
+    return (gzip.open(path, "rb") if compressed else open(path, "rb")), compressed
 
 
 def make_dir(path: str | os.PathLike[str]) -> Path:

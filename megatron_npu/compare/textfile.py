@@ -3,26 +3,24 @@ gzip-compressed file (an archived cluster log, ``train.log.gz``) reads as its co
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from pathlib import Path
 
-from megatron_npu.files import GZIP_MAGIC
+from megatron_npu.files import GZIP_ERRORS, open_input
 
 
 def read_text(path: Path, error: type[Exception], what: str, expected: str = "") -> str:
     """The file's text (decompressed when it is gzip); ``error`` names the file when it cannot be
     read or decompressed, is empty (blank) or is not UTF-8 (then the message says it is not a
     ``what``, and ``expected`` what was)."""
+    compressed = False
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if raw.startswith(GZIP_MAGIC):
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:
+        handle, compressed = open_input(path)
+        with handle:
+            raw = handle.read()
+    except GZIP_ERRORS as exc:
+        if compressed:
             raise error(f"{path}: a damaged gzip file ({exc})") from None
+        raise error(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     if not raw.strip():
         raise error(f"{path}: empty file")
     try:

@@ -20,13 +20,11 @@ This is the equivalent of Megatron-LM's ``tools/preprocess_data.py`` for the GPT
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import multiprocessing
 import os
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +32,7 @@ import numpy
 
 from megatron_npu import console
 from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
-from megatron_npu.files import FILE_MODE, GZIP_MAGIC, make_dir
+from megatron_npu.files import FILE_MODE, GZIP_ERRORS, make_dir, open_input
 
 __all__ = [
     "PreprocessError",
@@ -64,7 +62,7 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     """(line number, decoded line) pairs; decoding per line so errors name the exact line. A
     gzip-compressed file (``corpus.jsonl.gz``, told by its first bytes) reads as its content."""
     try:
-        handle = open(path, "rb")
+        handle, compressed = open_input(path)
     except FileNotFoundError:
         raise PreprocessError(f"{path}: input file not found") from None
     except IsADirectoryError:
@@ -72,19 +70,16 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     except PermissionError:
         raise PreprocessError(f"{path}: input file is not readable") from None
     with handle:
-        compressed = handle.read(2) == GZIP_MAGIC
-        handle.seek(0)
-        source = gzip.GzipFile(fileobj=handle) if compressed else handle
         lineno = 0
         try:
-            for lineno, raw in enumerate(source, start=1):
+            for lineno, raw in enumerate(handle, start=1):
                 try:
                     yield lineno, raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise PreprocessError(
                         f"{path}:{lineno}: not valid UTF-8 ({exc.reason})"
                     ) from None
-        except (OSError, EOFError, zlib.error) as exc:
+        except GZIP_ERRORS as exc:
             if not compressed:
                 raise
             raise PreprocessError(f"{path}:{lineno + 1}: a damaged gzip file ({exc})") from None
