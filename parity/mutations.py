@@ -163,6 +163,35 @@ def _upstream_grad_ignored(original):
     return softmax_to_grad
 
 
+def _not_regrouped(original):
+    """Multi-latent attention's rotation by halves of the features as they come, without the
+    even/odd regrouping."""
+    from megatron_npu.ops.rotary import rotate
+
+    def regrouped_rotary(x, cos, sin):
+        xf = x.float()
+        return (xf * cos.float() + rotate(xf, "half") * sin.float()).to(x.dtype)
+
+    return regrouped_rotary
+
+
+def _padded_in_front(original):
+    """q/k/v brought to one head width with the zeros in front: the output's first columns,
+    which the caller keeps, are then the padding's."""
+    import torch
+
+    def one_head_dim(query, key, value):
+        width = max(query.shape[-1], value.shape[-1])
+
+        def padded(t):
+            extra = width - t.shape[-1]
+            return t if extra == 0 else torch.nn.functional.pad(t, (extra, 0))
+
+        return padded(query), padded(key), padded(value), value.shape[-1]
+
+    return one_head_dim
+
+
 def _rotate_other_mode(original):
     def rotate(x, mode="half"):
         return original(x, "interleave" if mode == "half" else "half")
@@ -483,6 +512,7 @@ from megatron_npu.parity.cases import context_parallel as _cp_cases  # noqa: E40
 from megatron_npu.parity.cases import moe as _moe_cases  # noqa: E402
 from megatron_npu.parity.cases import transformer_engine as _te_cases  # noqa: E402
 from megatron_npu.parity.cases.attention import _edge as _attention  # noqa: E402
+from megatron_npu.parity.cases.mla_rope import _edge as _mla_rope  # noqa: E402
 from megatron_npu.parity.cases.norm import _edge as _norm  # noqa: E402
 from megatron_npu.parity.cases.rotary import _edge as _rotary  # noqa: E402
 
@@ -497,6 +527,7 @@ _ATTENTION_BAND = _attention(
 )
 _ATTENTION_DROPOUT = _attention(seq=32, kv_seq=32, head_dim=32, dropout=0.2, seed=20)
 _ATTENTION_EVAL = _attention(dropout=0.2, training=False, seed=22)
+_ATTENTION_NARROW_VALUE = _attention(head_dim=24, v_head_dim=16, seed=25)
 _SOFTMAX = {"batch": 2, "heads": 2, "sq": 64, "sk": 64, "x_scale": 1.0, "seed": 1}
 _RMS_TINY = _norm(scale=1e-3, eps=1e-6, seed=1)
 _RMS = _norm(eps=1e-5, seed=7)
@@ -674,6 +705,24 @@ _ALL = (
         _upstream_grad_ignored,
         "cross-entropy.vocab-parallel",
         (_CROSS_ENTROPY,),
+    ),
+    Mutation(
+        "mla-rope-not-regrouped",
+        "multi-latent attention's fused RoPE rotates the features as they come, without "
+        "regrouping the even ones before the odd ones",
+        "megatron_npu.patches.rope_fusion.regrouped_rotary",
+        _not_regrouped,
+        "rotary.fused-mla-q",
+        (_mla_rope(),),
+    ),
+    Mutation(
+        "attention-value-padded-in-front",
+        "v heads narrower than q/k are padded in front, so the columns the output keeps are "
+        "partly the padding's",
+        "megatron_npu.patches.attention.one_head_dim",
+        _padded_in_front,
+        "attention.dot-product",
+        (_ATTENTION_NARROW_VALUE,),
     ),
     Mutation(
         "rotary-wrong-mode",

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import math
 import pickle
 from typing import Any
 
@@ -467,6 +468,8 @@ def _build_attention() -> type:
         """TE's core attention on Megatron's DotProductAttention (the adaptor routes it to the
         fused-attention op when the run asks for flash attention): [s, b, np, hn] q and
         [s, b, ng, hn] k/v (grouped-query heads expanded inside) -> [s, b, np * hn].
+        Multi-latent attention's heads are ``k_channels`` wide in q/k and ``v_channels`` in v,
+        and the output is [s, b, np * v_channels].
 
         It takes ``--context-parallel-size`` above 1 (which Megatron's own DotProductAttention
         refuses: TE's class is Megatron's only context-parallel attention) and keeps the layer's
@@ -490,18 +493,19 @@ def _build_attention() -> type:
             pg_collection=None,
             **_te_only: Any,
         ) -> None:
-            for name, value in (("k_channels", k_channels), ("v_channels", v_channels)):
-                if value is not None and value != config.kv_channels:
-                    raise ValueError(
-                        f"TEDotProductAttention: {name}={value} other than "
-                        f"kv_channels ({config.kv_channels}, multi-latent "
-                        "attention) is not supported by the adaptor"
-                    )
+            k_channels = k_channels or config.kv_channels
+            v_channels = v_channels or config.kv_channels
+            if softmax_scale is None:  # TE's default: over the query/key head dimension
+                softmax_scale = 1.0 / math.sqrt(k_channels)
             context_parallel = getattr(config, "context_parallel_size", 1) > 1
             built_with = config
-            if context_parallel:  # DotProductAttention asserts CP 1; this class serves CP
+            if context_parallel or v_channels != config.kv_channels:
                 built_with = copy.copy(config)
+                # DotProductAttention asserts CP 1; this class serves CP
                 built_with.context_parallel_size = 1
+                # multi-latent attention: q/k heads of k_channels, v heads of v_channels; the
+                # unfused math takes both, and its output is heads x v_channels wide
+                built_with.kv_channels = v_channels
             super().__init__(
                 built_with,
                 layer_number,

@@ -84,3 +84,17 @@ def rotary_mul(
     if kernels is not None:
         return npu_rotary_mul(kernels, x, r1, r2, rotary_mode)
     return native_rotary_mul(x, r1, r2, rotary_mode)
+
+
+def regrouped_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Multi-latent attention's rotation of ``x`` ``[s, b, n, d]``: the even features, then the
+    odd ones, rotated by halves against ``cos``/``sin`` ``[s, 1, 1, d]`` (YaRN's scale already
+    folded in, so they may leave [-1, 1], which ``npu_rotary_mul`` does not take): fp32, one
+    rounding to x's dtype."""
+    if x.dim() != 4 or cos.shape != sin.shape or cos.shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"regrouped_rotary: x [s, b, n, d] and cos/sin [s, 1, 1, d] expected, got "
+            f"{tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    xf = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1).float()
+    return (xf * cos.float() + rotate(xf, "half") * sin.float()).to(x.dtype)

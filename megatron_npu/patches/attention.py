@@ -26,6 +26,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from megatron_npu.devices.facts import DEVICES
 from megatron_npu.ops import settings
 from megatron_npu.ops.attention import MAX_TOKENS, fused_attention
@@ -76,9 +78,29 @@ def in_attention_rng(module: Any, dropout_p: float, run: Callable[[], Any]) -> A
     return run()
 
 
+def one_head_dim(query, key, value) -> tuple[Any, Any, Any, int]:
+    """q/k/v of one head dimension, as the fused kernels take them, and the value's own.
+
+    Multi-latent attention's q/k heads are wider than its v heads (DeepSeek-V3: 192 and 128).
+    The narrower side is padded with zeros to the wider: zero columns of q and k add nothing to
+    q.k (the scale is passed, never derived from the width), and zero columns of v give zero
+    output columns, which the caller drops (``[..., :value_dim]``); so the result and its
+    gradients are exactly those of the unpadded attention."""
+    value_dim = value.shape[-1]
+    width = max(query.shape[-1], value_dim)
+
+    def padded(t):
+        extra = width - t.shape[-1]
+        return t if extra == 0 else torch.nn.functional.pad(t, (0, extra))
+
+    return padded(query), padded(key), padded(value), value_dim
+
+
 def fused_core_attention(module: Any, query, key, value, attention_mask, attn_mask_type) -> Any:
-    """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op."""
+    """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op (q/k and v
+    heads of different widths: :func:`one_head_dim`)."""
     chosen = settings.fused_attention()
+    query, key, value, value_dim = one_head_dim(query, key, value)
     sq, b, heads, dim = query.shape
     call = core_attention_call(module, attention_mask, attn_mask_type)
     if chosen.shape_order == "SBH":
@@ -104,6 +126,8 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
     out = in_attention_rng(module, call.dropout_p, run)
     if chosen.shape_order == "BSH":
         out = out.transpose(0, 1)
+    if value_dim != dim:
+        return out.reshape(sq, b, heads, dim)[..., :value_dim].reshape(sq, b, heads * value_dim)
     return out.reshape(sq, b, heads * dim)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_npu.patches.attention import core_attention_call, in_attention_rng
+from megatron_npu.patches.attention import core_attention_call, in_attention_rng, one_head_dim
 
 
 def context_parallel_core_attention(
@@ -26,6 +26,7 @@ def context_parallel_core_attention(
     from megatron_npu.ops.context_parallel import ContextParallelError, context_parallel_attention
 
     call = core_attention_call(module, attention_mask, attn_mask_type)
+    query, key, value, value_dim = one_head_dim(query, key, value)
     mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
     if mask_type.name not in ("causal", "no_mask"):
         raise ContextParallelError(
@@ -47,7 +48,11 @@ def context_parallel_core_attention(
             next_tokens=call.next_tokens,
         )
 
-    return in_attention_rng(module, call.dropout_p, run)
+    out = in_attention_rng(module, call.dropout_p, run)
+    s, b, heads, dim = query.shape
+    if value_dim != dim:  # multi-latent attention: the zero columns of the padded v go
+        out = out.reshape(s, b, heads, dim)[..., :value_dim].reshape(s, b, heads * value_dim)
+    return out
 
 
 def route_context_parallel(original: Any) -> Any:

@@ -11,7 +11,10 @@ it as an explicit boolean mask built here from the window definition (query ``i`
 Examples reach every branch of the op: windows narrower than the sequence so the native path
 runs its windowed query blocks (taken when the keys exceed window + 64; several blocks),
 non-causal bands, padding masks combined with a window, GQA/MQA, decode steps, sequence
-parallelism, and attention dropout in training and in eval mode.
+parallelism, attention dropout in training and in eval mode, and value heads narrower or wider
+than the query/key heads (multi-latent attention: the module is built as the adaptor's
+``TEDotProductAttention`` builds it, ``kv_channels`` the value width and the softmax scale over
+the query/key width, and the fused path pads the narrower side).
 
 Dropout: no reference can know the tested path's random keep mask, so the dropout examples
 make it observable. ``value`` is one-hot over the key axis (``head_dim == kv_seq``,
@@ -68,7 +71,9 @@ def _params(draw):
         "batch": draw(st.integers(1, 2)),
         "heads": heads,
         "groups": groups,
-        "head_dim": draw(st.sampled_from([8, 16, 32])),
+        "head_dim": (head_dim := draw(st.sampled_from([8, 16, 32]))),
+        # multi-latent attention: v heads narrower (DeepSeek-V3: 128 against 192) or wider
+        "v_head_dim": draw(st.sampled_from([head_dim, head_dim, head_dim // 2, head_dim + 8])),
         "qk_scale": draw(st.sampled_from([1.0, 3.0])),
         "softmax_scale": draw(st.sampled_from([None, 0.05])),
         # --apply-query-key-layer-scaling: Megatron divides the softmax scale by the layer
@@ -114,7 +119,7 @@ def _inputs(p):
 
     g = generator(p)
     sq, sk = p["seq"], p["kv_seq"]
-    b, n, ng, d = p["batch"], p["heads"], p["groups"], p["head_dim"]
+    b, n, ng, d, dv = p["batch"], p["heads"], p["groups"], p["head_dim"], p["v_head_dim"]
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
@@ -126,14 +131,14 @@ def _inputs(p):
     lengths = torch.randint(shortest, sk + 1, (b,), generator=g)
     padding = torch.arange(sk).view(1, 1, 1, sk) >= lengths.view(b, 1, 1, 1)
     if _dropout_active(p):  # value[j] = e_j: the context rows are the (dropped) probabilities
-        value = torch.eye(sk, dtype=torch.float64).view(sk, 1, 1, sk).expand(sk, b, ng, d)
+        value = torch.eye(sk, dtype=torch.float64).view(sk, 1, 1, sk).expand(sk, b, ng, dv)
     else:
-        value = randn(sk, b, ng, d)
+        value = randn(sk, b, ng, dv)
     return {
         "query": randn(sq, b, n, d, scale=p["qk_scale"]),
         "key": randn(sk, b, ng, d, scale=p["qk_scale"]),
         "value": value.contiguous(),
-        "grad_out": randn(sq, b, n * d),
+        "grad_out": randn(sq, b, n * dv),
         "padding_mask": padding.expand(b, 1, sq, sk).contiguous(),
     }
 
@@ -156,7 +161,7 @@ def _config(p, ctx: Context, reference: bool):
         hidden_size=p["heads"] * p["head_dim"],
         num_attention_heads=p["heads"],
         num_query_groups=p["groups"],
-        kv_channels=p["head_dim"],
+        kv_channels=p["v_head_dim"],  # the output width, as TEDotProductAttention builds it
         attention_dropout=p["dropout"],
         masked_softmax_fusion=False,
         params_dtype=ctx.dtype,
@@ -189,14 +194,19 @@ def _window_mask(p):
 
 
 def _module(p, ctx: Context, reference: bool):
+    import math
+
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    scale = p["softmax_scale"]
+    if scale is None and p["v_head_dim"] != p["head_dim"]:  # over the q/k width, as TE's
+        scale = 1.0 / math.sqrt(p["head_dim"])
     module = DotProductAttention(
         _config(p, ctx, reference),
         layer_number=p["layer_number"],
         attn_mask_type=_mask_type(p),
         attention_type="self",
-        softmax_scale=p["softmax_scale"],
+        softmax_scale=scale,
     )
     return module.train(p["training"])
 
@@ -329,6 +339,7 @@ def _edge(**kw):
         "seed": 11,
     }
     base.update(kw)
+    base.setdefault("v_head_dim", base["head_dim"])  # value heads as wide as q/k unless asked
     return base
 
 
@@ -383,5 +394,9 @@ DOT_PRODUCT_ATTENTION = ParityCase(
             seed=21,
         ),
         _edge(dropout=0.2, training=False, seed=22),
+        # multi-latent attention: v heads narrower than q/k (SBH, causal), and wider (BSH,
+        # a sliding window, its query blocks)
+        _edge(head_dim=24, v_head_dim=16, seed=25),
+        _edge(layout="BSH", seq=96, kv_seq=96, pre=16, next=0, v_head_dim=24, seed=26),
     ),
 )

@@ -75,7 +75,9 @@ def _params():
             "groups": d(st.sampled_from([g for g in (1, 2, 4, 8) if heads % g == 0])),
             "seq": _CHUNK * d(st.integers(1, 3)),
             "batch": d(st.integers(1, 2)),
-            "head_dim": d(st.sampled_from([8, 16])),
+            "head_dim": (head_dim := d(st.sampled_from([8, 16]))),
+            # multi-latent attention's k_channels / v_channels: v heads narrower or wider
+            "v_head_dim": d(st.sampled_from([head_dim, head_dim, head_dim // 2, head_dim + 8])),
             "softmax_scale": d(st.sampled_from([None, 0.3])),
             "flash": d(st.booleans()),
             "seed": d(st.integers(0, 2**16)),
@@ -89,6 +91,7 @@ def _inputs(p):
 
     g = generator(p)
     s, b, n, ng, d = p["seq"], p["batch"], p["heads"], p["groups"], p["head_dim"]
+    dv = p["v_head_dim"]
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -96,8 +99,8 @@ def _inputs(p):
     return {
         "query": randn(s, b, n, d),
         "key": randn(s, b, ng, d),
-        "value": randn(s, b, ng, d),
-        "grad_out": randn(s, b, n * d),
+        "value": randn(s, b, ng, dv),
+        "grad_out": randn(s, b, n * dv),
     }
 
 
@@ -134,6 +137,9 @@ def _run(ctx: Context, inputs):
             attention_type="self",
             softmax_scale=p["softmax_scale"],
             cp_comm_type=p["comm"],
+            # as MLASelfAttention builds it: q/k heads of k_channels, v heads of v_channels
+            k_channels=p["head_dim"],
+            v_channels=p["v_head_dim"],
         )
         q, k, v = (
             local_rows(ctx.tensor(inputs[n]), cp, rank).detach().requires_grad_()
@@ -155,11 +161,11 @@ def _reference(ctx: Context, inputs):
 
     p = ctx.params
     cp = ctx.parallel.cp
-    s, n, ng, d = p["seq"], p["heads"], p["groups"], p["head_dim"]
+    s, n, ng, d, v_dim = p["seq"], p["heads"], p["groups"], p["head_dim"], p["v_head_dim"]
     dtype = ctx.dtype
     work = torch.promote_types(dtype, torch.float32)
     q, k, v = (ctx.tensor(inputs[n_]).to(work) for n_ in ("query", "key", "value"))
-    grad_out = ctx.tensor(inputs["grad_out"]).to(work).reshape(s, -1, n, d)
+    grad_out = ctx.tensor(inputs["grad_out"]).to(work).reshape(s, -1, n, v_dim)
     group = n // ng  # head h reads key/value group h // group
     kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scale = p["softmax_scale"] if p["softmax_scale"] is not None else d**-0.5
@@ -183,7 +189,7 @@ def _reference(ctx: Context, inputs):
     dv = gemm("bnst,sbnd->tbnd", probs, grad_out)
     dk, dv = (t.unflatten(2, (ng, group)).sum(3) for t in (dk, dv))
     result = {
-        "out": out.reshape(s, -1, n * d),
+        "out": out.reshape(s, -1, n * v_dim),
         "grad_query": dq.to(dtype),
         "grad_key": dk.to(dtype),
         "grad_value": dv.to(dtype),
@@ -219,6 +225,7 @@ def _edge(**kw):
         "seed": 1,
     }
     base.update(kw)
+    base.setdefault("v_head_dim", base["head_dim"])  # value heads as wide as q/k unless asked
     return base
 
 
@@ -248,5 +255,8 @@ TE_CONTEXT_PARALLEL_ATTENTION = ParityCase(
         # the hybrid: an all-to-all within pairs of ranks, the ring over the pairs
         _edge(comm="a2a+p2p", seed=9),
         _edge(comm="a2a+p2p", causal=False, groups=1, flash=True, seed=10),
+        # multi-latent attention: v heads narrower than q/k on the ring, wider under a2a
+        _edge(head_dim=16, v_head_dim=8, seed=11),
+        _edge(comm="a2a", v_head_dim=16, flash=True, seed=12),
     ),
 )

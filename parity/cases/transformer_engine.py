@@ -676,7 +676,9 @@ def _attention_params():
             "groups": d(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])),
             "seq": d(st.integers(2, 32)),
             "batch": d(st.integers(1, 2)),
-            "head_dim": d(st.sampled_from([8, 16, 32])),
+            "head_dim": (head_dim := d(st.sampled_from([8, 16, 32]))),
+            # multi-latent attention's k_channels / v_channels: v heads narrower or wider
+            "v_head_dim": d(st.sampled_from([head_dim, head_dim, head_dim // 2, head_dim + 8])),
             "mask": d(st.sampled_from(["causal", "causal", "padding", "none"])),
             "softmax_scale": d(st.sampled_from([None, 0.05, 0.3])),
             "qk_scale": d(st.sampled_from([1.0, 3.0])),
@@ -692,6 +694,7 @@ def _attention_inputs(p):
 
     g = generator(p)
     s, b, n, ng, d = p["seq"], p["batch"], p["heads"], p["groups"], p["head_dim"]
+    dv = p["v_head_dim"]
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
@@ -703,8 +706,8 @@ def _attention_inputs(p):
     return {
         "query": randn(s, b, n, d, scale=p["qk_scale"]),
         "key": randn(s, b, ng, d, scale=p["qk_scale"]),
-        "value": randn(s, b, ng, d),
-        "grad_out": randn(s, b, n * d),
+        "value": randn(s, b, ng, dv),
+        "grad_out": randn(s, b, n * dv),
         "mask": mask,
     }
 
@@ -735,6 +738,12 @@ def _attention_run(ctx: Context, inputs):
         bf16=ctx.dtype == torch.bfloat16,
     )
     mask_type = _attention_mask_type(p)
+    # as MLASelfAttention builds it: q/k heads of k_channels, v heads of v_channels
+    widths = (
+        {"k_channels": p["head_dim"], "v_channels": p["v_head_dim"]}
+        if p["v_head_dim"] != p["head_dim"]
+        else {}
+    )
     with megatron_parallel(), fused_attention_settings(use_flash_attn=p["flash"]):
         module = _te().TEDotProductAttention(
             config,
@@ -742,6 +751,7 @@ def _attention_run(ctx: Context, inputs):
             attn_mask_type=mask_type,
             attention_type="self",
             softmax_scale=p["softmax_scale"],
+            **widths,
         )
         q, k, v = (ctx.tensor(inputs[n], grad=True) for n in ("query", "key", "value"))
         mask = inputs["mask"].to(ctx.device) if p["mask"] == "padding" else None
@@ -772,7 +782,8 @@ def _attention_reference(ctx: Context, inputs):
         scores = scores.masked_fill(inputs["mask"], float("-inf"))
     # the softmax in fp32 for 16-bit inputs, as Megatron's attention_softmax_in_fp32
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), -1)
-    out = torch.einsum("bnst,tbnd->sbnd", probs.to(vv.dtype), vv).reshape(s, -1, n * d)
+    out = torch.einsum("bnst,tbnd->sbnd", probs.to(vv.dtype), vv)
+    out = out.reshape(s, -1, n * p["v_head_dim"])
     result = {"out": out, **grads(out, ctx.tensor(inputs["grad_out"]), query=q, key=k, value=v)}
     result = {k_: t.detach() for k_, t in result.items()}
     # the state_dict holds _extra_state; the sharded one nothing from megatron-core 0.15 on
@@ -800,6 +811,7 @@ def _attention_edge(**kw):
         "seed": 1,
     }
     base.update(kw)
+    base.setdefault("v_head_dim", base["head_dim"])  # value heads as wide as q/k unless asked
     return base
 
 
@@ -814,7 +826,8 @@ TE_DOT_PRODUCT_ATTENTION = ParityCase(
     "npu_fusion_attention on the NPU); state_dict keys (_extra_state) and the number of "
     "sharded_state_dict entries (none)",
     reference_kind="independent softmax(Q K^T * scale, masked) V in the upcast dtype on CPU "
-    "(softmax in fp32 at least), k/v heads repeated per query group",
+    "(softmax in fp32 at least), k/v heads repeated per query group, the default scale over "
+    "the q/k head width",
     edge_cases=(
         _attention_edge(),  # unfused, causal, GQA 4/2
         _attention_edge(flash=True, seed=2),  # the fused op, causal
@@ -823,5 +836,8 @@ TE_DOT_PRODUCT_ATTENTION = ParityCase(
         _attention_edge(mask="none", flash=True, heads=2, groups=2, softmax_scale=0.05, seed=5),
         _attention_edge(mask="none", heads=1, groups=1, seq=2, batch=1, head_dim=8, seed=6),
         _attention_edge(qk_scale=3.0, seq=32, head_dim=32, flash=True, seed=7),  # peaked scores
+        # multi-latent attention: q/k heads wider than v (unfused), and narrower (the fused op)
+        _attention_edge(head_dim=24, v_head_dim=16, seed=8),
+        _attention_edge(v_head_dim=24, flash=True, mask="padding", seed=9),
     ),
 )

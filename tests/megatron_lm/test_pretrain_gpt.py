@@ -451,6 +451,78 @@ def test_context_parallel_trains_and_matches_cp1(tmp_path):
     assert counts.get("npu_ring_attention_update", 0) == 0, counts
 
 
+#: DeepSeek-style multi-latent attention, small: query and key/value compressed to rank 32,
+#: q/k heads of 16 + 8 rotated features, v heads of 8 (narrower: the fused op pads them), YaRN
+MLA = (
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "32",
+    "--kv-lora-rank",
+    "32",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "8",
+    "--position-embedding-type",
+    "rope",
+)
+
+
+def test_multi_latent_attention_trains_as_megatrons_unfused_code(tmp_path):
+    """Multi-latent attention with Megatron-LM's default spec and RoPE fusion (its default,
+    Megatron's Triton kernels for CUDA: the adaptor's ``rotary.fused-mla-*`` serve it) and flash
+    attention on npu-emulated (q/k heads 24 wide, v heads 8: ``npu_fusion_attention`` on the
+    padded heads, one call per layer and micro-batch), alone and with the context-parallel ring,
+    gives the curve of Megatron's own unfused code on cpu (``--no-rope-fusion``, its unfused
+    attention): fp32, host-initialised weights, no dropout; the ring by the layout rule."""
+    args = (
+        *TINY,
+        *TE,
+        *MLA,
+        "--mock-data",
+        "--train-iters",
+        "8",
+        "--use-cpu-initialization",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    )
+    unfused = pretrain_gpt(tmp_path, *args, "--no-rope-fusion", name="unfused")
+    check_trained(unfused, 8, min_applied=8)
+    runs = {
+        "fused": ((), 1, 2 * 2 * 8),
+        "fused-cp2": (("--context-parallel-size", "2"), 2, None),
+    }
+    for name, (extra, nproc, attention_calls) in runs.items():
+        env = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / name)}
+        run = pretrain_gpt(
+            tmp_path,
+            *args,
+            "--use-flash-attn",
+            *extra,
+            nproc=nproc,
+            device="npu-emulated",
+            name=name,
+            env=env,
+        )
+        check_trained(run, 8, min_applied=8)
+        if attention_calls is None:  # the ring: the layout rule against the one-rank curve
+            verdict = rules.layout(
+                name, "unfused", _curve(unfused, range(1, 9)), _curve(run, range(1, 9))
+            )
+            assert verdict.status == rules.PASS, (name, verdict.detail)
+            assert _kernel_counts(tmp_path, name).get("npu_ring_attention_update", 0) > 0
+            continue
+        ours, megatron = _curve(run, range(1, 9)), _curve(unfused, range(1, 9))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours.losses, megatron.losses, strict=True))
+        print(f"multi-latent attention, fused against unfused: worst step {worst:.2e}")
+        assert worst < 1e-5, (ours.losses, megatron.losses)
+        assert _kernel_counts(tmp_path, name).get("npu_fusion_attention") == attention_calls
+
+
 #: a Mixtral-style MoE block: 4 experts, top-2, SwiGLU experts without biases, aux loss
 MOE = (
     "--num-experts",
