@@ -7,7 +7,9 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
   num_query_groups, kv_channels, seq_length, max_position_embeddings, position_embedding_type,
   normalization, swiglu, bias_linear, tied_embeddings, init_method_std, attention_window``
   (the fused attention's pre/next-token window: a sparse window computes another function than
-  full causal attention; the flash kernel with the full window does not), ``experts`` (dense, or
+  full causal attention; the flash kernel with the full window does not), ``attention`` (the
+  kind: standard or multi-latent with its ranks and head widths, and query/key norms),
+  ``experts`` (dense, or
   the MoE layers' expert count, top-k, expert and shared-expert FFN sizes, capacity factor and
   aux-loss coefficient: each changes what is computed; the expert-parallel layout does not);
 * ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
@@ -51,6 +53,7 @@ MODEL_FIELDS = (
     "tied_embeddings",
     "init_method_std",
     "attention_window",
+    "attention",
     "experts",
 )
 FIELDS = (*MODEL_FIELDS, "padded_vocab_size", "data", "seed", "init", "tokenizer")
@@ -100,6 +103,19 @@ def _experts(args: dict[str, Any]) -> str:
     )
 
 
+def _attention(args: dict[str, Any]) -> str:
+    """Standard or multi-latent attention (its ranks and head widths), with query/key norms."""
+    kind = "standard"
+    if args.get("multi_latent_attention"):
+        kind = (
+            f"multi-latent, q rank {args.get('q_lora_rank') or 'none'}, kv rank "
+            f"{args.get('kv_lora_rank')}, qk {args.get('qk_head_dim')}"
+            f"+{args.get('qk_pos_emb_head_dim')}, v {args.get('v_head_dim')}, rope "
+            f"{args.get('rope_type') or 'yarn'}"
+        )
+    return f"{kind}, qk norm" if args.get("qk_layernorm") else kind
+
+
 def _init(args: dict[str, Any], device: str | None) -> str:
     if args.get("layout_independent_init"):
         return "layout-independent"
@@ -142,6 +158,7 @@ def fingerprint(config: RunConfig, device: str | None = None) -> dict[str, Any]:
         "init_method_std": args.get("init_method_std"),
         "padded_vocab_size": config.padded_vocab_size,
         "attention_window": _window(args),
+        "attention": _attention(args),
         "experts": _experts(args),
     }
     data = config.data or RunData()

@@ -209,6 +209,12 @@ def add_arguments(
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=_finite, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="normalise queries and keys per head (with --multi-latent-attention: the query and "
+        "key/value latents) before attention",
+    )
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=_finite, default=0.02)
@@ -236,6 +242,28 @@ def add_arguments(
         help="the NullTokenizer's --vocab-size for --mock-data, as Megatron-LM takes it: the "
         "EOD token comes on top up to megatron-core 0.17, inside from 0.18 (default 512)",
     )
+
+    g = parser.add_argument_group("multi-latent attention (Megatron-LM's names and defaults)")
+    g.add_argument(
+        "--multi-latent-attention",
+        action="store_true",
+        help="DeepSeek-V2/V3's attention (megatron-core's MLASelfAttention; the Transformer "
+        "Engine spec, as in Megatron-LM)",
+    )
+    g.add_argument("--q-lora-rank", type=_positive, default=None, help="default: no query LoRA")
+    g.add_argument("--kv-lora-rank", type=_positive, default=32)
+    g.add_argument("--qk-head-dim", type=_positive, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=_positive, default=64)
+    g.add_argument("--v-head-dim", type=_positive, default=128)
+    g.add_argument(
+        "--rope-type",
+        choices=("rope", "yarn"),
+        default=None,
+        help="default: yarn with --multi-latent-attention, rope otherwise",
+    )
+    g.add_argument("--rotary-scaling-factor", type=_finite, default=1.0)
+    g.add_argument("--mscale", type=_finite, default=1.0)
+    g.add_argument("--mscale-all-dim", type=_finite, default=0.0)
 
     g = parser.add_argument_group("mixture of experts (Megatron-LM's names and defaults)")
     g.add_argument(
@@ -621,6 +649,20 @@ def check(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = 4 * args.hidden_size
     if args.disable_bias_linear:  # Megatron-LM: no bias to fuse into the GeLU
         args.bias_gelu_fusion = False
+    if args.multi_latent_attention:
+        if args.group_query_attention:  # Megatron-LM's own rule
+            raise ArgumentError(
+                "--group-query-attention is mutually exclusive with --multi-latent-attention"
+            )
+        if args.transformer_impl != "transformer_engine":
+            raise ArgumentError(
+                "--multi-latent-attention needs --transformer-impl transformer_engine: "
+                "Megatron's local spec has none (its DotProductAttention takes no k_channels)"
+            )
+    elif args.rope_type not in (None, "rope"):  # Megatron-LM's own rule
+        raise ArgumentError(
+            f"--rope-type {args.rope_type}: attention other than multi-latent takes rope only"
+        )
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     elif args.num_attention_heads % args.num_query_groups:

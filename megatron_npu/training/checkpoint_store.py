@@ -69,6 +69,10 @@ FINGERPRINT_FLAGS = {
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_grouped_gemm": "--moe-grouped-gemm (the grouped experts hold their weights otherwise)",
     "moe_layer_freq": "--moe-layer-freq (which layers hold experts)",
+    "qk_layernorm": "--qk-layernorm (the query/key norms' weights)",
+    "multi_latent_attention": "--multi-latent-attention",
+    "mla_shape": "--q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, "
+    "--v-head-dim",
 }
 
 
@@ -107,6 +111,19 @@ def fingerprint(args: Namespace, vocab_size: int) -> dict:
         "moe_layer_freq": (
             moe_layer_pattern(args.moe_layer_freq, args.num_layers)
             if getattr(args, "num_experts", None)
+            else None
+        ),
+        "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+        "multi_latent_attention": bool(getattr(args, "multi_latent_attention", False)),
+        "mla_shape": (
+            [
+                args.q_lora_rank,
+                args.kv_lora_rank,
+                args.qk_head_dim,
+                args.qk_pos_emb_head_dim,
+                args.v_head_dim,
+            ]
+            if getattr(args, "multi_latent_attention", False)
             else None
         ),
     }

@@ -28,6 +28,12 @@ and the bracket, with ``r = kv_channels * heads / h`` (1 when ``kv_channels = h 
 * **logits** ``V / (2 L h)``: the output layer's ``h x V`` GEMM, once per model rather
   than per layer.
 
+Multi-latent attention replaces the attention bracket by Megatron-LM's own count of its GEMMs
+(:func:`mla_attention_flops_per_token`): the query's down and up projections (or its one
+projection without ``--q-lora-rank``), the key/value latent's down and up projections, the
+shared positional key, the output projection, and the two batched GEMMs over q/k heads of
+``qk + pos`` features and v heads of ``v`` features, halved for the causal mask.
+
 Not counted (as in Megatron-LM): embeddings lookups, norms, softmax, activations, the loss, the
 optimizer step, and recomputation. The result is the work of the *whole model* for one global batch
 (all data-parallel replicas together), independent of the TP/PP layout.
@@ -69,6 +75,32 @@ def mlp_forward_flops(
     return 2.0 * 2.0 * tokens * hidden_size * ffn_hidden_size * (1.5 if swiglu else 1.0)
 
 
+def mla_attention_flops_per_token(
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    q_lora_rank: int | None,
+    kv_lora_rank: int,
+    qk_head_dim: int,
+    qk_pos_emb_head_dim: int,
+    v_head_dim: int,
+) -> float:
+    """Forward + backward FLOPs of one multi-latent attention layer per token, as Megatron-LM
+    counts them (its norms' ``+ 1`` terms included)."""
+    h, n = hidden_size, num_attention_heads
+    q_width = n * (qk_head_dim + qk_pos_emb_head_dim)
+    if q_lora_rank is None:
+        query = h * q_width
+    else:
+        query = q_lora_rank * (h + q_width + 1)
+    key_value = kv_lora_rank * (h + n * (qk_head_dim + v_head_dim) + 1)
+    positional_key = h * qk_pos_emb_head_dim
+    output = n * v_head_dim * h
+    core = seq_length * q_width / 2 + seq_length * n * v_head_dim / 2  # causal: half the scores
+    return 3.0 * 2.0 * (query + key_value + positional_key + output + core)
+
+
 def gpt_model_flops_per_iteration(
     *,
     num_layers: int,
@@ -82,8 +114,11 @@ def gpt_model_flops_per_iteration(
     swiglu: bool,
     causal: bool,
     kv_channels: int | None = None,
+    attention_flops_per_token: float | None = None,
 ) -> float:
-    """Forward + backward FLOPs of one GPT training iteration (one global batch)."""
+    """Forward + backward FLOPs of one GPT training iteration (one global batch);
+    ``attention_flops_per_token``: one layer's attention per token in place of the standard
+    bracket (:func:`mla_attention_flops_per_token`)."""
     for name, value in (
         ("num_layers", num_layers),
         ("hidden_size", hidden_size),
@@ -104,6 +139,8 @@ def gpt_model_flops_per_iteration(
     attention = (
         1.0 + num_query_groups / num_attention_heads + seq_length / h * causal_share
     ) * query_ratio
+    if attention_flops_per_token is not None:
+        attention = attention_flops_per_token / (12.0 * h * h)
     mlp = mlp_forward_flops(1, hidden_size, ffn_hidden_size, swiglu=swiglu) / (4.0 * h * h)
     logits = padded_vocab_size / (2.0 * num_layers * h)
     return 12.0 * global_batch_size * seq_length * num_layers * h * h * (attention + mlp + logits)
@@ -127,6 +164,18 @@ def model_flops_per_step(args: Any, padded_vocab_size: int) -> float:
     get = args.get if isinstance(args, Mapping) else (lambda name: getattr(args, name, None))
     heads = get("num_attention_heads")
     num_experts = get("num_experts")
+    mla = None
+    if get("multi_latent_attention"):
+        mla = mla_attention_flops_per_token(
+            hidden_size=get("hidden_size"),
+            num_attention_heads=heads,
+            seq_length=get("seq_length"),
+            q_lora_rank=get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_head_dim=get("qk_head_dim"),
+            qk_pos_emb_head_dim=get("qk_pos_emb_head_dim"),
+            v_head_dim=get("v_head_dim"),
+        )
     return gpt_model_flops_per_iteration(
         num_layers=get("num_layers"),
         hidden_size=get("hidden_size"),
@@ -148,4 +197,5 @@ def model_flops_per_step(args: Any, padded_vocab_size: int) -> float:
         swiglu=bool(get("swiglu")),
         causal=True,
         kv_channels=get("kv_channels"),
+        attention_flops_per_token=mla,
     )

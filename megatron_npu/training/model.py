@@ -78,7 +78,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     get_transformer_layer_offset,
@@ -296,7 +296,10 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
     before waiting on the send, so the receiver can get the freed placeholder's bytes. NCCL/HCCL
     sends are stream-ordered and keep Megatron's default (on).
     """
-    config = TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.multi_latent_attention:
+        config_class, mla = MLATransformerConfig, mla_config(args)
+    config = config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -309,6 +312,7 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
+        qk_layernorm=args.qk_layernorm,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -336,12 +340,35 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         persist_layer_norm=False,
         apply_rope_fusion=False,
         **(moe_config(args) if args.num_experts is not None else {}),
+        **mla,
     )
     if args.layout_independent_init:
         # Read by SeededTransformerLayer; not a TransformerConfig field, so set after construction.
         config.init_seed = args.seed
         weight_init.wrap_init_methods(config)
     return config
+
+
+def mla_config(args: Namespace) -> dict[str, Any]:
+    """The ``MLATransformerConfig`` fields of ``--multi-latent-attention`` as Megatron-LM's
+    ``core_transformer_config_from_args`` fills them: its options' values (the rotary scaling
+    factor 1, not the dataclass's 40), the dataclass's own default for what it has no option
+    for, ``rope_type`` only when given (the dataclass's default: yarn)."""
+    fields = dict(
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
+    )
+    if args.rope_type is not None:
+        fields["rope_type"] = args.rope_type
+    return fields
 
 
 def moe_config(args: Namespace) -> dict[str, Any]:
@@ -378,11 +405,17 @@ def layer_spec(args: Namespace, moe_layer: bool = True) -> ModuleSpec:
     ``TransformerLayer`` seeded per global layer (and MoE experts per global expert); a dense
     layer's when ``moe_layer`` is False or the model has no experts."""
     experts = args.num_experts if moe_layer else None
-    moe = {"num_experts": experts, "moe_grouped_gemm": args.moe_grouped_gemm}
+    options = {
+        "num_experts": experts,
+        "moe_grouped_gemm": args.moe_grouped_gemm,
+        "qk_layernorm": args.qk_layernorm,
+    }
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(**moe)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            **options, multi_latent_attention=args.multi_latent_attention
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization, **moe)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, **options)
     if experts is not None:
         mlp = _seed_experts(spec.submodules.mlp, config_gated=args.swiglu)
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

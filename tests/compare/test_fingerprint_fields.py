@@ -36,6 +36,7 @@ EXPECTED = {
     "tied_embeddings": True,
     "init_method_std": 0.02,
     "attention_window": "causal, pre full, next full",
+    "attention": "standard",
     "experts": "dense",
     "padded_vocab_size": 1024,
     "seed": 1234,

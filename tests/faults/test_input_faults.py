@@ -307,6 +307,10 @@ CKPT_FAULTS = {
         # the tokenizer's size: TINY's 256 ids, and what --vocab-size 300 builds
         rf"another model: vocab_size is 256 there, {null_tokenizer(300).vocab_size} in this run",
     ),
+    "other-qk-layernorm": (
+        lambda t, g: [*_ckpt(t, g), "--qk-layernorm"],
+        r"another model: qk_layernorm is False there, True in this run \(set by --qk-layernorm",
+    ),
     "other-layer-spec": (
         lambda t, g: [*_ckpt(t, g), "--transformer-impl", "transformer_engine"],
         r"another model: transformer_impl is local there, transformer_engine in this run \(set "

@@ -5,11 +5,13 @@ the installed release, unmodified, through ``run_script``; both on one host thre
 thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
 compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
-Two configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
-GPT on Megatron's device-path initialisation (its default) and a Llama-style model (SwiGLU,
+Three configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+GPT on Megatron's device-path initialisation (its default), a Llama-style model (SwiGLU,
 RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
-(``--use-cpu-initialization``). Before train drew Megatron-LM's weights the first loss already
-differed (7.05527 against 7.05538 on such a model).
+(``--use-cpu-initialization``), and DeepSeek-style multi-latent attention (query and key/value
+latents with their norms, YaRN RoPE; the script's default RoPE fusion, train's unfused RoPE) on
+Megatron-LM's Transformer Engine spec. Before train drew Megatron-LM's weights the first loss
+already differed (7.05527 against 7.05538 on such a model).
 
 The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
 of each iteration): its printed log line is a logging window's mean, and from core_v0.16 the
@@ -72,13 +74,33 @@ LLAMA = (
     "--untie-embeddings-and-output-weights",
     "--use-cpu-initialization",
 )
+#: DeepSeek-style multi-latent attention on Megatron-LM's default (Transformer Engine) spec,
+#: with the latents' norms; v heads narrower than q/k heads
+MLA = (
+    "--transformer-impl",
+    "transformer_engine",
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "32",
+    "--kv-lora-rank",
+    "32",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "8",
+    "--qk-layernorm",
+    "--position-embedding-type",
+    "rope",
+)
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
 @pytest.mark.parametrize(
     "extra",
-    [(), pytest.param(LLAMA, marks=pytest.mark.extended)],  # the Llama case: tox -e extended
-    ids=["gpt-device-init", "llama-host-init"],
+    [(), pytest.param(LLAMA, marks=pytest.mark.extended), MLA],  # Llama: tox -e extended
+    ids=["gpt-device-init", "llama-host-init", "mla-te-spec"],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
     ours = train(

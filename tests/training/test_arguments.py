@@ -96,6 +96,18 @@ def test_sequence_parallel_is_dropped_without_tp():
             ],
             "--cp-comm-type p2p with --pre-tokens 8: the ring serves causal and full attention",
         ),
+        # multi-latent attention: Megatron-LM's own rules, and the local spec has none
+        (["--multi-latent-attention"], "--multi-latent-attention needs --transformer-impl"),
+        (
+            [
+                "--multi-latent-attention",
+                "--transformer-impl",
+                "transformer_engine",
+                "--group-query-attention",
+            ],
+            "--group-query-attention is mutually exclusive with --multi-latent-attention",
+        ),
+        (["--rope-type", "yarn"], "--rope-type yarn: attention other than multi-latent"),
     ],
 )
 def test_inconsistent_options_fail(capsys, extra, message):
@@ -188,6 +200,81 @@ def test_context_parallel_ranks_are_not_data_parallel_ranks():
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     with pytest.raises(arguments.ArgumentError, match="not divisible by TP x PP x CP = 4"):
         arguments.finalize(args, world_size=6)
+
+
+def test_multi_latent_attention_options_reach_megatrons_config():
+    """Megatron-LM's MLA option names land in the ``MLATransformerConfig`` fields its
+    ``core_transformer_config_from_args`` fills (the rotary scaling factor from the option's
+    default 1, not the dataclass's 40; YaRN unless --rope-type says otherwise), and the TE
+    spec's attention is MLA's with the latents' norms under --qk-layernorm."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    import megatron_npu
+    from megatron_npu.training import model
+
+    mla = (
+        "--transformer-impl",
+        "transformer_engine",
+        "--multi-latent-attention",
+        "--q-lora-rank",
+        "48",
+        "--kv-lora-rank",
+        "16",
+        "--qk-head-dim",
+        "24",
+        "--qk-pos-emb-head-dim",
+        "8",
+        "--v-head-dim",
+        "12",
+        "--mscale-all-dim",
+        "1.0",
+        "--qk-layernorm",
+    )
+    config = model.transformer_config(parse(*mla))
+    assert isinstance(config, MLATransformerConfig)
+    got = {
+        k: getattr(config, k)
+        for k in (
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "rotary_scaling_factor",
+            "mscale",
+            "mscale_all_dim",
+            "rope_type",
+            "qk_layernorm",
+        )
+    }
+    assert got == {
+        "q_lora_rank": 48,
+        "kv_lora_rank": 16,
+        "qk_head_dim": 24,
+        "qk_pos_emb_head_dim": 8,
+        "v_head_dim": 12,
+        "rotary_scaling_factor": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_type": "yarn",
+        "qk_layernorm": True,
+    }
+    assert model.transformer_config(parse(*mla, "--rope-type", "rope")).rope_type == "rope"
+    megatron_npu.apply("cpu")  # the TE spec's classes are the adaptor's stand-ins
+    try:
+        spec = model.layer_spec(parse(*mla))
+    finally:
+        megatron_npu.restore()
+    attention = spec.submodules.self_attention
+    assert attention.module is MLASelfAttention
+    norms = [
+        getattr(attention.submodules, name).__name__
+        for name in ("linear_q_up_proj", "linear_kv_up_proj")
+    ]
+    assert norms == ["TELayerNormColumnParallelLinear"] * 2, norms
+    plain = model.transformer_config(parse("--transformer-impl", "transformer_engine"))
+    assert type(plain) is not MLATransformerConfig
 
 
 def test_moe_options_reach_megatrons_config():

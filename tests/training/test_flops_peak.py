@@ -202,3 +202,43 @@ def test_moe_flops_count_only_the_active_experts():
     # forward + 2 backward -> 18 h f per token per layer
     mlp_delta = 18 * 64 * (active - 256) * 32 * 8 * 2
     assert moe - flops.gpt_model_flops_per_iteration(ffn_hidden_size=256, **dense) == mlp_delta
+
+
+@pytest.mark.parametrize("q_rank", [None, 48])
+def test_multi_latent_attention_flops_match_its_gemm_count(q_rank):
+    """A multi-latent attention model's count (Megatron-LM's arguments by name, as train and an
+    imported Megatron-LM log give them) against its GEMMs listed one by one, times 3, plus the
+    two latent norms Megatron-LM counts as one more row of each down projection."""
+    L, h, n, s, B, V, ffn = 2, 128, 4, 64, 6, 384, 512
+    kv_rank, qk, pos, v = 32, 24, 8, 16
+    tokens = B * s
+    if q_rank is None:
+        query = 2 * tokens * h * n * (qk + pos)
+    else:
+        query = 2 * tokens * h * q_rank + 2 * tokens * q_rank * n * (qk + pos)
+    key_value = 2 * tokens * h * (kv_rank + pos) + 2 * tokens * kv_rank * n * (qk + v)
+    output = 2 * tokens * n * v * h
+    scores = 2 * B * n * s * s * (qk + pos) * 0.5  # causal: half the scores
+    context = 2 * B * n * s * s * v * 0.5
+    norms = 2 * tokens * ((q_rank or 0) + kv_rank)
+    mlp = 2 * tokens * h * ffn * 2
+    logits = 2 * tokens * h * V
+    layer = query + key_value + output + scores + context + norms + mlp
+    expected = 3 * (L * layer + logits)
+    args = dict(
+        num_layers=L,
+        hidden_size=h,
+        ffn_hidden_size=ffn,
+        num_attention_heads=n,
+        seq_length=s,
+        global_batch_size=B,
+        multi_latent_attention=True,
+        q_lora_rank=q_rank,
+        kv_lora_rank=kv_rank,
+        qk_head_dim=qk,
+        qk_pos_emb_head_dim=pos,
+        v_head_dim=v,
+    )
+    assert flops.model_flops_per_step(args, V) == pytest.approx(expected, rel=1e-12)
+    standard = flops.model_flops_per_step({**args, "multi_latent_attention": False}, V)
+    assert standard != pytest.approx(expected)  # the flag changes the count
