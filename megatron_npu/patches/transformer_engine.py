@@ -6,7 +6,8 @@ device), ``megatron.core.extensions.transformer_engine`` binds its ``TE*`` names
 ``TESpecProvider`` / ``TENorm`` (megatron-core < 0.17) or binds them to None (0.17+), so the spec
 cannot be built. These entries put the stand-ins of :mod:`megatron_npu.modules.te_layers` in
 place of the placeholders, and of every ``from ... import`` copy of them (the spec provider, the
-model backends), and bind the GPT spec module's names. No module named ``transformer_engine`` is
+model backends), and bind the GPT spec module's names and multi-latent attention's (None from
+megatron-core 0.17). No module named ``transformer_engine`` is
 ever installed or shadowed, and ``cuda`` is left alone: a GPU user with TE keeps TE.
 
 The linear and attention stand-ins are built on the installed megatron-core's local layers the
@@ -27,6 +28,7 @@ from megatron_npu.registry import Patch
 _EXT = "megatron.core.extensions.transformer_engine"
 _SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 _PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
+_MLA = "megatron.core.transformer.multi_latent_attention"
 _TESTS = "tests/patches/test_transformer_engine_spec.py::"
 #: builds a TE-spec GPT and checks its parameter names and checkpoint keys
 KEYS_TEST = _TESTS + "test_te_spec_model_has_te_parameter_names[LayerNorm]"
@@ -237,6 +239,29 @@ PATCHES = [
                 "TERowParallelGroupedLinear",
                 "the experts' grouped FC2 (--moe-grouped-gemm)",
             ),
+        )
+    ],
+    *[
+        Patch(
+            id=f"transformer-engine.{key}-in-mla",
+            target=f"{_MLA}.{name}",
+            replacement=_stand_in(name),
+            kind="wrap",
+            check_signature=False,
+            rebind_copies=False,  # the original is None: nothing else to rebind
+            versions=">=0.17",
+            reason="multi-latent attention tells its projections' kinds by comparing with its "
+            "own TE names, None without TE from megatron-core 0.17: the stand-ins the TE spec "
+            "hands it",
+            parity_exempt="binds a name, no numerics: the stand-in has its own parity case",
+            exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
+            "test_multi_latent_attention_trains_as_megatrons_unfused_code",
+            benchmark_exempt="read once while the model is built",
+        )
+        for key, name in (
+            ("linear", "TELinear"),
+            ("column-parallel-linear", "TEColumnParallelLinear"),
+            ("layernorm-column-parallel-linear", "TELayerNormColumnParallelLinear"),
         )
     ],
     Patch(
