@@ -96,6 +96,15 @@ def one_head_dim(query, key, value) -> tuple[Any, Any, Any, int]:
     return padded(query), padded(key), padded(value), value_dim
 
 
+def value_columns(out, heads: int, width: int, value_dim: int) -> Any:
+    """``out`` ``[s, b, heads * width]`` of heads padded by :func:`one_head_dim` ->
+    ``[s, b, heads * value_dim]``, each head's padded columns dropped."""
+    if value_dim == width:
+        return out
+    s, b = out.shape[:2]
+    return out.reshape(s, b, heads, width)[..., :value_dim].reshape(s, b, heads * value_dim)
+
+
 def fused_core_attention(module: Any, query, key, value, attention_mask, attn_mask_type) -> Any:
     """Megatron's [s, b, np, hn] q/k/v -> [s, b, np*hn] context through the fused op (q/k and v
     heads of different widths: :func:`one_head_dim`)."""
@@ -126,9 +135,7 @@ def fused_core_attention(module: Any, query, key, value, attention_mask, attn_ma
     out = in_attention_rng(module, call.dropout_p, run)
     if chosen.shape_order == "BSH":
         out = out.transpose(0, 1)
-    if value_dim != dim:
-        return out.reshape(sq, b, heads, dim)[..., :value_dim].reshape(sq, b, heads * value_dim)
-    return out.reshape(sq, b, heads * dim)
+    return value_columns(out.reshape(sq, b, heads * dim), heads, dim, value_dim)
 
 
 def _route_to_fused(original: Any) -> Any:

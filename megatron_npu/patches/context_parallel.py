@@ -13,7 +13,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_npu.patches.attention import core_attention_call, in_attention_rng, one_head_dim
+from megatron_npu.patches.attention import (
+    core_attention_call,
+    in_attention_rng,
+    one_head_dim,
+    value_columns,
+)
 
 
 def context_parallel_core_attention(
@@ -49,10 +54,7 @@ def context_parallel_core_attention(
         )
 
     out = in_attention_rng(module, call.dropout_p, run)
-    s, b, heads, dim = query.shape
-    if value_dim != dim:  # multi-latent attention: the zero columns of the padded v go
-        out = out.reshape(s, b, heads, dim)[..., :value_dim].reshape(s, b, heads * value_dim)
-    return out
+    return value_columns(out, query.shape[2], query.shape[3], value_dim)
 
 
 def route_context_parallel(original: Any) -> Any:
