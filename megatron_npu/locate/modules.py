@@ -10,7 +10,9 @@ phase       output error (what the module produced)       input error (what it w
 ==========  ===========================================  ==========================================
 forward     ``forward.output``                             ``forward.input``
 backward    ``backward.grad_input`` and its ``param.grad``  ``backward.grad_output``
-update      its parameters' ``param.update``               its parameters' ``param.grad``
+update      its parameters' ``param.update``               its parameters' ``param.grad``, also
+                                                           element by element (Adam scales
+                                                           each element: :func:`elementwise_error`)
 ==========  ===========================================  ==========================================
 
 The loss is the root module's own code (``model``, kind ``loss``): its forward input is the
@@ -117,6 +119,9 @@ class ModuleRow:
     phases: dict[str, PhaseError] = field(default_factory=dict)
     #: the relative error of each of its parameters' gradients (by parameter name)
     param_grads: dict[str, float] = field(default_factory=dict)
+    #: the same gradients' error element by element (:func:`elementwise_error`), as an optimizer
+    #: that scales each element by its own magnitude (Adam) carries it into the update
+    param_grads_elementwise: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +152,30 @@ def _ratio(out: float | None, inp: float) -> float | None:
     if inp <= 0:
         return math.inf if out > 0 else 0.0
     return out / inp
+
+
+def elementwise_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """The root mean square, over the elements, of each element's relative error
+    ``|a - r| / (|r| + eps * max|r|)`` (``eps``: the dtype's machine epsilon, so an element far
+    below the tensor's largest counts with the rounding of that largest, not its own size).
+
+    Adam divides each gradient element by its own running magnitude, so the update carries an
+    element's *relative* error whatever its size. A gradient that is zero in exact arithmetic
+    (a key bias's: softmax ignores a constant added to a row of scores) is rounding noise on
+    both paths, with a relative error near 1 in each element, while the tensor's ``rel_l2``
+    stays at rounding level; the update of two healthy paths then differs well beyond
+    ``rel_l2`` of their gradients, and this is the error that explains it."""
+    if tuple(actual.shape) != tuple(reference.shape):
+        return math.inf
+    if not actual.is_floating_point() or actual.numel() == 0:
+        return 0.0 if torch.equal(actual, reference) else math.inf
+    a, r = actual.double(), reference.double()
+    if not (torch.isfinite(a).all() and torch.isfinite(r).all()):
+        return math.inf
+    floor = torch.finfo(actual.dtype).eps * float(r.abs().max())
+    if floor == 0.0:
+        return 0.0 if torch.equal(a, r) else math.inf
+    return float(((a - r).abs() / (r.abs() + floor)).pow(2).mean().sqrt())
 
 
 def tensor_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -268,8 +297,10 @@ def compare_rank(
             if phase.output == err:
                 phase.worst = key
             phase.order = min(phase.order, entry.order)
-            grad = row(owner).param_grads.get(param.rpartition(".")[2], 0.0)
-            phase.input = max(phase.input, grad)
+            name = param.rpartition(".")[2]
+            grad = row(owner).param_grads.get(name, 0.0)
+            elementwise = row(owner).param_grads_elementwise.get(name, 0.0)
+            phase.input = max(phase.input, grad, elementwise)
             continue
         place = _phase_of(quantity)
         if place is None:
@@ -277,7 +308,11 @@ def compare_rank(
         phase_name, side = place
         _loss_share(row, entry, err)
         if quantity.startswith("param.grad:"):
-            row(entry.module).param_grads[quantity.partition(":")[2]] = err
+            name = quantity.partition(":")[2]
+            row(entry.module).param_grads[name] = err
+            row(entry.module).param_grads_elementwise[name] = (
+                math.inf if ref is None else elementwise_error(cand_tensors[key], ref_tensors[key])
+            )
         target = row(entry.module).phases.setdefault(phase_name, PhaseError())
         if side == "in":
             target.input = max(target.input, err)
@@ -290,7 +325,9 @@ def compare_rank(
     for r in rows.values():
         upd = r.phases.get("update")
         if upd is not None:
-            upd.input = max([upd.input, *r.param_grads.values()])
+            upd.input = max(
+                [upd.input, *r.param_grads.values(), *r.param_grads_elementwise.values()]
+            )
         for phase in r.phases.values():
             phase.tolerance = rule.tolerance(r.depth)
             if phase.output is not None:
