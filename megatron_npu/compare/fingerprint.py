@@ -9,9 +9,9 @@ derivations such as the padded vocabulary), never from the matrix text. Fields:
   (the fused attention's pre/next-token window: a sparse window computes another function than
   full causal attention; the flash kernel with the full window does not), ``attention`` (the
   kind: standard or multi-latent with its ranks and head widths, and query/key norms),
-  ``experts`` (dense, or
-  the MoE layers' expert count, top-k, expert and shared-expert FFN sizes, capacity factor and
-  aux-loss coefficient: each changes what is computed; the expert-parallel layout does not);
+  ``experts`` (dense, or the MoE layers' expert count, top-k, expert and shared-expert FFN
+  sizes, capacity factor and aux-loss coefficient: each changes what is computed; the
+  expert-parallel layout does not);
 * ``padded_vocab_size`` (Megatron pads to divisible-by x TP: see ``align_vocab`` in
   :mod:`.matrix`);
 * ``data``: the data source and the dataset identity (the indexed prefixes' file names -- the
