@@ -297,10 +297,6 @@ def compare_rank(
             if phase.output == err:
                 phase.worst = key
             phase.order = min(phase.order, entry.order)
-            name = param.rpartition(".")[2]
-            grad = row(owner).param_grads.get(name, 0.0)
-            elementwise = row(owner).param_grads_elementwise.get(name, 0.0)
-            phase.input = max(phase.input, grad, elementwise)
             continue
         place = _phase_of(quantity)
         if place is None:

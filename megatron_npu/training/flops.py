@@ -136,10 +136,11 @@ def gpt_model_flops_per_iteration(
     h = float(hidden_size)
     query_ratio = kv_channels * num_attention_heads / h
     causal_share = 0.5 if causal else 1.0
-    attention = (
-        1.0 + num_query_groups / num_attention_heads + seq_length / h * causal_share
-    ) * query_ratio
-    if attention_flops_per_token is not None:
+    if attention_flops_per_token is None:
+        attention = (
+            1.0 + num_query_groups / num_attention_heads + seq_length / h * causal_share
+        ) * query_ratio
+    else:
         attention = attention_flops_per_token / (12.0 * h * h)
     mlp = mlp_forward_flops(1, hidden_size, ffn_hidden_size, swiglu=swiglu) / (4.0 * h * h)
     logits = padded_vocab_size / (2.0 * num_layers * h)

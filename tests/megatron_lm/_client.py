@@ -51,6 +51,24 @@ TINY = (
     "1",
 )
 
+#: DeepSeek-style multi-latent attention, small: query and key/value compressed to rank 32,
+#: q/k heads of 16 + 8 rotated features, v heads of 8 (narrower: the fused op pads them), YaRN
+MLA = (
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "32",
+    "--kv-lora-rank",
+    "32",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "8",
+    "--position-embedding-type",
+    "rope",
+)
+
 
 def client_devices() -> tuple[str, ...]:
     """Devices the run list covers: npu-emulated in the default suite, both in tox

@@ -16,6 +16,7 @@ from once_per_run import built_once
 from megatron_npu.compare import mlm_log, rules
 
 from ._client import (
+    MLA,
     TINY,
     Run,
     check_trained,
@@ -449,25 +450,6 @@ def test_context_parallel_trains_and_matches_cp1(tmp_path):
     # 2 layers x 2 micro-batches x 12 iterations, each rank all of its heads' sequence once
     assert counts.get("npu_fusion_attention") == 48, counts
     assert counts.get("npu_ring_attention_update", 0) == 0, counts
-
-
-#: DeepSeek-style multi-latent attention, small: query and key/value compressed to rank 32,
-#: q/k heads of 16 + 8 rotated features, v heads of 8 (narrower: the fused op pads them), YaRN
-MLA = (
-    "--multi-latent-attention",
-    "--q-lora-rank",
-    "32",
-    "--kv-lora-rank",
-    "32",
-    "--qk-head-dim",
-    "16",
-    "--qk-pos-emb-head-dim",
-    "8",
-    "--v-head-dim",
-    "8",
-    "--position-embedding-type",
-    "rope",
-)
 
 
 def test_multi_latent_attention_trains_as_megatrons_unfused_code(tmp_path):

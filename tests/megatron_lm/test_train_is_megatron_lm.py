@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_npu.compare import mlm_log, tensorboard_events
-from tests.megatron_lm._client import pretrain_gpt
+from tests.megatron_lm._client import MLA, pretrain_gpt
 from tests.training._runner import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -75,31 +75,14 @@ LLAMA = (
     "--use-cpu-initialization",
 )
 #: DeepSeek-style multi-latent attention on Megatron-LM's default (Transformer Engine) spec,
-#: with the latents' norms; v heads narrower than q/k heads
-MLA = (
-    "--transformer-impl",
-    "transformer_engine",
-    "--multi-latent-attention",
-    "--q-lora-rank",
-    "32",
-    "--kv-lora-rank",
-    "32",
-    "--qk-head-dim",
-    "16",
-    "--qk-pos-emb-head-dim",
-    "8",
-    "--v-head-dim",
-    "8",
-    "--qk-layernorm",
-    "--position-embedding-type",
-    "rope",
-)
+#: with the latents' norms
+MLA_TE = ("--transformer-impl", "transformer_engine", *MLA, "--qk-layernorm")
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
 @pytest.mark.parametrize(
     "extra",
-    [(), pytest.param(LLAMA, marks=pytest.mark.extended), MLA],  # Llama: tox -e extended
+    [(), pytest.param(LLAMA, marks=pytest.mark.extended), MLA_TE],  # Llama: tox -e extended
     ids=["gpt-device-init", "llama-host-init", "mla-te-spec"],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
