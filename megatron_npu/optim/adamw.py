@@ -9,6 +9,10 @@ difference, and performs each group's update through :func:`megatron_npu.ops.ada
 The moments of a parameter group live back to back in one flat buffer per device and dtype
 (each state entry is a view of it), so the NPU path hands them to the kernel as single tensors;
 moments that arrive otherwise (a loaded checkpoint) are packed on the next step.
+
+Parameters that are DTensors (PyTorch FSDP2, ``--use-torch-fsdp2``) keep DTensor moments of the
+same mesh and placements, so checkpoints shard them as the parameters; the update runs on each
+rank's shards, whose moments lie back to back in the flat buffer as any other's.
 """
 
 from __future__ import annotations
@@ -17,10 +21,26 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_npu.ops.adamw import adamw_step_, flat_view
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (it shares the DTensor's storage); any other tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p`` holds its values: a DTensor of ``p``'s mesh and placements whose shard
+    is ``local`` when ``p`` is one, else ``local`` itself."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -78,18 +98,21 @@ class FusedAdamW(torch.optim.AdamW):
         for same in by_kind.values():
             for key in keys:
                 current = [self.state[p].get(key) for p in same]
-                if all(t is not None for t in current) and flat_view(current) is not None:
+                if all(t is not None for t in current) and (
+                    flat_view([_local(t) for t in current]) is not None
+                ):
                     continue
+                shards = [_local(p) for p in same]
                 flat = torch.zeros(
-                    sum(p.numel() for p in same), dtype=same[0].dtype, device=same[0].device
+                    sum(s.numel() for s in shards), dtype=same[0].dtype, device=shards[0].device
                 )
                 offset = 0
-                for p, old in zip(same, current, strict=True):
-                    view = flat[offset : offset + p.numel()].view(p.shape)
+                for p, shard, old in zip(same, shards, current, strict=True):
+                    view = flat[offset : offset + shard.numel()].view(shard.shape)
                     if old is not None:
-                        view.copy_(old)
-                    self.state[p][key] = view
-                    offset += p.numel()
+                        view.copy_(_local(old))
+                    self.state[p][key] = _like(p, view)
+                    offset += shard.numel()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -111,17 +134,19 @@ class FusedAdamW(torch.optim.AdamW):
             beta1, beta2 = (float(b) for b in group["betas"])
             for step, items in by_step.items():
                 adamw_step_(
-                    [p for p, _ in items],
-                    [p.grad for p, _ in items],
-                    [s["exp_avg"] for _, s in items],
-                    [s["exp_avg_sq"] for _, s in items],
+                    [_local(p) for p, _ in items],
+                    [_local(p.grad) for p, _ in items],
+                    [_local(s["exp_avg"]) for _, s in items],
+                    [_local(s["exp_avg_sq"]) for _, s in items],
                     step=step,
                     lr=float(group["lr"]),
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    max_exp_avg_sqs=[s["max_exp_avg_sq"] for _, s in items] if amsgrad else None,
+                    max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for _, s in items]
+                    if amsgrad
+                    else None,
                     amsgrad=amsgrad,
                     maximize=group["maximize"],
                 )

@@ -54,7 +54,6 @@ NOT_ROUTED = {
     "megatron.core.models.bert": "BERT: outside the GPT scope",
     "megatron.core.distributed.fsdp": "Megatron-FSDP: not supported (DDP and the distributed "
     "optimizer are)",
-    "megatron.core.distributed.torch_fully_sharded_data_parallel": "torch FSDP2: not supported",
     "megatron.core.transformer.fsdp_dtensor_checkpoint": "FSDP DTensor checkpoints: not supported",
     "megatron.core.optimizer.cpu_offloading": "the CPU-offload hybrid optimizer: not supported",
     "megatron.core.distributed.distributed_data_parallel_config": "names 'cuda' only in "

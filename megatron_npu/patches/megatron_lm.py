@@ -19,6 +19,7 @@ from megatron_npu import console
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
+from megatron_npu.patches import torch_fsdp2
 from megatron_npu.registry import Patch
 
 _logger = logging.getLogger(__name__)
@@ -87,7 +88,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
         "--moe-enable-deepep",
         "DeepEP dispatch is CUDA-only: use alltoall or allgather",
     ),
-    ("use_torch_fsdp2", True, "--use-torch-fsdp2", "not supported by the adaptor yet"),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
     (
         "use_legacy_models",
@@ -139,7 +139,7 @@ def _set_global_variables(original: Any) -> Any:
     @functools.wraps(original)
     def set_global_variables(*args: Any, **kwargs: Any) -> Any:
         namespace = args[0] if args else kwargs["args"]
-        problems = unsupported_options(namespace)
+        problems = unsupported_options(namespace) + torch_fsdp2.problems(namespace)
         if problems:
             _refuse(MegatronLMOptionError(problems))
         settings.set_fused_attention(use_flash_attn=bool(getattr(namespace, "use_flash_attn", 0)))
