@@ -23,6 +23,8 @@ from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
+from megatron_npu.recompute_options import MODULES as RECOMPUTE_MODULES
+from megatron_npu.recompute_options import recompute_problems
 from megatron_npu.training.errors import TrainingInputError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -241,6 +243,42 @@ def add_arguments(
         default=None,
         help="the NullTokenizer's --vocab-size for --mock-data, as Megatron-LM takes it: the "
         "EOD token comes on top up to megatron-core 0.17, inside from 0.18 (default 512)",
+    )
+
+    g = parser.add_argument_group("activation recomputation (Megatron-LM's names and defaults)")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="full: recompute whole layers in the backward pass (with --recompute-method and "
+        "--recompute-num-layers); selective: only --recompute-modules of every layer; default: "
+        "keep every activation",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Megatron-LM's short form of --recompute-granularity selective",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="full recomputation: uniform checkpoints groups of --recompute-num-layers layers; "
+        "block recomputes the first --recompute-num-layers layers of each pipeline stage",
+    )
+    g.add_argument("--recompute-num-layers", type=_positive, default=None)
+    g.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        choices=RECOMPUTE_MODULES,
+        default=None,
+        help="selective recomputation's modules (default: core_attn)",
+    )
+    g.add_argument(
+        "--distribute-saved-activations",
+        action="store_true",
+        help="full recomputation under tensor parallelism: split each layer's saved input over "
+        "the tensor-parallel ranks",
     )
 
     g = parser.add_argument_group("multi-latent attention (Megatron-LM's names and defaults)")
@@ -649,6 +687,19 @@ def check(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = 4 * args.hidden_size
     if args.disable_bias_linear:  # Megatron-LM: no bias to fuse into the GeLU
         args.bias_gelu_fusion = False
+    if args.recompute_activations:  # Megatron-LM's alias
+        args.recompute_granularity = "selective"
+    problems = recompute_problems(
+        granularity=args.recompute_granularity,
+        method=args.recompute_method,
+        num_layers=args.recompute_num_layers,
+        modules=args.recompute_modules,
+        add_bias_linear=not args.disable_bias_linear,
+        distribute_saved_activations=args.distribute_saved_activations,
+        tp=args.tensor_model_parallel_size,
+    )
+    if problems:
+        raise ArgumentError("; ".join(problems))
     if args.multi_latent_attention:
         if args.group_query_attention:  # Megatron-LM's own rule
             raise ArgumentError(

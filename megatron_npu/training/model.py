@@ -339,6 +339,13 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         masked_softmax_fusion=args.masked_softmax_fusion,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
+        **({"recompute_modules": args.recompute_modules} if args.recompute_modules else {}),
+        # the layer spec's name, where the config has the field (0.14+), as Megatron-LM sets it
+        **_if_field(config_class, "transformer_impl", args.transformer_impl),
         **(moe_config(args) if args.num_experts is not None else {}),
         **mla,
     )
@@ -347,6 +354,11 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         config.init_seed = args.seed
         weight_init.wrap_init_methods(config)
     return config
+
+
+def _if_field(config_class: type, name: str, value: Any) -> dict[str, Any]:
+    """``{name: value}`` when ``config_class`` has the field ``name``, else nothing."""
+    return {name: value} if name in {f.name for f in dataclasses.fields(config_class)} else {}
 
 
 def mla_config(args: Namespace) -> dict[str, Any]:

@@ -378,11 +378,19 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
             "these Megatron-LM options do not work together",
             marks=pytest.mark.extended,
         ),
+        # Megatron's recomputed MLP with biases recurses in the backward pass (it would run out
+        # of memory here before the recursion limit)
+        (
+            ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"),
+            ("--recompute-modules mlp with linear biases",),
+            "these Megatron-LM options do not work together",
+        ),
     ],
     ids=[
         "moe-flex-dispatcher",
         "moe-topk-and-ep-sizes",
         "cp-local-spec-and-sequence",
+        "recompute-mlp-with-biases",
     ],
 )
 def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header):

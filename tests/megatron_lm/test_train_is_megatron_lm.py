@@ -5,13 +5,16 @@ the installed release, unmodified, through ``run_script``; both on one host thre
 thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
 compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
-Three configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+Five configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
 GPT on Megatron's device-path initialisation (its default), a Llama-style model (SwiGLU,
 RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
-(``--use-cpu-initialization``), and DeepSeek-style multi-latent attention (query and key/value
+(``--use-cpu-initialization``), DeepSeek-style multi-latent attention (query and key/value
 latents with their norms, YaRN RoPE; the script's default RoPE fusion, train's unfused RoPE) on
-Megatron-LM's Transformer Engine spec. Before train drew Megatron-LM's weights the first loss
-already differed (7.05527 against 7.05538 on such a model).
+Megatron-LM's Transformer Engine spec, the GPT with full activation recomputation, and the
+Llama-style model on the TE spec recomputing attention, norms and MLP selectively (train
+builds the recomputation into the model's config: ``tests/training/test_arguments.py``). Before
+train drew Megatron-LM's weights the first loss already differed (7.05527 against 7.05538 on
+such a model).
 
 The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
 of each iteration): its printed log line is a logging window's mean, and from core_v0.16 the
@@ -77,13 +80,46 @@ LLAMA = (
 #: DeepSeek-style multi-latent attention on Megatron-LM's default (Transformer Engine) spec,
 #: with the latents' norms
 MLA_TE = ("--transformer-impl", "transformer_engine", *MLA, "--qk-layernorm")
+#: full recomputation, one layer per checkpoint (dropout's masks drawn again in the backward)
+RECOMPUTE_FULL = (
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+)
+#: selective recomputation of every module the TE spec offers a dense model without biases
+RECOMPUTE_SELECTIVE = (
+    *LLAMA,
+    "--transformer-impl",
+    "transformer_engine",
+    "--recompute-granularity",
+    "selective",
+    "--recompute-modules",
+    "core_attn",
+    "layernorm",
+    "mlp",
+)
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
 @pytest.mark.parametrize(
     "extra",
-    [(), pytest.param(LLAMA, marks=pytest.mark.extended), MLA_TE],  # Llama: tox -e extended
-    ids=["gpt-device-init", "llama-host-init", "mla-te-spec"],
+    [
+        (),
+        pytest.param(LLAMA, marks=pytest.mark.extended),  # tox -e extended
+        MLA_TE,
+        RECOMPUTE_FULL,
+        pytest.param(RECOMPUTE_SELECTIVE, marks=pytest.mark.extended),
+    ],
+    ids=[
+        "gpt-device-init",
+        "llama-host-init",
+        "mla-te-spec",
+        "recompute-full",
+        "llama-te-recompute-selective",
+    ],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
     ours = train(

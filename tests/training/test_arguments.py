@@ -108,6 +108,25 @@ def test_sequence_parallel_is_dropped_without_tp():
             "--group-query-attention is mutually exclusive with --multi-latent-attention",
         ),
         (["--rope-type", "yarn"], "--rope-type yarn: attention other than multi-latent"),
+        # activation recomputation: Megatron-LM's rules, and the MLP that recurses with biases
+        (
+            ["--recompute-activations", "--recompute-method", "uniform"],
+            "--recompute-method uniform with --recompute-granularity selective",
+        ),
+        (["--recompute-granularity", "full"], "needs --recompute-method uniform|block"),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block"],
+            "needs --recompute-num-layers N",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+            "--recompute-modules mlp with linear biases",
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+            + ["--recompute-num-layers", "1", "--distribute-saved-activations"],
+            "--distribute-saved-activations: splits the saved inputs",
+        ),
     ],
 )
 def test_inconsistent_options_fail(capsys, extra, message):
@@ -200,6 +219,38 @@ def test_context_parallel_ranks_are_not_data_parallel_ranks():
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     with pytest.raises(arguments.ArgumentError, match="not divisible by TP x PP x CP = 4"):
         arguments.finalize(args, world_size=6)
+
+
+@pytest.mark.parametrize(
+    "extra, fields",
+    [
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block"]
+            + ["--recompute-num-layers", "2"],
+            {"recompute_granularity": "full", "recompute_method": "block"}
+            | {"recompute_num_layers": 2},
+        ),
+        (
+            ["--recompute-activations"],
+            {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+        ),
+        (
+            ["--recompute-granularity", "selective", "--disable-bias-linear"]
+            + ["--recompute-modules", "layernorm", "mlp"],
+            {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]},
+        ),
+        ([], {"recompute_granularity": None}),
+    ],
+    ids=["full-block", "recompute-activations", "selective-modules", "none"],
+)
+def test_recompute_options_reach_megatrons_config(extra, fields):
+    """Megatron-LM's recomputation options land in the TransformerConfig fields its
+    ``core_transformer_config_from_args`` fills; TransformerBlock and TransformerLayer
+    recompute by those."""
+    from megatron_npu.training import model
+
+    config = model.transformer_config(parse(*extra))
+    assert {k: getattr(config, k) for k in fields} == fields
 
 
 def test_multi_latent_attention_options_reach_megatrons_config():

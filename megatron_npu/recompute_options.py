@@ -1,0 +1,58 @@
+"""The activation-recomputation options that cannot work, as one list of named problems.
+
+Megatron checks the granularity, method and layer count by ``assert`` in ``validate_args`` and
+by ``ValueError`` in ``TransformerConfig``, a traceback per rank. One combination it does not
+check at all: selective recomputation of the MLP (``--recompute-modules mlp``) in a model with
+linear biases (``--add-bias-linear``, Megatron's default). The MLP returns its output bias, the
+``linear_fc2.bias`` parameter itself, out of Megatron's ``CheckpointFunction``; autograd then
+gives that parameter the checkpoint's backward as its own, so the recomputation in backward
+returns a tensor whose backward is the checkpoint again, without end: a ``RecursionError``, or
+on a host device memory exhausted first, on any device. ``megatron-npu train`` and Megatron-LM's
+scripts through the adaptor check these before anything is built and stop with one line.
+"""
+
+from __future__ import annotations
+
+#: Megatron's ``--recompute-modules`` choices (``TransformerConfig.recompute_modules``)
+MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def recompute_problems(
+    *,
+    granularity: str | None,
+    method: str | None,
+    num_layers: int | None,
+    modules: list[str] | None,
+    add_bias_linear: bool,
+    distribute_saved_activations: bool,
+    tp: int,
+) -> list[str]:
+    """Each broken combination as ``"--option ...: why"`` (empty when the options agree).
+    ``modules`` None means Megatron's default for selective recomputation: ``core_attn``."""
+    problems = []
+    if granularity == "selective":
+        if method is not None:
+            problems.append(
+                f"--recompute-method {method} with --recompute-granularity selective: a method "
+                "chooses the layers of full recomputation; selective recomputes the chosen "
+                "modules of every layer"
+            )
+        if "mlp" in (modules or ()) and add_bias_linear:
+            problems.append(
+                "--recompute-modules mlp with linear biases (Megatron's default "
+                "--add-bias-linear): Megatron's checkpoint returns the MLP's bias parameter and "
+                "its backward recurses without end, on any device; add --disable-bias-linear or "
+                "leave mlp out"
+            )
+    elif granularity == "full":
+        if method is None:
+            problems.append("--recompute-granularity full: needs --recompute-method uniform|block")
+        if num_layers is None:
+            problems.append("--recompute-granularity full: needs --recompute-num-layers N")
+    if distribute_saved_activations and (granularity != "full" or method is None or tp < 2):
+        problems.append(
+            "--distribute-saved-activations: splits the saved inputs of full recomputation over "
+            "the tensor-parallel ranks, so it needs --recompute-granularity full, a "
+            "--recompute-method and --tensor-model-parallel-size of 2 or more"
+        )
+    return problems
