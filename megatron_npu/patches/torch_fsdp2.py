@@ -99,9 +99,11 @@ PATCHES = [
         check_signature=False,
         rebind_copies=False,
         parity_exempt="device plumbing, no numerics of its own: FSDP2's gathers and reductions "
-        "are PyTorch's; the named test trains with it against plain data parallelism",
+        "are PyTorch's; the named test wraps Megatron's model with it (two ranks training "
+        "against plain data parallelism: tests/megatron_lm/test_pretrain_gpt.py::"
+        "test_torch_fsdp2_trains_as_data_parallel)",
         benchmark_exempt="runs once, when the model is wrapped",
-        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
-        "test_torch_fsdp2_trains_as_data_parallel",
+        exempt_test="tests/patches/test_torch_fsdp2.py::"
+        "test_torch_fsdp2_wraps_megatrons_model_on_the_active_device",
     ),
 ]
