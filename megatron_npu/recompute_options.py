@@ -26,6 +26,7 @@ def recompute_problems(
     add_bias_linear: bool,
     distribute_saved_activations: bool,
     tp: int,
+    sequence_parallel: bool,
 ) -> list[str]:
     """Each broken combination as ``"--option ...: why"`` (empty when the options agree).
     ``modules`` None means Megatron's default for selective recomputation: ``core_attn``."""
@@ -36,6 +37,11 @@ def recompute_problems(
                 f"--recompute-method {method} with --recompute-granularity selective: a method "
                 "chooses the layers of full recomputation; selective recomputes the chosen "
                 "modules of every layer"
+            )
+        if num_layers is not None:
+            problems.append(
+                f"--recompute-num-layers {num_layers} with --recompute-granularity selective: "
+                "the layer count belongs to full recomputation"
             )
         if "mlp" in (modules or ()) and add_bias_linear:
             problems.append(
@@ -54,5 +60,10 @@ def recompute_problems(
             "--distribute-saved-activations: splits the saved inputs of full recomputation over "
             "the tensor-parallel ranks, so it needs --recompute-granularity full, a "
             "--recompute-method and --tensor-model-parallel-size of 2 or more"
+        )
+    if distribute_saved_activations and sequence_parallel:
+        problems.append(
+            "--distribute-saved-activations with --sequence-parallel: the saved inputs are split "
+            "over the tensor-parallel ranks already (Megatron's rule)"
         )
     return problems

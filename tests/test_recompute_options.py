@@ -58,6 +58,7 @@ def test_only_the_mlp_with_biases_is_refused():
             add_bias_linear=True,
             distribute_saved_activations=False,
             tp=1,
+            sequence_parallel=False,
         )
         return recompute_problems(**{**given, **options})
 

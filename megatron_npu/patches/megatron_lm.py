@@ -188,6 +188,7 @@ def _recompute_problems(args: Any) -> list[str]:
         add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
         distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)),
         tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
     )
 
 

@@ -697,6 +697,7 @@ def check(args: argparse.Namespace) -> None:
         add_bias_linear=not args.disable_bias_linear,
         distribute_saved_activations=args.distribute_saved_activations,
         tp=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
     )
     if problems:
         raise ArgumentError("; ".join(problems))

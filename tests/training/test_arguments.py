@@ -123,6 +123,16 @@ def test_sequence_parallel_is_dropped_without_tp():
             "--recompute-modules mlp with linear biases",
         ),
         (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+            + ["--recompute-num-layers", "1", "--distribute-saved-activations"],
+            "--distribute-saved-activations with --sequence-parallel",
+        ),
+        (
+            ["--recompute-activations", "--recompute-num-layers", "1"],
+            "--recompute-num-layers 1 with --recompute-granularity selective",
+        ),
+        (
             ["--recompute-granularity", "full", "--recompute-method", "uniform"]
             + ["--recompute-num-layers", "1", "--distribute-saved-activations"],
             "--distribute-saved-activations: splits the saved inputs",
