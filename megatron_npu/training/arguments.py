@@ -269,7 +269,7 @@ def add_arguments(
     g.add_argument("--recompute-num-layers", type=_positive, default=None)
     g.add_argument(
         "--recompute-modules",
-        nargs="*",
+        nargs="+",
         choices=RECOMPUTE_MODULES,
         default=None,
         help="selective recomputation's modules (default: core_attn)",

@@ -8,9 +8,9 @@ words. The result holds
 
 * ``args``: the checked namespace, derived values filled in (what a rank session reads);
 * the same options in sections, as the parser's help groups them: ``launch``, ``parallel``,
-  ``model``, ``mla``, ``moe``, ``fusions``, ``attention``, ``precision``, ``run`` (batch,
-  iterations, seed, divergence stop), ``optimizer``, ``data``, ``checkpoint``, ``logging``,
-  ``profiling`` (train only) (``options.parallel.tensor_model_parallel_size``,
+  ``model``, ``recompute``, ``mla``, ``moe``, ``fusions``, ``attention``, ``precision``,
+  ``run`` (batch, iterations, seed, divergence stop), ``optimizer``, ``data``, ``checkpoint``,
+  ``logging``, ``profiling`` (train only) (``options.parallel.tensor_model_parallel_size``,
   ``options.optimizer.lr``);
 * ``disabled``: the patches ``--disable-patch`` switches off (a switch of every command, read
   before train's parser);
@@ -35,6 +35,7 @@ SECTIONS = {
     "launch": "device and launch",
     "parallel": "parallelism",
     "model": "model",
+    "recompute": "activation recomputation",
     "mla": "multi-latent attention",
     "moe": "mixture of experts",
     "fusions": "fusions",
