@@ -29,7 +29,7 @@ def _checkpointed_mlp(add_bias_linear: bool):
         use_cpu_initialization=True,
     )
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    mlp = MLP(config, submodules)
+    mlp = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
     x = torch.randn(4, 1, 8, requires_grad=True)
     return mlp, x, tensor_parallel.checkpoint(mlp, False, x)
 
