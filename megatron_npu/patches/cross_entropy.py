@@ -1,4 +1,11 @@
-"""Megatron's vocab-parallel cross entropy -> the op layer's (fp32 maths, TP all-reduces)."""
+"""Megatron's vocab-parallel cross entropy -> the op layer's (fp32 maths, TP all-reduces).
+
+``--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`` calls Transformer Engine's
+``parallel_cross_entropy`` through ``language_module.te_parallel_cross_entropy``, which Megatron
+binds to None without TE (and then raises "Trying to use a TE block when it's not present"). TE's
+contract is the same loss with no smoothing and no reduction, in fp32, where a label of -100 (its
+``ignore_idx``) loses nothing and passes no gradient; the op layer serves it so.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +42,18 @@ def vocab_parallel_cross_entropy_on_group(
     return _on_group(vocab_parallel_logits, target, label_smoothing, tp_group)
 
 
+#: TE's ``parallel_cross_entropy`` ignore index, as Megatron's wrapper passes it
+TE_IGNORE_INDEX = -100
+
+
+def te_parallel_cross_entropy(logits, labels, tp_group, is_cg_capturable=False):
+    """Transformer Engine's vocab-parallel cross entropy as Megatron calls it: per-token fp32
+    loss shaped like ``labels``, 0 (and no gradient) where a label is -100."""
+    ignored = labels == TE_IGNORE_INDEX
+    loss = _on_group(logits, labels.masked_fill(ignored, 0), 0.0, tp_group)
+    return loss.masked_fill(ignored, 0.0)
+
+
 PATCHES = [
     Patch(
         id="cross-entropy.vocab-parallel",
@@ -55,5 +74,20 @@ PATCHES = [
         versions=">=0.19",
         parity="megatron_npu.parity.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
         benchmark="perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY",
+    ),
+    Patch(
+        id="cross-entropy.te-parallel",
+        target="megatron.core.models.common.language_module.language_module."
+        "te_parallel_cross_entropy",
+        replacement=te_parallel_cross_entropy,
+        reason="--cross-entropy-fusion-impl te: Transformer Engine's parallel_cross_entropy "
+        "(bound to None without TE) -> the same fp32 op with TE's ignore index",
+        versions=">=0.13",
+        check_signature=False,  # the target is None where TE is missing
+        rebind_copies=False,
+        parity="megatron_npu.parity.cases.cross_entropy:TE_PARALLEL_CROSS_ENTROPY",
+        benchmark_exempt="the op is cross-entropy.vocab-parallel's "
+        "(perf.cases.cross_entropy:VOCAB_PARALLEL_CROSS_ENTROPY); the ignore mask adds two "
+        "elementwise fills",
     ),
 ]

@@ -800,3 +800,32 @@ def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
     for step, loss in ddp.losses.items():
         assert abs(fsdp2.losses[step] - loss) <= 1e-6 * abs(loss), (fsdp2.losses, ddp.losses)
     assert fsdp2.grad_norms == ddp.grad_norms
+
+
+def test_te_cross_entropy_fusion_gives_the_unfused_loss(tmp_path):
+    """``--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`` (Transformer Engine's
+    vocab-parallel cross entropy, which Megatron cannot call without TE) at TP2 on npu-emulated:
+    the per-step losses and grad norms of the unfused loss, to every printed digit."""
+    common = (
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    )
+    runs = {
+        name: pretrain_gpt(
+            tmp_path, *common, *extra, nproc=2, device="npu-emulated", name=name, tensorboard=False
+        )
+        for name, extra in (
+            ("unfused", ()),
+            ("te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te")),
+        )
+    }
+    for run in runs.values():
+        assert run.returncode == 0, run.tail()
+    assert sorted(runs["te"].losses) == [1, 2, 3, 4]
+    assert runs["te"].losses == runs["unfused"].losses
+    assert runs["te"].grad_norms == runs["unfused"].grad_norms
