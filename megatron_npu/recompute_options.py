@@ -13,6 +13,8 @@ scripts through the adaptor check these before anything is built and stop with o
 
 from __future__ import annotations
 
+from typing import Any
+
 #: Megatron's ``--recompute-modules`` choices (``TransformerConfig.recompute_modules``)
 MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
@@ -67,3 +69,23 @@ def recompute_problems(
             "over the tensor-parallel ranks already (Megatron's rule)"
         )
     return problems
+
+
+def recompute_problems_of(args: Any) -> list[str]:
+    """:func:`recompute_problems` of a namespace with Megatron-LM's option names (Megatron-LM's
+    own, or ``megatron-npu train``'s: ``--recompute-activations`` is selective recomputation,
+    and biases are on unless ``add_bias_linear`` is false or ``disable_bias_linear`` true)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "recompute_activations", False):
+        granularity = "selective"
+    biases = getattr(args, "add_bias_linear", not getattr(args, "disable_bias_linear", False))
+    return recompute_problems(
+        granularity=granularity,
+        method=getattr(args, "recompute_method", None),
+        num_layers=getattr(args, "recompute_num_layers", None),
+        modules=getattr(args, "recompute_modules", None),
+        add_bias_linear=bool(biases),
+        distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)),
+        tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+    )

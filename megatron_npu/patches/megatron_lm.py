@@ -20,7 +20,7 @@ from megatron_npu.context_parallel_options import comm_types_of, context_paralle
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
 from megatron_npu.patches import torch_fsdp2
-from megatron_npu.recompute_options import recompute_problems
+from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.registry import Patch
 
 _logger = logging.getLogger(__name__)
@@ -176,22 +176,6 @@ def _context_parallel_problems(args: Any) -> list[str]:
     )
 
 
-def _recompute_problems(args: Any) -> list[str]:
-    granularity = getattr(args, "recompute_granularity", None)
-    if getattr(args, "recompute_activations", False):  # Megatron-LM's alias for selective
-        granularity = "selective"
-    return recompute_problems(
-        granularity=granularity,
-        method=getattr(args, "recompute_method", None),
-        num_layers=getattr(args, "recompute_num_layers", None),
-        modules=getattr(args, "recompute_modules", None),
-        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
-        distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)),
-        tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-    )
-
-
 def _validate_args(original: Any) -> Any:
     """Megatron-LM's argument validation, with two changes. First the mixture-of-experts, the
     context-parallel and the activation-recomputation options are checked together
@@ -206,7 +190,7 @@ def _validate_args(original: Any) -> Any:
     @functools.wraps(original)
     def validate_args(args: Any, defaults: Any = None) -> Any:
         problems = (
-            _moe_problems(args) + _context_parallel_problems(args) + _recompute_problems(args)
+            _moe_problems(args) + _context_parallel_problems(args) + recompute_problems_of(args)
         )
         if problems:
             _refuse(MegatronLMOptionConflict(problems))

@@ -24,7 +24,7 @@ from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
 from megatron_npu.recompute_options import MODULES as RECOMPUTE_MODULES
-from megatron_npu.recompute_options import recompute_problems
+from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.training.errors import TrainingInputError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -689,16 +689,7 @@ def check(args: argparse.Namespace) -> None:
         args.bias_gelu_fusion = False
     if args.recompute_activations:  # Megatron-LM's alias
         args.recompute_granularity = "selective"
-    problems = recompute_problems(
-        granularity=args.recompute_granularity,
-        method=args.recompute_method,
-        num_layers=args.recompute_num_layers,
-        modules=args.recompute_modules,
-        add_bias_linear=not args.disable_bias_linear,
-        distribute_saved_activations=args.distribute_saved_activations,
-        tp=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-    )
+    problems = recompute_problems_of(args)
     if problems:
         raise ArgumentError("; ".join(problems))
     if args.multi_latent_attention:
