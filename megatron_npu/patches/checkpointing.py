@@ -11,8 +11,17 @@
   state from the checkpoint. Without apex/TransformerEngine the optimizer is torch's Adam(W),
   whose state also holds ``step``; the loader hands it over separately (through the param
   groups) and leaves it out of the tensors, so the stock copy fails with ``KeyError: 'step'``.
-  The wrapper copies the entries the checkpoint provides and leaves ``step`` to that path; the
-  precision-aware-optimizer branch is Megatron's own.
+  The wrapper copies the entries the checkpoint provides and leaves ``step`` to that path. A
+  ``dp_reshardable`` checkpoint's entries (Megatron-LM's default) also carry the load
+  template's ``step`` (zero: copied, it would restart the bias correction) and their bucket's
+  bookkeeping (``padding``, ``gbuf_local_start``, ``gbuf_local_end``), which Megatron's
+  precision-aware branch would hand the optimizer as states: both branches get the state
+  tensors only, and the precision-aware branch is otherwise Megatron's own.
+* ``DistributedOptimizer.state_dict``: without apex/TransformerEngine Megatron reads the step
+  from every parameter's torch-Adam state, and asserts there is exactly one; a fresh optimizer
+  (the one a resumed run loads its checkpoint into, before any step) has no states yet, so the
+  load stops at that assertion. The wrapper answers for a fresh optimizer as for one at step 0,
+  leaving its states empty (Megatron allocates them for the load only when they are).
 * ``DistributedOptimizer.load_state_dict``: that separate path puts *one* ``step`` tensor into
   every parameter's state. Torch's Adam(W) increments each parameter's ``step`` in place
   (``_foreach_add_``), so the shared tensor advances once per parameter per step and the bias
@@ -31,6 +40,9 @@ from megatron_npu.devices.facts import DEVICES
 from megatron_npu.registry import Patch
 
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
+_SCRIPT_RESUME_TEST = (
+    "tests/megatron_lm/test_pretrain_gpt.py::test_distributed_optimizer_resume_is_bitwise"
+)
 _RESUME_TEST = (
     "tests/training/test_checkpoint.py::test_resume_distributed_optimizer_into_another_dp_and_tp"
 )
@@ -48,16 +60,43 @@ def _process_memory() -> int:
 def _wrap_set_main_param_and_optimizer_states(original: Any) -> Any:
     @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # the step comes through the param groups; a dp_reshardable bucket entry carries the
+        # load template's step (zero) and its bookkeeping beside the states
+        states = {
+            key: value
+            for key, value in tensors.items()
+            if key != "step" and hasattr(value, "copy_")
+        }
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
+            return original(self, model_param, states)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, value in tensors.items():
+        for key, value in states.items():
             destination[key].copy_(value)
         return None
 
     return _set_main_param_and_optimizer_states
+
+
+def _wrap_distopt_state_dict(original: Any) -> Any:
+    @functools.wraps(original)
+    def state_dict(self):
+        inner = getattr(self, "optimizer", None)
+        params = [p for group in getattr(inner, "param_groups", ()) for p in group["params"]]
+        if not params or any(inner.state.get(p) for p in params):
+            return original(self)
+        import torch
+
+        for p in params:  # a fresh optimizer: Megatron's torch path reads step 0 from each state
+            inner.state[p]["step"] = torch.tensor(0.0)
+        try:
+            return original(self)
+        finally:
+            for p in params:
+                del inner.state[p]
+
+    return state_dict
 
 
 def _wrap_distopt_load_state_dict(original: Any) -> Any:
@@ -102,6 +141,19 @@ PATCHES = [
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test=_RESUME_TEST,
+    ),
+    Patch(
+        id="checkpoint.distopt-fresh-optimizer-step",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+        replacement=_wrap_distopt_state_dict,
+        kind="wrap",
+        reason="a fresh torch-Adam optimizer has no per-parameter step: loading a checkpoint "
+        "into it stops at Megatron's one-step assertion",
+        versions=">=0.13",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
+        exempt_test=_SCRIPT_RESUME_TEST,
     ),
     Patch(
         id="checkpoint.distopt-load-unshare-step",

@@ -743,6 +743,54 @@ def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path, host
     assert verdict.status == rules.PASS, verdict.detail
 
 
+def _resumes_bitwise(tmp_path, *args: str, name: str, env=None) -> Run:
+    """12 iterations of ``args`` on two ranks of npu-emulated, saving at 6 and 12, and a resume
+    from the iteration-6 checkpoint (as Megatron-LM's tracker file names it): iterations 7-12
+    are bitwise those of the straight run. Returns the straight run."""
+    ckpt = tmp_path / f"{name}-ckpt"
+    common = (*args, "--train-iters", "12")
+    straight = pretrain_gpt(
+        tmp_path,
+        *common,
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "6",
+        nproc=2,
+        device="npu-emulated",
+        name=f"{name}-straight",
+        env=env,
+    )
+    check_trained(straight, 12)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
+    resumed = pretrain_gpt(
+        tmp_path,
+        *common,
+        "--load",
+        str(ckpt),
+        nproc=2,
+        device="npu-emulated",
+        name=f"{name}-resumed",
+    )
+    assert resumed.returncode == 0, resumed.tail()
+    assert min(resumed.skipped) == 7 and max(resumed.skipped) == 12, resumed.tail()
+    verdict = rules.deterministic(
+        "resumed", "straight", _curve(straight, range(7, 13)), _curve(resumed, range(7, 13))
+    )
+    assert verdict.status == rules.PASS, verdict.detail
+    return straight
+
+
+def test_distributed_optimizer_resume_is_bitwise(tmp_path):
+    """``--use-distributed-optimizer`` (bf16, two data-parallel ranks) saves Megatron-LM's
+    default ``dp_reshardable`` checkpoint and a resume from it repeats the straight run bitwise:
+    the optimizer it loads into has no states yet, and each parameter gets its moments and its
+    step back."""
+    _resumes_bitwise(
+        tmp_path, *TINY, "--mock-data", "--use-distributed-optimizer", "--bf16", name="distopt"
+    )
+
+
 def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
     """``--use-torch-fsdp2`` on two ranks of npu-emulated gives plain data parallelism's per-step
     losses and grad norms; where Megatron's own FSDP2 code fails (the installed releases'), one
