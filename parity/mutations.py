@@ -266,6 +266,14 @@ def _adamw_lr_ten_percent_high(original):
     return adamw_step_
 
 
+def _remainder_dropped(original):
+    def split_master(master):
+        param, remainder = original(master)
+        return param, remainder.new_zeros(remainder.shape)  # the low half is never stored
+
+    return split_master
+
+
 def _l2norm_16bit_accumulation(original):
     """The fp32 accumulator dropped for 16-bit tensors: each tensor's squares are summed one
     after another in the tensor's own dtype (fp32 tensors take the right path, unchanged)."""
@@ -564,6 +572,14 @@ _ADAMW = {
     "grad_scale": 1.0,
     "seed": 1,
 }
+#: Megatron's --bf16 default: fp32 states, the master as bf16 params + int16 remainders
+_PRECISION_AWARE = {k: v for k, v in _ADAMW.items() if k != "amsgrad"} | {
+    "master": "fp32-remainders",
+    "exp_avg_dtype": "float32",
+    "exp_avg_sq_dtype": "float32",
+    "grads_in_param_dtype": False,
+    "resume_after": 0,
+}
 _GRAD_NORM = {"tensors": 5, "scale": 1.0, "seed": 1}
 #: long token sums (12 x 3 tokens), fp32 main_grad: where a bf16 accumulation shows
 _WGRAD = {
@@ -756,6 +772,17 @@ _ALL = (
         _adamw_lr_ten_percent_high,
         "optimizer.adam",
         ({**_ADAMW, "lr": 1e-4, "seed": 5},),
+    ),
+    Mutation(
+        "precision-aware-remainder-dropped",
+        "the precision-aware optimizer stores the bf16 param but not the master's low 16 bits, "
+        "so every step restarts from the rounded param (updates below a bf16 ulp vanish), at a "
+        "realistic lr of 1e-4",
+        "megatron_npu.optim.precision_aware.split_master",
+        _remainder_dropped,
+        "optimizer.precision-aware-config",
+        ({**_PRECISION_AWARE, "lr": 1e-4, "seed": 5},),
+        dtype="bfloat16",
     ),
     Mutation(
         "grad-norm-missing-sqrt",

@@ -266,7 +266,7 @@ def npu_adamw_step_(
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     for idx in groups.values():
-        for chunk in _chunks(idx, params, NPU_CHUNK_ELEMENTS):
+        for chunk in element_chunks(idx, params, NPU_CHUNK_ELEMENTS):
             p_list = [params[i] for i in chunk]
             dtype = p_list[0].dtype
             operands = {
@@ -341,7 +341,7 @@ def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
     return [piece.view(t.shape) for piece, t in zip(pieces, like, strict=True)]
 
 
-def _chunks(idx: list[int], params: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+def element_chunks(idx: list[int], params: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
     """``idx`` cut, at tensor boundaries, into runs of at most ``limit`` elements (a larger
     tensor is a run of its own)."""
     runs: list[list[int]] = []

@@ -27,6 +27,18 @@ from megatron_npu.ops.adamw import adamw_step_, flat_view
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
+#: Transformer Engine ``FusedAdam`` options megatron-core's factory passes with
+#: ``--use-precision-aware-optimizer``: construction with any of them builds
+#: :class:`megatron_npu.optim.precision_aware.PrecisionAwareAdamW`
+PRECISION_AWARE_OPTIONS = (
+    "master_weights",
+    "master_weight_dtype",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "use_decoupled_grad",
+    "store_param_remainders",
+)
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (it shares the DTensor's storage); any other tensor."""
@@ -48,8 +60,17 @@ class FusedAdamW(torch.optim.AdamW):
 
     A subclass, so every ``isinstance(optimizer, torch.optim.AdamW)`` check in Megatron (the
     distributed optimizer accepts only Adam-like optimizers, and lays out checkpoint state by
-    that test) keeps holding.
+    that test) keeps holding. Built with Transformer Engine's precision-aware options
+    (:data:`PRECISION_AWARE_OPTIONS`, as megatron-core's factory passes them where it expects TE's
+    ``FusedAdam``) it is a :class:`~megatron_npu.optim.precision_aware.PrecisionAwareAdamW`.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FusedAdamW:
+        if cls is FusedAdamW and any(name in kwargs for name in PRECISION_AWARE_OPTIONS):
+            from megatron_npu.optim.precision_aware import PrecisionAwareAdamW
+
+            return super().__new__(PrecisionAwareAdamW)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -121,33 +142,37 @@ class FusedAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            amsgrad = group["amsgrad"]
-            by_step: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in with_grad):
-                raise RuntimeError("FusedAdamW does not support sparse gradients")
-            self._pack_moments(with_grad, amsgrad)
-            for p in with_grad:
-                state = self.state[p]
-                state["step"] += 1
-                by_step.setdefault(int(state["step"].item()), []).append((p, state))
-            beta1, beta2 = (float(b) for b in group["betas"])
-            for step, items in by_step.items():
-                adamw_step_(
-                    [_local(p) for p, _ in items],
-                    [_local(p.grad) for p, _ in items],
-                    [_local(s["exp_avg"]) for _, s in items],
-                    [_local(s["exp_avg_sq"]) for _, s in items],
-                    step=step,
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for _, s in items]
-                    if amsgrad
-                    else None,
-                    amsgrad=amsgrad,
-                    maximize=group["maximize"],
-                )
+            self._step_group(group)
         return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """One parameter group's update."""
+        amsgrad = group["amsgrad"]
+        by_step: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in with_grad):
+            raise RuntimeError("FusedAdamW does not support sparse gradients")
+        self._pack_moments(with_grad, amsgrad)
+        for p in with_grad:
+            state = self.state[p]
+            state["step"] += 1
+            by_step.setdefault(int(state["step"].item()), []).append((p, state))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        for step, items in by_step.items():
+            adamw_step_(
+                [_local(p) for p, _ in items],
+                [_local(p.grad) for p, _ in items],
+                [_local(s["exp_avg"]) for _, s in items],
+                [_local(s["exp_avg_sq"]) for _, s in items],
+                step=step,
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for _, s in items]
+                if amsgrad
+                else None,
+                amsgrad=amsgrad,
+                maximize=group["maximize"],
+            )

@@ -90,6 +90,19 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
         "DeepEP dispatch is CUDA-only: use alltoall or allgather",
     ),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
+    *(
+        (
+            name,
+            "fp8-dtype",
+            f"{option} fp8",
+            "fp8 optimizer moments are Transformer Engine Float8Tensor objects: the "
+            "precision-aware optimizer keeps them in fp32, bf16 or fp16",
+        )
+        for name, option in (
+            ("exp_avg_dtype", "--exp-avg-dtype"),
+            ("exp_avg_sq_dtype", "--exp-avg-sq-dtype"),
+        )
+    ),
     (
         "use_legacy_models",
         True,
@@ -108,6 +121,8 @@ def unsupported_options(args: Any) -> list[str]:
             "not-none": value not in (None, "none", "None"),
             "above-1": isinstance(value, int) and value > 1,
             "set": value is not None,
+            # Megatron-LM's argument check maps "fp8" to torch.uint8
+            "fp8-dtype": str(value) in ("fp8", "torch.uint8"),
         }.get(trigger, value == trigger if trigger is not True else bool(value))
         if hit:
             found.append(f"{option}: {why}")

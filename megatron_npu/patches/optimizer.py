@@ -4,6 +4,11 @@
   :class:`megatron_npu.optim.adamw.FusedAdamW`.
 * ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` -> the op layer's
   non-finite check and unscale, then Megatron's MAX all-reduce over the grad-stats group.
+* ``OptimizerConfig.__post_init__`` admits ``--use-precision-aware-optimizer`` without TE: the
+  optimizer it asks for (TE's ``FusedAdam`` with master weights, low-precision moments and
+  decoupled grads) is :class:`megatron_npu.optim.precision_aware.PrecisionAwareAdamW`, which
+  the factory builds through the fused AdamW; megatron-core's "is TE at least 2.1?" there is
+  answered for it (bf16 params keep their master as int16 remainders, Megatron's default).
 * ``clip_grads.l2_norm_impl`` / ``multi_tensor_scale_impl`` (amp_C or Megatron's local
   fallback, which builds its result with ``device="cuda"``) -> the op layer's multi-tensor ops.
 
@@ -35,6 +40,7 @@ from megatron_npu.ops.multi_tensor import (
     multi_tensor_scale_,
 )
 from megatron_npu.optim.adamw import FusedAdamW
+from megatron_npu.patches.transformer_engine import stand_in_te_min_version
 from megatron_npu.registry import Patch
 
 
@@ -65,6 +71,30 @@ def multi_tensor_scale_impl(chunk_size, noop_flag, tensor_lists, scale):
     found = multi_tensor_scale_(tensor_lists[0], tensor_lists[1], scale)
     if noop_flag is not None and torch.is_tensor(noop_flag) and found is not None:
         noop_flag.copy_(torch.maximum(noop_flag, found.to(noop_flag).reshape(noop_flag.shape)))
+
+
+def _without_te_fused_adam(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is the config's "precision-aware needs TE's FusedAdam" error: the
+    RuntimeError megatron-core raises while handling the ImportError of
+    ``transformer_engine``."""
+    cause = exc.__context__
+    return isinstance(cause, ImportError) and (cause.name or "").startswith("transformer_engine")
+
+
+def _admit_precision_aware(original: Any) -> Any:
+    """``OptimizerConfig.__post_init__`` whose last check, that TE's ``FusedAdam`` imports and
+    takes the precision-aware options, is answered by :class:`PrecisionAwareAdamW` (megatron-core
+    0.13-0.19 run every other check of the config before it)."""
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        try:
+            original(self)
+        except RuntimeError as exc:
+            if not (self.use_precision_aware_optimizer and _without_te_fused_adam(exc)):
+                raise
+
+    return __post_init__
 
 
 @functools.cache
@@ -116,6 +146,10 @@ class _TorchForOptimizerFactory(TorchNamespace):
 
 
 _CLIP = "megatron.core.optimizer.clip_grads"
+_PRECISION_AWARE_TEST = (
+    "tests/test_precision_aware_optimizer.py::"
+    "test_megatron_builds_it_for_the_precision_aware_config"
+)
 
 
 def _cuda_fallback(
@@ -167,6 +201,39 @@ PATCHES = [
         "the named test checks get_megatron_optimizer builds it",
         exempt_test="tests/test_optimizer_routing.py::"
         "test_megatron_optimizer_is_the_fused_adamw_when_applied",
+    ),
+    Patch(
+        id="optimizer.precision-aware-config",
+        target="megatron.core.optimizer.optimizer_config.OptimizerConfig.__post_init__",
+        replacement=_admit_precision_aware,
+        kind="wrap",
+        reason="--use-precision-aware-optimizer asks for TE's FusedAdam, which needs CUDA: "
+        "PrecisionAwareAdamW keeps its master weights, low-precision moments and decoupled "
+        "grads, through the fused AdamW step",
+        versions=">=0.13",
+        parity="megatron_npu.parity.cases.optimizer:PRECISION_AWARE_ADAMW",
+        benchmark="perf.cases.optimizer:PRECISION_AWARE_ADAMW",
+        npu_kernels=("npu_apply_adam_w",),
+    ),
+    *(
+        Patch(
+            id=f"optimizer.precision-aware-te-version{suffix}",
+            target=f"{module}.is_te_min_version",
+            replacement=stand_in_te_min_version,
+            rebind_copies=False,
+            reason="megatron-core asks whether TE's FusedAdam is at least 2.1 (the int16 "
+            "master remainders of bf16 params, Megatron's default): PrecisionAwareAdamW keeps "
+            "them; without TE the question fails up to 0.16 and answers 'older' from 0.17",
+            versions=">=0.13",
+            parity_exempt="answers a version question, no numerics: the remainders it selects "
+            "are in the precision-aware-adamw parity case",
+            exempt_test=_PRECISION_AWARE_TEST,
+            benchmark_exempt="read once while the optimizer is built",
+        )
+        for suffix, module in (
+            ("", "megatron.core.optimizer.optimizer_config"),
+            ("-factory", "megatron.core.optimizer"),
+        )
     ),
     Patch(
         id="optimizer.unscale-and-check-nan",

@@ -486,6 +486,34 @@ def add_arguments(
     g.add_argument("--adam-beta2", type=_finite, default=0.999)
     g.add_argument("--adam-eps", type=_finite, default=1e-8)
     g.add_argument("--sgd-momentum", type=_finite, default=0.9)
+    g.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        help="Transformer Engine's precision-aware Adam (served without TE): the optimizer keeps "
+        "the master weights and the moments in the dtypes below; needs "
+        "--use-distributed-optimizer",
+    )
+    g.add_argument(
+        "--main-grads-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision-aware optimizer: the gradient buffer's dtype (bf16 with --bf16 only)",
+    )
+    g.add_argument(
+        "--main-params-dtype",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="precision-aware optimizer: the master weights' dtype (fp32 with --bf16 is kept "
+        "as the bf16 params plus int16 remainders)",
+    )
+    for option, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        g.add_argument(
+            option,
+            choices=("fp32", "fp16", "bf16"),
+            default="fp32",
+            help=f"precision-aware optimizer: the dtype Adam's {moment} moment is stored in "
+            "(fp16 scaled per tensor)",
+        )
 
     g = parser.add_argument_group("data")
     g.add_argument(
@@ -671,6 +699,39 @@ def check_fused_attention(args: argparse.Namespace) -> None:
         )
 
 
+#: the precision-aware optimizer's dtype options and their defaults
+PRECISION_AWARE_DTYPES = {
+    "main_grads_dtype": "fp32",
+    "main_params_dtype": "fp32",
+    "exp_avg_dtype": "fp32",
+    "exp_avg_sq_dtype": "fp32",
+}
+
+
+def _check_precision_aware(args: argparse.Namespace) -> None:
+    """Megatron's own rules for the precision-aware optimizer, as one named error each."""
+    changed = [
+        "--" + name.replace("_", "-")
+        for name, default in PRECISION_AWARE_DTYPES.items()
+        if getattr(args, name) != default
+    ]
+    if not args.use_precision_aware_optimizer:
+        if changed:
+            raise ArgumentError(f"{', '.join(changed)} need --use-precision-aware-optimizer")
+        return
+    if not args.use_distributed_optimizer or args.optimizer != "adam":
+        raise ArgumentError(
+            "--use-precision-aware-optimizer needs --use-distributed-optimizer and the adam "
+            "optimizer"
+        )
+    if args.main_grads_dtype == "bf16" and not args.bf16:
+        raise ArgumentError("--main-grads-dtype bf16 needs --bf16")
+    if args.main_grads_dtype == "bf16" and args.accumulate_allreduce_grads_in_fp32:
+        raise ArgumentError(
+            "--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other"
+        )
+
+
 def check(args: argparse.Namespace) -> None:
     """World-size-independent rules (Megatron's ``validate_args`` where it applies)."""
     _check_ranges(args)
@@ -779,7 +840,8 @@ def check(args: argparse.Namespace) -> None:
     )
     if problems:
         raise ArgumentError("; ".join(problems))
-    if args.bf16:
+    _check_precision_aware(args)
+    if args.bf16 and args.main_grads_dtype == "fp32":
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.loss_scale is not None and not args.fp16:
         raise ArgumentError("--loss-scale applies to --fp16 only")

@@ -21,8 +21,11 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_npu.training.arguments import PRECISION_AWARE_DTYPES
 from megatron_npu.training.model import params_dtype
 from megatron_npu.training.schedule import scheduler_settings
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def optimizer_config(args: Namespace) -> OptimizerConfig:
@@ -49,6 +52,8 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
         **{name: getattr(args, name) for name in newer},
         clip_grad=args.clip_grad,
         log_num_zeros_in_grad=False,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        **{name: _DTYPES[getattr(args, name)] for name in PRECISION_AWARE_DTYPES},
     )
 
 

@@ -1,6 +1,7 @@
 """Optimizer kernels on the parameters of a small GPT's worth of fp32 main weights (24 tensors
 of 1024 x 1024, 25M elements; Megatron keeps fp32 main params and grads for bf16 training, so
-these run in fp32 only). Direction ``step``: one call.
+these run in fp32), and the precision-aware optimizer's step on the same count of bf16
+parameters. Direction ``step``: one call.
 
 ``megatron`` is what Megatron binds without apex/TE: ``torch.optim.AdamW`` (torch's default,
 the foreach implementation), ``torch._amp_foreach_non_finite_check_and_unscale_`` for the
@@ -32,6 +33,43 @@ def _adamw(cell: Cell) -> Built:
         cls(params, lr=1e-4, weight_decay=0.1, foreach=True)
         if cell.path == "megatron"
         else cls(params, lr=1e-4, weight_decay=0.1)
+    )
+    return Built(opt.step)
+
+
+def _precision_aware(cell: Cell) -> Built:
+    """One optimizer step over bf16 parameters. ``megatron``: what Megatron steps without
+    ``--use-precision-aware-optimizer``, fp32 main params and grads through torch's AdamW, then
+    the copy into the bf16 model params; otherwise the precision-aware optimizer with the
+    memory-saving recipe (bf16 grads and moments, the master as bf16 params + int16
+    remainders)."""
+    from megatron_npu.optim.adamw import FusedAdamW
+
+    model = [t.bfloat16() for t in _tensors(cell, 0)]
+    grads = [t.bfloat16() for t in _tensors(cell, 1)]
+    if cell.path == "megatron":
+        main = [torch.nn.Parameter(t.float()) for t in model]
+        for p, g in zip(main, grads, strict=True):
+            p.grad = g.float()
+        opt = torch.optim.AdamW(main, lr=1e-4, weight_decay=0.1, foreach=True)
+
+        def step() -> None:
+            opt.step()
+            torch._foreach_copy_(model, main)
+
+        return Built(step)
+    params = [torch.nn.Parameter(t) for t in model]
+    for p, g in zip(params, grads, strict=True):
+        p.decoupled_grad = g
+    opt = FusedAdamW(
+        params,
+        lr=1e-4,
+        weight_decay=0.1,
+        master_weights=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        use_decoupled_grad=True,
+        store_param_remainders=True,
     )
     return Built(opt.step)
 
@@ -76,14 +114,17 @@ def _scale(cell: Cell) -> Built:
 _SHAPES = {"full": {"tensors": 24, "side": 1024}, "quick": {"tensors": 24, "side": 128}}
 
 
-def _case(op: str, build, paths=("megatron", "native", "npu-binding")) -> BenchCase:
+def _case(
+    op: str, build, paths=("megatron", "native", "npu-binding"), dtype="float32"
+) -> BenchCase:
     return BenchCase(
-        op=op, shapes=_SHAPES, build=build, dtypes=("float32",), directions=("step",), paths=paths
+        op=op, shapes=_SHAPES, build=build, dtypes=(dtype,), directions=("step",), paths=paths
     )
 
 
 _NO_KERNEL = ("megatron", "native")  # no torch_npu kernel: the op layer's torch code everywhere
 ADAMW = _case("adamw", _adamw)
+PRECISION_AWARE_ADAMW = _case("precision-aware-adamw", _precision_aware, dtype="bfloat16")
 UNSCALE_AND_CHECK = _case("unscale-and-check", _unscale, _NO_KERNEL)
 L2_NORM = _case("grad-l2-norm", _l2_norm, _NO_KERNEL)
 MULTI_TENSOR_SCALE = _case("grad-scale", _scale, _NO_KERNEL)

@@ -385,12 +385,19 @@ def test_real_indexed_data_from_megatron_npu_preprocess(tmp_path, device):
             ("--recompute-modules mlp with linear biases",),
             "these Megatron-LM options do not work together",
         ),
+        (
+            ("--use-distributed-optimizer", "--use-precision-aware-optimizer", "--bf16")
+            + ("--exp-avg-sq-dtype", "fp8"),
+            ("--exp-avg-sq-dtype fp8",),
+            "cannot run these Megatron-LM options",
+        ),
     ],
     ids=[
         "moe-flex-dispatcher",
         "moe-topk-and-ep-sizes",
         "cp-local-spec-and-sequence",
         "recompute-mlp-with-biases",
+        "precision-aware-fp8-moments",
     ],
 )
 def test_unsupported_option_is_one_named_error(tmp_path, extra, options, header):
@@ -789,6 +796,33 @@ def test_distributed_optimizer_resume_is_bitwise(tmp_path):
     _resumes_bitwise(
         tmp_path, *TINY, "--mock-data", "--use-distributed-optimizer", "--bf16", name="distopt"
     )
+
+
+def test_precision_aware_optimizer_trains_as_megatrons(tmp_path):
+    """``--use-precision-aware-optimizer`` (TE's FusedAdam on a GPU) on npu-emulated: with fp32
+    states on an fp32 model it is the distributed optimizer's own curve, bitwise; with the
+    memory-saving recipe (bf16 model, bf16 grads and moments, the master as bf16 params + int16
+    remainders) on two data-parallel ranks it trains through ``npu_apply_adam_w`` and resumes
+    bitwise from its checkpoint (TE's units: fp32 moments, int16 remainders)."""
+    common = (*TINY, "--mock-data", "--train-iters", "12", "--use-distributed-optimizer")
+    device = "npu-emulated"
+    plain = pretrain_gpt(tmp_path, *common, device=device, name="plain")
+    aware = pretrain_gpt(
+        tmp_path, *common, "--use-precision-aware-optimizer", device=device, name="aware"
+    )
+    check_trained(plain, 12)
+    check_trained(aware, 12)
+    verdict = rules.deterministic(
+        "aware", "plain", _curve(plain, range(1, 13)), _curve(aware, range(1, 13))
+    )
+    assert verdict.status == rules.PASS, verdict.detail
+
+    recipe = ("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
+    recipe += ("--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
+    counts = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / "recipe")}
+    args = (*TINY, "--mock-data", "--use-distributed-optimizer", *recipe)
+    _resumes_bitwise(tmp_path, *args, name="recipe", env=counts)
+    assert _kernel_counts(tmp_path, "recipe").get("npu_apply_adam_w", 0) > 0
 
 
 def test_torch_fsdp2_trains_as_data_parallel(tmp_path):

@@ -89,7 +89,12 @@ def test_the_launches_of_a_step_do_not_grow_with_the_parameter_count():
 def test_large_groups_are_cut_into_chunks_at_tensor_boundaries(monkeypatch):
     monkeypatch.setattr(adamw, "NPU_CHUNK_ELEMENTS", 50)
     lists = _lists(10)  # sizes 21, 5, 16, 1, 36, twice
-    assert adamw._chunks(list(range(10)), lists[0], 50) == [[0, 1, 2, 3], [4], [5, 6, 7, 8], [9]]
+    assert adamw.element_chunks(list(range(10)), lists[0], 50) == [
+        [0, 1, 2, 3],
+        [4],
+        [5, 6, 7, 8],
+        [9],
+    ]
     expected = [p.clone() for p in lists[0]], [g.clone() for g in lists[1]]
     with emulation.count_kernel_calls() as calls:
         adamw.npu_adamw_step_(emulation, *lists, step=1, lr=1e-3)

@@ -263,6 +263,54 @@ def test_recompute_options_reach_megatrons_config(extra, fields):
     assert {k: getattr(config, k) for k in fields} == fields
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype need --use-precision-aware-optimizer"),
+        (["--use-precision-aware-optimizer"], "needs --use-distributed-optimizer"),
+        (
+            ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
+            + ["--main-grads-dtype", "bf16"],
+            "--main-grads-dtype bf16 needs --bf16",
+        ),
+        (["--exp-avg-sq-dtype", "fp8"], "--exp-avg-sq-dtype: invalid choice: 'fp8'"),
+    ],
+    ids=["dtype-without-the-optimizer", "no-distributed-optimizer", "bf16-grads-fp32-model", "fp8"],
+)
+def test_precision_aware_options_are_checked_by_name(capsys, extra, message):
+    assert message in error_of(capsys, *extra)
+
+
+def test_precision_aware_options_reach_megatrons_optimizer_config():
+    """As Megatron-LM's ``validate_args`` maps them: torch dtypes in the OptimizerConfig, and
+    bf16 grads leave the gradient buffer in bf16 (no fp32 accumulation)."""
+    import torch
+
+    from megatron_npu.training import optimizer
+
+    args = parse(
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--use-precision-aware-optimizer",
+        "--main-grads-dtype",
+        "bf16",
+        "--exp-avg-dtype",
+        "bf16",
+        "--exp-avg-sq-dtype",
+        "fp16",
+    )
+    assert not args.accumulate_allreduce_grads_in_fp32
+    megatron_npu.apply("cpu")
+    try:
+        config = optimizer.optimizer_config(args)
+    finally:
+        megatron_npu.restore()
+    assert config.use_precision_aware_optimizer
+    assert (config.main_grads_dtype, config.main_params_dtype) == (torch.bfloat16, torch.float32)
+    assert (config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.bfloat16, torch.float16)
+    assert parse("--bf16").accumulate_allreduce_grads_in_fp32
+
+
 def test_multi_latent_attention_options_reach_megatrons_config():
     """Megatron-LM's MLA option names land in the ``MLATransformerConfig`` fields its
     ``core_transformer_config_from_args`` fills (the rotary scaling factor from the option's
