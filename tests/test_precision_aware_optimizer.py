@@ -188,6 +188,9 @@ def _precision_aware_config():
         main_grads_dtype=torch.bfloat16,
         exp_avg_dtype=torch.bfloat16,
         exp_avg_sq_dtype=torch.bfloat16,
+        # Megatron-LM's default: megatron-core 0.13's factory hands the optimizer the master
+        # weights only with it
+        fp8_recipe="delayed",
     )
 
 

@@ -1,4 +1,5 @@
-"""dist_checkpointing fixes that ``megatron-npu train``'s save/load need off apex/TE.
+"""dist_checkpointing fixes that save/load need off apex/TE (``megatron-npu train``'s and
+Megatron-LM's ``pretrain_gpt.py``'s).
 
 * ``filesystem_async._process_memory``: megatron-core's ``torch_dist`` writer process
   (``FileSystemWriterAsync.write_preloaded_data``) starts by calling it, and it raises when
@@ -6,9 +7,10 @@
   process dies before reporting and the saving rank waits on its result queue forever:
   ``dist_checkpointing.save`` hangs. The replacement reads the resident set size from psutil when
   it is installed and from ``/proc`` otherwise (the figure only feeds a debug log line).
-* ``DistributedOptimizer._set_main_param_and_optimizer_states``: loading a ``fully_reshardable``
-  distributed-optimizer checkpoint copies every entry of the torch optimizer's per-parameter
-  state from the checkpoint. Without apex/TransformerEngine the optimizer is torch's Adam(W),
+* ``DistributedOptimizer._set_main_param_and_optimizer_states``: loading a distributed-optimizer
+  checkpoint (``fully_reshardable``, ``fully_sharded_model_space``, ``dp_reshardable``) copies
+  every entry of the torch optimizer's per-parameter state from the checkpoint. Without
+  apex/TransformerEngine the optimizer is torch's Adam(W),
   whose state also holds ``step``; the loader hands it over separately (through the param
   groups) and leaves it out of the tensors, so the stock copy fails with ``KeyError: 'step'``.
   The wrapper copies the entries the checkpoint provides and leaves ``step`` to that path. A
@@ -40,11 +42,8 @@ from megatron_npu.devices.facts import DEVICES
 from megatron_npu.registry import Patch
 
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
-_SCRIPT_RESUME_TEST = (
-    "tests/megatron_lm/test_pretrain_gpt.py::test_distributed_optimizer_resume_is_bitwise"
-)
 _RESUME_TEST = (
-    "tests/training/test_checkpoint.py::test_resume_distributed_optimizer_into_another_dp_and_tp"
+    "tests/megatron_lm/test_pretrain_gpt.py::test_distributed_optimizer_resume_is_bitwise"
 )
 
 
@@ -135,8 +134,9 @@ PATCHES = [
         "_set_main_param_and_optimizer_states",
         replacement=_wrap_set_main_param_and_optimizer_states,
         kind="wrap",
-        reason="fully_reshardable load expects every torch-Adam state key; 'step' comes apart",
-        versions=">=0.16",
+        reason="a distributed-optimizer load copies every torch-Adam state key; 'step' comes "
+        "apart, and dp_reshardable entries carry a zero step and bucket bookkeeping",
+        versions=">=0.13",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
@@ -153,7 +153,7 @@ PATCHES = [
         devices=DEVICES,
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
-        exempt_test=_SCRIPT_RESUME_TEST,
+        exempt_test=_RESUME_TEST,
     ),
     Patch(
         id="checkpoint.distopt-load-unshare-step",
@@ -161,7 +161,7 @@ PATCHES = [
         replacement=_wrap_distopt_load_state_dict,
         kind="wrap",
         reason="one 'step' tensor shared by all params: torch Adam advances it N times a step",
-        versions=">=0.16",
+        versions=">=0.13",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
