@@ -171,6 +171,17 @@ def test_state_dict_round_trip_continues_bitwise(moments):
             assert torch.equal(opt.state[p][name], loaded.state[q][name]), name
 
 
+def test_grads_it_would_not_read_are_one_named_error():
+    """Grads in ``decoupled_grad`` for an optimizer built to read ``.grad`` (megatron-core 0.13's
+    factory without Megatron-LM's fp8 recipe) would leave every parameter as it is."""
+    params = _params(torch.bfloat16)
+    opt = FusedAdamW(params, exp_avg_dtype=torch.bfloat16)
+    for p, g in zip(params, _grads(params, 0, torch.bfloat16), strict=True):
+        p.decoupled_grad = g
+    with pytest.raises(RuntimeError, match="arrive in decoupled_grad"):
+        opt.step()
+
+
 def test_fp8_moments_are_refused_by_name():
     with pytest.raises(ValueError, match="exp_avg_sq_dtype=torch.uint8"):
         FusedAdamW(_params(torch.bfloat16), exp_avg_sq_dtype=torch.uint8, master_weights=True)

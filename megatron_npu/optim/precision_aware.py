@@ -269,6 +269,13 @@ class PrecisionAwareAdamW(FusedAdamW):
         by_step: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p in group["params"]:
             grad = self._grad(p)
+            if grad is None and getattr(p, "decoupled_grad", None) is not None:
+                raise RuntimeError(
+                    "precision-aware AdamW: the gradients arrive in decoupled_grad, but the "
+                    "optimizer was built to read .grad (megatron-core 0.13 passes "
+                    "use_decoupled_grad only with --fp8-recipe delayed, Megatron-LM's default): "
+                    "no parameter would be updated"
+                )
             if grad is None:
                 continue
             if grad.is_sparse:

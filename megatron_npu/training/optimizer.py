@@ -29,8 +29,12 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def optimizer_config(args: Namespace) -> OptimizerConfig:
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     # megatron-core 0.13 reads overlap_param_gather from the DDP config only
-    newer = {f.name for f in dataclasses.fields(OptimizerConfig)} & {"overlap_param_gather"}
+    newer = fields & {"overlap_param_gather"}
+    # Megatron-LM's --fp8-recipe default: megatron-core 0.13's factory hands the precision-aware
+    # optimizer its master weights (and the decoupled grads it is given) only with it
+    recipe = {"fp8_recipe": "delayed"} if "fp8_recipe" in fields else {}
     return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -54,6 +58,7 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
         log_num_zeros_in_grad=False,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
         **{name: _DTYPES[getattr(args, name)] for name in PRECISION_AWARE_DTYPES},
+        **recipe,
     )
 
 

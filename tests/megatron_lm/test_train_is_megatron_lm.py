@@ -5,16 +5,16 @@ the installed release, unmodified, through ``run_script``; both on one host thre
 thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
 compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
-Five configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+Six configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
 GPT on Megatron's device-path initialisation (its default), a Llama-style model (SwiGLU,
 RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
 (``--use-cpu-initialization``), DeepSeek-style multi-latent attention (query and key/value
 latents with their norms, YaRN RoPE; the script's default RoPE fusion, train's unfused RoPE) on
 Megatron-LM's Transformer Engine spec, the GPT with full activation recomputation, and the
 Llama-style model on the TE spec recomputing attention, norms and MLP selectively (train
-builds the recomputation into the model's config: ``tests/training/test_arguments.py``). Before
-train drew Megatron-LM's weights the first loss already differed (7.05527 against 7.05538 on
-such a model).
+builds the recomputation into the model's config: ``tests/training/test_arguments.py``), and the
+GPT with the precision-aware optimizer keeping bf16 moments. Before train drew Megatron-LM's
+weights the first loss already differed (7.05527 against 7.05538 on such a model).
 
 The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
 of each iteration): its printed log line is a logging window's mean, and from core_v0.16 the
@@ -101,6 +101,15 @@ RECOMPUTE_SELECTIVE = (
     "layernorm",
     "mlp",
 )
+#: the precision-aware optimizer (TE's FusedAdam on a GPU) keeping bf16 moments
+PRECISION_AWARE = (
+    "--use-distributed-optimizer",
+    "--use-precision-aware-optimizer",
+    "--exp-avg-dtype",
+    "bf16",
+    "--exp-avg-sq-dtype",
+    "bf16",
+)
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 
 
@@ -112,6 +121,7 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         MLA_TE,
         RECOMPUTE_FULL,
         pytest.param(RECOMPUTE_SELECTIVE, marks=pytest.mark.extended),
+        PRECISION_AWARE,
     ],
     ids=[
         "gpt-device-init",
@@ -119,6 +129,7 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         "mla-te-spec",
         "recompute-full",
         "llama-te-recompute-selective",
+        "precision-aware-bf16-moments",
     ],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):
