@@ -171,6 +171,18 @@ def test_state_dict_round_trip_continues_bitwise(moments):
             assert torch.equal(opt.state[p][name], loaded.state[q][name]), name
 
 
+def test_remainders_come_back_from_an_fp32_checkpoint_exactly():
+    """Megatron's fully_reshardable optimizer format holds the int16 remainders as fp32: they are
+    stored back as the same int16 values; fp32 values that are no int16 value are an error."""
+    params = _params(torch.bfloat16)
+    opt = FusedAdamW(params, master_weights=True, store_param_remainders=True)
+    remainders = torch.randint(-(2**15), 2**15, params[0].shape, dtype=torch.int16)
+    opt.set_scaled_state(params[0], "master_param", remainders.float())
+    assert torch.equal(opt.get_unscaled_state(params[0], "master_param"), remainders)
+    with pytest.raises(TypeError, match="not int16 values"):
+        opt.set_scaled_state(params[0], "master_param", remainders.float() + 0.5)
+
+
 def test_grads_it_would_not_read_are_one_named_error():
     """Grads in ``decoupled_grad`` for an optimizer built to read ``.grad`` (megatron-core 0.13's
     factory without Megatron-LM's fp8 recipe) would leave every parameter as it is."""

@@ -72,6 +72,23 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return words.view(torch.float32).view(param.shape)
 
 
+def _remainders_of(value: torch.Tensor) -> torch.Tensor:
+    """int16 remainders as a checkpoint hands them back: as they are, or cast to a float dtype
+    (Megatron's ``fully_reshardable`` optimizer format holds every state as fp32, which keeps
+    int16 values exactly)."""
+    if value.dtype == torch.int16:
+        return value
+    exact = value.is_floating_point() and bool(
+        torch.all((value == value.round()) & (value.abs() <= 2**15))
+    )
+    if not exact:
+        raise TypeError(
+            "precision-aware AdamW: a bf16 parameter's master is stored as int16 remainders, "
+            f"got {value.dtype} values that are not int16 values"
+        )
+    return value.to(torch.int16)
+
+
 class PrecisionAwareAdamW(FusedAdamW):
     """AdamW with TE ``FusedAdam``'s precision-aware options and state interface.
 
@@ -163,12 +180,7 @@ class PrecisionAwareAdamW(FusedAdamW):
             self._initialize_state(param, state_name, zero=False)
         stored = state[state_name]
         if self._remainders(param, state_name):
-            if unscaled_state.dtype != torch.int16:
-                raise TypeError(
-                    "precision-aware AdamW: a bf16 parameter's master is stored as int16 "
-                    f"remainders, got {unscaled_state.dtype}"
-                )
-            stored.copy_(unscaled_state)
+            stored.copy_(_remainders_of(unscaled_state))
             return
         unscaled = unscaled_state.to(device=stored.device, dtype=torch.float32)
         if stored.dtype == torch.float16:
