@@ -418,6 +418,19 @@ def add_arguments(
         help="fp16/bf16 attention softmax through the fused scaled-masked softmax "
         "(npu_scaled_masked_softmax on the NPU) where the kernel's shape rule allows it",
     )
+    g.add_argument(
+        "--gradient-accumulation-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the weight gradient's GEMM accumulates into the fp32 main_grad in fp32 (the "
+        "adaptor's kernel; apex's extension on cuda, off with one line where it is missing)",
+    )
+    g.add_argument(
+        "--bias-dropout-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bias, dropout and residual add in one fused function",
+    )
 
     g = parser.add_argument_group("fused attention (the Ascend guide's large-kernel options)")
     g.add_argument("--use-flash-attn", action="store_true")

@@ -85,6 +85,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from megatron_npu import console
 from megatron_npu.devices.base import Device
 from megatron_npu.moe_options import moe_layer_pattern
 from megatron_npu.training import weight_init
@@ -281,15 +282,38 @@ def params_dtype(args: Namespace) -> torch.dtype:
     return torch.float32
 
 
+def _gradient_accumulation_fusion(args: Namespace) -> bool:
+    """``--gradient-accumulation-fusion`` where a kernel serves it: the adaptor's off CUDA,
+    apex's ``fused_weight_gradient_mlp_cuda`` on cuda; asked for without one, off with one line."""
+    if not args.gradient_accumulation_fusion:
+        return False
+    if tensor_parallel.layers._grad_accum_fusion_available:
+        return True
+    _say_no_gradient_accumulation_fusion()
+    return False
+
+
+@functools.cache
+def _say_no_gradient_accumulation_fusion() -> None:
+    console.warn(
+        "megatron-npu: --gradient-accumulation-fusion is off: apex's "
+        "fused_weight_gradient_mlp_cuda is not installed (--no-gradient-accumulation-fusion "
+        "says so)"
+    )
+
+
 def transformer_config(args: Namespace, dist_backend: str = "gloo") -> TransformerConfig:
     """The TransformerConfig Megatron-LM's ``core_transformer_config_from_args`` would build.
 
     Megatron's own fusion flags are honoured: ``bias_activation_fusion`` is
-    ``--bias-swiglu-fusion`` with ``--swiglu``, else ``--bias-gelu-fusion``, and
-    ``masked_softmax_fusion`` is ``--masked-softmax-fusion`` (all on by default, as in
-    Megatron-LM); the registry patches route those fused functions to the op layer (the NPU
-    kernels on npu / npu-emulated). CUDA-only fusions without a patch (gradient accumulation
-    fusion, bias-dropout fusion, persistent layer norm, the rope fusion) stay off.
+    ``--bias-swiglu-fusion`` with ``--swiglu``, else ``--bias-gelu-fusion``;
+    ``masked_softmax_fusion``, ``gradient_accumulation_fusion`` and ``bias_dropout_fusion`` are
+    ``--masked-softmax-fusion``, ``--gradient-accumulation-fusion`` and ``--bias-dropout-fusion``
+    (all on by default, as in Megatron-LM, whose 16-bit numerics they set: the weight gradient
+    accumulated in fp32 or rounded to 16 bits first); the registry patches route those fused
+    functions to the op layer (the NPU kernels on npu / npu-emulated). Gradient accumulation
+    fusion on cuda needs apex's extension and is off, with one line, without it. Persistent
+    layer norm and the rope fusion stay off (train's RoPE is unfused).
 
     ``deallocate_pipeline_outputs`` (free a stage's output once sent) is off on gloo: gloo's
     ``isend`` reads the tensor from its own thread, and the interleaved schedule frees the output
@@ -333,9 +357,9 @@ def transformer_config(args: Namespace, dist_backend: str = "gloo") -> Transform
         # and only the unbatched path keeps the two directions apart.
         overlap_p2p_comm=bool(args.virtual_pipeline_model_parallel_size),
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=_gradient_accumulation_fusion(args),
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
-        bias_dropout_fusion=False,
+        bias_dropout_fusion=args.bias_dropout_fusion,
         masked_softmax_fusion=args.masked_softmax_fusion,
         persist_layer_norm=False,
         apply_rope_fusion=False,

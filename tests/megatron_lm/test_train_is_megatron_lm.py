@@ -1,11 +1,11 @@
 """``megatron-npu train`` is Megatron-LM: with the same options on the same device it starts
 from the weights ``pretrain_gpt.py`` draws, reads the same mock data in the same order and
-computes the same loss at every step, bitwise (fp32 on cpu; the script is the Megatron-LM tag of
+computes the same loss at every step, bitwise (on cpu; the script is the Megatron-LM tag of
 the installed release, unmodified, through ``run_script``; both on one host thread, since the
 thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
 compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
-Six configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+Seven configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
 GPT on Megatron's device-path initialisation (its default), a Llama-style model (SwiGLU,
 RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
 (``--use-cpu-initialization``), DeepSeek-style multi-latent attention (query and key/value
@@ -13,8 +13,10 @@ latents with their norms, YaRN RoPE; the script's default RoPE fusion, train's u
 Megatron-LM's Transformer Engine spec, the GPT with full activation recomputation, and the
 Llama-style model on the TE spec recomputing attention, norms and MLP selectively (train
 builds the recomputation into the model's config: ``tests/training/test_arguments.py``), and the
-GPT with the precision-aware optimizer keeping bf16 moments. Before train drew Megatron-LM's
-weights the first loss already differed (7.05527 against 7.05538 on such a model).
+GPT in bf16 with the distributed optimizer, plain and with the precision-aware optimizer's
+memory-saving recipe (bf16 grads and moments; Megatron-LM's fusions in both: the weight
+gradients accumulate into main_grad in fp32). Before train drew Megatron-LM's weights the first
+loss already differed (7.05527 against 7.05538 on such a model).
 
 The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
 of each iteration): its printed log line is a logging window's mean, and from core_v0.16 the
@@ -101,10 +103,14 @@ RECOMPUTE_SELECTIVE = (
     "layernorm",
     "mlp",
 )
-#: the precision-aware optimizer (TE's FusedAdam on a GPU) keeping bf16 moments
+#: a bf16 model (Megatron-LM's fusions: the weight gradients accumulate into fp32 main_grad)
+#: with the precision-aware optimizer's memory-saving recipe (TE's FusedAdam on a GPU)
 PRECISION_AWARE = (
+    "--bf16",
     "--use-distributed-optimizer",
     "--use-precision-aware-optimizer",
+    "--main-grads-dtype",
+    "bf16",
     "--exp-avg-dtype",
     "bf16",
     "--exp-avg-sq-dtype",
@@ -121,6 +127,7 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         MLA_TE,
         RECOMPUTE_FULL,
         pytest.param(RECOMPUTE_SELECTIVE, marks=pytest.mark.extended),
+        ("--bf16", "--use-distributed-optimizer"),
         PRECISION_AWARE,
     ],
     ids=[
@@ -129,7 +136,8 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         "mla-te-spec",
         "recompute-full",
         "llama-te-recompute-selective",
-        "precision-aware-bf16-moments",
+        "bf16-distributed-optimizer",
+        "bf16-precision-aware",
     ],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):

@@ -1,10 +1,11 @@
 """Megatron's fusion flags reach the fused-op patches in training.
 
-``--bias-swiglu-fusion``, ``--bias-gelu-fusion`` and ``--masked-softmax-fusion`` (Megatron-LM's
-names and defaults: on) set ``bias_activation_fusion`` / ``masked_softmax_fusion`` in the
-TransformerConfig, so on ``npu-emulated`` a training step calls ``npu_swiglu`` (or ``npu_gelu``)
-and ``npu_scaled_masked_softmax``: counted with ``count_kernel_calls`` around one-rank training
-in a child process. With the ``--no-...`` forms none of them is called.
+``--bias-swiglu-fusion``, ``--bias-gelu-fusion``, ``--masked-softmax-fusion``,
+``--gradient-accumulation-fusion`` and ``--bias-dropout-fusion`` (Megatron-LM's names and
+defaults: on) set the TransformerConfig's fusion fields, so on ``npu-emulated`` a training step
+calls ``npu_swiglu`` (or ``npu_gelu``) and ``npu_scaled_masked_softmax``: counted with
+``count_kernel_calls`` around one-rank training in a child process. With the ``--no-...`` forms
+none of them is called.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def test_flags_have_megatron_names_and_defaults():
         True,
         True,
     )
+    assert args.gradient_accumulation_fusion and args.bias_dropout_fusion
+    args = _parse("--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion")
+    assert not (args.gradient_accumulation_fusion or args.bias_dropout_fusion)
     args = _parse("--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion")
     assert not (args.bias_swiglu_fusion or args.bias_gelu_fusion or args.masked_softmax_fusion)
     # Megatron-LM: no bias, no bias-GeLU fusion
@@ -78,6 +82,26 @@ def test_transformer_config_carries_the_flags(extra, activation, softmax):
     config = transformer_config(_parse(*extra))
     assert config.bias_activation_fusion is activation
     assert config.masked_softmax_fusion is softmax
+
+
+def test_gradient_accumulation_fusion_follows_its_kernel(monkeypatch, capsys):
+    """On where a kernel serves it (the adaptor's off CUDA, apex's on cuda), as Megatron-LM; a
+    GPU without apex gets it off and one line saying so, not megatron-core's refusal."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_npu.training import model
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    config = transformer_config(_parse())
+    assert config.gradient_accumulation_fusion and config.bias_dropout_fusion
+    off = transformer_config(
+        _parse("--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion")
+    )
+    assert not (off.gradient_accumulation_fusion or off.bias_dropout_fusion)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    model._say_no_gradient_accumulation_fusion.cache_clear()
+    assert transformer_config(_parse()).gradient_accumulation_fusion is False
+    assert "--gradient-accumulation-fusion is off" in capsys.readouterr().err
 
 
 def _kernels(*extra):
