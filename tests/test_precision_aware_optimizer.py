@@ -10,7 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_npu.optim.adamw import FusedAdamW
-from megatron_npu.optim.precision_aware import PrecisionAwareAdamW, join_master, split_master
+from megatron_npu.optim.precision_aware import (
+    MegatronAdam,
+    PrecisionAwareAdamW,
+    join_master,
+    split_master,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -77,7 +82,7 @@ def test_states_keep_their_dtypes_and_follow_fp64_adamw(master, moments):
     moment_dtype = getattr(torch, moments)
     params = _params(torch.bfloat16)
     start = [p.detach().clone() for p in params]
-    opt = FusedAdamW(
+    opt = MegatronAdam(
         params,
         **_HYPER,
         master_weights=True,
@@ -119,7 +124,7 @@ def test_fp32_states_are_the_fused_adamw_bitwise():
     """fp32 params, fp32 master and moments: the same update as the fused AdamW."""
     plain_params, aware_params = _params(torch.float32), _params(torch.float32)
     plain = FusedAdamW(plain_params, **_HYPER)
-    aware = FusedAdamW(aware_params, **_HYPER, master_weights=True, use_decoupled_grad=True)
+    aware = MegatronAdam(aware_params, **_HYPER, master_weights=True, use_decoupled_grad=True)
     for step in range(3):
         for p, q, g in zip(
             plain_params, aware_params, _grads(plain_params, step, torch.float32), strict=True
@@ -135,7 +140,7 @@ def test_fp32_states_are_the_fused_adamw_bitwise():
 @pytest.mark.parametrize("moments", [torch.bfloat16, torch.float16])
 def test_state_dict_round_trip_continues_bitwise(moments):
     def build(params):
-        return FusedAdamW(
+        return MegatronAdam(
             params,
             **_HYPER,
             master_weights=True,
@@ -175,7 +180,7 @@ def test_remainders_come_back_from_an_fp32_checkpoint_exactly():
     """Megatron's fully_reshardable optimizer format holds the int16 remainders as fp32: they are
     stored back as the same int16 values; fp32 values that are no int16 value are an error."""
     params = _params(torch.bfloat16)
-    opt = FusedAdamW(params, master_weights=True, store_param_remainders=True)
+    opt = MegatronAdam(params, master_weights=True, store_param_remainders=True)
     remainders = torch.randint(-(2**15), 2**15, params[0].shape, dtype=torch.int16)
     opt.set_scaled_state(params[0], "master_param", remainders.float())
     assert torch.equal(opt.get_unscaled_state(params[0], "master_param"), remainders)
@@ -187,7 +192,7 @@ def test_grads_it_would_not_read_are_one_named_error():
     """Grads in ``decoupled_grad`` for an optimizer built to read ``.grad`` (megatron-core 0.13's
     factory without Megatron-LM's fp8 recipe) would leave every parameter as it is."""
     params = _params(torch.bfloat16)
-    opt = FusedAdamW(params, exp_avg_dtype=torch.bfloat16)
+    opt = MegatronAdam(params, exp_avg_dtype=torch.bfloat16)
     for p, g in zip(params, _grads(params, 0, torch.bfloat16), strict=True):
         p.decoupled_grad = g
     with pytest.raises(RuntimeError, match="arrive in decoupled_grad"):
@@ -196,7 +201,7 @@ def test_grads_it_would_not_read_are_one_named_error():
 
 def test_fp8_moments_are_refused_by_name():
     with pytest.raises(ValueError, match="exp_avg_sq_dtype=torch.uint8"):
-        FusedAdamW(_params(torch.bfloat16), exp_avg_sq_dtype=torch.uint8, master_weights=True)
+        MegatronAdam(_params(torch.bfloat16), exp_avg_sq_dtype=torch.uint8, master_weights=True)
 
 
 def _precision_aware_config():

@@ -27,18 +27,6 @@ from megatron_npu.ops.adamw import adamw_step_, flat_view
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-#: Transformer Engine ``FusedAdam`` options megatron-core's factory passes with
-#: ``--use-precision-aware-optimizer``: construction with any of them builds
-#: :class:`megatron_npu.optim.precision_aware.PrecisionAwareAdamW`
-PRECISION_AWARE_OPTIONS = (
-    "master_weights",
-    "master_weight_dtype",
-    "exp_avg_dtype",
-    "exp_avg_sq_dtype",
-    "use_decoupled_grad",
-    "store_param_remainders",
-)
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (it shares the DTensor's storage); any other tensor."""
@@ -60,17 +48,8 @@ class FusedAdamW(torch.optim.AdamW):
 
     A subclass, so every ``isinstance(optimizer, torch.optim.AdamW)`` check in Megatron (the
     distributed optimizer accepts only Adam-like optimizers, and lays out checkpoint state by
-    that test) keeps holding. Built with Transformer Engine's precision-aware options
-    (:data:`PRECISION_AWARE_OPTIONS`, as megatron-core's factory passes them where it expects TE's
-    ``FusedAdam``) it is a :class:`~megatron_npu.optim.precision_aware.PrecisionAwareAdamW`.
+    that test) keeps holding.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> FusedAdamW:
-        if cls is FusedAdamW and any(name in kwargs for name in PRECISION_AWARE_OPTIONS):
-            from megatron_npu.optim.precision_aware import PrecisionAwareAdamW
-
-            return super().__new__(PrecisionAwareAdamW)
-        return super().__new__(cls)
 
     def __init__(
         self,

@@ -90,11 +90,9 @@ def _remainders_of(value: torch.Tensor) -> torch.Tensor:
 
 
 class PrecisionAwareAdamW(FusedAdamW):
-    """AdamW with TE ``FusedAdam``'s precision-aware options and state interface.
-
-    Megatron's factory builds it through :class:`FusedAdamW` (which hands construction with any
-    of these options to this class), so it is a ``torch.optim.AdamW`` for every isinstance test.
-    """
+    """AdamW with TE ``FusedAdam``'s precision-aware options and state interface; a
+    ``torch.optim.AdamW`` for every isinstance test. Megatron's factory reaches it through
+    :class:`MegatronAdam`."""
 
     def __init__(
         self,
@@ -345,3 +343,26 @@ class PrecisionAwareAdamW(FusedAdamW):
             self.set_scaled_state(param, "master_param", master)
         if master.data_ptr() != param.data_ptr():
             param.detach().copy_(master)
+
+
+#: Transformer Engine ``FusedAdam`` options megatron-core's factory passes with
+#: ``--use-precision-aware-optimizer``
+PRECISION_AWARE_OPTIONS = (
+    "master_weights",
+    "master_weight_dtype",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "use_decoupled_grad",
+    "store_param_remainders",
+)
+
+
+class MegatronAdam(FusedAdamW):
+    """The Adam megatron-core's optimizer factory builds: a :class:`FusedAdamW`, or, given any
+    of TE's precision-aware options (:data:`PRECISION_AWARE_OPTIONS`), a
+    :class:`PrecisionAwareAdamW`. Construction returns one of those two, built."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FusedAdamW:  # type: ignore[misc]
+        if any(name in kwargs for name in PRECISION_AWARE_OPTIONS):
+            return PrecisionAwareAdamW(*args, **kwargs)
+        return FusedAdamW(*args, **kwargs)

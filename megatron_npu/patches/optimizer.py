@@ -1,7 +1,8 @@
 """Megatron's optimizer kernels: Adam, the fp16 unscale/inf check, grad-norm and scale.
 
 * ``megatron.core.optimizer.Adam`` (apex/TE ``FusedAdam``, else ``torch.optim.AdamW``) ->
-  :class:`megatron_npu.optim.adamw.FusedAdamW`.
+  :class:`megatron_npu.optim.precision_aware.MegatronAdam`: the fused AdamW
+  (:class:`megatron_npu.optim.adamw.FusedAdamW`), or the precision-aware one given TE's options.
 * ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` -> the op layer's
   non-finite check and unscale, then Megatron's MAX all-reduce over the grad-stats group.
 * ``OptimizerConfig.__post_init__`` admits ``--use-precision-aware-optimizer`` without TE: the
@@ -39,7 +40,7 @@ from megatron_npu.ops.multi_tensor import (
     multi_tensor_l2norm,
     multi_tensor_scale_,
 )
-from megatron_npu.optim.adamw import FusedAdamW
+from megatron_npu.optim.precision_aware import MegatronAdam
 from megatron_npu.patches.transformer_engine import stand_in_te_min_version
 from megatron_npu.registry import Patch
 
@@ -125,7 +126,7 @@ def _where_megatron_fell_back(ours: Any, fallback: str):
 class _OptimWithFusedAdamW(ModuleType):
     """``torch.optim`` as megatron-core's optimizer factory sees it: ``AdamW`` is fused."""
 
-    AdamW = FusedAdamW
+    AdamW = MegatronAdam
 
     def __init__(self) -> None:
         super().__init__("torch.optim", "torch.optim with megatron-npu's fused AdamW")
@@ -179,7 +180,7 @@ PATCHES = [
     Patch(
         id="optimizer.adam",
         target="megatron.core.optimizer.Adam",
-        replacement=FusedAdamW,
+        replacement=MegatronAdam,
         reason="apex/TE FusedAdam is CUDA-only: fused AdamW via npu_apply_adam_w / _fused_adamw_ "
         "(the factory's choice up to 0.14; 0.15+ see optimizer.factory-torch-adamw)",
         versions=">=0.13",

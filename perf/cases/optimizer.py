@@ -43,7 +43,7 @@ def _precision_aware(cell: Cell) -> Built:
     the copy into the bf16 model params; otherwise the precision-aware optimizer with the
     memory-saving recipe (bf16 grads and moments, the master as bf16 params + int16
     remainders)."""
-    from megatron_npu.optim.adamw import FusedAdamW
+    from megatron_npu.optim.precision_aware import MegatronAdam
 
     model = [t.bfloat16() for t in _tensors(cell, 0)]
     grads = [t.bfloat16() for t in _tensors(cell, 1)]
@@ -61,7 +61,7 @@ def _precision_aware(cell: Cell) -> Built:
     params = [torch.nn.Parameter(t) for t in model]
     for p, g in zip(params, grads, strict=True):
         p.decoupled_grad = g
-    opt = FusedAdamW(
+    opt = MegatronAdam(
         params,
         lr=1e-4,
         weight_decay=0.1,

@@ -69,6 +69,20 @@ MLA = (
     "rope",
 )
 
+#: the precision-aware optimizer's memory-saving recipe on a bf16 model (TE's FusedAdam on a
+#: GPU): the distributed optimizer, bf16 grads and moments, the master as bf16 + remainders
+PRECISION_AWARE = (
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--use-precision-aware-optimizer",
+    "--main-grads-dtype",
+    "bf16",
+    "--exp-avg-dtype",
+    "bf16",
+    "--exp-avg-sq-dtype",
+    "bf16",
+)
+
 
 def client_devices() -> tuple[str, ...]:
     """Devices the run list covers: npu-emulated in the default suite, both in tox

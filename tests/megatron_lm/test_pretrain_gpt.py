@@ -17,6 +17,7 @@ from megatron_npu.compare import mlm_log, rules
 
 from ._client import (
     MLA,
+    PRECISION_AWARE,
     TINY,
     Run,
     check_trained,
@@ -817,10 +818,8 @@ def test_precision_aware_optimizer_trains_as_megatrons(tmp_path):
     )
     assert verdict.status == rules.PASS, verdict.detail
 
-    recipe = ("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
-    recipe += ("--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
     counts = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / "recipe")}
-    args = (*TINY, "--mock-data", "--use-distributed-optimizer", *recipe)
+    args = (*TINY, "--mock-data", *PRECISION_AWARE)
     _resumes_bitwise(tmp_path, *args, name="recipe", env=counts)
     assert _kernel_counts(tmp_path, "recipe").get("npu_apply_adam_w", 0) > 0
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_npu.compare import mlm_log, tensorboard_events
-from tests.megatron_lm._client import MLA, pretrain_gpt
+from tests.megatron_lm._client import MLA, PRECISION_AWARE, pretrain_gpt
 from tests.training._runner import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -102,19 +102,6 @@ RECOMPUTE_SELECTIVE = (
     "core_attn",
     "layernorm",
     "mlp",
-)
-#: a bf16 model (Megatron-LM's fusions: the weight gradients accumulate into fp32 main_grad)
-#: with the precision-aware optimizer's memory-saving recipe (TE's FusedAdam on a GPU)
-PRECISION_AWARE = (
-    "--bf16",
-    "--use-distributed-optimizer",
-    "--use-precision-aware-optimizer",
-    "--main-grads-dtype",
-    "bf16",
-    "--exp-avg-dtype",
-    "bf16",
-    "--exp-avg-sq-dtype",
-    "bf16",
 )
 SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000")
 

@@ -8,6 +8,7 @@ import pytest
 
 import megatron_npu
 from megatron_npu.training import arguments, launch
+from tests.megatron_lm._client import PRECISION_AWARE
 
 BASE = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -288,17 +289,7 @@ def test_precision_aware_options_reach_megatrons_optimizer_config():
 
     from megatron_npu.training import optimizer
 
-    args = parse(
-        "--bf16",
-        "--use-distributed-optimizer",
-        "--use-precision-aware-optimizer",
-        "--main-grads-dtype",
-        "bf16",
-        "--exp-avg-dtype",
-        "bf16",
-        "--exp-avg-sq-dtype",
-        "fp16",
-    )
+    args = parse(*PRECISION_AWARE, "--exp-avg-sq-dtype", "fp16")
     assert not args.accumulate_allreduce_grads_in_fp32
     megatron_npu.apply("cpu")
     try:
