@@ -228,6 +228,11 @@ class Recorder:
         self.tensors[key] = stored
 
     def _tap(self, value: Any, module: str, call: int, quantity: str, counter: list[int]) -> Any:
+        if isinstance(value, torch.nn.Parameter):
+            # a parameter handed in as an input (the output layer's tied embedding weight) stays
+            # itself: Megatron's gradient-accumulation fusion adds its weight gradient to the
+            # parameter's own main_grad; the gradient is recorded as its param.grad
+            return value
         if _is_float(value) and value.requires_grad and torch.is_grad_enabled():
             i = counter[0]
             counter[0] += 1
