@@ -43,6 +43,18 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     )
 
 
+def hyperparameters(group: dict[str, Any]) -> dict[str, float]:
+    """A parameter group's AdamW settings as :func:`adamw_step_` takes them."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return {
+        "lr": float(group["lr"]),
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+    }
+
+
 class FusedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` with its update done by the op layer.
 
@@ -136,7 +148,6 @@ class FusedAdamW(torch.optim.AdamW):
             state = self.state[p]
             state["step"] += 1
             by_step.setdefault(int(state["step"].item()), []).append((p, state))
-        beta1, beta2 = (float(b) for b in group["betas"])
         for step, items in by_step.items():
             adamw_step_(
                 [_local(p) for p, _ in items],
@@ -144,11 +155,7 @@ class FusedAdamW(torch.optim.AdamW):
                 [_local(s["exp_avg"]) for _, s in items],
                 [_local(s["exp_avg_sq"]) for _, s in items],
                 step=step,
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
+                **hyperparameters(group),
                 max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for _, s in items]
                 if amsgrad
                 else None,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from megatron_npu.ops.adamw import adamw_step_, element_chunks
-from megatron_npu.optim.adamw import FusedAdamW
+from megatron_npu.optim.adamw import FusedAdamW, hyperparameters
 
 _STATES = ("exp_avg", "exp_avg_sq", "master_param")
 _STORED = (torch.float32, torch.bfloat16, torch.float16)
@@ -311,18 +311,13 @@ class PrecisionAwareAdamW(FusedAdamW):
                 work["master_param"] = p.detach() if p.dtype == torch.float32 else p.float()
             work["grad"] = grad if grad.dtype == torch.float32 else grad.float()
             works.append(work)
-        beta1, beta2 = (float(b) for b in group["betas"])
         adamw_step_(
             [w["master_param"] for w in works],
             [w["grad"] for w in works],
             [w["exp_avg"] for w in works],
             [w["exp_avg_sq"] for w in works],
             step=step,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            **hyperparameters(group),
         )
         for (p, _), work in zip(pairs, works, strict=True):
             self._store(p, work)

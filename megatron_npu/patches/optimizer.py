@@ -124,7 +124,8 @@ def _where_megatron_fell_back(ours: Any, fallback: str):
 
 
 class _OptimWithFusedAdamW(ModuleType):
-    """``torch.optim`` as megatron-core's optimizer factory sees it: ``AdamW`` is fused."""
+    """``torch.optim`` as megatron-core's optimizer factory sees it: ``AdamW`` is
+    :class:`MegatronAdam` (the fused AdamW, or the precision-aware one given TE's options)."""
 
     AdamW = MegatronAdam
 
@@ -136,7 +137,7 @@ class _OptimWithFusedAdamW(ModuleType):
 
 
 class _TorchForOptimizerFactory(TorchNamespace):
-    """Device routing plus ``torch.optim.AdamW`` -> :class:`FusedAdamW`.
+    """Device routing plus ``torch.optim.AdamW`` -> :class:`MegatronAdam`.
 
     From megatron-core 0.15 the factory builds ``torch.optim.AdamW`` itself whenever apex and
     TransformerEngine are absent (instead of the module's ``Adam`` name), so the fused AdamW has
