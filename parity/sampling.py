@@ -1,7 +1,13 @@
 """Drawing a case's examples: its edge cases first, then hypothesis-drawn parameter sets.
 
 Drawing happens once in the parent process (deterministically, ``derandomize=True``) so a
-multi-rank case sends every rank the same examples, and a run is repeatable.
+multi-rank case sends every rank the same examples, and a run is repeatable. Hypothesis also
+draws, now and then, integer and float literals it finds in the *local* modules loaded at that
+moment (``hypothesis.internal.conjecture.providers``: its "local constants"); which modules are
+loaded depends on what the process imported before (a test session that also collected the
+report tests, the branch-coverage trace, the ``parity`` command) and on whether the package is
+an editable install. The draws here leave that pool out, so a case's examples are the same in
+every process and install; the drawn values stay those of the strategy.
 
 ``quick`` is the edge cases plus a few draws. ``full`` is everything ``quick`` runs plus
 draws of *distinct shapes*: a draw is kept only if its shape key (the integer parameters other
@@ -12,6 +18,8 @@ from a quick example only in a seed or a scale.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
@@ -24,8 +32,31 @@ EXAMPLES = {"quick": 2, "full": 10}
 _NOT_SHAPE = frozenset({"seed", "plant_rank"})
 
 
+@contextlib.contextmanager
+def _without_local_constants() -> Iterator[None]:
+    """Hypothesis's pool of literals from loaded local modules, empty for the duration (its
+    cache of permitted constants emptied on the way in and out, so no draw outside sees ours)."""
+    try:
+        from hypothesis.internal.conjecture import providers
+
+        empty = providers.Constants()
+        swap = providers._get_local_constants
+        cache = providers.CONSTANTS_CACHE.cache
+    except (ImportError, AttributeError):  # a Hypothesis without the pool: nothing to leave out
+        yield
+        return
+    cache.clear()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = swap
+        cache.clear()
+
+
 def _found(strategy: Any, max_examples: int) -> list[dict[str, Any]]:
-    """Every distinct example of ``strategy`` in a derandomized run of ``max_examples``."""
+    """Every distinct example of ``strategy`` in a derandomized run of ``max_examples``, drawn
+    without Hypothesis's local-constant pool (see the module doc)."""
     found: list[dict[str, Any]] = []
 
     @settings(
@@ -41,7 +72,8 @@ def _found(strategy: Any, max_examples: int) -> list[dict[str, Any]]:
         if example not in found:
             found.append(example)
 
-    collect()
+    with _without_local_constants():
+        collect()
     return found
 
 
