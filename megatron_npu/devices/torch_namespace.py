@@ -11,7 +11,10 @@ except:
   dropped, since there is no accelerator to pin host memory for.
 
 Only code in the patched modules sees it, so no process-wide ``TorchFunctionMode`` taxes every
-torch call; ordinary attributes are cached on first use so lookups stay dictionary hits.
+torch call. Every other attribute is read from torch at the moment it is used, never kept: what
+torch holds under a name changes while the process runs (the registry's ``matmul.*`` entries
+wrap ``torch.bmm`` and the rest, and switching the adaptor off or the parity harness's reference
+puts torch's own back), and a kept copy would go on calling whichever was there first.
 """
 
 from __future__ import annotations
@@ -70,20 +73,36 @@ def map_device(device: Any) -> Any:
     return device
 
 
+def _routed_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A factory's keywords with ``device=`` mapped by :func:`map_device` (and ``pin_memory``
+    dropped on a host-only device)."""
+    if "device" in kwargs:
+        kwargs["device"] = map_device(kwargs["device"])
+    if kwargs.get("pin_memory"):
+        active = devices.active()
+        if active is not None and active.torch_type == "cpu":
+            # page-locked memory only speeds copies to an accelerator, and a host-only torch
+            # has no allocator for it (Megatron-LM's get_batch_on_this_cp_rank asks for it)
+            kwargs["pin_memory"] = False
+    return kwargs
+
+
 def route_device(factory: Any) -> Any:
     """``factory`` with its ``device=`` keyword mapped by :func:`map_device`."""
 
     @functools.wraps(factory)
     def routed(*args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs:
-            kwargs["device"] = map_device(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            active = devices.active()
-            if active is not None and active.torch_type == "cpu":
-                # page-locked memory only speeds copies to an accelerator, and a host-only torch
-                # has no allocator for it (Megatron-LM's get_batch_on_this_cp_rank asks for it)
-                kwargs["pin_memory"] = False
-        return factory(*args, **kwargs)
+        return factory(*args, **_routed_kwargs(kwargs))
+
+    return routed
+
+
+def _route_torch_factory(name: str) -> Any:
+    """torch's factory ``name``, as torch holds it at each call, with its device routed."""
+
+    @functools.wraps(getattr(torch, name))
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return getattr(torch, name)(*args, **_routed_kwargs(kwargs))
 
     return routed
 
@@ -115,7 +134,7 @@ class TorchNamespace(ModuleType):
     def __init__(self) -> None:
         super().__init__("torch", "megatron-npu device-routed view of torch")
         for name in FACTORIES:
-            setattr(self, name, route_device(getattr(torch, name)))
+            setattr(self, name, _route_torch_factory(name))
         self.device = RoutedDevice
 
     @property
@@ -124,9 +143,7 @@ class TorchNamespace(ModuleType):
         return active.accelerator if active is not None else torch.cuda
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        object.__setattr__(self, name, value)
-        return value
+        return getattr(torch, name)
 
     def __repr__(self) -> str:
         return "<megatron-npu torch namespace>"

@@ -24,3 +24,38 @@ def test_module_torch_routes_cuda_to_the_active_device(patch_id, cpu_adaptor):
     buffer = routed.empty(2, device="cuda")
     assert buffer.device.type == "cpu", (patch_id, buffer.device)
     assert routed.device("cuda", device).type == "cpu"
+
+
+def test_module_torch_reads_what_torch_holds_at_each_use(cpu_adaptor):
+    """The routed view keeps no copy of torch's attributes: the patched products, and torch's
+    own once they are put back (the parity references multiply with those), are what the module
+    calls. A kept first copy made a reference of Megatron's attention call the adaptor's
+    16-bit product after a test had run that attention with the product installed."""
+    import torch
+    from megatron_npu.parity.harness import torch_products
+
+    module = importlib.import_module("megatron.core.transformer.dot_product_attention")
+    routed = module.torch
+    assert routed is not torch, "dot_product_attention's torch is not the routed view"
+    patched = torch.baddbmm
+    assert routed.baddbmm is patched  # the matmul entry's 16-bit product, installed on cpu
+    with torch_products():
+        own = torch.baddbmm
+        assert own is not patched
+        assert routed.baddbmm is own
+    assert routed.baddbmm is patched
+
+
+def test_module_torch_factories_call_what_torch_holds_at_each_use(cpu_adaptor, monkeypatch):
+    import torch
+
+    calls = []
+
+    def zeros(*args, **kwargs):
+        calls.append(kwargs)
+        return "made"
+
+    module = importlib.import_module(PATCHES[0].target.rpartition(".")[0])
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert module.torch.zeros(2, device="cuda") == "made"
+    assert calls and calls[0]["device"].type == "cpu", calls
