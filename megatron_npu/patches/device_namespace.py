@@ -55,7 +55,6 @@ NOT_ROUTED = {
     "megatron.core.distributed.fsdp": "Megatron-FSDP: not supported (DDP and the distributed "
     "optimizer are)",
     "megatron.core.transformer.fsdp_dtensor_checkpoint": "FSDP DTensor checkpoints: not supported",
-    "megatron.core.optimizer.cpu_offloading": "the CPU-offload hybrid optimizer: not supported",
     "megatron.core.distributed.distributed_data_parallel_config": "names 'cuda' only in "
     "documentation; no CUDA call to route",
 }

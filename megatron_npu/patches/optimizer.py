@@ -40,6 +40,7 @@ from megatron_npu.ops.multi_tensor import (
     multi_tensor_l2norm,
     multi_tensor_scale_,
 )
+from megatron_npu.optim.hybrid_offload import sub_optimizer_param_groups
 from megatron_npu.optim.precision_aware import MegatronAdam
 from megatron_npu.patches.transformer_engine import stand_in_te_min_version
 from megatron_npu.registry import Patch
@@ -203,6 +204,19 @@ PATCHES = [
         "the named test checks get_megatron_optimizer builds it",
         exempt_test="tests/test_optimizer_routing.py::"
         "test_megatron_optimizer_is_the_fused_adamw_when_applied",
+    ),
+    Patch(
+        id="optimizer.hybrid-device-offload-split",
+        target="megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer."
+        "_get_sub_optimizer_param_groups",
+        replacement=sub_optimizer_param_groups,
+        reason="--optimizer-cpu-offload tells accelerator parameters by is_cuda, False on an "
+        "NPU and on the host-only devices: nothing was offloaded and the step failed",
+        versions=">=0.13",
+        parity_exempt="splits the parameters between two optimizers, no numerics of its own",
+        exempt_test="tests/test_hybrid_offload.py::"
+        "test_a_step_is_adamw_on_fp32_copies_for_both_halves",
+        benchmark_exempt="runs once while the optimizer is built",
     ),
     Patch(
         id="optimizer.precision-aware-config",
