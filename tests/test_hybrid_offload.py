@@ -25,14 +25,14 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16)) for n in sizes]
 
 
-def _hybrid(params, fraction: float) -> HybridDeviceOptimizer:
+def _hybrid(params, fraction: float, overlap: bool = False) -> HybridDeviceOptimizer:
     return HybridDeviceOptimizer(
         params,
         offload_fraction=fraction,
         cpu_optimizer_cls=torch.optim.AdamW,
         gpu_optimizer_cls=torch.optim.AdamW,
         param_update_in_fp32=True,
-        overlap_cpu_optimizer_d2h_h2d=False,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
         **HYPER,
     )
 
@@ -55,9 +55,13 @@ def test_the_first_parameters_up_to_the_fraction_go_to_the_host(cpu_adaptor, fra
         assert opt.param_to_fp32_param[param] is copy and copy.dtype == torch.float32
 
 
-def test_a_step_is_adamw_on_fp32_copies_for_both_halves(cpu_adaptor):
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-host-optimizer", "overlapped"])
+def test_a_step_is_adamw_on_fp32_copies_for_both_halves(cpu_adaptor, overlap):
+    """Both halves step as torch's AdamW on fp32 copies, bitwise; ``overlap`` is
+    ``--overlap-cpu-optimizer-d2h-h2d`` (one host optimizer per parameter, copies on the
+    device's streams)."""
     params = _params()
-    opt = _hybrid(params, 0.5)
+    opt = _hybrid(params, 0.5, overlap)
     reference = [torch.nn.Parameter(p.detach().float()) for p in params]
     ref_opt = torch.optim.AdamW(reference, **HYPER)
     for step in range(3):
@@ -70,5 +74,5 @@ def test_a_step_is_adamw_on_fp32_copies_for_both_halves(cpu_adaptor):
         ref_opt.step()
         for param, ref in zip(params, reference, strict=True):
             assert torch.equal(param.detach(), ref.detach().to(param.dtype)), step
-    host = [p for group in opt.cpu_param_groups for p in group["params"]]
-    assert all(opt.cpu_optimizers[0].state[p]["step"] == 3 for p in host)
+    steps = [s["step"] for o in opt.cpu_optimizers for s in o.state.values()]
+    assert len(steps) == 2 and all(s == 3 for s in steps)

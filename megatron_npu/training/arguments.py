@@ -78,6 +78,7 @@ FLOAT_RANGES = {
     "sgd_momentum": (0.0, None, False),
     "norm_epsilon": (0.0, None, False),
     "rotary_percent": (0.0, 1.0, True),
+    "optimizer_offload_fraction": (0.0, 1.0, True),
     "initial_loss_scale": (0.0, None, False),
     "min_loss_scale": (0.0, None, False),
     "loss_scale": (0.0, None, False),
@@ -527,6 +528,22 @@ def add_arguments(
             help=f"precision-aware optimizer: the dtype Adam's {moment} moment is stored in "
             "(fp16 scaled per tensor)",
         )
+    g.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="megatron-core's hybrid optimizer: step part of the parameters on the host (torch's "
+        "AdamW on fp32 copies); needs --use-precision-aware-optimizer",
+    )
+    g.add_argument(
+        "--optimizer-offload-fraction",
+        type=_finite,
+        default=1.0,
+        help="the share of the parameters' elements stepped on the host, first parameters first",
+    )
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params")
 
     g = parser.add_argument_group("data")
     g.add_argument(
@@ -721,6 +738,17 @@ PRECISION_AWARE_DTYPES = {
 }
 
 
+#: the hybrid optimizer's options, under OptimizerConfig's names (every release 0.13+)
+CPU_OFFLOAD_OPTIONS = (
+    "optimizer_cpu_offload",
+    "optimizer_offload_fraction",
+    "use_torch_optimizer_for_cpu_offload",
+    "overlap_cpu_optimizer_d2h_h2d",
+    "pin_cpu_grads",
+    "pin_cpu_params",
+)
+
+
 def _check_precision_aware(args: argparse.Namespace) -> None:
     """Megatron's own rules for the precision-aware optimizer, as one named error each."""
     changed = [
@@ -728,6 +756,8 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
         for name, default in PRECISION_AWARE_DTYPES.items()
         if getattr(args, name) != default
     ]
+    if args.optimizer_cpu_offload:
+        changed.append("--optimizer-cpu-offload")
     if not args.use_precision_aware_optimizer:
         if changed:
             raise ArgumentError(f"{', '.join(changed)} need --use-precision-aware-optimizer")

@@ -21,7 +21,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_npu.training.arguments import PRECISION_AWARE_DTYPES
+from megatron_npu.training.arguments import CPU_OFFLOAD_OPTIONS, PRECISION_AWARE_DTYPES
 from megatron_npu.training.model import params_dtype
 from megatron_npu.training.schedule import scheduler_settings
 
@@ -58,6 +58,7 @@ def optimizer_config(args: Namespace) -> OptimizerConfig:
         log_num_zeros_in_grad=False,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
         **{name: _DTYPES[getattr(args, name)] for name in PRECISION_AWARE_DTYPES},
+        **{name: getattr(args, name) for name in CPU_OFFLOAD_OPTIONS},
         **recipe,
     )
 

@@ -5,7 +5,7 @@ the installed release, unmodified, through ``run_script``; both on one host thre
 thread count changes a CPU GEMM's reduction order). Each step's learning rate is the one
 compare reads from the script's log and TensorBoard scalars, to the printed digits.
 
-Seven configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
+Eight configurations, each with dropout and gradient accumulation (4 micro-batches a step): a
 GPT on Megatron's device-path initialisation (its default), a Llama-style model (SwiGLU,
 RMSNorm, RoPE, no biases, grouped-query attention, untied output layer) on the host path
 (``--use-cpu-initialization``), DeepSeek-style multi-latent attention (query and key/value
@@ -15,7 +15,8 @@ Llama-style model on the TE spec recomputing attention, norms and MLP selectivel
 builds the recomputation into the model's config: ``tests/training/test_arguments.py``), and the
 GPT in bf16 with the distributed optimizer, plain and with the precision-aware optimizer's
 memory-saving recipe (bf16 grads and moments; Megatron-LM's fusions in both: the weight
-gradients accumulate into main_grad in fp32). Before train drew Megatron-LM's weights the first
+gradients accumulate into main_grad in fp32), and (``tox -e extended``) that recipe with half
+the optimizer offloaded to the host. Before train drew Megatron-LM's weights the first
 loss already differed (7.05527 against 7.05538 on such a model).
 
 The script's per-step losses are read from its TensorBoard scalars (``lm loss``, the fp32 value
@@ -116,6 +117,10 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         pytest.param(RECOMPUTE_SELECTIVE, marks=pytest.mark.extended),
         ("--bf16", "--use-distributed-optimizer"),
         PRECISION_AWARE,
+        pytest.param(
+            (*PRECISION_AWARE, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"),
+            marks=pytest.mark.extended,
+        ),
     ],
     ids=[
         "gpt-device-init",
@@ -125,6 +130,7 @@ SCRIPT_ONLY = ("--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval
         "llama-te-recompute-selective",
         "bf16-distributed-optimizer",
         "bf16-precision-aware",
+        "bf16-cpu-offload",
     ],
 )
 def test_train_computes_what_pretrain_gpt_computes(tmp_path, extra):

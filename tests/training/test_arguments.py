@@ -275,8 +275,20 @@ def test_recompute_options_reach_megatrons_config(extra, fields):
             "--main-grads-dtype bf16 needs --bf16",
         ),
         (["--exp-avg-sq-dtype", "fp8"], "--exp-avg-sq-dtype: invalid choice: 'fp8'"),
+        (["--optimizer-cpu-offload"], "--optimizer-cpu-offload need --use-precision-aware"),
+        (
+            [*PRECISION_AWARE, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"],
+            "--optimizer-offload-fraction 1.5 is out of range",
+        ),
     ],
-    ids=["dtype-without-the-optimizer", "no-distributed-optimizer", "bf16-grads-fp32-model", "fp8"],
+    ids=[
+        "dtype-without-the-optimizer",
+        "no-distributed-optimizer",
+        "bf16-grads-fp32-model",
+        "fp8",
+        "offload-without-the-optimizer",
+        "offload-fraction",
+    ],
 )
 def test_precision_aware_options_are_checked_by_name(capsys, extra, message):
     assert message in error_of(capsys, *extra)
@@ -300,6 +312,34 @@ def test_precision_aware_options_reach_megatrons_optimizer_config():
     assert (config.main_grads_dtype, config.main_params_dtype) == (torch.bfloat16, torch.float32)
     assert (config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.bfloat16, torch.float16)
     assert parse("--bf16").accumulate_allreduce_grads_in_fp32
+
+
+def test_cpu_offload_options_reach_megatrons_optimizer_config():
+    """Megatron-LM's hybrid-optimizer options under their OptimizerConfig names, its defaults
+    (all of the optimizer on the host, pinned copies, no overlap) when only the switch is given."""
+    from megatron_npu.training import optimizer
+
+    def config(*extra):
+        megatron_npu.apply("cpu")
+        try:
+            return optimizer.optimizer_config(parse(*PRECISION_AWARE, *extra))
+        finally:
+            megatron_npu.restore()
+
+    fields = ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads")
+    plain = config("--optimizer-cpu-offload")
+    assert plain.optimizer_cpu_offload
+    assert tuple(getattr(plain, f) for f in fields) == (1.0, False, True)
+    tuned = config(
+        "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction",
+        "0.25",
+        "--overlap-cpu-optimizer-d2h-h2d",
+        "--no-pin-cpu-grads",
+        "--no-pin-cpu-params",
+    )
+    assert tuple(getattr(tuned, f) for f in fields) == (0.25, True, False)
+    assert not tuned.pin_cpu_params and not config().optimizer_cpu_offload
 
 
 def test_multi_latent_attention_options_reach_megatrons_config():
