@@ -23,6 +23,9 @@ from collections.abc import Iterator
 from types import CodeType, ModuleType, SimpleNamespace
 from typing import Any
 
+#: the methods by which an adaptor namespace answers attribute reads: plumbing, not a patch's code
+_ATTRIBUTE_ROUTING = frozenset({"__getattribute__", "__getattr__"})
+
 
 def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
     """The code objects that run when ``obj`` (a patch's installed object) is used: a
@@ -56,8 +59,10 @@ def _codes(obj: Any, depth: int = 0) -> Iterator[CodeType]:
         # the class's own methods and those it inherits from the adaptor's classes (TE's column
         # and row grouped linears share their forward): Megatron's and torch's bases are not
         # the patch's code
+        # (attribute routing left out: a namespace's __getattribute__ runs on every torch.X in
+        # the module it serves, and what it routes to is counted through the objects it holds)
         own_classes = [k for k in obj.__mro__ if k is obj or _own_object(k, itself=True)]
-        values = [v for k in own_classes for v in vars(k).values()]
+        values = [v for k in own_classes for n, v in vars(k).items() if n not in _ATTRIBUTE_ROUTING]
         for value in values:
             if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(
                 value
