@@ -20,29 +20,23 @@ from typing import Any
 import torch
 
 from megatron_npu import devices
-
-
-def _on_accelerator(param: torch.Tensor) -> bool:
-    active = devices.active()
-    if active is None:
-        return param.is_cuda
-    return param.device.type == active.torch_type
+from megatron_npu.devices.torch_namespace import TORCH_NAMESPACE
 
 
 def _host_copy(param: torch.Tensor) -> torch.Tensor:
-    copy = param.detach().clone().cpu()
-    active = devices.active()
-    if active is not None and active.torch_type != "cpu":
-        copy = copy.pin_memory()
-    return copy
+    """``param`` copied to page-locked host memory, through the routed ``torch.empty`` (which
+    keeps ``pin_memory`` only where an accelerator exists)."""
+    copy = TORCH_NAMESPACE.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=True)
+    return copy.copy_(param.detach())
 
 
 def sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple:
     """``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` with the accelerator told by
     device type: (host groups, accelerator groups, param -> host copy, host copy -> param,
     param -> fp32 copy)."""
+    accelerator = devices.active().torch_type
     params = [p for group in self.param_groups for p in group["params"]]
-    threshold = offload_fraction * sum(p.numel() for p in params if _on_accelerator(p))
+    threshold = offload_fraction * sum(p.numel() for p in params if p.device.type == accelerator)
     offloaded = 0
     host_groups, device_groups = [], []
     to_host, from_host, to_fp32 = {}, {}, {}
@@ -51,7 +45,8 @@ def sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple:
         device = {**group, "params": []}
         for param in group["params"]:
             inner, copied = param, False
-            if offloaded < threshold and _on_accelerator(param):
+            on_accelerator = param.device.type == accelerator
+            if offloaded < threshold and on_accelerator:
                 inner = _host_copy(param)
                 offloaded += inner.numel()
                 copied = True
@@ -62,7 +57,7 @@ def sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple:
                 to_host[param] = inner
                 from_host[inner] = param
                 host["params"].append(inner)
-            elif _on_accelerator(param):
+            elif on_accelerator:
                 device["params"].append(inner)
             else:
                 host["params"].append(inner)
