@@ -11,7 +11,7 @@ Public API of the metrics / verdict / results layer:
 """
 
 from megatron_npu.parity.metrics import TensorComparison, compare
-from megatron_npu.parity.provenance import GitInfo, Provenance, collect_provenance, detect_device
+from megatron_npu.parity.provenance import Git, Provenance, collect_provenance, detect_device
 from megatron_npu.parity.results import (
     DEVICES,
     SCHEMA_VERSION,
@@ -28,7 +28,7 @@ from megatron_npu.parity.verdict import Tolerance, Verdict, verdict, worst
 __all__ = [
     "DEVICES",
     "SCHEMA_VERSION",
-    "GitInfo",
+    "Git",
     "ParityRecord",
     "Provenance",
     "SummaryRow",

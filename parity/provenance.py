@@ -11,7 +11,6 @@ import platform
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,31 +22,10 @@ else:  # pragma: no cover - Python 3.10
 
 
 from megatron_npu.devices.facts import CPU, CUDA, DEVICE_ORDER, NPU, NPU_EMULATED
+from megatron_npu.formats.parity_record import Git, Provenance
 
 #: the device labels a record may carry, in the order results list them
 DEVICES = DEVICE_ORDER
-
-
-@dataclass(frozen=True)
-class GitInfo:
-    commit: str | None  # short sha of HEAD; None in a repository without commits
-    dirty: bool  # tracked or untracked changes in the working tree
-
-
-@dataclass(frozen=True)
-class Provenance:
-    device: str  # same label as ParityRecord.device
-    python: str
-    torch: str
-    torch_npu: str | None  # None when torch_npu is not installed
-    megatron_core: str | None
-    git: GitInfo | None  # None when git or the repository is unavailable
-    seed: int | None
-    hostname: str
-    timestamp_utc: str  # ISO 8601, e.g. 2025-01-31T12:00:00Z
-    wall_time_s: float  # wall time of the case
-    device_name: str | None = None  # free text, e.g. "Ascend910B3" or the CPU model
-    megatron_npu: str | None = None  # this package's version (absent in records before it)
 
 
 def _is_emulation(module: Any) -> bool:
@@ -86,7 +64,7 @@ def source_checkout() -> Path | None:
     return folder if name == "megatron-npu" else None
 
 
-def git_info(repo_dir: str | os.PathLike[str] | None = None) -> GitInfo | None:
+def git_info(repo_dir: str | os.PathLike[str] | None = None) -> Git | None:
     """HEAD's short sha and a dirty flag for the tree at ``repo_dir``; None if git can't tell.
 
     ``repo_dir`` defaults to this package's own :func:`source_checkout`; an installed package
@@ -117,7 +95,7 @@ def git_info(repo_dir: str | os.PathLike[str] | None = None) -> GitInfo | None:
         return None
     head = run("rev-parse", "--short", "HEAD")
     commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
-    return GitInfo(commit=commit or None, dirty=bool(status.stdout.strip()))
+    return Git(commit=commit or None, dirty=bool(status.stdout.strip()))
 
 
 def _active_adaptor_device() -> Any:
@@ -193,6 +171,7 @@ def collect_provenance(
         torch_npu=torch_npu,
         megatron_core=_package_version("megatron-core", "megatron.core"),
         megatron_npu=_package_version("megatron-npu", "megatron_npu"),
+        hypothesis=_package_version("hypothesis"),
         git=git_info(repo_dir),
         seed=seed,
         hostname=socket.gethostname(),

@@ -9,7 +9,6 @@ file in the same directory, fsync, ``os.replace``), so a reader never sees a par
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
@@ -19,7 +18,6 @@ from typing import Any
 
 from megatron_npu.parity.benchmark import BENCHMARK_PATH, BenchmarkResult
 from megatron_npu.parity.metrics import TensorComparison
-from megatron_npu.parity.provenance import Provenance
 from megatron_npu.parity.verdict import Tolerance, Verdict, final_verdict
 
 from megatron_npu.formats.parity_record import (
@@ -27,6 +25,7 @@ from megatron_npu.formats.parity_record import (
     PARALLEL_KEYS,
     SCHEMA_VERSION,
     ParityRecord,
+    Provenance,
 )
 
 __all__ = [
@@ -131,7 +130,7 @@ def _record(
             "device": provenance.device,
             "verdict": verdict.to_dict(),
             "tolerance": None if tolerance is None else tolerance.to_dict(),
-            "provenance": dataclasses.asdict(provenance),
+            "provenance": provenance.model_dump(),
         },
         f"the record of {fields.get('patch_id')!r}",
     )

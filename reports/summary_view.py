@@ -77,7 +77,15 @@ def banner(rs: ResultSet, bench_flags: dict[str, int]) -> list[dict[str, Any]]:
     return rows
 
 
-_PARITY_PROVENANCE = ("python", "torch", "torch_npu", "megatron_core", "hostname", "device_name")
+_PARITY_PROVENANCE = (
+    "python",
+    "torch",
+    "torch_npu",
+    "megatron_core",
+    "hypothesis",
+    "hostname",
+    "device_name",
+)
 
 
 def parity_provenance(rs: ResultSet) -> list[dict[str, Any]]:

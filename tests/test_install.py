@@ -155,8 +155,12 @@ def test_provenance_runs_git_only_in_its_own_source_checkout(tmp_path, monkeypat
 
 
 def test_provenance_records_the_package_version(tmp_path):
+    import hypothesis
+
     prov = provenance.collect_provenance("cpu", seed=1, wall_time_s=0.1, repo_dir=tmp_path)
     assert prov.megatron_npu == megatron_npu_version()
+    # the seed decides a case's examples only together with the Hypothesis release
+    assert prov.hypothesis == hypothesis.__version__
 
 
 def megatron_npu_version() -> str:

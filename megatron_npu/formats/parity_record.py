@@ -279,6 +279,11 @@ class Provenance(Part):
     megatron_npu: StrictStr | None = Field(
         None, description="this package's version (absent in records written before it)"
     )
+    hypothesis: StrictStr | None = Field(
+        None,
+        description="Hypothesis version: with the seed it decides which examples the case drew "
+        "(absent in records written before it)",
+    )
     git: Git | None = Field(
         description="this package's own source checkout; null for an installed package and "
         "when git or the repository is unavailable"

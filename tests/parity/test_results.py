@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -17,7 +16,7 @@ import pytest
 import torch
 from megatron_npu.parity.metrics import compare
 from megatron_npu.parity.provenance import (
-    GitInfo,
+    Git,
     Provenance,
     collect_provenance,
     detect_device,
@@ -63,6 +62,7 @@ PROVENANCE_KEYS = {
     "torch_npu",
     "megatron_core",
     "megatron_npu",
+    "hypothesis",
     "git",
     "seed",
     "hostname",
@@ -78,11 +78,13 @@ def provenance(device: str = "cpu", torch_npu: str | None = None) -> Provenance:
         torch="2.13.0+cpu",
         torch_npu=torch_npu,
         megatron_core="0.16.1",
-        git=GitInfo(commit="abc1234", dirty=True),
+        hypothesis="6.170.17",
+        git=Git(commit="abc1234", dirty=True),
         seed=1234,
         hostname="host",
         timestamp_utc="2025-01-01T00:00:00.000000Z",
         wall_time_s=0.25,
+        device_name=None,
     )
 
 
@@ -167,10 +169,10 @@ def test_record_validation(change):
 
 def test_npu_label_needs_torch_npu():
     rec = make_record()
-    without = dataclasses.asdict(provenance("npu", torch_npu=None))
+    without = provenance("npu", torch_npu=None).model_dump()
     with pytest.raises(FormatError, match="provenance.torch_npu: .*npu-emulated"):
         _changed(rec, device="npu", provenance=without)
-    with_npu = dataclasses.asdict(provenance("npu", torch_npu="2.13.0"))
+    with_npu = provenance("npu", torch_npu="2.13.0").model_dump()
     ok = _changed(rec, device="npu", provenance=with_npu)
     assert ok.device == "npu"
     with pytest.raises(FormatError, match="provenance.device"):
@@ -258,9 +260,9 @@ def test_git_info_dirty_flag(tmp_path, monkeypatch):
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("git is not available")
     info = git_info(tmp_path)
-    assert info == GitInfo(commit=None, dirty=False)  # no commits yet, nothing changed
+    assert info == Git(commit=None, dirty=False)  # no commits yet, nothing changed
     (tmp_path / "new.txt").write_text("x")
-    assert git_info(tmp_path) == GitInfo(commit=None, dirty=True)
+    assert git_info(tmp_path) == Git(commit=None, dirty=True)
 
 
 # --------------------------------------------------------------------------- files

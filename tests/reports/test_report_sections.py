@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import report_fixtures as fx
 from megatron_npu.parity.results import read_records
@@ -195,6 +197,8 @@ def test_provenance_has_commands_seeds_and_versions(ctx):
     assert cmp["runs"][0]["seed"] == 1234
     [parity] = [p for p in ctx["provenance"]["parity"] if p["device"]["name"] == "cpu"]
     assert parity["seeds"] == "7" and parity["fields"]["torch"].startswith("2.")
+    # the release that turned each seed into its examples
+    assert parity["fields"]["hypothesis"] == importlib.metadata.version("hypothesis")
 
 
 def test_a_failed_run_keeps_its_trace_and_error(compare_dir, tmp_path):
