@@ -9,7 +9,11 @@ top of the registry patches, so an unmodified Megatron-Core *user script* runs o
 * ``torch.device("cuda")``, tensor factories with ``device="cuda"``, ``Tensor.cuda()``,
   ``Tensor.to("cuda")``, ``Module.cuda()`` and ``Module.to("cuda")`` land on the active device;
 * ``torch.distributed.init_process_group()`` / ``new_group()`` with no backend or ``"nccl"`` use
-  the device's backend (gloo on cpu and npu-emulated, hccl on npu).
+  the device's backend (gloo on cpu and npu-emulated, hccl on npu);
+* ``torch.cuda.memory``'s allocator history (``_record_memory_history``, ``_snapshot``,
+  ``_dump_snapshot``) and ``torch._C._cuda_attach_out_of_memory_observer``, which Megatron-LM's
+  ``--record-memory-history`` calls, answer for the device
+  (:mod:`megatron_npu.devices.memory_history`), on every device but ``cuda``.
 
 On a real ``npu`` with torch_npu's own ``torch_npu.contrib.transfer_to_npu`` available, that
 module does the mapping instead (it is imported, and every attribute it rebinds in the namespaces
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from megatron_npu.devices import Device
+from megatron_npu.devices.memory_history import MEMORY_API, OOM_OBSERVER_API
 from megatron_npu.devices.torch_namespace import (
     FACTORIES,
     REAL_DEVICE,
@@ -212,6 +217,15 @@ def _loader_with_own_generator(init: Any) -> Any:
     return __init__
 
 
+def _install_memory_history(device: Device) -> None:
+    """``torch.cuda.memory``'s allocator-history calls and torch._C's out-of-memory observer hook
+    answered by the device (:mod:`megatron_npu.devices.memory_history`)."""
+    history = device.accelerator.memory_history
+    for name in MEMORY_API:
+        _set(torch.cuda.memory, name, getattr(history, name))
+    _set(torch._C, OOM_OBSERVER_API, history.attach_out_of_memory_observer)
+
+
 def _install_mapping(device: Device) -> None:
     accelerator = device.accelerator
     local = _LocalDevices()
@@ -237,6 +251,7 @@ def _install_mapping(device: Device) -> None:
     for name, default in (("init_process_group", True), ("new_group", False)):
         function = getattr(torch.distributed, name)
         _set(torch.distributed, name, _backend_for(device, function, default=default))
+    _install_memory_history(device)
 
 
 def _namespace(dotted: str) -> Any:
@@ -278,6 +293,8 @@ def install(device: Device) -> str:
         if device.name == "npu" and has_torch_npu_transfer():
             try:
                 _install_torch_npu_transfer()
+                # torch_npu's transfer module leaves torch's CUDA allocator-history names
+                _install_memory_history(device)
             except BaseException:
                 uninstall()
                 raise

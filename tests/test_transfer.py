@@ -22,6 +22,8 @@ NAMESPACES = {
     "torch": torch,
     "torch.cuda": torch.cuda,
     "torch.cuda.random": torch.cuda.random,
+    "torch.cuda.memory": torch.cuda.memory,
+    "torch._C": torch._C,
     "torch.Tensor": torch.Tensor,
     "torch.nn.Module": torch.nn.Module,
     "torch.distributed": torch.distributed,
@@ -95,6 +97,37 @@ def test_user_code_cuda_spellings_reach_the_device(device, monkeypatch):
     megatron_npu.restore()
     assert _changes(before) == [], "restore() left names rebound"
     assert not torch.cuda.is_available()  # the CPU wheel's own answer again
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu-emulated"])
+def test_memory_history_calls_answer_on_a_host_device(device, tmp_path, capsys):
+    """Megatron-LM's ``--record-memory-history`` calls, as its model provider and training loop
+    make them: recording says in one line that the host keeps no history, and the snapshot it
+    pickles is torch's format with nothing in it."""
+    import pickle
+
+    before = _snapshot()
+    megatron_npu.apply(device, transfer=True)
+    torch.cuda.memory._record_memory_history(
+        True, trace_alloc_max_entries=100000, trace_alloc_record_context=True
+    )
+    torch.cuda.memory._record_memory_history(True)  # said once
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: None)
+    assert torch.cuda.memory._snapshot() == {"segments": [], "device_traces": [[]]}
+    torch.cuda.memory._dump_snapshot(str(tmp_path / "snapshot.pickle"))
+    with open(tmp_path / "snapshot.pickle", "rb") as f:
+        assert pickle.load(f) == {"segments": [], "device_traces": [[]]}
+    megatron_npu.restore()
+    said = [line for line in capsys.readouterr().out.splitlines() if "memory history" in line]
+    assert said == [
+        f"megatron-npu: the {device} device has no caching allocator, so memory history records "
+        "nothing; its snapshots hold no segments and no trace events"
+    ]
+    assert _changes(before) == [], "restore() left names rebound"
+    # the CPU wheel's own again: no CUDA allocator to ask
+    assert not hasattr(torch._C, "_cuda_attach_out_of_memory_observer")
+    with pytest.raises((AttributeError, RuntimeError)):
+        torch.cuda.memory._record_memory_history(True)
 
 
 def test_default_mode_changes_nothing_process_wide():

@@ -18,6 +18,7 @@ import torch
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.base import Device, NoNvtx
 from megatron_npu.devices.facts import CPU
+from megatron_npu.devices.memory_history import HostMemoryHistory
 
 
 class CpuStream:
@@ -117,6 +118,8 @@ class CpuAccelerator:
             get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state
         )
         self.default_generators = (torch.default_generator,)
+        #: ``--record-memory-history``'s calls: the host allocator keeps no history
+        self.memory_history = HostMemoryHistory(self.name)
 
     # --- device selection -------------------------------------------------------------------
     def is_available(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from megatron_npu.devices.base import Device, NoNvtx
 from megatron_npu.devices.errors import DeviceUnavailableError
 from megatron_npu.devices.facts import NPU
+from megatron_npu.devices.memory_history import NpuMemoryHistory
 
 #: Shared libraries of the CANN runtime that torch_npu links against.
 CANN_LIBRARIES = ("libascendcl.so", "libhccl.so")
@@ -93,8 +94,10 @@ class NpuAccelerator:
 
     nvtx = NoNvtx()
 
-    def __init__(self, npu_module: Any) -> None:
+    def __init__(self, npu_module: Any, torch_npu_c: Any) -> None:
         self._npu = npu_module
+        #: ``--record-memory-history``'s calls: torch_npu's allocator history
+        self.memory_history = NpuMemoryHistory(npu_module, torch_npu_c)
 
     def current_device(self) -> torch.device:
         # a torch.device so ``.to(torch.cuda.current_device())`` reaches the NPU, not cuda:N
@@ -132,7 +135,7 @@ def make_device() -> Device:
         )
     return Device.of(
         NPU,
-        accelerator=NpuAccelerator(torch.npu),
+        accelerator=NpuAccelerator(torch.npu, torch_npu._C),
         kernels=torch_npu,
         kernels_source=f"torch_npu {torch_npu_version() or '(version unknown)'}",
     )
