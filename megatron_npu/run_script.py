@@ -68,7 +68,9 @@ def _kernel_counts(prefix: str) -> Iterator[None]:
 def prepare(argv: list[str]) -> str:
     """Apply the adaptor (``megatron_npu.auto``) and make ``argv`` (the script, then its own
     arguments) the script's ``sys.argv`` with its folder first on ``sys.path``; return the
-    script's absolute path. Exits 2 naming the script when there is none."""
+    script's absolute path. Exits 2 with one line naming what was wrong when there is no script,
+    when ``$MEGATRON_NPU_DEVICE`` names no device or one that cannot be used here, and when a
+    patch cannot be applied."""
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         console.error(f"megatron-npu run_script: no script {argv[0]!r}")
@@ -77,8 +79,17 @@ def prepare(argv: list[str]) -> str:
     # sees Megatron-LM's training layer when it is applied
     sys.path.insert(0, os.path.dirname(script))
     sys.argv = [script, *argv[1:]]
-    import megatron_npu.auto  # noqa: F401  (the one line)
+    from megatron_npu.devices import DeviceUnavailableError, UnknownDeviceError
+    from megatron_npu.patcher import PatchError
 
+    try:
+        import megatron_npu.auto  # noqa: F401  (the one line)
+    except (DeviceUnavailableError, UnknownDeviceError, PatchError) as exc:
+        # the device or the adaptor cannot serve this run: one line per node, not a traceback
+        # from every rank
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            console.error(f"megatron-npu run_script: {exc}")
+        raise SystemExit(2) from None
     return script
 
 

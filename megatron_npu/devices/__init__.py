@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from megatron_npu.devices.base import Device
-from megatron_npu.devices.errors import DeviceUnavailableError
+from megatron_npu.devices.errors import DeviceUnavailableError, UnknownDeviceError
 from megatron_npu.devices.facts import CPU, CUDA, NPU, NPU_EMULATED
 
 ENV_VAR = "MEGATRON_NPU_DEVICE"
@@ -73,7 +73,9 @@ def chosen_name(name: str | None = None) -> str | None:
     chosen = name or os.environ.get(ENV_VAR, "").strip() or None
     if chosen is not None and chosen not in _MODULES:
         source = f"${ENV_VAR}" if name is None else "device"
-        raise ValueError(f"{source}={chosen!r} is not a device: choose one of {', '.join(NAMES)}")
+        raise UnknownDeviceError(
+            f"{source}={chosen!r} is not a device: choose one of {', '.join(NAMES)}"
+        )
     return chosen
 
 
@@ -129,6 +131,7 @@ def current_torch_device() -> torch.device:
 __all__ = [
     "Device",
     "DeviceUnavailableError",
+    "UnknownDeviceError",
     "ENV_VAR",
     "NAMES",
     "activate",
