@@ -678,15 +678,22 @@ def add_arguments(
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """An option error is the usage in one line and the error line: train's full usage runs to
+    about 130 lines, which would bury the line that names what was wrong (``--help`` still
+    prints it all)."""
+
+    def format_usage(self) -> str:
+        return f"usage: {self.prog} [options] ({self.prog} --help lists them)\n"
+
+
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
     """The parser of ``megatron-npu train``, or of ``megatron-npu evaluate``."""
     descriptions = {
         "train": "GPT pretraining on Megatron-Core (GPTModel, local layer spec)",
         "evaluate": "zero-shot evaluation of a megatron-npu train checkpoint (LAMBADA)",
     }
-    parser = argparse.ArgumentParser(
-        prog=f"megatron-npu {command}", description=descriptions[command]
-    )
+    parser = _Parser(prog=f"megatron-npu {command}", description=descriptions[command])
     return add_arguments(parser, command)
 
 

@@ -207,6 +207,27 @@ def test_cli_train_reports_bad_options(capsys):
     assert "megatron-npu train" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["--record-memory", "1"], "unrecognized arguments: --record-memory 1"),
+        (["--fp16", "--bf16"], "argument --bf16: not allowed with argument --fp16"),
+        # a rule of the checks after parsing
+        (["--max-position-embeddings", "16"], "--max-position-embeddings must be >= --seq-length"),
+    ],
+)
+def test_an_option_error_is_two_lines_not_the_usage(capsys, extra, error):
+    """The usage in one line, then the error: not train's usage of some 130 lines."""
+    from megatron_npu import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", *BASE, *extra])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "usage: megatron-npu train [options] (megatron-npu train --help lists them)"
+    assert lines[1].startswith("megatron-npu train: error: ") and error in lines[1]
+
+
 def test_launcher_checks_world_size_rules_before_starting_ranks(capsys):
     from megatron_npu import train
 
