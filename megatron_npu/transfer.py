@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megatron_npu.devices import Device
+from megatron_npu.devices import Device, memory_history
 from megatron_npu.devices.memory_history import MEMORY_API, OOM_OBSERVER_API
 from megatron_npu.devices.torch_namespace import (
     FACTORIES,
@@ -220,7 +220,7 @@ def _loader_with_own_generator(init: Any) -> Any:
 def _install_memory_history(device: Device) -> None:
     """``torch.cuda.memory``'s allocator-history calls and torch._C's out-of-memory observer hook
     answered by the device (:mod:`megatron_npu.devices.memory_history`)."""
-    history = device.accelerator.memory_history
+    history = memory_history.of(device)
     for name in MEMORY_API:
         _set(torch.cuda.memory, name, getattr(history, name))
     _set(torch._C, OOM_OBSERVER_API, history.attach_out_of_memory_observer)

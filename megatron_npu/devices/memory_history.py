@@ -17,12 +17,19 @@ Megatron-LM's ``--record-memory-history`` (its model provider, and the snapshot 
   and no trace events, so the script still writes its snapshot files and PyTorch's memory_viz
   opens them. An out-of-memory observer is kept but never called: the host has no allocator
   out-of-memory event to report.
+* :class:`CudaMemoryHistory`: torch's own, for ``megatron-npu train --record-memory-history``
+  on ``cuda`` (transparent mode leaves ``cuda`` untouched).
+
+:func:`of` gives a device's.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
+
+import torch
 
 from megatron_npu import console
 
@@ -110,6 +117,8 @@ class HostMemoryHistory(MemoryHistory):
         if keyword_form(enabled, *args, **kwargs)["enabled"] is None or self._said:
             return
         self._said = True
+        if os.environ.get("RANK", "0") != "0":  # said once per run
+            return
         console.say(
             f"megatron-npu: the {self.device_name} device has no caching allocator, so memory "
             "history records nothing; its snapshots hold no segments and no trace events"
@@ -162,3 +171,25 @@ class NpuMemoryHistory(MemoryHistory):
 
     def attach_out_of_memory_observer(self, observer: Any) -> None:
         self._call("torch_npu._C._npu_attach_out_of_memory_observer", observer)
+
+
+class CudaMemoryHistory(MemoryHistory):
+    """torch's CUDA allocator history, as torch ships it."""
+
+    def _record_memory_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        torch.cuda.memory._record_memory_history(enabled, *args, **kwargs)
+
+    def _snapshot(self, device: Any = None) -> dict[str, Any]:
+        return torch.cuda.memory._snapshot(device)
+
+    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+        torch.cuda.memory._dump_snapshot(filename)
+
+    def attach_out_of_memory_observer(self, observer: Any) -> None:
+        torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+def of(device: Any) -> MemoryHistory:
+    """``device``'s allocator history: its accelerator's, torch's own on ``cuda``."""
+    history = getattr(device.accelerator, "memory_history", None)
+    return history if history is not None else CudaMemoryHistory()

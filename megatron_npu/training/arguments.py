@@ -662,6 +662,14 @@ def add_arguments(
             default="profile",
             help="where the torch profiler's files go (default: ./profile)",
         )
+        g.add_argument(
+            "--record-memory-history",
+            action="store_true",
+            help="record the allocator's history from before the model is built and pickle a "
+            "snapshot to --memory-snapshot-path at each logged step on the last rank, as "
+            "Megatron-LM does (a host device keeps no history: its snapshots are empty)",
+        )
+        g.add_argument("--memory-snapshot-path", default="snapshot.pickle")
     if not training:
         parser.set_defaults(**EVALUATE_DEFAULTS)
         g = parser.add_argument_group("evaluation")

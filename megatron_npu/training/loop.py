@@ -40,6 +40,7 @@ from megatron_npu.training import (
     errors,
     flops,
     launch,
+    memory_snapshots,
     metrics,
     moe_metrics,
     peak,
@@ -349,6 +350,8 @@ def _guarded(check, guard, args, run_metrics, *check_args) -> None:
 
 def _train(args, env, device) -> int:
     rank0 = env.rank == 0
+    # --record-memory-history records from before the model is built, as Megatron-LM does
+    snapshots = memory_snapshots.MemorySnapshots(args, device, env.rank, env.world_size)
     trainer = build_trainer(args, env, device)
     if rank0:
         security.warn_if_root()
@@ -399,6 +402,8 @@ def _train(args, env, device) -> int:
             record = _step_record(args, trainer, step, (loss, grad_norm, lr, skipped), elapsed)
             if rank0:
                 _report_step(args, run_metrics, interval, progress, record, consumed)
+            if logged(args, step):
+                snapshots.logged()
             _guarded(
                 guard.after_step,
                 guard,
@@ -472,11 +477,16 @@ def _step_record(args, trainer: Trainer, step: int, outcome, elapsed: float) -> 
     )
 
 
+def logged(args, step: int) -> bool:
+    """Whether step ``step`` gets a log line: every ``--log-interval`` steps and the last."""
+    return step % args.log_interval == 0 or step == args.train_iters
+
+
 def _report_step(args, run_metrics, interval, progress, record, consumed: int) -> None:
     """Rank 0: the step into the metrics, its interval's log line when one is due (and the
     metrics file then), a skipped update's line, and the progress display."""
     step = record.step
-    log_now = step % args.log_interval == 0 or step == args.train_iters
+    log_now = logged(args, step)
     run_metrics.add(record)
     interval.add(record)
     if log_now:

@@ -98,3 +98,34 @@ def test_a_torch_npu_without_the_hook_is_one_named_error_when_asked():
     history = NpuMemoryHistory(npu, c)  # building the device does not need it
     with pytest.raises(RuntimeError, match="_npu_attach_out_of_memory_observer.*--record-memory"):
         history.attach_out_of_memory_observer(print)
+
+
+def test_cuda_keeps_torchs_own_history(monkeypatch):
+    """On ``cuda`` (transparent mode leaves it alone) train's calls reach torch's own functions,
+    legacy form and all (stand-ins recording the calls: there is no GPU here)."""
+    import torch
+
+    from megatron_npu.devices import memory_history
+    from megatron_npu.devices.cpu import CpuAccelerator
+
+    recorder = _Recorder()
+    for name in ("_record_memory_history", "_snapshot", "_dump_snapshot"):
+        monkeypatch.setattr(torch.cuda.memory, name, recorder.function(name))
+    monkeypatch.setattr(
+        torch._C,
+        "_cuda_attach_out_of_memory_observer",
+        recorder.function("observer"),
+        raising=False,
+    )
+    history = memory_history.of(SimpleNamespace(accelerator=torch.cuda))
+    history._record_memory_history(True, trace_alloc_max_entries=5)
+    history.attach_out_of_memory_observer(print)
+    history._dump_snapshot("s.pickle")
+    assert recorder.calls == [
+        ("_record_memory_history", (True,), {"trace_alloc_max_entries": 5}),
+        ("observer", (print,), {}),
+        ("_dump_snapshot", ("s.pickle",), {}),
+    ]
+    # the other devices' accelerators carry their own
+    cpu = CpuAccelerator()
+    assert memory_history.of(SimpleNamespace(accelerator=cpu)) is cpu.memory_history

@@ -210,7 +210,7 @@ def test_cli_train_reports_bad_options(capsys):
 @pytest.mark.parametrize(
     ("extra", "error"),
     [
-        (["--record-memory", "1"], "unrecognized arguments: --record-memory 1"),
+        (["--no-such-option", "1"], "unrecognized arguments: --no-such-option 1"),
         (["--fp16", "--bf16"], "argument --bf16: not allowed with argument --fp16"),
         # a rule of the checks after parsing
         (["--max-position-embeddings", "16"], "--max-position-embeddings must be >= --seq-length"),
