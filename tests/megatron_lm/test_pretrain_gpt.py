@@ -824,6 +824,9 @@ def test_precision_aware_optimizer_trains_as_megatrons(tmp_path):
     assert _kernel_counts(tmp_path, "recipe").get("npu_apply_adam_w", 0) > 0
 
 
+# extended: the split's branches and both halves' steps are tests/test_hybrid_offload.py's
+# (default suite); this adds Megatron-LM's script, its checkpoint and the curve around them
+@pytest.mark.extended
 def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path):
     """``--optimizer-cpu-offload`` (with ``--use-precision-aware-optimizer``, as Megatron-LM
     requires), half the parameters offloaded, on two ranks of npu-emulated: it trains, resumes
