@@ -268,6 +268,12 @@ def test_npu_defers_to_torch_npu_transfer_and_restore_undoes_it(tmp_path, monkey
     npu = Device(name="npu", torch_type="npu", dist_backend="hccl", accelerator=CpuAccelerator())
     assert transfer.install(npu) == "torch_npu"
     assert torch.cuda.is_available() == "from torch_npu" and torch.Tensor.is_npu_transferred
+    # the allocator-history names torch_npu's transfer leaves are the device's
+    assert torch.cuda.memory._snapshot == npu.accelerator.memory_history._snapshot
+    assert (
+        torch._C._cuda_attach_out_of_memory_observer
+        == npu.accelerator.memory_history.attach_out_of_memory_observer
+    )
     transfer.uninstall()
     assert _changes(before) == [] and not hasattr(torch.Tensor, "is_npu_transferred")
     assert transfer.TORCH_NPU_TRANSFER not in sys.modules
