@@ -789,6 +789,10 @@ def _resumes_bitwise(tmp_path, *args: str, name: str, env=None) -> Run:
     return straight
 
 
+# extended: the precision-aware recipe's resume (default suite) saves and loads the same
+# distributed optimizer's dp_reshardable checkpoint, and train's own resume of the plain one is
+# tests/training/test_checkpoint.py's
+@pytest.mark.extended
 def test_distributed_optimizer_resume_is_bitwise(tmp_path):
     """``--use-distributed-optimizer`` (bf16, two data-parallel ranks) saves Megatron-LM's
     default ``dp_reshardable`` checkpoint and a resume from it repeats the straight run bitwise:
