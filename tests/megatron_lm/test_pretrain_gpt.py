@@ -789,10 +789,6 @@ def _resumes_bitwise(tmp_path, *args: str, name: str, env=None) -> Run:
     return straight
 
 
-# extended: the precision-aware recipe's resume (default suite) saves and loads the same
-# distributed optimizer's dp_reshardable checkpoint, and train's own resume of the plain one is
-# tests/training/test_checkpoint.py's
-@pytest.mark.extended
 def test_distributed_optimizer_resume_is_bitwise(tmp_path):
     """``--use-distributed-optimizer`` (bf16, two data-parallel ranks) saves Megatron-LM's
     default ``dp_reshardable`` checkpoint and a resume from it repeats the straight run bitwise:
@@ -805,10 +801,7 @@ def test_distributed_optimizer_resume_is_bitwise(tmp_path):
 
 def test_precision_aware_optimizer_trains_as_megatrons(tmp_path):
     """``--use-precision-aware-optimizer`` (TE's FusedAdam on a GPU) on npu-emulated: with fp32
-    states on an fp32 model it is the distributed optimizer's own curve, bitwise; with the
-    memory-saving recipe (bf16 model, bf16 grads and moments, the master as bf16 params + int16
-    remainders) on two data-parallel ranks it trains through ``npu_apply_adam_w`` and resumes
-    bitwise from its checkpoint (TE's units: fp32 moments, int16 remainders)."""
+    states on an fp32 model it is the distributed optimizer's own curve, bitwise."""
     common = (*TINY, "--mock-data", "--train-iters", "12", "--use-distributed-optimizer")
     device = "npu-emulated"
     plain = pretrain_gpt(tmp_path, *common, device=device, name="plain")
@@ -822,6 +815,17 @@ def test_precision_aware_optimizer_trains_as_megatrons(tmp_path):
     )
     assert verdict.status == rules.PASS, verdict.detail
 
+
+# extended: in the default suite the recipe trains through pretrain_gpt.py
+# (test_train_is_megatron_lm.py's bf16-precision-aware case), the distributed optimizer's
+# checkpoint resumes bitwise (test_distributed_optimizer_resume_is_bitwise), and the recipe's
+# states round-trip through an fp32 checkpoint (tests/test_precision_aware_optimizer.py)
+@pytest.mark.extended
+def test_precision_aware_recipe_resumes_bitwise(tmp_path):
+    """The precision-aware optimizer's memory-saving recipe (bf16 model, bf16 grads and moments,
+    the master as bf16 params + int16 remainders) on two data-parallel ranks of npu-emulated
+    trains through ``npu_apply_adam_w`` and resumes bitwise from its checkpoint (TE's units:
+    fp32 moments, int16 remainders)."""
     counts = {"MEGATRON_NPU_KERNEL_COUNTS": str(tmp_path / "recipe")}
     args = (*TINY, "--mock-data", *PRECISION_AWARE)
     _resumes_bitwise(tmp_path, *args, name="recipe", env=counts)
