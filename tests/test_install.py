@@ -159,7 +159,7 @@ def test_provenance_records_the_package_version(tmp_path):
 
     prov = provenance.collect_provenance("cpu", seed=1, wall_time_s=0.1, repo_dir=tmp_path)
     assert prov.megatron_npu == megatron_npu_version()
-    # the seed decides a case's examples only together with the Hypothesis release
+    # which examples a case draws depends on the Hypothesis release too
     assert prov.hypothesis == hypothesis.__version__
 
 

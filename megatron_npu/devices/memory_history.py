@@ -15,8 +15,8 @@ Megatron-LM's ``--record-memory-history`` (its model provider, and the snapshot 
 * :class:`HostMemoryHistory` (cpu, npu-emulated): tensors come from the host allocator, which
   keeps no history. Recording says so in one line; a snapshot is torch's format with no segments
   and no trace events, so the script still writes its snapshot files and PyTorch's memory_viz
-  opens them. An out-of-memory observer is kept but never called: the host has no allocator
-  out-of-memory event to report.
+  opens them. An out-of-memory observer is accepted and never called: the host has no
+  allocator out-of-memory event to report.
 * :class:`CudaMemoryHistory`: torch's own, for ``megatron-npu train --record-memory-history``
   on ``cuda`` (transparent mode leaves ``cuda`` untouched).
 
@@ -110,7 +110,6 @@ class HostMemoryHistory(MemoryHistory):
 
     def __init__(self, device_name: str) -> None:
         self.device_name = device_name
-        self.observers: list[Any] = []
         self._said = False
 
     def _record_memory_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
@@ -128,7 +127,7 @@ class HostMemoryHistory(MemoryHistory):
         return {"segments": [], "device_traces": [[]]}
 
     def attach_out_of_memory_observer(self, observer: Any) -> None:
-        self.observers.append(observer)
+        return None  # the host allocator has no out-of-memory event to report
 
 
 class NpuMemoryHistory(MemoryHistory):

@@ -281,8 +281,8 @@ class Provenance(Part):
     )
     hypothesis: StrictStr | None = Field(
         None,
-        description="Hypothesis version: with the seed it decides which examples the case drew "
-        "(absent in records written before it)",
+        description="Hypothesis version: which examples the case drew depends on it (absent "
+        "in records written before it)",
     )
     git: Git | None = Field(
         description="this package's own source checkout; null for an installed package and "

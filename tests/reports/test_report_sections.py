@@ -197,7 +197,7 @@ def test_provenance_has_commands_seeds_and_versions(ctx):
     assert cmp["runs"][0]["seed"] == 1234
     [parity] = [p for p in ctx["provenance"]["parity"] if p["device"]["name"] == "cpu"]
     assert parity["seeds"] == "7" and parity["fields"]["torch"].startswith("2.")
-    # the release that turned each seed into its examples
+    # the release that chose the examples
     assert parity["fields"]["hypothesis"] == importlib.metadata.version("hypothesis")
 
 
