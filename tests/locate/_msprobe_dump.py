@@ -1,5 +1,6 @@
 """Make an msprobe dump of one training step of a small Llama-style stack (RMSNorm, SwiGLU MLP,
-tied output), on the CPU: ``python _msprobe_dump.py LEVEL TASK OUT [--plant | --plant-kernel]``.
+tied output), on the CPU: ``python _msprobe_dump.py LEVEL TASK OUT [--plant | --plant-kernel]``,
+and more dumps after ``--``, each with arguments of the same form.
 
 ``--plant`` puts a 2 % error in the second layer's norm (half of its output features scaled by
 1.02), the kind of error a fused kernel makes: every later row inherits it. Both runs make the
@@ -8,11 +9,16 @@ alike, as it does for a fused kernel that computes wrongly.
 
 ``--plant-kernel`` makes ``torch.rsqrt`` itself 2 % off for every other sample, before msprobe
 wraps it: the API-level picture (msprobe's default level ``L1`` records API calls alone) of a
-kernel that computes wrongly from correct inputs."""
+kernel that computes wrongly from correct inputs.
+
+msprobe is imported once (about 5 s of each dump's 6 s) and every dump is made in a child forked
+from that process, so each has a ``PrecisionDebugger`` and a torch of its own, as a process of its
+own would."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -69,8 +75,7 @@ def _faulty(kernel):
     return faulty
 
 
-def main() -> None:
-    level, task, out = sys.argv[1:4]
+def dump(level: str, task: str, out: str, flags: list[str]) -> None:
     from msprobe.pytorch import PrecisionDebugger
 
     config = Path(out) / "config.json"
@@ -89,9 +94,9 @@ def main() -> None:
         )
     )
     torch.manual_seed(0)
-    if "--plant-kernel" in sys.argv:
+    if "--plant-kernel" in flags:
         torch.rsqrt = _faulty(torch.rsqrt)
-    model = Model("--plant" in sys.argv)
+    model = Model("--plant" in flags)
     tokens = torch.randint(0, VOCAB, (4, 16))
     debugger = PrecisionDebugger(config_path=str(config))
     debugger.start(model=model)
@@ -102,5 +107,35 @@ def main() -> None:
     debugger.step()
 
 
+def main(argv: list[str]) -> int:
+    import msprobe.pytorch  # noqa: F401  (imported once, before the children fork)
+
+    jobs, job = [], []
+    for arg in [*argv, "--"]:
+        if arg == "--":
+            jobs.append(job)
+            job = []
+        else:
+            job.append(arg)
+    for level, task, out, *flags in jobs:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child makes one dump and leaves without the parent's exit handlers
+            status = 1
+            try:
+                dump(level, task, out, flags)
+                status = 0
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            print(f"the dump to {out} failed", file=sys.stderr)
+            return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

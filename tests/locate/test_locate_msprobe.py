@@ -43,12 +43,11 @@ DUMPS = {  # name -> (level, task, what is planted)
 @pytest.fixture(scope="module")
 def dumps(xdist_shared) -> Path:
     def build(root: Path) -> None:
+        argv = [sys.executable, str(MAKE)]
         for name, (level, task, planted) in DUMPS.items():
-            argv = [sys.executable, str(MAKE), level, task, str(root / name)]
-            done = subprocess.run(
-                argv + ([planted] if planted else []), capture_output=True, text=True, timeout=300
-            )
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            argv += [level, task, str(root / name), *([planted] if planted else []), "--"]
+        done = subprocess.run(argv[:-1], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     return built_once(xdist_shared, "msprobe-dumps", build)
 
