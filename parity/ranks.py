@@ -9,6 +9,8 @@ A :class:`RankPool` starts ``world`` spawned processes that join one process gro
 for the job's layout. Every job has a deadline: a rank that raises surfaces with its traceback, a
 rank that hangs is named, and in both cases the whole pool is terminated at once, so no process
 outlives the failing case. Healthy pools are reused across cases and closed when the session ends.
+Each worker dies with the process that started the pool (Linux's parent-death signal,
+:mod:`megatron_npu.training.children`), also when that one is killed with no chance to close it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,14 @@ def _worker(
     conn: Any,
     runner: str = DEFAULT_RUNNER,
     device: str = "cpu",
+    parent_pid: int | None = None,
 ) -> None:
+    if parent_pid is not None:  # die with the process that started the pool, however it ends
+        from megatron_npu.training.children import die_with_parent
+
+        die_with_parent()
+        if os.getppid() != parent_pid:  # it ended before the signal was armed
+            os._exit(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -137,7 +146,7 @@ class RankPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world, store, child, runner, device),
+                args=(rank, world, store, child, runner, device, os.getpid()),
                 daemon=True,
                 name=f"parity-rank{rank}",
             )

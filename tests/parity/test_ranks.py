@@ -1,7 +1,15 @@
 """The rank pool: a failing rank surfaces with its traceback, a hanging rank is named, and in
-both cases every worker process is gone before the call returns."""
+both cases every worker process is gone before the call returns; a pool whose owner is killed
+leaves no worker behind."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from megatron_npu.parity.case import Parallel
@@ -9,6 +17,7 @@ from megatron_npu.parity.harness import Job
 from megatron_npu.parity.ranks import RankError, RankPool, RankTimeout
 
 JOB = Job("any", "cpu", "float32", Parallel(tp=2), ())
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _workers(pool):
@@ -33,6 +42,51 @@ def test_hanging_rank_is_named_and_killed():
     with pytest.raises(RankTimeout, match=r"ranks \[1\] gave no answer within 8s"):
         pool.submit(JOB)
     assert not any(p.is_alive() for p in procs)
+
+
+OWNER = """
+import sys
+from megatron_npu.parity.case import Parallel
+from megatron_npu.parity.harness import Job
+from megatron_npu.parity.ranks import RankPool
+
+pool = RankPool(2, timeout_s=3600, runner="megatron_npu.parity._selftest:hang_on_rank_1")
+print(" ".join(str(p.pid) for p in pool._procs), flush=True)
+pool.submit(Job("any", "cpu", "float32", Parallel(tp=2), ()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_workers_die_with_a_killed_owner():
+    """The owner is SIGKILLed while rank 1 sleeps in its job and rank 0 waits for it: no
+    ``finally`` runs, and both workers are gone within seconds, not after the job's hour."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        time.sleep(1)  # the job is running: rank 1 asleep, rank 0 in its barrier
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in pids if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their killed owner"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed worker stays a zombie until init reaps it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_a_crashing_rank_pool_cell_is_an_error_record():
