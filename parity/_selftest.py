@@ -20,10 +20,31 @@ def hang_on_rank_1(job):
     return {"rank0": "answered"}
 
 
-def jit_fusions_compiled(job):
-    """Whether this rank, started and applied for the job, has compiled anything: whether
-    ``torch.compile`` ran (it imports dynamo), as it does when Megatron's fusions load as shipped.
-    (The patched names themselves look eager either way while the adaptor is applied.)"""
-    import sys
+def megatron_fusions_compiled() -> tuple[bool, bool]:
+    """(Megatron's ``bias_gelu`` is a torch.compile wrapper, ``megatron.core.jit.jit_fuser`` is
+    ``torch.compile``) in this process, read with the adaptor restored: while it is applied the
+    jit-eager entries make both look eager either way. (Whether ``torch._dynamo`` was imported
+    says nothing: megatron-core 0.19 decorates an inference router with ``torch.compile`` at
+    import, which imports dynamo and compiles nothing until it is called.)"""
+    import torch
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_gelu
 
-    return {"compiled": "torch._dynamo" in sys.modules}
+    import megatron_npu
+
+    megatron_npu.restore()
+    compiled = hasattr(fused_bias_gelu.bias_gelu, "_torchdynamo_orig_callable")
+    return compiled, jit.jit_fuser is torch.compile
+
+
+def jit_fusions_compiled(job):
+    """Whether this rank, started and applied for the job, loaded Megatron's fusions compiled
+    (:func:`megatron_fusions_compiled`); the adaptor is applied again afterwards, as the worker
+    had it."""
+    import megatron_npu
+
+    try:
+        compiled, fuser_is_compile = megatron_fusions_compiled()
+    finally:
+        megatron_npu.apply(job.device)
+    return {"compiled": compiled or fuser_is_compile}

@@ -115,13 +115,8 @@ _ENTRY_POINTS = {
 }
 #: read once the adaptor is restored (while applied, the jit-eager entries make both look eager)
 _REPORT = """
-import megatron_npu
-import torch
-from megatron.core import jit
-from megatron.core.fusions import fused_bias_gelu
-megatron_npu.restore()
-compiled = hasattr(fused_bias_gelu.bias_gelu, "_torchdynamo_orig_callable")
-print(compiled, jit.jit_fuser is torch.compile)
+from megatron_npu.parity._selftest import megatron_fusions_compiled
+print(*megatron_fusions_compiled())
 """
 
 
