@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.add_argument("--device", choices=NAMES, default=None, help="default: auto-detect")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
     add_disable_patch_argument(p_info)
-    p_info.set_defaults(func=_info)
+    p_info.set_defaults(func=_info, command_parser=p_info)
     p_train = sub.add_parser(
         "train",
         help="GPT pretraining on Megatron-Core (Megatron's options; --help for the list)",
@@ -97,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_npu.data.preprocess import add_preprocess_args
 
     add_preprocess_args(p_pre)
-    p_pre.set_defaults(func=_preprocess)
+    p_pre.set_defaults(func=_preprocess, command_parser=p_pre)
     for name, (module, help_text) in _DELEGATED.items():
         p_sub = sub.add_parser(name, help=help_text)
         importlib.import_module(module).add_arguments(p_sub)
         if name == "parity":
             add_disable_patch_argument(p_sub)
-        p_sub.set_defaults(func=_delegate(module))
+        p_sub.set_defaults(func=_delegate(module), command_parser=p_sub)
     p_evaluate = sub.add_parser(
         "evaluate", help="zero-shot evaluation of a checkpoint (--task lambada)", add_help=False
     )
@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             return _train(argparse.Namespace(train_argv=train_argv))
     if argv[:1] == ["evaluate"]:  # evaluate takes train's model options too
         return _evaluate(argparse.Namespace(evaluate_argv=argv[1:]))
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named by the command that was given them, with that command's usage
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         with disable_flag_published(getattr(args, "disable_patch", ())):
             return args.func(args)
