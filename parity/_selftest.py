@@ -48,3 +48,18 @@ def jit_fusions_compiled(job):
     finally:
         megatron_npu.apply(job.device)
     return {"compiled": compiled or fuser_is_compile}
+
+
+def transport_threads(job):
+    """The threads of this rank that serve process groups (gloo's transport loops)."""
+    import os
+
+    task = f"/proc/{os.getpid()}/task"
+    names = []
+    for thread in os.listdir(task):
+        try:
+            with open(f"{task}/{thread}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:  # ended while listed
+            continue
+    return {"gloo": sum(name.startswith("gloo") for name in names)}

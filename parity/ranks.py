@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -78,13 +79,7 @@ def _worker(
         dev = devices.make(device)
         if dev.torch_type != "cpu":  # hccl / nccl: one accelerator per rank
             dev.accelerator.set_device(rank)
-        torch.distributed.init_process_group(
-            dev.dist_backend,
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
-        )
+        _join_world(dev.dist_backend, store, rank, world)
         import importlib
 
         from megatron.core import parallel_state
@@ -98,6 +93,7 @@ def _worker(
         return
     conn.send(("ready", None))
     layout: tuple[int, int, int] | None = None
+    layouts = 0
     while True:
         job = conn.recv()
         if job is None:
@@ -107,7 +103,15 @@ def _worker(
             wanted = (job.parallel.tp, job.parallel.pp, job.parallel.cp)
             if layout != wanted:
                 if layout is not None:
+                    # Megatron's destroy_model_parallel only forgets its groups: each stays
+                    # alive with its transport (a gloo group polls in a thread of its own, an
+                    # hccl or nccl group holds a communicator). Leaving the world destroys
+                    # every group; every rank changes layout at the same job, so they all
+                    # join the next world (a store of its own) together.
                     parallel_state.destroy_model_parallel()
+                    torch.distributed.destroy_process_group()
+                    layouts += 1
+                    _join_world(dev.dist_backend, f"{store}.{layouts}", rank, world)
                 cp = job.parallel.cp
                 parallel_state.initialize_model_parallel(
                     job.parallel.tp,
@@ -121,6 +125,18 @@ def _worker(
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
     torch.distributed.destroy_process_group()
+
+
+def _join_world(backend: str, store: str, rank: int, world: int) -> None:
+    import torch
+
+    torch.distributed.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+    )
 
 
 class RankPool:
@@ -223,6 +239,7 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class PoolManager:
