@@ -51,7 +51,8 @@ def jit_fusions_compiled(job):
 
 
 def transport_threads(job):
-    """The threads of this rank that serve process groups (gloo's transport loops)."""
+    """How many threads of this rank serve gloo process groups (each group's transport loop and
+    its work threads, all named ``gloo...``)."""
     import os
 
     task = f"/proc/{os.getpid()}/task"

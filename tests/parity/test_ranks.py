@@ -92,17 +92,17 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads read from /proc")
 def test_a_pool_keeps_no_groups_of_the_layouts_it_left():
     """A pool serving cases of alternating layouts holds the process groups of the current one
-    alone: each gloo group keeps a transport thread polling, and Megatron's
-    ``destroy_model_parallel`` left some twenty per layout alive (hundreds of busy threads in a
-    pool that served a parity run)."""
+    alone: each gloo group keeps a transport thread polling and two work threads, and Megatron's
+    ``destroy_model_parallel`` left them alive (hundreds of threads in a pool that served a parity
+    run)."""
     pool = RankPool(2, timeout_s=120, runner="megatron_npu.parity._selftest:transport_threads")
     layouts = (Parallel(tp=2), Parallel(pp=2)) * 4
     try:
         counts = [pool.submit(Job("any", "cpu", "float32", p, ()))["gloo"] for p in layouts]
     finally:
         pool.close()
-    # one layout's groups (about twenty), give or take a thread the first world leaves behind;
-    # kept groups would add about twenty per layout
+    # one layout's groups' threads (about twenty here), give or take a thread the first world
+    # leaves behind; kept groups would add about twenty threads per layout
     assert max(counts) - min(counts) <= 2, counts
 
 
