@@ -61,13 +61,11 @@ def _worker(
     device: str = "cpu",
     parent_pid: int | None = None,
 ) -> None:
-    if parent_pid is not None:  # die with the process that started the pool, however it ends
-        from megatron_npu.training.children import die_with_parent
-
-        die_with_parent()
-        if os.getppid() != parent_pid:  # it ended before the signal was armed
-            os._exit(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if parent_pid is not None:  # die with the process that started the pool, however it ends
+        from megatron_npu.training.children import die_with
+
+        die_with(parent_pid)
     try:
         import torch
 

@@ -46,6 +46,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
+def die_with(parent_pid: int) -> None:
+    """Arm the parent-death signal in this process, and exit at once if ``parent_pid`` is no
+    longer its parent (it died before the signal was armed)."""
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def arm_preexec(parent_pid: int, *, new_group: bool = False) -> Callable[[], None]:
     """A ``preexec_fn`` (runs in the child between fork and exec): the parent-death signal,
     optionally a process group of its own, and an exit if the parent is already gone."""
@@ -53,9 +61,7 @@ def arm_preexec(parent_pid: int, *, new_group: bool = False) -> Callable[[], Non
     def preexec() -> None:
         if new_group:
             os.setpgid(0, 0)
-        die_with_parent()
-        if os.getppid() != parent_pid:  # the parent died before the signal was armed
-            os._exit(1)
+        die_with(parent_pid)
 
     return preexec
 

@@ -121,9 +121,7 @@ def arm_rank() -> None:
     nothing here."""
     launcher = os.environ.get(errors.LAUNCHER_PID_ENV)
     if launcher and launcher.isdigit() and "RANK" in os.environ:
-        children.die_with_parent()
-        if os.getppid() != int(launcher):  # the launcher died before the signal was armed
-            os._exit(1)
+        children.die_with(int(launcher))
 
 
 def _describe_exit(rank: int, code: int) -> str:

@@ -16,6 +16,8 @@ from megatron_npu.parity.case import Parallel
 from megatron_npu.parity.harness import Job
 from megatron_npu.parity.ranks import RankError, RankPool, RankTimeout
 
+from tests.faults._harness import alive as processes_alive
+
 JOB = Job("any", "cpu", "float32", Parallel(tp=2), ())
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,23 +72,10 @@ def test_workers_die_with_a_killed_owner():
     finally:
         owner.kill()
         owner.wait()
-    deadline = time.monotonic() + 20
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [pid for pid in pids if _running(pid)]
+    alive = processes_alive(pids, deadline_s=20)
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their killed owner"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed worker stays a zombie until init reaps it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads read from /proc")
