@@ -300,15 +300,23 @@ def execute(
     return _finished(record_path, digest, error, wall, command, session)
 
 
+#: torchrun's single-node rendezvous: its store binds a port the system picks and tells the ranks
+#: (torchrun's default, a fixed ``--master-port`` 29500, fails while another run holds it). How
+#: the ranks meet changes no result, so a run's cache identity leaves it out.
+RENDEZVOUS = "--standalone"
+
+
 def script_command(spec: RunSpec, log_dir: Path | None = None) -> list[str]:
-    """``torchrun --nproc-per-node N -m megatron_npu.run_script SCRIPT ARGS...`` (torchrun as
-    ``python -m torch.distributed.run``, so the interpreter is this one); with ``log_dir``,
-    torchrun keeps its per-rank logs there instead of a ``torchelastic_*`` folder in /tmp."""
+    """``torchrun --standalone --nproc-per-node N -m megatron_npu.run_script SCRIPT ARGS...``
+    (torchrun as ``python -m torch.distributed.run``, so the interpreter is this one); with
+    ``log_dir``, torchrun keeps its per-rank logs there instead of a ``torchelastic_*`` folder in
+    /tmp."""
     logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        RENDEZVOUS,
         "--nproc-per-node",
         str(spec.nproc_per_node),
         *logs,
@@ -341,7 +349,7 @@ def execute_script(
     script = Path(str(spec.path))
     identity = {
         "device": device,
-        "command": script_command(spec)[3:],
+        "command": [part for part in script_command(spec)[3:] if part != RENDEZVOUS],
         "versions": library_versions(),
         "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest()
         if script.is_file()

@@ -191,6 +191,7 @@ def test_a_script_run_is_launched_through_torchrun_and_the_adaptor(tmp_path, mon
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc-per-node",
         "2",
         "-m",

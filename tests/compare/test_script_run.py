@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -65,6 +66,16 @@ def _megatron_lm() -> Path:
     return root / f"core_v{version}"
 
 
+@contextlib.contextmanager
+def _port_held(port: int):
+    """Another program listening on ``port`` meanwhile (when one already does, it stays held)."""
+    with socket.socket() as listener:
+        with contextlib.suppress(OSError):
+            listener.bind(("", port))
+            listener.listen()
+        yield
+
+
 def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, monkeypatch):
     script = _megatron_lm() / "pretrain_gpt.py"
     # the steering repo's shared/ is beside every checkout CI runs: a missing one is a failure
@@ -81,7 +92,8 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
         'nproc_per_node = 2\ndevice = "npu-emulated"\ntimeout_s = 540\n'
     )
     echo = io.StringIO()
-    with contextlib.redirect_stdout(echo):
+    # torchrun's default port, held by another run on the same host, does not stop this one
+    with contextlib.redirect_stdout(echo), _port_held(29500):
         document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
     runs = {r["name"]: r for r in document["runs"]}
     assert runs["mlm-script"]["status"] == "ok", runs["mlm-script"]["error"]

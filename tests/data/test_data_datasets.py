@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -176,18 +175,13 @@ def test_works_without_compiled_helpers(corpora, monkeypatch):
     assert sys.modules["megatron.core.datasets.helpers"] is None  # stand-in removed again
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_with_torch_distributed_initialised(corpora, tmp_path):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+    cache = tmp_path / "cache"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
         lower, texts = corpora["lower"]
@@ -195,22 +189,22 @@ def test_with_torch_distributed_initialised(corpora, tmp_path):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="path_to_cache is not used")
             train, _, _ = build_gpt_datasets(
-                [0.5, lower, 0.5, upper], SEQ, 9, ByteLevelTokenizer(), 200, path_to_cache=tmp_path
+                [0.5, lower, 0.5, upper], SEQ, 9, ByteLevelTokenizer(), 200, path_to_cache=cache
             )
         single, _, _ = build_gpt_datasets([lower], SEQ, 9, ByteLevelTokenizer(), 50)
     finally:
         dist.destroy_process_group()
     assert len(train) == 200
-    assert any("BlendedDataset" in f for f in os.listdir(tmp_path))
-    assert all(oct(os.stat(tmp_path / f).st_mode & 0o777) == "0o640" for f in os.listdir(tmp_path))
+    assert any("BlendedDataset" in f for f in os.listdir(cache))
+    assert all(oct(os.stat(cache / f).st_mode & 0o777) == "0o640" for f in os.listdir(cache))
     _assert_consecutive_slices(single, texts)
 
 
 _RANK_SCRIPT = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
-    rank, world, port, cache, lower, upper, out = sys.argv[1:]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    rank, world, store, cache, lower, upper, out = sys.argv[1:]
+    dist.init_process_group("gloo", init_method=f"file://{store}",
                             rank=int(rank), world_size=int(world))
     from megatron_npu.data.datasets import build_gpt_datasets
     from megatron_npu.data.tokenizers import ByteLevelTokenizer
@@ -227,7 +221,6 @@ _RANK_SCRIPT = textwrap.dedent(
 def test_two_ranks_build_identical_datasets(corpora, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
-    port = str(_free_port())
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["PYTHONWARNINGS"] = "ignore"
     procs = [
@@ -237,7 +230,7 @@ def test_two_ranks_build_identical_datasets(corpora, tmp_path):
                 str(script),
                 str(rank),
                 "2",
-                port,
+                str(tmp_path / "store"),  # a file store: no port to race for
                 str(tmp_path / "cache"),
                 corpora["lower"][0],
                 corpora["upper"][0],

@@ -173,10 +173,9 @@ def pretrain_gpt(
         "torch.distributed.run",
         "--nproc-per-node",
         str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
+        # the agent's store binds a port of the system's choosing and the ranks are told it: a
+        # port picked here, released and bound again by torchrun can be taken in between
+        "--standalone",
         "-m",
         "megatron_npu.run_script",
         str(folder / "pretrain_gpt.py"),
