@@ -8,8 +8,6 @@ kernel's bug, while the cpu reference runs the native path."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -23,11 +21,10 @@ def main() -> None:
     import megatron_npu
 
     megatron_npu.apply(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    # one rank: an in-process store, no port to pick
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
