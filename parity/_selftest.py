@@ -50,17 +50,24 @@ def jit_fusions_compiled(job):
     return {"compiled": compiled or fuser_is_compile}
 
 
-def transport_threads(job):
-    """How many threads of this rank serve gloo process groups (each group's transport loop and
-    its work threads, all named ``gloo...``)."""
+def gloo_threads(pid: int) -> int:
+    """How many threads of process ``pid`` serve gloo process groups: each group's transport
+    loop (``gloo_tcp_loop``) and work threads (``pt_gloo_runloop``)."""
     import os
 
-    task = f"/proc/{os.getpid()}/task"
-    names = []
+    task = f"/proc/{pid}/task"
+    count = 0
     for thread in os.listdir(task):
         try:
             with open(f"{task}/{thread}/comm") as comm:
-                names.append(comm.read().strip())
+                count += "gloo" in comm.read()
         except FileNotFoundError:  # ended while listed
             continue
-    return {"gloo": sum(name.startswith("gloo") for name in names)}
+    return count
+
+
+def transport_threads(job):
+    """How many threads of this rank serve gloo process groups (:func:`gloo_threads`)."""
+    import os
+
+    return {"gloo": gloo_threads(os.getpid())}

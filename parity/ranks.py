@@ -8,7 +8,8 @@ A :class:`RankPool` starts ``world`` spawned processes that join one process gro
 :class:`~megatron_npu.parity.harness.Job` s sent to them, each on Megatron's model-parallel groups
 for the job's layout. Every job has a deadline: a rank that raises surfaces with its traceback, a
 rank that hangs is named, and in both cases the whole pool is terminated at once, so no process
-outlives the failing case. Healthy pools are reused across cases and closed when the session ends.
+outlives the failing case. Healthy pools are reused across cases and closed when the session ends;
+a pool left without a job for :data:`IDLE_RELEASE_S` leaves its process groups until the next one.
 Each worker dies with the process that started the pool (Linux's parent-death signal,
 :mod:`megatron_npu.training.children`), also when that one is killed with no chance to close it.
 """
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -31,6 +33,12 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_NPU_PARITY_TIMEOUT", "240"))
 STARTUP_TIMEOUT_S = 180.0
 #: How long the remaining ranks get to report after one rank failed.
 _GRACE_S = 5.0
+#: Seconds without a job after which a pool's ranks leave their process groups (an idle gloo
+#: group still polls, a parity session's pools sit idle through every test after the parity
+#: cases); the next job joins a new world. Parity cases come far closer together than this.
+IDLE_RELEASE_S = 10.0
+#: The message that tells every rank to leave its process groups.
+RELEASE = "release"
 
 
 class RankError(RuntimeError):
@@ -91,25 +99,38 @@ def _worker(
         return
     conn.send(("ready", None))
     layout: tuple[int, int, int] | None = None
-    layouts = 0
+    joined, worlds = True, 0
+
+    def leave() -> None:
+        # Megatron's destroy_model_parallel only forgets its groups: each stays alive with its
+        # transport (a gloo group polls in a thread of its own, an hccl or nccl group holds a
+        # communicator). Leaving the world destroys every group.
+        nonlocal joined, layout
+        if layout is not None:
+            parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        joined, layout = False, None
+
     while True:
         job = conn.recv()
         if job is None:
             break
+        if job == RELEASE:  # idle: hold no group until the next job
+            if joined:
+                leave()
+            continue
         try:
             megatron_npu.apply(job.device)
             wanted = (job.parallel.tp, job.parallel.pp, job.parallel.cp)
             if layout != wanted:
-                if layout is not None:
-                    # Megatron's destroy_model_parallel only forgets its groups: each stays
-                    # alive with its transport (a gloo group polls in a thread of its own, an
-                    # hccl or nccl group holds a communicator). Leaving the world destroys
-                    # every group; every rank changes layout at the same job, so they all
-                    # join the next world (a store of its own) together.
-                    parallel_state.destroy_model_parallel()
-                    torch.distributed.destroy_process_group()
-                    layouts += 1
-                    _join_world(dev.dist_backend, f"{store}.{layouts}", rank, world)
+                if joined and layout is not None:
+                    leave()
+                if not joined:
+                    # every rank receives the same messages, so all leave and join together,
+                    # each world on a store of its own
+                    worlds += 1
+                    _join_world(dev.dist_backend, f"{store}.{worlds}", rank, world)
+                    joined = True
                 cp = job.parallel.cp
                 parallel_state.initialize_model_parallel(
                     job.parallel.tp,
@@ -122,7 +143,8 @@ def _worker(
             conn.send(("ok", run_job(job)))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
-    torch.distributed.destroy_process_group()
+    if joined:
+        torch.distributed.destroy_process_group()
 
 
 def _join_world(backend: str, store: str, rank: int, world: int) -> None:
@@ -146,10 +168,15 @@ class RankPool:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         runner: str = DEFAULT_RUNNER,
         device: str = "cpu",
+        idle_release_s: float = IDLE_RELEASE_S,
     ) -> None:
         self.world = world
         self.timeout_s = timeout_s
         self.device = device
+        self.idle_release_s = idle_release_s
+        # one sender at a time: a job's messages and answers, or the idle timer's release
+        self._lock = threading.RLock()
+        self._idle: threading.Timer | None = None
         self.backend = backend_for(device)
         self._dir = tempfile.mkdtemp(prefix="megatron-npu-ranks-")
         ctx = mp.get_context("spawn")
@@ -169,6 +196,23 @@ class RankPool:
             self._conns.append(parent)
             self._procs.append(proc)
         self._collect("start-up", max(self.timeout_s, STARTUP_TIMEOUT_S))
+        self._release_when_idle()
+
+    def _release_when_idle(self) -> None:
+        """From now on, release the ranks' groups after :attr:`idle_release_s` without a job."""
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = threading.Timer(self.idle_release_s, self._release)
+        self._idle.daemon = True
+        self._idle.start()
+
+    def _release(self) -> None:
+        with self._lock:
+            for conn in self._conns:  # none once closed
+                try:
+                    conn.send(RELEASE)
+                except (BrokenPipeError, OSError):  # a dead rank: the next job names it
+                    return
 
     @property
     def alive(self) -> bool:
@@ -217,11 +261,23 @@ class RankPool:
                 f"job on {job.device} needs the {backend_for(job.device)} backend, the pool "
                 f"runs {self.backend} (started for {self.device})"
             )
-        for conn in self._conns:
-            conn.send(job)
-        return self._collect(f"parity job {job.patch_id} {job.dtype} {job.parallel.label()}")[0]
+        with self._lock:
+            if self._idle is not None:
+                self._idle.cancel()
+            for conn in self._conns:
+                conn.send(job)
+            what = f"parity job {job.patch_id} {job.dtype} {job.parallel.label()}"
+            result = self._collect(what)[0]
+            self._release_when_idle()
+            return result
 
     def close(self, force: bool = False) -> None:
+        with self._lock:
+            if self._idle is not None:
+                self._idle.cancel()
+            self._close(force)
+
+    def _close(self, force: bool) -> None:
         if not force:
             for conn in self._conns:
                 try:
