@@ -111,13 +111,21 @@ def _worker(
         torch.distributed.destroy_process_group()
         joined, layout = False, None
 
+    left_badly: str | None = None  # a failed release, answered to the next job
     while True:
         job = conn.recv()
         if job is None:
             break
         if job == RELEASE:  # idle: hold no group until the next job
-            if joined:
-                leave()
+            try:
+                if joined:
+                    leave()
+            except BaseException:  # noqa: BLE001
+                left_badly = traceback.format_exc()
+            continue
+        if left_badly is not None:
+            conn.send(("error", f"leaving the process groups of an idle pool:\n{left_badly}"))
+            left_badly = None
             continue
         try:
             megatron_npu.apply(job.device)
@@ -208,10 +216,13 @@ class RankPool:
 
     def _release(self) -> None:
         with self._lock:
+            if threading.current_thread() is not self._idle:  # cancelled while it waited
+                return
             for conn in self._conns:  # none once closed
                 try:
                     conn.send(RELEASE)
-                except (BrokenPipeError, OSError):  # a dead rank: the next job names it
+                except (BrokenPipeError, OSError):  # a rank died: the ranks are out of step
+                    self._close(force=True)  # and the manager starts another pool
                     return
 
     @property
@@ -253,7 +264,10 @@ class RankPool:
     def submit(self, job: Any) -> Any:
         """Run ``job`` on every rank; return rank 0's result."""
         if not self.alive:
-            raise RankError("the rank pool is closed")
+            codes = [proc.exitcode for proc in self._procs]
+            self.close(force=True)
+            ended = f" (its ranks' exit codes: {codes})" if codes else ""
+            raise RankError(f"the rank pool is closed{ended}")
         if job.parallel.world != self.world:
             raise ValueError(f"job needs {job.parallel.world} ranks, pool has {self.world}")
         if backend_for(job.device) != self.backend:

@@ -347,9 +347,12 @@ def execute_script(
     from megatron_npu.compare import mlm_log
 
     script = Path(str(spec.path))
+    launched = script_command(spec)[3:]
+    if RENDEZVOUS in launched:  # the first is the launcher's own, before the script's arguments
+        launched.remove(RENDEZVOUS)
     identity = {
         "device": device,
-        "command": [part for part in script_command(spec)[3:] if part != RENDEZVOUS],
+        "command": launched,
         "versions": library_versions(),
         "script_sha256": hashlib.sha256(script.read_bytes()).hexdigest()
         if script.is_file()

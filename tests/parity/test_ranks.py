@@ -117,7 +117,7 @@ def test_an_idle_pool_leaves_its_groups_and_the_next_job_joins_again():
             if max(idle) * 4 < serving or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        again = pool.submit(Job("any", "cpu", "float32", Parallel(pp=2), ()))["gloo"]
+        again = pool.submit(JOB)["gloo"]  # the layout it left: its groups are built again
     finally:
         pool.close()
     assert max(idle) * 4 < serving, (idle, serving)
