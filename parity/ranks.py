@@ -206,10 +206,13 @@ class RankPool:
         self._collect("start-up", max(self.timeout_s, STARTUP_TIMEOUT_S))
         self._release_when_idle()
 
-    def _release_when_idle(self) -> None:
-        """From now on, release the ranks' groups after :attr:`idle_release_s` without a job."""
+    def _cancel_idle(self) -> None:
         if self._idle is not None:
             self._idle.cancel()
+
+    def _release_when_idle(self) -> None:
+        """From now on, release the ranks' groups after :attr:`idle_release_s` without a job."""
+        self._cancel_idle()
         self._idle = threading.Timer(self.idle_release_s, self._release)
         self._idle.daemon = True
         self._idle.start()
@@ -276,8 +279,7 @@ class RankPool:
                 f"runs {self.backend} (started for {self.device})"
             )
         with self._lock:
-            if self._idle is not None:
-                self._idle.cancel()
+            self._cancel_idle()
             for conn in self._conns:
                 conn.send(job)
             what = f"parity job {job.patch_id} {job.dtype} {job.parallel.label()}"
@@ -287,8 +289,7 @@ class RankPool:
 
     def close(self, force: bool = False) -> None:
         with self._lock:
-            if self._idle is not None:
-                self._idle.cancel()
+            self._cancel_idle()
             self._close(force)
 
     def _close(self, force: bool) -> None:
