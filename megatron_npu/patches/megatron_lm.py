@@ -89,7 +89,14 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
         "--moe-enable-deepep",
         "DeepEP dispatch is CUDA-only: use alltoall or allgather",
     ),
-    ("use_megatron_fsdp", True, "--use-megatron-fsdp", "not supported by the adaptor yet"),
+    (
+        "use_megatron_fsdp",
+        True,
+        "--use-megatron-fsdp",
+        "Megatron-FSDP is written for NCCL and CUDA streams (its gradient reduce-scatter asks "
+        "for NCCL's PREMUL_SUM, which HCCL and gloo lack): shard the optimizer states with "
+        "--use-distributed-optimizer",
+    ),
     *(
         (
             name,
