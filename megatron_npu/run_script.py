@@ -10,7 +10,9 @@ importable (``PYTHONPATH`` holding the Megatron-LM checkout), as for the script 
 
 With ``$MEGATRON_NPU_KERNEL_COUNTS=PREFIX`` on ``npu-emulated``, each rank writes how often each
 emulated torch_npu kernel ran to ``PREFIX.rank<N>.json`` when the script ends: the evidence that
-the script's fused paths reached the NPU kernels.
+the script's fused paths reached the NPU kernels. With ``$MEGATRON_NPU_INIT_ULP_NUDGE=K`` every
+model the script builds starts with its weights K ulps away (compare's rounding reruns of a
+script run, :mod:`megatron_npu.training.weight_nudge`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,21 @@ def prepare(argv: list[str]) -> str:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             console.error(f"megatron-npu run_script: {exc}")
         raise SystemExit(2) from None
+    _nudge_initial_weights()
     return script
+
+
+def _nudge_initial_weights() -> None:
+    """``$MEGATRON_NPU_INIT_ULP_NUDGE=K``: every model Megatron-LM builds starts K ulps away
+    (:mod:`megatron_npu.training.weight_nudge`); one line and exit 2 when it cannot."""
+    from megatron_npu.training import weight_nudge
+
+    try:
+        weight_nudge.nudge_megatron_lm_models(weight_nudge.ulps_from_environment())
+    except (ValueError, ImportError) as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            console.error(f"megatron-npu run_script: ${weight_nudge.ENV}: {exc}")
+        raise SystemExit(2) from None
 
 
 def run(script: str) -> None:

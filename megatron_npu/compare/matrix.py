@@ -320,9 +320,20 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
             original = next((r for r in runs if r.name == rerun_of), None)
             if original is None:
                 raise MatrixError(f"{where}: rerun_of {rerun_of!r} must name an earlier run")
+            if original.kind == "import":
+                raise MatrixError(
+                    f"{where}: rerun_of {rerun_of!r} names an imported run, which was not run "
+                    "here and cannot be rerun"
+                )
             options, devices = dict(original.options), original.devices
+            kind, path = original.kind, original.path
+            if kind == "script":
+                extras = {
+                    "script_args": original.script_args,
+                    "nproc_per_node": original.nproc_per_node,
+                }
             if perturb is not None:
-                options = _perturbed(original, perturb, where)
+                options, extras = _perturbed(original, perturb, where, extras)
         elif perturb is not None:
             raise MatrixError(f"{where}: perturb needs rerun_of = the run it perturbs")
         if perturb is not None and "reference" in raw:
@@ -415,19 +426,27 @@ RUN_KEYS = frozenset(
         "perturb",
     }
 )
-#: the train option each perturbation sets on the rerun (``threads`` changes its environment)
+#: the train option each perturbation sets on the rerun (``threads`` changes its environment);
+#: a script run's rerun takes the same number of ulps from its environment
+#: (:func:`megatron_npu.compare.runner.perturbation_env`)
 PERTURB_OPTIONS = {"init-ulp": ("init-ulp-nudge", 1), "init-ulp-down": ("init-ulp-nudge", -1)}
+#: Megatron-LM's ``--seed`` default (``megatron/training/arguments.py``)
+MEGATRON_LM_SEED = 1234
 
 
-def _perturbed(original: RunSpec, perturb: Any, where: str) -> dict[str, Any]:
-    """The options of a perturbed rerun of ``original`` (a train run)."""
+def _perturbed(
+    original: RunSpec, perturb: Any, where: str, extras: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (train options, script fields) of a perturbed rerun of ``original``: a train run
+    gets the option, a script run its arguments (the next ``--seed``) or, for the other
+    perturbations, only another environment."""
     if perturb not in noise.PERTURBATIONS:
         raise MatrixError(
             f"{where}: perturb must be one of {list(noise.PERTURBATIONS)}, got {perturb!r}"
         )
-    if original.kind != "train":
-        raise MatrixError(f"{where}: perturb reruns a run trained here, not an {original.kind} run")
     options = dict(original.options)
+    if original.kind == "script":
+        return options, {**extras, "script_args": _perturbed_script_args(original, perturb, where)}
     if perturb in PERTURB_OPTIONS:
         key, value = PERTURB_OPTIONS[perturb]
         options[key] = value
@@ -435,7 +454,34 @@ def _perturbed(original: RunSpec, perturb: Any, where: str) -> dict[str, Any]:
         from megatron_npu.training.arguments import DEFAULT_SEED
 
         options["seed"] = int(options.get("seed", DEFAULT_SEED)) + 1
-    return options
+    return options, extras
+
+
+def _perturbed_script_args(original: RunSpec, perturb: str, where: str) -> tuple[str, ...]:
+    """A script run's arguments for a ``perturb`` rerun: the next ``--seed`` for ``seed``;
+    unchanged otherwise, except that nudged initial weights cannot survive a ``--load``."""
+    args = list(original.script_args)
+    if perturb in PERTURB_OPTIONS and any(a == "--load" or a.startswith("--load=") for a in args):
+        raise MatrixError(
+            f"{where}: perturb = {perturb!r} moves the initial weights, and the script's --load "
+            "replaces them with the checkpoint's"
+        )
+    if perturb != noise.SCALE:
+        return tuple(args)
+    for index, arg in enumerate(args):
+        given = arg.partition("=")[2] if arg.startswith("--seed=") else None
+        if arg == "--seed" and index + 1 < len(args):
+            given = args[index + 1]
+        if given is None:
+            continue
+        try:
+            seed = int(given)
+        except ValueError:
+            raise MatrixError(f"{where}: the script's --seed {given!r} is not an integer") from None
+        if arg == "--seed":
+            return (*args[: index + 1], str(seed + 1), *args[index + 2 :])
+        return (*args[:index], f"--seed={seed + 1}", *args[index + 1 :])
+    return (*args, "--seed", str(MEGATRON_LM_SEED + 1))
 
 
 def _name_or_none(raw: dict, key: str, where: str) -> str | None:

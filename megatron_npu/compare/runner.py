@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_npu import console
-from megatron_npu.compare.matrix import LAYOUT_OPTIONS, RunSpec, option_argv
+from megatron_npu.compare.matrix import LAYOUT_OPTIONS, PERTURB_OPTIONS, RunSpec, option_argv
 from megatron_npu.devices.facts import emulated
 from megatron_npu.formats import FormatError
 from megatron_npu.formats.lambada_result import LambadaResult
@@ -87,11 +87,17 @@ def train_command(
 
 
 def perturbation_env(spec: RunSpec, device: str) -> dict[str, str]:
-    """The environment a ``perturb = "threads"`` rerun changes: another OpenMP thread count than
-    the runs' (:func:`run_environment`). On this host's oneDNN the GEMMs are bitwise the same for
-    1 and 2 threads; full reductions (loss means, norms) split differently, so it is the weaker
-    of the rounding perturbations. Raises ValueError on a device whose arithmetic is not the host
-    CPU's."""
+    """The environment a perturbed rerun changes. ``perturb = "threads"``: another OpenMP thread
+    count than the runs' (:func:`run_environment`). On this host's oneDNN the GEMMs are bitwise
+    the same for 1 and 2 threads; full reductions (loss means, norms) split differently, so it is
+    the weaker of the rounding perturbations. Raises ValueError on a device whose arithmetic is
+    not the host CPU's. ``init-ulp`` / ``init-ulp-down`` of a script run: the ulps
+    ``run_script`` nudges the script's initial weights by (a train run takes them as an
+    option)."""
+    if spec.kind == "script" and spec.perturb in PERTURB_OPTIONS:
+        from megatron_npu.training.weight_nudge import ENV
+
+        return {ENV: str(PERTURB_OPTIONS[spec.perturb][1])}
     if spec.perturb != "threads":
         return {}
     from megatron_npu import devices
@@ -350,6 +356,10 @@ def execute_script(
     launched = script_command(spec)[3:]
     if RENDEZVOUS in launched:  # the first is the launcher's own, before the script's arguments
         launched.remove(RENDEZVOUS)
+    try:
+        perturbed = perturbation_env(spec, device)
+    except ValueError as exc:
+        return Outcome("failed", str(exc), 0.0, script_command(spec), "")
     identity = {
         "device": device,
         "command": launched,
@@ -358,6 +368,8 @@ def execute_script(
         if script.is_file()
         else None,
     }
+    if perturbed:
+        identity["environment"] = perturbed
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     command = script_command(spec, run_dir / "torchrun-logs")
     record_path, metrics_path, log_path = (
@@ -373,8 +385,10 @@ def execute_script(
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
-    console.say(f" [compare] {spec.name}: {device} | {' '.join(command[3:])}")
-    code, tail, wall = stream(command, log_path, timeout_s, script_environment(spec, device))
+    shown = "".join(f"{k}={v} " for k, v in perturbed.items())
+    console.say(f" [compare] {spec.name}: {device} | {shown}{' '.join(command[3:])}")
+    env = {**script_environment(spec, device), **perturbed}
+    code, tail, wall = stream(command, log_path, timeout_s, env)
     error = _failure(code, tail, timeout_s, log_path) if code != 0 else None
     if error is None:
         try:

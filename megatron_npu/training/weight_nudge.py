@@ -6,11 +6,23 @@ moves from its unperturbed twin measures what the configuration amplifies roundi
 ``compare``'s noise rule (:mod:`megatron_npu.compare.noise`) turns two such reruns into the band
 a candidate on another device is judged against. It runs after the model is built and before the
 optimizer copies the weights (its fp32 main copy of 16-bit weights starts from the nudged ones).
+
+A user's Megatron-LM script run through ``megatron_npu.run_script`` takes the same perturbation
+from ``$MEGATRON_NPU_INIT_ULP_NUDGE=K`` (:data:`ENV`, set by compare for a script run's rerun):
+Megatron-LM's ``get_model`` then hands ``setup_model_and_optimizer`` the nudged model, before the
+optimizer is built from it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import Any
+
 import torch
+
+#: a script run's nudge, in ulps (``megatron_npu.run_script`` reads it)
+ENV = "MEGATRON_NPU_INIT_ULP_NUDGE"
 
 
 def nudge(model_chunks, ulps: int) -> int:
@@ -32,3 +44,31 @@ def nudge(model_chunks, ulps: int) -> int:
                 param.copy_(value)
                 moved += 1
     return moved
+
+
+def ulps_from_environment() -> int:
+    """:data:`ENV` as an integer (0 when unset); ValueError naming the variable otherwise."""
+    raw = os.environ.get(ENV, "").strip()
+    try:
+        return int(raw or 0)
+    except ValueError:
+        raise ValueError(f"${ENV} must be a whole number of ulps, got {raw!r}") from None
+
+
+def nudge_megatron_lm_models(ulps: int) -> None:
+    """Make Megatron-LM's ``get_model`` (``megatron.training.training``) nudge every model it
+    builds by ``ulps``; its caller builds the optimizer from the nudged weights, and a checkpoint
+    loaded afterwards replaces them (compare refuses that combination)."""
+    if ulps == 0:
+        return
+    from megatron.training import training
+
+    original = training.get_model
+
+    @functools.wraps(original)
+    def get_model(*args: Any, **kwargs: Any) -> Any:
+        model = original(*args, **kwargs)
+        nudge(model if isinstance(model, list) else [model], ulps)
+        return model
+
+    training.get_model = get_model

@@ -49,7 +49,17 @@ device = "cpu"
         (
             '[[run]]\nname = "g"\nimport = "x.log"\n[[run]]\nname = "b"\nrerun_of = "g"\n'
             'perturb = "init-ulp"\n',
-            "perturb reruns a run trained here, not an import run",
+            "rerun_of 'g' names an imported run, which was not run here and cannot be rerun",
+        ),
+        (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--load", "ck"]\n'
+            '[[run]]\nname = "b"\nrerun_of = "s"\nperturb = "init-ulp-down"\n',
+            "perturb = 'init-ulp-down' moves the initial weights, and the script's --load",
+        ),
+        (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--seed", "x"]\n'
+            '[[run]]\nname = "b"\nrerun_of = "s"\nperturb = "seed"\n',
+            "the script's --seed 'x' is not an integer",
         ),
         (
             '[[run]]\nname = "b"\noptions = { num-layerz = 3 }\n',
@@ -169,3 +179,39 @@ def test_perturbed_reruns_copy_their_original_and_are_not_judged(tmp_path):
     for name in ("init-ulp", "init-ulp-down", "threads", "seed"):
         assert runs[name].perturb == name and runs[name].rerun_of == "a"
         assert not runs[name].judged and runs[name].reference is None
+
+
+@pytest.mark.parametrize(
+    "args, seeded",
+    [
+        (["--lr", "1e-3", "--seed", "7"], ("--lr", "1e-3", "--seed", "8")),
+        (["--seed=7", "--lr", "1e-3"], ("--seed=8", "--lr", "1e-3")),
+        (["--lr", "1e-3"], ("--lr", "1e-3", "--seed", "1235")),  # Megatron-LM's 1234, next
+    ],
+)
+def test_reruns_of_a_script_run_are_script_runs_of_the_same_arguments(tmp_path, args, seeded):
+    """A plain rerun and each perturbed rerun of a script run run the same script on as many
+    ranks; only ``seed`` changes its arguments (the next seed); the rounding perturbations
+    change its environment (the runner's)."""
+    quoted = ", ".join(f'"{a}"' for a in args)
+    text = (
+        f'[compare]\nbaseline = "s"\n[[run]]\nname = "s"\nscript = "p.py"\nargs = [{quoted}]\n'
+        'nproc_per_node = 2\ndevice = "npu-emulated"\n'
+        '[[run]]\nname = "again"\nrerun_of = "s"\n'
+        + "".join(
+            f'[[run]]\nname = "{p}"\nrerun_of = "s"\nperturb = "{p}"\n'
+            for p in ("init-ulp", "init-ulp-down", "threads", "seed")
+        )
+    )
+    runs = {r.name: r for r in m.load(write(tmp_path, text)).runs}
+    for name in ("again", "init-ulp", "init-ulp-down", "threads", "seed"):
+        run = runs[name]
+        assert (run.kind, run.path, run.nproc_per_node, run.devices) == (
+            "script",
+            str(tmp_path / "p.py"),
+            2,
+            ("npu-emulated",),
+        ), name
+        assert run.script_args == (seeded if name == "seed" else tuple(args)), name
+    assert runs["again"].judged and runs["again"].reference == "s"
+    assert not runs["threads"].judged and runs["threads"].reference is None

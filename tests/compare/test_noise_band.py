@@ -104,3 +104,19 @@ def test_a_threads_rerun_changes_the_host_thread_count_and_only_on_the_host(monk
     monkeypatch.setattr(devices, "make", lambda name: SimpleNamespace(torch_type="cuda"))
     with pytest.raises(ValueError, match='perturb = "threads" changes the host CPU'):
         runner.perturbation_env(spec, "cuda")
+
+
+def test_a_script_runs_ulp_rerun_passes_its_nudge_to_run_script():
+    """A train run's rerun takes ``--init-ulp-nudge``; a script run's the same ulps through the
+    environment run_script reads."""
+    from megatron_npu.compare import matrix as m
+    from megatron_npu.compare import runner
+    from megatron_npu.training import weight_nudge
+
+    def script(perturb):
+        return m.RunSpec("s", ("cpu",), {}, kind="script", path="p.py", perturb=perturb)
+
+    assert runner.perturbation_env(script("init-ulp"), "cpu") == {weight_nudge.ENV: "1"}
+    assert runner.perturbation_env(script("init-ulp-down"), "npu") == {weight_nudge.ENV: "-1"}
+    assert runner.perturbation_env(script("seed"), "cpu") == {}
+    assert runner.perturbation_env(script(None), "cpu") == {}

@@ -109,6 +109,48 @@ def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, m
     assert status == 0, echo.getvalue()[-3000:]
 
 
+def test_rounding_reruns_of_a_script_run_give_its_candidate_a_band(tmp_path, monkeypatch):
+    """The noise rule for a user's own script: compare reruns the cpu run of pretrain_gpt.py
+    with its initial weights one bf16 ulp up (run_script's hook on Megatron-LM's get_model) and
+    with another host thread count, and judges the npu-emulated run of the same script against
+    the band the two reruns span."""
+    script = _megatron_lm() / "pretrain_gpt.py"
+    assert script.is_file(), f"no Megatron-LM checkout at {script.parent}"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
+    one_rank = ARGS[: ARGS.index("--tensor-model-parallel-size")] + ["--bf16"]
+    one_rank[one_rank.index("--train-iters") + 1] = "6"
+    args = ", ".join(f'"{a}"' for a in one_rank)
+    (tmp_path / "m.toml").write_text(
+        f'[compare]\nbaseline = "ref"\nlambada = false\n'
+        f'[[run]]\nname = "ref"\nscript = "{script}"\nargs = [{args}]\ndevice = "cpu"\n'
+        '[[run]]\nname = "ref-ulp-up"\nrerun_of = "ref"\nperturb = "init-ulp"\n'
+        '[[run]]\nname = "ref-threads"\nrerun_of = "ref"\nperturb = "threads"\n'
+        f'[[run]]\nname = "npu"\nscript = "{script}"\nargs = [{args}]\n'
+        'device = "npu-emulated"\n'
+    )
+    echo = io.StringIO()
+    with contextlib.redirect_stdout(echo):
+        document, status = command.run_compare(m.load(tmp_path / "m.toml"), tmp_path / "out")
+    runs = {r["name"]: r for r in document["runs"]}
+    for name, run in runs.items():
+        assert run["status"] == "ok", (name, run["error"])
+
+    def losses(name):
+        return [step["loss"] for step in runs[name]["steps"]]
+
+    # the nudge reached the script's model: the rerun starts elsewhere, by rounding only
+    assert len(losses("ref")) == 6 and losses("ref-ulp-up") != losses("ref")
+    assert all(
+        abs(a - b) <= 1e-2 * a for a, b in zip(losses("ref"), losses("ref-ulp-up"), strict=True)
+    )
+    assert "OMP_NUM_THREADS=2" in echo.getvalue()
+    verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
+    assert verdicts[("npu", "noise")]["status"] == "pass", verdicts[("npu", "noise")]
+    assert ("ref-ulp-up", "noise") not in verdicts  # a rerun measures; it is not judged
+    assert status == 0, echo.getvalue()[-3000:]
+
+
 #: the end of a failed two-rank pretrain_gpt.py run under torchrun (Megatron's exception on each
 #: rank, then the elastic agent's own traceback and footer)
 TORCHRUN_FAILURE = """\
