@@ -98,21 +98,37 @@ def prepare(argv: list[str]) -> str:
 
 def _nudge_initial_weights() -> None:
     """``$MEGATRON_NPU_INIT_ULP_NUDGE=K``: every model Megatron-LM builds starts K ulps away
-    (:mod:`megatron_npu.training.weight_nudge`); one line and exit 2 when it cannot."""
+    (:mod:`megatron_npu.training.weight_nudge`); one line and exit 2 when it cannot be done."""
     from megatron_npu.training import weight_nudge
 
     try:
         weight_nudge.nudge_megatron_lm_models(weight_nudge.ulps_from_environment())
-    except (ValueError, ImportError) as exc:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            console.error(f"megatron-npu run_script: ${weight_nudge.ENV}: {exc}")
-        raise SystemExit(2) from None
+    except ValueError as exc:
+        _stop(str(exc))
+    except ImportError:
+        _stop(f"${weight_nudge.ENV} needs Megatron-LM's training layer (megatron.training)")
+
+
+def _stop(message: str) -> None:
+    """One line from the node's first rank, exit 2 from every rank."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        console.error(f"megatron-npu run_script: {message}")
+    raise SystemExit(2)
 
 
 def run(script: str) -> None:
-    """Run the prepared script as ``__main__`` (counting kernels when asked)."""
+    """Run the prepared script as ``__main__`` (counting kernels when asked). A script asked to
+    start from nudged weights that never built its model through Megatron-LM's ``get_model``
+    ends with exit 2 and one line: its run would pass for a perturbed one."""
+    from megatron_npu.training import weight_nudge
+
     with _kernel_counts(os.environ.get(KERNEL_COUNTS_ENV, "")):
         runpy.run_path(script, run_name="__main__")
+    if weight_nudge.ulps_from_environment() and not weight_nudge.nudged_models:
+        _stop(
+            f"${weight_nudge.ENV}: the script built no model through Megatron-LM's get_model, "
+            "so its initial weights were not nudged"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

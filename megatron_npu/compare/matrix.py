@@ -74,6 +74,7 @@ without it the fingerprint rule refuses such a pair (naming ``padded_vocab_size`
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -325,6 +326,11 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
                     f"{where}: rerun_of {rerun_of!r} names an imported run, which was not run "
                     "here and cannot be rerun"
                 )
+            if original.perturb is not None:
+                raise MatrixError(
+                    f"{where}: rerun_of {rerun_of!r} names a perturbed rerun: rerun its "
+                    f"original, {original.rerun_of!r}"
+                )
             options, devices = dict(original.options), original.devices
             kind, path = original.kind, original.path
             if kind == "script":
@@ -381,7 +387,40 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
     for spec in runs:
         if spec.kind == "train":
             _check_train_options(spec, f"{source} run {spec.name!r}")
+    _check_script_checkpoints(runs, source)
     return Matrix(source=source, settings=settings, runs=tuple(runs), notes=tuple(notes))
+
+
+def _script_folder(args: tuple[str, ...], option: str) -> str | None:
+    """The folder a script's ``option`` (``--save``, ``--load``) names, absolute (the script
+    runs in compare's working directory), or None; the last one given counts."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == option and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(f"{option}="):
+            value = arg.partition("=")[2]
+    return os.path.abspath(value) if value else None
+
+
+def _check_script_checkpoints(runs: list[RunSpec], source: str) -> None:
+    """Script runs (a rerun takes its original's arguments) must not share a ``--save`` folder:
+    a later run would resume from the earlier run's checkpoint instead of training, and write
+    over it."""
+    saves: dict[str, str] = {}
+    for spec in runs:
+        if spec.kind != "script":
+            continue
+        folder = _script_folder(spec.script_args, "--save")
+        loads = _script_folder(spec.script_args, "--load")
+        for used, why in ((folder, "saves to"), (loads, "loads from")):
+            if used is not None and used in saves:
+                raise MatrixError(
+                    f"{source} run {spec.name!r} {why} {used}, where run {saves[used]!r} saves: "
+                    "give each script run a --save folder of its own"
+                )
+        if folder is not None:
+            saves[folder] = spec.name
 
 
 def align_vocab_padding(runs: list[RunSpec]) -> tuple[list[RunSpec], list[str]]:
@@ -430,8 +469,6 @@ RUN_KEYS = frozenset(
 #: a script run's rerun takes the same number of ulps from its environment
 #: (:func:`megatron_npu.compare.runner.perturbation_env`)
 PERTURB_OPTIONS = {"init-ulp": ("init-ulp-nudge", 1), "init-ulp-down": ("init-ulp-nudge", -1)}
-#: Megatron-LM's ``--seed`` default (``megatron/training/arguments.py``)
-MEGATRON_LM_SEED = 1234
 
 
 def _perturbed(
@@ -457,23 +494,33 @@ def _perturbed(
     return options, extras
 
 
+#: the script options whose checkpoint replaces the initial weights (Megatron-LM loads
+#: ``--pretrained-checkpoint`` when ``--load`` holds none)
+_LOADS = ("--load", "--pretrained-checkpoint")
+
+
 def _perturbed_script_args(original: RunSpec, perturb: str, where: str) -> tuple[str, ...]:
-    """A script run's arguments for a ``perturb`` rerun: the next ``--seed`` for ``seed``;
-    unchanged otherwise, except that nudged initial weights cannot survive a ``--load``."""
+    """A script run's arguments for a ``perturb`` rerun: the next ``--seed`` for ``seed`` (the
+    last one given, the one argparse keeps; Megatron-LM's default when none is); unchanged
+    otherwise, except that nudged initial weights cannot survive a loaded checkpoint."""
+    from megatron_npu.training.arguments import DEFAULT_SEED
+
     args = list(original.script_args)
-    if perturb in PERTURB_OPTIONS and any(a == "--load" or a.startswith("--load=") for a in args):
+    loads = [o for o in _LOADS if any(a == o or a.startswith(f"{o}=") for a in args)]
+    if perturb in PERTURB_OPTIONS and loads:
         raise MatrixError(
-            f"{where}: perturb = {perturb!r} moves the initial weights, and the script's --load "
-            "replaces them with the checkpoint's"
+            f"{where}: perturb = {perturb!r} moves the initial weights, and the script's "
+            f"{loads[0]} replaces them with a checkpoint's: drop it, or perturb by threads"
         )
     if perturb != noise.SCALE:
         return tuple(args)
-    for index, arg in enumerate(args):
-        given = arg.partition("=")[2] if arg.startswith("--seed=") else None
-        if arg == "--seed" and index + 1 < len(args):
-            given = args[index + 1]
-        if given is None:
+    for index in reversed(range(len(args))):
+        arg = args[index]
+        if arg != "--seed" and not arg.startswith("--seed="):
             continue
+        if arg == "--seed" and index + 1 == len(args):
+            raise MatrixError(f"{where}: the script's --seed has no value")
+        given = args[index + 1] if arg == "--seed" else arg.partition("=")[2]
         try:
             seed = int(given)
         except ValueError:
@@ -481,7 +528,7 @@ def _perturbed_script_args(original: RunSpec, perturb: str, where: str) -> tuple
         if arg == "--seed":
             return (*args[: index + 1], str(seed + 1), *args[index + 2 :])
         return (*args[:index], f"--seed={seed + 1}", *args[index + 1 :])
-    return (*args, "--seed", str(MEGATRON_LM_SEED + 1))
+    return (*args, "--seed", str(DEFAULT_SEED + 1))
 
 
 def _name_or_none(raw: dict, key: str, where: str) -> str | None:

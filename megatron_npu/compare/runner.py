@@ -35,6 +35,7 @@ from megatron_npu.devices.facts import emulated
 from megatron_npu.formats import FormatError
 from megatron_npu.formats.lambada_result import LambadaResult
 from megatron_npu.formats.run_record import RunRecord
+from megatron_npu.training.weight_nudge import ENV as NUDGE_ENV
 from megatron_npu.versions import library_versions
 
 LOG_TAIL_LINES = 15
@@ -95,9 +96,7 @@ def perturbation_env(spec: RunSpec, device: str) -> dict[str, str]:
     ``run_script`` nudges the script's initial weights by (a train run takes them as an
     option)."""
     if spec.kind == "script" and spec.perturb in PERTURB_OPTIONS:
-        from megatron_npu.training.weight_nudge import ENV
-
-        return {ENV: str(PERTURB_OPTIONS[spec.perturb][1])}
+        return {NUDGE_ENV: str(PERTURB_OPTIONS[spec.perturb][1])}
     if spec.perturb != "threads":
         return {}
     from megatron_npu import devices
@@ -387,7 +386,8 @@ def execute_script(
         stale.unlink(missing_ok=True)
     shown = "".join(f"{k}={v} " for k, v in perturbed.items())
     console.say(f" [compare] {spec.name}: {device} | {shown}{' '.join(command[3:])}")
-    env = {**script_environment(spec, device), **perturbed}
+    # an unperturbed run is never nudged, whatever the caller's environment holds
+    env = {**script_environment(spec, device), NUDGE_ENV: "0", **perturbed}
     code, tail, wall = stream(command, log_path, timeout_s, env)
     error = _failure(code, tail, timeout_s, log_path) if code != 0 else None
     if error is None:

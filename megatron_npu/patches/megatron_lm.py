@@ -93,9 +93,9 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
         "use_megatron_fsdp",
         True,
         "--use-megatron-fsdp",
-        "Megatron-FSDP is written for NCCL and CUDA streams (its gradient reduce-scatter asks "
-        "for NCCL's PREMUL_SUM, which HCCL and gloo lack): shard the optimizer states with "
-        "--use-distributed-optimizer",
+        "Megatron-FSDP is written for NCCL and CUDA streams (by default its gradient "
+        "reduce-scatter asks for NCCL's PREMUL_SUM, which HCCL and gloo lack): shard the "
+        "optimizer states with --use-distributed-optimizer",
     ),
     *(
         (

@@ -16,10 +16,9 @@ optimizer is built from it.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Any
-
-import torch
 
 #: a script run's nudge, in ulps (``megatron_npu.run_script`` reads it)
 ENV = "MEGATRON_NPU_INIT_ULP_NUDGE"
@@ -30,6 +29,8 @@ def nudge(model_chunks, ulps: int) -> int:
     return how many parameters were moved."""
     if ulps == 0:
         return 0
+    import torch
+
     moved = 0
     with torch.no_grad():
         for chunk in model_chunks:
@@ -55,20 +56,30 @@ def ulps_from_environment() -> int:
         raise ValueError(f"${ENV} must be a whole number of ulps, got {raw!r}") from None
 
 
+#: how many models the wrapped ``get_model`` has nudged in this process
+nudged_models = 0
+
+
 def nudge_megatron_lm_models(ulps: int) -> None:
-    """Make Megatron-LM's ``get_model`` (``megatron.training.training``) nudge every model it
-    builds by ``ulps``; its caller builds the optimizer from the nudged weights, and a checkpoint
-    loaded afterwards replaces them (compare refuses that combination)."""
+    """Make Megatron-LM's ``get_model`` (``megatron.training.training``, and the package's
+    re-export of it) nudge every model it builds by ``ulps``; its caller builds the optimizer
+    from the nudged weights, and a checkpoint loaded afterwards (``--load``,
+    ``--pretrained-checkpoint``) replaces them (compare refuses those). :data:`nudged_models`
+    counts the models it nudged."""
     if ulps == 0:
         return
-    from megatron.training import training
-
+    package = importlib.import_module("megatron.training")
+    training = importlib.import_module("megatron.training.training")
     original = training.get_model
 
     @functools.wraps(original)
     def get_model(*args: Any, **kwargs: Any) -> Any:
+        global nudged_models
         model = original(*args, **kwargs)
         nudge(model if isinstance(model, list) else [model], ulps)
+        nudged_models += 1
         return model
 
     training.get_model = get_model
+    if getattr(package, "get_model", None) is original:
+        package.get_model = get_model

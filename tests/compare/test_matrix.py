@@ -62,6 +62,32 @@ device = "cpu"
             "the script's --seed 'x' is not an integer",
         ),
         (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--lr", "1", "--seed"]\n'
+            '[[run]]\nname = "b"\nrerun_of = "s"\nperturb = "seed"\n',
+            "the script's --seed has no value",
+        ),
+        (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--pretrained-checkpoint=ck"]\n'
+            '[[run]]\nname = "b"\nrerun_of = "s"\nperturb = "init-ulp"\n',
+            "the script's --pretrained-checkpoint replaces them with a checkpoint's",
+        ),
+        (
+            '[[run]]\nname = "b"\nrerun_of = "a"\nperturb = "threads"\n'
+            '[[run]]\nname = "c"\nrerun_of = "b"\n',
+            "rerun_of 'b' names a perturbed rerun: rerun its original, 'a'",
+        ),
+        # a rerun of a script that saves would resume from, and write over, its original's
+        (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--save", "ck", "--load", "ck"]\n'
+            '[[run]]\nname = "b"\nrerun_of = "s"\nperturb = "seed"\n',
+            "run 'b' saves to",
+        ),
+        (
+            '[[run]]\nname = "s"\nscript = "p.py"\nargs = ["--save=ck"]\n'
+            '[[run]]\nname = "t"\nscript = "p.py"\nargs = ["--load", "ck"]\n',
+            "run 't' loads from",
+        ),
+        (
             '[[run]]\nname = "b"\noptions = { num-layerz = 3 }\n',
             "run 'b': its train options: unrecognized arguments: --num-layerz 3",
         ),
@@ -187,6 +213,8 @@ def test_perturbed_reruns_copy_their_original_and_are_not_judged(tmp_path):
         (["--lr", "1e-3", "--seed", "7"], ("--lr", "1e-3", "--seed", "8")),
         (["--seed=7", "--lr", "1e-3"], ("--seed=8", "--lr", "1e-3")),
         (["--lr", "1e-3"], ("--lr", "1e-3", "--seed", "1235")),  # Megatron-LM's 1234, next
+        # argparse keeps the last one
+        (["--seed", "1", "--seed", "5"], ("--seed", "1", "--seed", "6")),
     ],
 )
 def test_reruns_of_a_script_run_are_script_runs_of_the_same_arguments(tmp_path, args, seeded):

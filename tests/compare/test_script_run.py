@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import socket
 import sys
 from pathlib import Path
@@ -16,11 +15,10 @@ import pytest
 
 from megatron_npu.compare import command
 from megatron_npu.compare import matrix as m
-from megatron_npu.versions import library_versions
+from tests.megatron_lm._client import megatron_lm_folder
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).with_name("fixtures") / "megatron-lm"
 #: fixtures/megatron-lm/README.md: the arguments its logs were written with
 ARGS = [
@@ -60,12 +58,6 @@ ARGS = [
 ]
 
 
-def _megatron_lm() -> Path:
-    version = library_versions().get("megatron-core")
-    root = Path(os.environ.get("MEGATRON_LM_ROOT", REPO.parent / "shared" / "megatron-lm"))
-    return root / f"core_v{version}"
-
-
 @contextlib.contextmanager
 def _port_held(port: int):
     """Another program listening on ``port`` meanwhile (when one already does, it stays held)."""
@@ -77,11 +69,9 @@ def _port_held(port: int):
 
 
 def test_a_megatron_lm_script_runs_through_the_adaptor_and_is_judged(tmp_path, monkeypatch):
-    script = _megatron_lm() / "pretrain_gpt.py"
     # the steering repo's shared/ is beside every checkout CI runs: a missing one is a failure
-    assert script.is_file(), (
-        f"no Megatron-LM checkout at {script.parent} (../shared/megatron-lm, or $MEGATRON_LM_ROOT)"
-    )
+    # (megatron_lm_folder names the folder it looked in)
+    script = megatron_lm_folder() / "pretrain_gpt.py"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     args = ", ".join(f'"{a}"' for a in ARGS)
@@ -114,8 +104,7 @@ def test_rounding_reruns_of_a_script_run_give_its_candidate_a_band(tmp_path, mon
     with its initial weights one bf16 ulp up (run_script's hook on Megatron-LM's get_model) and
     with another host thread count, and judges the npu-emulated run of the same script against
     the band the two reruns span."""
-    script = _megatron_lm() / "pretrain_gpt.py"
-    assert script.is_file(), f"no Megatron-LM checkout at {script.parent}"
+    script = megatron_lm_folder() / "pretrain_gpt.py"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setitem(sys.modules, "megatron_npu.reports", None)
     one_rank = ARGS[: ARGS.index("--tensor-model-parallel-size")] + ["--bf16"]
