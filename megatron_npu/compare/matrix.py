@@ -391,15 +391,22 @@ def parse(data: dict, source: str, base_dir: Path | None = None) -> Matrix:
     return Matrix(source=source, settings=settings, runs=tuple(runs), notes=tuple(notes))
 
 
-def _script_folder(args: tuple[str, ...], option: str) -> str | None:
-    """The folder a script's ``option`` (``--save``, ``--load``) names, absolute (the script
-    runs in compare's working directory), or None; the last one given counts."""
+def _script_value(args: tuple[str, ...], option: str) -> str | None:
+    """The value a script's arguments give ``option`` (``--opt V`` or ``--opt=V``; the last one
+    counts, as with argparse): None when absent, ``""`` when it ends the arguments valueless."""
     value = None
     for index, arg in enumerate(args):
-        if arg == option and index + 1 < len(args):
-            value = args[index + 1]
+        if arg == option:
+            value = args[index + 1] if index + 1 < len(args) else ""
         elif arg.startswith(f"{option}="):
             value = arg.partition("=")[2]
+    return value
+
+
+def _script_folder(args: tuple[str, ...], option: str) -> str | None:
+    """The folder a script's ``option`` (``--save``, ``--load``) names, absolute (the script
+    runs in compare's working directory), or None."""
+    value = _script_value(args, option)
     return os.path.abspath(value) if value else None
 
 
@@ -506,7 +513,7 @@ def _perturbed_script_args(original: RunSpec, perturb: str, where: str) -> tuple
     from megatron_npu.training.arguments import DEFAULT_SEED
 
     args = list(original.script_args)
-    loads = [o for o in _LOADS if any(a == o or a.startswith(f"{o}=") for a in args)]
+    loads = [o for o in _LOADS if _script_value(original.script_args, o) is not None]
     if perturb in PERTURB_OPTIONS and loads:
         raise MatrixError(
             f"{where}: perturb = {perturb!r} moves the initial weights, and the script's "

@@ -352,13 +352,14 @@ def execute_script(
     from megatron_npu.compare import mlm_log
 
     script = Path(str(spec.path))
-    launched = script_command(spec)[3:]
+    bare = script_command(spec)
+    launched = bare[3:]
     if RENDEZVOUS in launched:  # the first is the launcher's own, before the script's arguments
         launched.remove(RENDEZVOUS)
     try:
         perturbed = perturbation_env(spec, device)
     except ValueError as exc:
-        return Outcome("failed", str(exc), 0.0, script_command(spec), "")
+        return Outcome("failed", str(exc), 0.0, bare, "")
     identity = {
         "device": device,
         "command": launched,
