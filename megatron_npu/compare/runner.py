@@ -110,6 +110,14 @@ def perturbation_env(spec: RunSpec, device: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(2 if threads == 1 else 1)}
 
 
+def recorded_command(command: list[str], env: dict[str, str]) -> list[str]:
+    """The command as ``run.json`` keeps it: prefixed with ``env K=V ...`` when the run changed
+    its environment (a perturbed rerun), so that the line reproduces the run as it ran."""
+    if not env:
+        return command
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *command]
+
+
 def config_hash(
     spec: RunSpec,
     device: str,
@@ -285,7 +293,8 @@ def execute(
         return Outcome("failed", str(exc), 0.0, command, "")
     digest = config_hash(spec, device, rerun_index, checkpoint, env)
     record_path, metrics_path = run_dir / "run.json", run_dir / "metrics.json"
-    cached = _cached(spec, run_dir, digest, command)
+    recorded = recorded_command(command, env)
+    cached = _cached(spec, run_dir, digest, recorded)
     if cached is not None:
         return cached
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,7 +311,7 @@ def execute(
         if code != 0
         else "no metrics.json was written"
     )
-    return _finished(record_path, digest, error, wall, command, session)
+    return _finished(record_path, digest, error, wall, recorded, session)
 
 
 #: torchrun's single-node rendezvous: its store binds a port the system picks and tells the ranks
@@ -372,16 +381,17 @@ def execute_script(
         identity["environment"] = perturbed
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     command = script_command(spec, run_dir / "torchrun-logs")
+    recorded = recorded_command(command, perturbed)
     record_path, metrics_path, log_path = (
         run_dir / "run.json",
         run_dir / "metrics.json",
         run_dir / "train.log",
     )
-    cached = _cached(spec, run_dir, digest, command)
+    cached = _cached(spec, run_dir, digest, recorded)
     if cached is not None:
         return replace(cached, lambada=None)  # a script run has no LAMBADA evaluation
     if not script.is_file():
-        return Outcome("failed", f"no script {script}", 0.0, command, digest)
+        return Outcome("failed", f"no script {script}", 0.0, recorded, digest)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (metrics_path, record_path):
         stale.unlink(missing_ok=True)
@@ -400,7 +410,7 @@ def execute_script(
             metrics.config.device = device
             metrics.config.device_emulated = emulated(device)
             metrics.write(metrics_path)
-    return _finished(record_path, digest, error, wall, command, session)
+    return _finished(record_path, digest, error, wall, recorded, session)
 
 
 def evaluation_options(spec: RunSpec) -> dict[str, Any]:

@@ -149,7 +149,11 @@ class Run(Part):
     wall_s: Number | None = Field(
         None, description="wall time of the train subprocess (of the original run when cached)"
     )
-    command: list[str] = Field(default_factory=list, description="the exact argv")
+    command: list[str] = Field(
+        default_factory=list,
+        description="the exact argv; a perturbed rerun's starts with `env K=V ...`, the "
+        "environment it changed",
+    )
     metrics_path: str | None = Field(
         None, description="runs/<name>/metrics.json, relative to the folder"
     )

@@ -33,7 +33,11 @@ class RunRecord(Document):
         "last error line, else the log's last lines)",
     )
     wall_s: Number | None = Field(None, description="wall seconds of the run's subprocess")
-    command: list[str] | None = Field(None, description="the exact argv")
+    command: list[str] | None = Field(
+        None,
+        description="the exact argv; a perturbed rerun's starts with `env K=V ...`, the "
+        "environment it changed",
+    )
     session: str | None = Field(
         None,
         description="the compare invocation that timed the run: speed verdicts only compare runs "

@@ -25,6 +25,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,12 @@ def side_from_compare(out_dir: Path, name: str) -> tuple[RunSide, Path]:
     except FormatError as exc:
         raise LocateError(str(exc)) from None
     command = list(record.command or [])
+    if command[:1] == ["env"]:
+        changed = " ".join(takewhile(lambda a: "=" in a, command[1:]))
+        raise LocateError(
+            f"compare run {name!r} ran with {changed} (a perturbed rerun): locate replays both "
+            "runs under one environment; name the run it reruns"
+        )
     if "megatron_npu.run_script" in command:
         return _script_side_from_command(name, command, metrics), metrics
     if "train" not in command:

@@ -106,6 +106,34 @@ def test_a_threads_rerun_changes_the_host_thread_count_and_only_on_the_host(monk
         runner.perturbation_env(spec, "cuda")
 
 
+def test_a_threads_reruns_record_carries_the_thread_count_it_ran_with(tmp_path, monkeypatch):
+    """run.json keeps the command with the environment the rerun changed, so that the line
+    reproduces the run and locate can tell it from a plain one."""
+    from megatron_npu.compare import matrix as m
+    from megatron_npu.compare import runner
+    from megatron_npu.formats.run_record import RunRecord
+    from megatron_npu.locate.command import LocateError, side_from_compare
+
+    launched = []
+    monkeypatch.setattr(
+        runner, "stream", lambda cmd, log, timeout, env: (launched.append(env) or 1, [], 0.1)
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = m.RunSpec("t", ("cpu",), {"num-layers": 2}, perturb="threads", rerun_of="ref")
+    run_dir = tmp_path / "runs" / "t"
+    outcome = runner.execute(spec, "cpu", run_dir, corpus_dir=tmp_path, timeout_s=5)
+    assert launched[0]["OMP_NUM_THREADS"] == "2"
+    recorded = RunRecord.read(run_dir / "run.json").command
+    assert recorded == outcome.command
+    assert recorded[:2] == ["env", "OMP_NUM_THREADS=2"] and recorded[4:6] == [
+        "megatron_npu.cli",
+        "train",
+    ]
+    (run_dir / "metrics.json").write_text('{"steps": []}')
+    with pytest.raises(LocateError, match=r"'t' ran with OMP_NUM_THREADS=2 \(a perturbed rerun\)"):
+        side_from_compare(tmp_path, "t")
+
+
 def test_a_script_runs_ulp_rerun_passes_its_nudge_to_run_script():
     """A train run's rerun takes ``--init-ulp-nudge``; a script run's the same ulps through the
     environment run_script reads."""

@@ -15,6 +15,8 @@ import pytest
 
 from megatron_npu.compare import command
 from megatron_npu.compare import matrix as m
+from megatron_npu.locate.command import LocateError, side_from_compare
+from megatron_npu.training import weight_nudge
 from tests.megatron_lm._client import megatron_lm_folder
 
 pytestmark = pytest.mark.slow
@@ -134,6 +136,16 @@ def test_rounding_reruns_of_a_script_run_give_its_candidate_a_band(tmp_path, mon
         abs(a - b) <= 1e-2 * a for a, b in zip(losses("ref"), losses("ref-ulp-up"), strict=True)
     )
     assert "OMP_NUM_THREADS=2" in echo.getvalue()
+    # each rerun's recorded command carries the environment it changed, and so reproduces it
+    assert runs["ref-ulp-up"]["command"][:2] == ["env", f"{weight_nudge.ENV}=1"]
+    assert runs["ref-threads"]["command"][:2] == ["env", "OMP_NUM_THREADS=2"]
+    assert runs["ref"]["command"][0] != "env"
+    assert runs["ref-ulp-up"]["command"][-len(one_rank) - 1 :] == [str(script), *one_rank]
+    # locate replays both sides under one environment: a perturbed rerun is refused by name
+    ref_side, _ = side_from_compare(tmp_path / "out", "ref")
+    assert ref_side.script == str(script) and ref_side.device == "cpu"
+    with pytest.raises(LocateError, match=rf"'ref-ulp-up' ran with {weight_nudge.ENV}=1 \(a pert"):
+        side_from_compare(tmp_path / "out", "ref-ulp-up")
     verdicts = {(v["candidate"], v["rule"]): v for v in document["verdicts"]}
     assert verdicts[("npu", "noise")]["status"] == "pass", verdicts[("npu", "noise")]
     assert ("ref-ulp-up", "noise") not in verdicts  # a rerun measures; it is not judged
