@@ -133,6 +133,9 @@ def test_megatron_modules_see_routed_torch_only_while_applied(cpu_adaptor):
     assert routed.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
     assert routed.tensor([1.0], device=0).device.type == "cpu"
     assert routed.device("cuda", routed.cuda.current_device()) == torch.device("cpu")
+    # Megatron-FSDP's f"cuda:{torch.cuda.current_device()}" renders the current device itself
+    assert routed.device(f"cuda:{routed.cuda.current_device()}") == torch.device("cpu")
+    assert routed.device("cuda:0") == routed.device("cuda") == torch.device("cpu")
     assert isinstance(torch.device("cpu"), routed.device)
     assert routed.nn is torch.nn and routed.float16 is torch.float16
     # Megatron-LM's CP batch split asks for pinned memory, which a host-only torch cannot give

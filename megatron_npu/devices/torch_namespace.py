@@ -66,6 +66,10 @@ def map_device(device: Any) -> Any:
     if isinstance(device, str):
         if device.startswith("cuda"):
             index = device.partition(":")[2]
+            if index and not index.isdigit():
+                # f"cuda:{torch.cuda.current_device()}": the active device's current device,
+                # which its accelerator API renders as a device ("cpu", "npu:0")
+                return REAL_DEVICE(index)
             return active.torch_device(int(index) if index.isdigit() else None)
         return device
     if isinstance(device, REAL_DEVICE) and device.type == "cuda":
@@ -114,6 +118,9 @@ class _DeviceMeta(type):
     def __call__(cls, type: Any = None, index: Any = None) -> torch.device:  # noqa: A002
         if isinstance(index, REAL_DEVICE):  # torch.device("cuda", torch.cuda.current_device())
             return index
+        if index is None and isinstance(type, str):
+            mapped = map_device(type)
+            return mapped if isinstance(mapped, REAL_DEVICE) else REAL_DEVICE(mapped)
         real = REAL_DEVICE(type) if index is None else REAL_DEVICE(type, index)
         return map_device(real)
 

@@ -52,11 +52,10 @@ NOT_ROUTED = {
     "triton, CUDA-only)",
     "megatron.core.ssm": "Mamba / gated-delta-net layers: outside the GPT scope",
     "megatron.core.models.bert": "BERT: outside the GPT scope",
-    "megatron.core.distributed.fsdp": "Megatron-FSDP: not supported (DDP and the distributed "
-    "optimizer are)",
-    "megatron.core.transformer.fsdp_dtensor_checkpoint": "FSDP DTensor checkpoints: not supported",
     "megatron.core.distributed.distributed_data_parallel_config": "names 'cuda' only in "
     "documentation; no CUDA call to route",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.distributed_data_parallel_config": "names "
+    "'cuda' only in documentation; no CUDA call to route",
 }
 
 #: The routed modules: the scan's, classified (see the module docstring).
