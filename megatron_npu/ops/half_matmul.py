@@ -13,8 +13,12 @@ and rounding once is the same arithmetic at fp32's pace; the results differ from
 casts, so the backward products are fp32 products rounded once as well, and a custom autograd
 function that calls the product in its backward (Megatron's tensor-parallel linear) gets the same.
 The product is served this way only when every tensor argument is a CPU tensor of one 16-bit
-dtype and no ``out=`` is given; anything else (fp32, mixed dtypes, an output buffer) reaches the
-original unchanged, with its own errors.
+dtype. With ``out=`` an fp32 buffer, the fp32 product is written there unrounded: the
+weight-gradient GEMM of Megatron-FSDP (``torch.matmul(grad_output.t(), total_input,
+out=weight.main_grad)``) asks for what a GPU's GEMM gives it through Transformer Engine, a 16-bit
+product accumulated and kept in fp32, and torch's own kernels refuse a buffer of another dtype.
+Anything else (fp32 operands, mixed dtypes, a 16-bit buffer) reaches the original unchanged, with
+its own errors.
 """
 
 from __future__ import annotations
@@ -30,10 +34,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def half_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
-    """The one 16-bit dtype of every tensor argument, when all are CPU tensors of it; else None
-    (so is a call with ``out=``, whose buffer fixes the result's dtype and storage)."""
-    if kwargs.get("out") is not None:
-        return None
+    """The one 16-bit dtype of every tensor argument, when all are CPU tensors of it; else None."""
     dtype = None
     for value in (*args, *kwargs.values()):
         if not isinstance(value, torch.Tensor):
@@ -56,11 +57,14 @@ def fp32_accumulated(original: Callable[..., torch.Tensor]) -> Callable[..., tor
 
     @functools.wraps(original)
     def product(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = kwargs.pop("out", None)
         dtype = half_dtype(args, kwargs)
-        if dtype is None:
-            return original(*args, **kwargs)
+        if dtype is None or (out is not None and out.dtype != torch.float32):
+            return original(*args, **kwargs) if out is None else original(*args, **kwargs, out=out)
         upcast_args = tuple(_upcast(a) for a in args)
         upcast_kwargs = {k: _upcast(v) for k, v in kwargs.items()}
+        if out is not None:  # an fp32 buffer takes the fp32 product as it is
+            return original(*upcast_args, **upcast_kwargs, out=out)
         return original(*upcast_args, **upcast_kwargs).to(dtype)
 
     return product

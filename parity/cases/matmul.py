@@ -3,8 +3,10 @@ rounded once on the CPU stand-in devices).
 
 Each case calls the product the way Megatron does (looked up on ``torch`` / the tensor at call
 time, so the installed wrapper runs) and compares it with torch's original product on the
-upcast inputs. The drawn examples reach both sides of the wrapper: fp16/bf16 cells take the
-fp32 product, fp32 cells and calls with ``out=`` reach the original unchanged. Shapes cover what
+upcast inputs. The drawn examples reach every side of the wrapper: fp16/bf16 cells take the
+fp32 product, fp32 cells and calls with an ``out=`` buffer of the operands' dtype reach the
+original unchanged, and an fp32 buffer for 16-bit operands (Megatron-FSDP's weight gradient)
+takes the fp32 product unrounded. Shapes cover what
 Megatron multiplies: plain and batched matrices, a 2-D weight broadcast over leading dimensions,
 vectors, ``baddbmm``'s ``beta`` 0 (Megatron's attention scores) and 1, a linear with and without
 bias.
@@ -63,6 +65,7 @@ def _product_case(
     params = {**_dims(), **extra}
     if takes_out:
         params["out"] = st.booleans()
+        params["out_fp32"] = st.booleans()  # with out: an fp32 buffer, whatever the operands
 
     def make_inputs(p: dict[str, Any]) -> dict:
         operands = _randn(p, *shapes(p))
@@ -75,7 +78,8 @@ def _product_case(
         operands = [ctx.tensor(inputs[f"x{i}"], grad=not use_out) for i in range(len(inputs))]
         if use_out:  # an output buffer: no autograd, the product written in the buffer's dtype
             probe = call(fn, operands, ctx.params)
-            buffer = torch.empty_like(probe)
+            wide = ctx.params.get("out_fp32") and fn is None  # the reference's stays its own
+            buffer = torch.empty_like(probe, dtype=torch.float32 if wide else probe.dtype)
             result = call(fn, operands, {**ctx.params, "out_buffer": buffer})
             assert result.data_ptr() == buffer.data_ptr()
             return {"out": result}
@@ -155,11 +159,12 @@ _MATMUL_EDGES = (
     _edge(form="vector-left", out=False, seed=2),
     _edge(form="2d", n=1, k=1, m=1, out=False, seed=3),
     _edge(form="batched", out=True, seed=4),
+    _edge(form="2d", out=True, out_fp32=True, seed=5),  # Megatron-FSDP's weight gradient
 )
 
 
 def _no_out(edges: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
-    return tuple({k: v for k, v in e.items() if k != "out"} for e in edges)
+    return tuple({k: v for k, v in e.items() if k not in ("out", "out_fp32")} for e in edges)
 
 
 TORCH_MATMUL = _product_case(
@@ -196,7 +201,12 @@ TORCH_MM = _product_case(
     {},
     True,
     "torch.mm's product and the grads of both operands",
-    (_edge(out=False), _edge(n=1, k=1, m=1, out=False, seed=3), _edge(out=True, seed=4)),
+    (
+        _edge(out=False),
+        _edge(n=1, k=1, m=1, out=False, seed=3),
+        _edge(out=True, seed=4),
+        _edge(out=True, out_fp32=True, seed=5),
+    ),
 )
 TORCH_BMM = _product_case(
     "torch-bmm",
