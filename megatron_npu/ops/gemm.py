@@ -11,6 +11,8 @@ how each operand enters the product, TE's column-major convention read row-major
 
 The operands are cast to ``out_dtype`` first, as Megatron's own fallback does, so the product
 accumulates in the router dtype on every device (one matmul, the NPU's cube unit on the NPU).
+From megatron-core 0.18 the linear layers' backward under Megatron-FSDP calls the extension's own
+``te_general_gemm`` as well, with an output buffer (:func:`te_general_gemm`).
 """
 
 from __future__ import annotations
@@ -56,4 +58,24 @@ def general_gemm(
         out = torch.mm(op_b, op_a)
     else:
         out = torch.addmm(bias.to(dtype), op_b, op_a)
+    return [out, None, None, None]
+
+
+def te_general_gemm(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    layout: str = "TN",
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    grad: bool = False,
+) -> list[torch.Tensor | None]:
+    """megatron-core's own ``te_general_gemm`` (``megatron.core.extensions.transformer_engine``,
+    0.18+): :func:`general_gemm`, whose product is written into ``out`` when one is given (and is
+    then in ``out``'s dtype unless ``out_dtype`` says otherwise). Megatron-FSDP's weight gradient
+    comes this way, a 16-bit product kept in the fp32 gradient buffer."""
+    if out is None:
+        return general_gemm(A, B, out_dtype, layout, bias, grad)
+    product = general_gemm(A, B, out_dtype or out.dtype, layout, bias, grad)[0]
+    out.copy_(product)
     return [out, None, None, None]

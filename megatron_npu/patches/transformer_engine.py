@@ -22,6 +22,7 @@ import functools
 from typing import Any
 
 from megatron_npu.modules import te_layers
+from megatron_npu.ops import gemm
 from megatron_npu.patches.context_parallel import route_context_parallel
 from megatron_npu.registry import Patch
 
@@ -110,6 +111,19 @@ def _entry(key: str, name: str, reason: str, parity: str, benchmark: str, **extr
 
 
 PATCHES = [
+    Patch(
+        id="transformer-engine.general-gemm",
+        target=f"{_EXT}.te_general_gemm",
+        replacement=gemm.te_general_gemm,
+        check_signature=False,  # the target is None without TE
+        rebind_copies=False,  # a None target: moe_utils' copy has its own entry
+        reason="TE's GEMM into an output buffer: the linear layers' weight gradient under "
+        "Megatron-FSDP (a 16-bit product kept in the fp32 gradient buffer)",
+        versions=">=0.18",
+        parity="megatron_npu.parity.cases.wgrad_accum:GRADIENT_ACCUMULATION_FUSION",
+        benchmark_exempt="one weight-gradient GEMM per linear layer, the product the "
+        "gradient-accumulation-fusion benchmark times",
+    ),
     Patch(
         id="transformer-engine.norm",
         target=f"{_EXT}.TENorm",

@@ -9,6 +9,11 @@ in the tested dtype (bf16/fp16 params without it: the ``_fp16`` kernel); both ar
 reference is the algebra in the upcast dtype: ``out = x W^T``, ``grad_x = g W``, ``main_grad +=
 g^T x`` over all tokens (the original target does not exist without apex, so it cannot be
 called).
+
+Under Megatron-FSDP (a weight marked ``__fsdp_param__``, megatron-core 0.14+) the same backward
+*writes* the weight gradient into the buffer ``weight.get_main_grad()`` hands out: through
+``torch.matmul(..., out=)`` up to megatron-core 0.17, through ``te_general_gemm`` from 0.18. An
+fp32 buffer takes the 16-bit product unrounded, as TE's GEMM gives it on a GPU.
 """
 
 from __future__ import annotations
@@ -27,9 +32,22 @@ def _params():
             "fan_out": st.integers(1, 48),
             "main_grad_fp32": st.booleans(),
             "bias": st.booleans(),
+            "fsdp": st.booleans(),
             "seed": st.integers(0, 2**16),
         }
     )
+
+
+def _fsdp(ctx: Context) -> bool:
+    """Whether the example's weight is a Megatron-FSDP parameter: drawn so, and the installed
+    megatron-core's linear backward has the Megatron-FSDP branch (0.14+)."""
+    import inspect
+
+    from megatron.core.tensor_parallel.layers import (
+        LinearWithGradAccumulationAndAsyncCommunication as Linear,
+    )
+
+    return bool(ctx.params.get("fsdp")) and "__fsdp_param__" in inspect.getsource(Linear.backward)
 
 
 def _inputs(p):
@@ -62,6 +80,10 @@ def _run(ctx: Context, inputs):
         x = ctx.tensor(inputs["x"], grad=True)
         weight = torch.nn.Parameter(ctx.tensor(inputs["weight"]))
         weight.main_grad = inputs["main_grad"].to(_main_grad_dtype(ctx)).to(ctx.device)
+        if _fsdp(ctx):  # Megatron-FSDP hands out its gradient buffer, which the GEMM overwrites
+            buffer = weight.main_grad
+            weight.__fsdp_param__ = True
+            weight.get_main_grad = lambda: buffer
         bias = ctx.tensor(inputs["bias"]) if ctx.params["bias"] else None
         out = linear_with_grad_accumulation_and_async_allreduce(
             x,
@@ -88,7 +110,8 @@ def _reference(ctx: Context, inputs):
     acc = torch.promote_types(ctx.dtype, _main_grad_dtype(ctx))
     start = inputs["main_grad"].to(_main_grad_dtype(ctx)).to(acc)
     flat_g, flat_x = g.reshape(-1, g.shape[-1]).to(acc), x.reshape(-1, x.shape[-1]).to(acc)
-    return {"out": out, "grad_x": g @ w, "main_grad": start + flat_g.t() @ flat_x}
+    wgrad = flat_g.t() @ flat_x
+    return {"out": out, "grad_x": g @ w, "main_grad": wgrad if _fsdp(ctx) else start + wgrad}
 
 
 def _edge(**kw):
@@ -99,6 +122,7 @@ def _edge(**kw):
         "fan_out": 24,
         "main_grad_fp32": True,
         "bias": True,
+        "fsdp": False,
         "seed": 1,
     }
     base.update(kw)
@@ -112,7 +136,8 @@ GRADIENT_ACCUMULATION_FUSION = ParityCase(
     run=_run,
     reference=_reference,
     compares="linear output, input gradient, and main_grad after the fused weight-gradient "
-    "accumulate (fp32 or 16-bit main_grad)",
+    "accumulate (fp32 or 16-bit main_grad), or under Megatron-FSDP the weight gradient written "
+    "into its buffer",
     reference_kind="x W^T, g W and main_grad + g^T x in the upcast dtype (no stock CUDA kernel "
     "exists to call)",
     edge_cases=(
@@ -120,5 +145,7 @@ GRADIENT_ACCUMULATION_FUSION = ParityCase(
         _edge(main_grad_fp32=False, seed=2),  # the _fp16 kernel (16-bit main_grad)
         _edge(seq=1, batch=1, fan_in=1, fan_out=1, seed=3),
         _edge(seq=12, batch=3, fan_in=48, fan_out=48, bias=False, seed=4),  # long token sums
+        _edge(fsdp=True, seed=5),  # Megatron-FSDP: the fp32 buffer takes the product
+        _edge(fsdp=True, main_grad_fp32=False, seed=6),  # and a 16-bit buffer
     ),
 )
