@@ -5,6 +5,7 @@ wrote: its ``iteration N/ M | ...`` log lines and its TensorBoard scalars."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -192,16 +193,23 @@ def pretrain_gpt(
         "TMPDIR": str(tmp),
         **(env or {}),
     }
-    proc = subprocess.run(
+    # its own process group: at the timeout the ranks go with torchrun, not on as orphans
+    with subprocess.Popen(
         command,
         cwd=tmp,
         env=run_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout)
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    (tmp / f"{name}.log").write_text(stdout)
     (tmp / f"{name}.rc").write_text(str(proc.returncode))
     return read_run(tmp, name, tensorboard)
 
