@@ -28,7 +28,9 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   every parameter's state. Torch's Adam(W) increments each parameter's ``step`` in place
   (``_foreach_add_``), so the shared tensor advances once per parameter per step and the bias
   correction is wrong from the first step after a resume. The wrapper gives each parameter its
-  own copy after Megatron's load.
+  own copy after Megatron's load. Under Megatron-FSDP it first gives the entries of this rank's
+  empty shards a step (:func:`.megatron_fsdp.give_empty_shards_a_step`), which torch's Adam
+  reads on load.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ import functools
 import os
 from typing import Any
 
+import torch
+
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.facts import DEVICES
+from megatron_npu.patches import megatron_fsdp
 from megatron_npu.registry import Patch
 
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
@@ -71,8 +76,10 @@ def _wrap_set_main_param_and_optimizer_states(original: Any) -> Any:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, value in states.items():
-            destination[key].copy_(value)
+        # an fp32 model's main parameter is a view of the model's own (a leaf that needs grad)
+        with torch.no_grad():
+            for key, value in states.items():
+                destination[key].copy_(value)
         return None
 
     return _set_main_param_and_optimizer_states
@@ -85,8 +92,6 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
         params = [p for group in getattr(inner, "param_groups", ()) for p in group["params"]]
         if not params or any(inner.state.get(p) for p in params):
             return original(self)
-        import torch
-
         for p in params:  # a fresh optimizer: Megatron's torch path reads step 0 from each state
             inner.state[p]["step"] = torch.tensor(0.0)
         try:
@@ -101,6 +106,8 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
 def _wrap_distopt_load_state_dict(original: Any) -> Any:
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
+        if getattr(getattr(self, "ddp_config", None), "use_megatron_fsdp", False):
+            megatron_fsdp.give_empty_shards_a_step(state_dict["state"])
         result = original(self, state_dict)
         inner = getattr(self, "optimizer", None)
         seen: set[int] = set()

@@ -19,7 +19,7 @@ from megatron_npu import console
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
-from megatron_npu.patches import torch_fsdp2
+from megatron_npu.patches import megatron_fsdp, torch_fsdp2
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.registry import Patch
 
@@ -89,14 +89,6 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
         "--moe-enable-deepep",
         "DeepEP dispatch is CUDA-only: use alltoall or allgather",
     ),
-    (
-        "use_megatron_fsdp",
-        True,
-        "--use-megatron-fsdp",
-        "Megatron-FSDP is written for NCCL and CUDA streams (by default its gradient "
-        "reduce-scatter asks for NCCL's PREMUL_SUM, which HCCL and gloo lack): shard the "
-        "optimizer states with --use-distributed-optimizer",
-    ),
     *(
         (
             name,
@@ -136,6 +128,12 @@ def unsupported_options(args: Any) -> list[str]:
     return found
 
 
+def refusals(args: Any) -> list[str]:
+    """Every option of Megatron-LM's ``args`` the adaptor refuses, as ``"--option: why"``: the
+    ones it cannot serve and those Megatron's own FSDP code fails on."""
+    return unsupported_options(args) + torch_fsdp2.problems(args) + megatron_fsdp.problems(args)
+
+
 def _warmup_in_forked_rng(original: Any) -> Any:
     """Megatron-LM warms its jit fusions up on random "cuda" tensors sized by the layout
     (``ffn_hidden_size // tp``). On CUDA those draws advance the device generator only; here the
@@ -162,9 +160,12 @@ def _set_global_variables(original: Any) -> Any:
     @functools.wraps(original)
     def set_global_variables(*args: Any, **kwargs: Any) -> Any:
         namespace = args[0] if args else kwargs["args"]
-        problems = unsupported_options(namespace) + torch_fsdp2.problems(namespace)
+        problems = refusals(namespace)
         if problems:
             _refuse(MegatronLMOptionError(problems))
+        if os.environ.get("RANK", "0") == "0":
+            for line in megatron_fsdp.notices(namespace):
+                console.warn(line)
         settings.set_fused_attention(use_flash_attn=bool(getattr(namespace, "use_flash_attn", 0)))
         return original(*args, **kwargs)
 

@@ -735,11 +735,12 @@ def test_te_spec_equals_local_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path, host
 
 
 def _resumes_bitwise(
-    tmp_path, *args: str, name: str, env=None, device: str = "npu-emulated"
+    tmp_path, *args: str, name: str, env=None, device: str = "npu-emulated", timeout: int = 600
 ) -> Run:
     """12 iterations of ``args`` on two ranks of ``device``, saving at 6 and 12, and a resume
     from the iteration-6 checkpoint (as Megatron-LM's tracker file names it): iterations 7-12
-    are bitwise those of the straight run. Returns the straight run."""
+    are bitwise those of the straight run. Returns the straight run. ``timeout``: seconds for
+    each run."""
     ckpt = tmp_path / f"{name}-ckpt"
     common = (*args, "--train-iters", "12")
     straight = pretrain_gpt(
@@ -753,6 +754,7 @@ def _resumes_bitwise(
         device=device,
         name=f"{name}-straight",
         env=env,
+        timeout=timeout,
     )
     check_trained(straight, 12)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
@@ -764,6 +766,8 @@ def _resumes_bitwise(
         nproc=2,
         device=device,
         name=f"{name}-resumed",
+        env=env,
+        timeout=timeout,
     )
     assert resumed.returncode == 0, resumed.tail()
     assert min(resumed.skipped) == 7 and max(resumed.skipped) == 12, resumed.tail()
@@ -774,13 +778,14 @@ def _resumes_bitwise(
     return straight
 
 
-def test_distributed_optimizer_resume_is_bitwise(tmp_path):
-    """``--use-distributed-optimizer`` (bf16, two data-parallel ranks) saves Megatron-LM's
-    default ``dp_reshardable`` checkpoint and a resume from it repeats the straight run bitwise:
-    the optimizer it loads into has no states yet, and each parameter gets its moments and its
-    step back."""
+@pytest.mark.parametrize("precision", [("--bf16",), ()], ids=["bf16", "fp32"])
+def test_distributed_optimizer_resume_is_bitwise(tmp_path, precision):
+    """``--use-distributed-optimizer`` (two data-parallel ranks) saves Megatron-LM's default
+    ``dp_reshardable`` checkpoint and a resume from it repeats the straight run bitwise: the
+    optimizer it loads into has no states yet, and each parameter gets its moments and its step
+    back (in fp32 the main parameters are views of the model's own, which need grad)."""
     _resumes_bitwise(
-        tmp_path, *TINY, "--mock-data", "--use-distributed-optimizer", "--bf16", name="distopt"
+        tmp_path, *TINY, "--mock-data", "--use-distributed-optimizer", *precision, name="distopt"
     )
 
 
@@ -902,6 +907,85 @@ def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
     for step, loss in ddp.losses.items():
         assert abs(fsdp2.losses[step] - loss) <= 1e-6 * abs(loss), (fsdp2.losses, ddp.losses)
     assert fsdp2.grad_norms == ddp.grad_norms
+
+
+def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(tmp_path):
+    """``--use-megatron-fsdp`` fully sharded (``optim_grads_params``) on two ranks of
+    npu-emulated, bf16 with Megatron-LM's defaults otherwise (gradient-accumulation fusion, whose
+    weight gradient Megatron-FSDP writes into its fp32 buffer; the gradient reduce's div fusion,
+    which asks NCCL for PREMUL_SUM): per step the distributed optimizer's losses and grad norms,
+    and its ``fsdp_dtensor`` checkpoint (ranks whose shards of some parameters are empty)
+    resumes bitwise. core_v0.13's forerunner, ``--use-custom-fsdp``, is refused in one line."""
+    common = (*TINY, "--mock-data", "--use-distributed-optimizer", "--bf16")
+    untied = ("--untie-embeddings-and-output-weights",)
+    arguments = (megatron_lm_folder() / "megatron" / "training" / "arguments.py").read_text()
+    if "'--use-megatron-fsdp'" not in arguments:
+        custom = pretrain_gpt(
+            tmp_path,
+            *common,
+            "--train-iters",
+            "2",
+            "--use-custom-fsdp",
+            nproc=2,
+            device="npu-emulated",
+            name="custom-fsdp",
+            tensorboard=False,
+            env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},  # Megatron-LM asserts more than one first
+        )
+        lines = [line for line in custom.log.splitlines() if line.startswith("megatron-npu: ")]
+        assert len(lines) == 1 and "--use-custom-fsdp: " in lines[0], custom.tail()
+        assert "exitcode  : 2" in custom.log and "[rank0]: Traceback" not in custom.log
+        return
+    fsdp = (
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--ckpt-format",
+        "fsdp_dtensor",
+    )
+    if "'--megatron-fsdp-main-grads-dtype'" in arguments:  # from 0.17: the params' dtype (bf16)
+        fsdp += ("--megatron-fsdp-main-grads-dtype", "fp32")  # the distributed optimizer's
+    straight = _resumes_bitwise(
+        tmp_path,
+        *common,
+        *untied,
+        *fsdp,
+        name="fsdp",
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},  # Megatron-FSDP asserts more than one
+        timeout=240,  # ranks that part on a collective wait for each other without end
+    )
+    distopt = pretrain_gpt(
+        tmp_path,
+        *common,
+        *untied,
+        "--train-iters",
+        "12",
+        nproc=2,
+        device="npu-emulated",
+        name="distopt",
+    )
+    check_trained(distopt, 12)
+    ours, theirs = _curve(straight, range(1, 13)), _curve(distopt, range(1, 13))
+    assert ours.losses == theirs.losses
+    # the norm sums squares over each rank's shards, which the two split differently
+    for mine, reference in zip(ours.grad_norms, theirs.grad_norms, strict=True):
+        assert abs(mine - reference) <= 1e-6 * reference, (ours.grad_norms, theirs.grad_norms)
+    notice = "megatron-npu: with --use-megatron-fsdp, tied embeddings"
+    assert notice not in straight.log  # untied
+    tied = pretrain_gpt(
+        tmp_path,
+        *common,
+        *fsdp,
+        "--train-iters",
+        "2",
+        nproc=2,
+        device="npu-emulated",
+        name="fsdp-tied",
+        tensorboard=False,
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+    )
+    assert tied.returncode == 0, tied.tail()
+    assert tied.log.count(notice) == 1, tied.tail()  # rank 0 says it once
 
 
 def test_te_cross_entropy_fusion_gives_the_unfused_loss(tmp_path):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_npu.patches import megatron_lm, torch_fsdp2
+from megatron_npu.patches import megatron_lm
 from tests.megatron_lm._client import megatron_lm_folder
 
 #: a value of each trigger kind that asks for the refused feature
@@ -18,8 +18,7 @@ _ASKING = {"not-none": "local", "above-1": 2, "set": "x", "fp8-dtype": "fp8"}
 
 
 def _refused(**args) -> list[str]:
-    namespace = SimpleNamespace(**args)
-    return megatron_lm.unsupported_options(namespace) + torch_fsdp2.problems(namespace)
+    return megatron_lm.refusals(SimpleNamespace(**args))
 
 
 @pytest.mark.parametrize(
@@ -34,3 +33,35 @@ def test_a_refused_option_is_one_line_and_the_way_it_names_is_served(name, trigg
     for suggested in re.findall(r"\b(?:with|use) (--[a-z0-9-]+)", lines[0]):
         assert f"'{suggested}'" in arguments, (option, suggested)  # Megatron-LM has it
         assert _refused(**{suggested[2:].replace("-", "_"): True}) == [], (option, suggested)
+
+
+def test_core_v013s_custom_fsdp_is_refused_and_megatron_fsdp_is_served():
+    """core_v0.13's ``--use-custom-fsdp`` (no ``use_megatron_fsdp`` argument yet) is one line
+    naming what to use; from 0.14 Megatron-LM sets ``use_custom_fsdp`` beside
+    ``--use-megatron-fsdp``, which is served."""
+    [line] = _refused(use_custom_fsdp=True)
+    assert line.startswith("--use-custom-fsdp: ") and "use --use-distributed-optimizer" in line
+    assert _refused(use_custom_fsdp=True, use_megatron_fsdp=True) == []
+
+
+def test_megatron_fsdps_no_shard_is_refused_where_megatrons_gather_fails():
+    """No-shard Megatron-FSDP: megatron-core before 0.18 gathers the parameters after each step
+    from a weight buffer no_shard does not build (refused in one line, with the way out);
+    ``--overlap-param-gather`` takes the other path, and 0.18+ gathers no_shard itself."""
+    import inspect
+
+    pytest.importorskip(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp",
+        reason="megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)",
+    )
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+    fails = "no_shard" not in inspect.getsource(MegatronFSDP.start_param_sync)
+    asked = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "no_shard"}
+    lines = _refused(**asked)
+    assert len(lines) == fails
+    if fails:
+        assert lines[0].startswith("--data-parallel-sharding-strategy no_shard: ")
+        assert "add --overlap-grad-reduce --overlap-param-gather" in lines[0]
+    assert _refused(**asked, overlap_param_gather=True) == []
+    assert _refused(**{**asked, "data_parallel_sharding_strategy": "optim"}) == []

@@ -1,0 +1,233 @@
+"""``--use-megatron-fsdp``: Megatron-FSDP, megatron-core's own sharding of parameters, gradients
+and optimizer states over the data-parallel group (megatron-core 0.14+; 0.13's forerunner,
+``--use-custom-fsdp``, is refused by :func:`problems`).
+
+Megatron-FSDP runs its collectives through the process group (HCCL on the NPU, gloo on cpu and
+npu-emulated) and its streams through ``torch.cuda``, which the device namespace patches already
+route. The gradient reduce and the checkpoint need more:
+
+* **gradient reduce**: with ``--gradient-reduce-div-fusion`` (Megatron's default) and non-bf16
+  gradients, Megatron-FSDP reduce-scatters with NCCL's ``PREMUL_SUM`` (each rank's gradient
+  multiplied by the scaling factor inside the collective). HCCL and gloo have no such op: the
+  gradient is multiplied first and then summed, the arithmetic Megatron itself does for bf16
+  gradients and with ``--no-gradient-reduce-div-fusion``.
+* **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter
+  is empty gets no gradient for it, so torch's Adam never creates its state there, and the ranks'
+  optimizer state dicts hold different DTensors. Megatron-FSDP's checkpoint preprocessing runs one
+  collective per DTensor, so the ranks wait on different collectives and the save hangs
+  (Megatron's own code, on a GPU too: NVIDIA/Megatron-LM#4910). The state dict the checkpoint saves and loads gets, on
+  every rank, an entry for every parameter in parameter order: an empty shard's moments are
+  empty DTensors, which write and read nothing, and its step is left to the rank holding the
+  shard (torch's Adam keeps a step per parameter, and the ranks' must not disagree).
+
+With gradient-accumulation fusion (Megatron's default) the linear layers' backward writes each
+weight gradient, a 16-bit product under ``--bf16``, into Megatron-FSDP's fp32 buffer:
+``torch.matmul(..., out=)`` up to megatron-core 0.17 (served by the ``matmul.*`` entries on the
+CPU stand-ins), Transformer Engine's GEMM from 0.18 (``transformer-engine.general-gemm``). From
+0.17 Megatron-FSDP's adapter asserts Transformer Engine 2.10 for it; the adaptor answers that
+one question (:func:`is_te_min_version`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from megatron_npu.devices.facts import DEVICES
+from megatron_npu.registry import Patch
+
+#: the moments torch's Adam and AdamW keep per parameter, shaped like it
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@torch.no_grad()
+def gradient_reduce_preprocessing(grad_data: torch.Tensor, scaling_factor: Any, ddp_config: Any):
+    """The reduce op for Megatron-FSDP's gradient reduce-scatter, scaling ``grad_data`` in place
+    where the op does not: no factor, a plain sum; ``average_in_collective``, the group average;
+    otherwise the gradient times the factor, summed."""
+    if scaling_factor is None:
+        return torch.distributed.ReduceOp.SUM
+    if ddp_config.average_in_collective:
+        return torch.distributed.ReduceOp.AVG
+    grad_data.mul_(scaling_factor)
+    return torch.distributed.ReduceOp.SUM
+
+
+#: the Transformer Engine release megatron-core's Megatron-FSDP adapter asks for when
+#: gradient-accumulation fusion is on (0.17+): its weight-gradient GEMM into the fp32 buffer
+FSDP_WGRAD_TE_VERSION = "2.10"
+
+
+def is_te_min_version(version: Any, check_equality: bool = True) -> bool:
+    """``megatron.core.utils.is_te_min_version`` as the Megatron-FSDP adapter sees it: the
+    release its weight-gradient GEMM needs is served by the adaptor; any other question is
+    answered by the installed Transformer Engine, as before."""
+    if str(version) == FSDP_WGRAD_TE_VERSION:
+        return True
+    from megatron.core.utils import is_te_min_version as installed
+
+    return installed(version, check_equality)
+
+
+def _gathers_unsharded_weights() -> bool:
+    """Whether the installed Megatron-FSDP's post-step parameter gather knows ``no_shard``
+    (megatron-core 0.18+; before, it fetches a sharded weight buffer that ``no_shard`` does not
+    build, unless the gather overlaps the next forward)."""
+    import inspect
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+    return "no_shard" in inspect.getsource(MegatronFSDP.start_param_sync)
+
+
+def problems(args: Any) -> list[str]:
+    """What of Megatron-LM's ``args`` the adaptor refuses, as ``"--option: why"``: core_v0.13's
+    ``--use-custom-fsdp`` (its Megatron-LM has no ``--use-megatron-fsdp`` yet) scales the gradient
+    inside NCCL's PREMUL_SUM, and where it scales before the collective instead (bf16 gradients)
+    it scales the local shard's buffer rather than the bucket it reduces; Megatron-FSDP's
+    ``no_shard`` fails after the first step in Megatron's own code up to megatron-core 0.17,
+    unless ``--overlap-param-gather`` takes the other path."""
+    if (
+        getattr(args, "use_megatron_fsdp", False)
+        and getattr(args, "data_parallel_sharding_strategy", None) == "no_shard"
+        and not getattr(args, "overlap_param_gather", False)
+        and not _gathers_unsharded_weights()
+    ):
+        from megatron_npu.patcher import megatron_core_version
+
+        return [
+            "--data-parallel-sharding-strategy no_shard: megatron-core "
+            f"{megatron_core_version()}'s Megatron-FSDP gathers the parameters after each step "
+            "from a sharded weight buffer that no_shard does not build (Megatron's own code, on "
+            "any device): add --overlap-grad-reduce --overlap-param-gather, or shard with optim, "
+            "optim_grads or optim_grads_params"
+        ]
+    if getattr(args, "use_custom_fsdp", False) and not hasattr(args, "use_megatron_fsdp"):
+        return [
+            "--use-custom-fsdp: megatron-core 0.13's FSDP scales gradients inside NCCL's "
+            "PREMUL_SUM reduce-scatter, which HCCL and gloo lack, and its own fallback scales "
+            "another buffer than the one it reduces: use --use-distributed-optimizer "
+            "(megatron-core 0.14+ serves --use-megatron-fsdp)"
+        ]
+    return []
+
+
+def notices(args: Any) -> list[str]:
+    """What of Megatron-LM's ``args`` Megatron-FSDP computes differently from the distributed
+    optimizer in Megatron's own code, on any device, as lines to warn with."""
+    if not getattr(args, "use_megatron_fsdp", False):
+        return []
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    one_stage = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+    if tied and one_stage and getattr(args, "gradient_accumulation_fusion", False):
+        return [
+            "megatron-npu: with --use-megatron-fsdp, tied embeddings and gradient-accumulation "
+            "fusion, Megatron's output layer writes the shared weight's gradient buffer and marks "
+            "it filled, so Megatron-FSDP drops the embedding's share of that gradient (Megatron's "
+            "own code, on a GPU too); --untie-embeddings-and-output-weights or "
+            "--no-gradient-accumulation-fusion keep both shares"
+        ]
+    return []
+
+
+def _empty_here(param: Any) -> bool:
+    """Whether this rank's shard of ``param`` (a DTensor's local tensor) holds nothing."""
+    return getattr(param, "_local_tensor", param).numel() == 0
+
+
+def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """(parameter, the state a checkpoint keeps of it) for every parameter of ``optimizer``, in
+    parameter order. A parameter whose shard here is empty never had a gradient here: its entry
+    is its moments (empty DTensors shaped like it) without a step, so that the rank that holds
+    its shard alone says what its step is."""
+    out = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if _empty_here(param):
+                state = {key: state.get(key, None) for key in ADAM_MOMENTS}
+                state = {k: torch.zeros_like(param) if v is None else v for k, v in state.items()}
+            out.append((param, state))
+    return out
+
+
+def give_empty_shards_a_step(state: dict[Any, dict[str, Any]]) -> None:
+    """Before torch's Adam loads ``state`` (per parameter): an entry with moments and no step (an
+    empty shard's, see :func:`every_parameters_state`) takes the step of this rank's other
+    entries, or 0 where it has none; Adam reads it on load and never uses it, the shard being
+    empty."""
+    steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
+    for entry in state.values():
+        if isinstance(entry, dict) and "exp_avg" in entry and "step" not in entry:
+            entry["step"] = steps[0].clone() if steps else torch.tensor(0.0)
+
+
+def _wrap_fsdp_dtensor_state(original: Any) -> Any:
+    @functools.wraps(original)
+    def sharded_param_state_fsdp_dtensor(self: Any, is_loading: bool = False) -> dict[str, Any]:
+        state_dict = original(self, is_loading)
+        packed = {
+            self._param_name(param): state
+            for param, state in every_parameters_state(self.optimizer)
+        }
+        for key, value in state_dict["state"].items():  # anything not keyed by a parameter
+            packed.setdefault(key, value)
+        state_dict["state"] = packed
+        return state_dict
+
+    return sharded_param_state_fsdp_dtensor
+
+
+_REDUCE_EXEMPT = (
+    "a collective's reduce op, no numerics of its own: the gradient times the factor, summed, "
+    "is Megatron's own arithmetic for bf16 gradients; the named test trains Megatron-LM with "
+    "Megatron-FSDP against the distributed optimizer"
+)
+_TRAINS_AS_DISTOPT = (
+    "tests/megatron_lm/test_pretrain_gpt.py::"
+    "test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise"
+)
+
+PATCHES = [
+    Patch(
+        id="megatron-fsdp.gradient-reduce-op",
+        target="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer."
+        "gradient_reduce_preprocessing",
+        replacement=gradient_reduce_preprocessing,
+        reason="Megatron-FSDP reduce-scatters with NCCL's PREMUL_SUM, which HCCL and gloo lack: "
+        "scale the gradient, then sum",
+        versions=">=0.14",
+        parity_exempt=_REDUCE_EXEMPT,
+        benchmark_exempt="picks a reduce op; the scaling is one in-place multiply",
+        exempt_test=_TRAINS_AS_DISTOPT,
+    ),
+    Patch(
+        id="megatron-fsdp.te-weight-gradient-gemm",
+        target="megatron.core.distributed.fsdp.mcore_fsdp_adapter.is_te_min_version",
+        replacement=is_te_min_version,
+        reason="Megatron-FSDP with gradient-accumulation fusion asserts TE 2.10 for its "
+        "weight-gradient GEMM into the fp32 buffer, which the adaptor serves",
+        versions=">=0.17",
+        rebind_copies=False,  # megatron.core.utils' own and every other copy stay as they are
+        parity_exempt="a capability answer, no numerics: the GEMM it vouches for has the "
+        "gradient-accumulation-fusion parity case; the named test trains with it",
+        benchmark_exempt="read once, when Megatron-FSDP wraps the model",
+        exempt_test=_TRAINS_AS_DISTOPT,
+    ),
+    Patch(
+        id="megatron-fsdp.optimizer-state-every-parameter",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+        "sharded_param_state_fsdp_dtensor",
+        replacement=_wrap_fsdp_dtensor_state,
+        kind="wrap",
+        reason="a rank with an empty shard has no Adam state for it: the fsdp_dtensor "
+        "checkpoint's per-DTensor collectives part and the save hangs",
+        versions=">=0.14",
+        devices=DEVICES,
+        parity_exempt="checkpoint plumbing, no numerics: empty moments of empty shards",
+        benchmark_exempt="runs once per checkpoint save or load",
+        exempt_test=_TRAINS_AS_DISTOPT,
+    ),
+]

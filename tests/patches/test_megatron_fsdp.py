@@ -1,0 +1,119 @@
+"""The Megatron-FSDP entries' parts, each against Megatron's own code or torch's Adam: the reduce
+op without PREMUL_SUM, the optimizer state a checkpoint keeps of every parameter, and the notice
+for tied embeddings. The two-rank training and resume run is in
+``tests/megatron_lm/test_pretrain_gpt.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_npu.patches import megatron_fsdp
+
+
+def _megatrons_own():
+    """Megatron-FSDP's own ``gradient_reduce_preprocessing``, whatever is installed now."""
+    from megatron_npu import patcher
+    from megatron_npu.registry import get_patch
+
+    return patcher.original(get_patch("megatron-fsdp.gradient-reduce-op"))
+
+
+def _config(**kw):
+    return SimpleNamespace(
+        **{"average_in_collective": False, "gradient_reduce_div_fusion": True, **kw}
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reduce_op_is_a_sum_of_scaled_gradients_never_premul_sum(dtype):
+    from megatron_npu.patcher import megatron_core_version
+    from megatron_npu.registry import get_patch
+
+    if not get_patch("megatron-fsdp.gradient-reduce-op").applies_to_version(
+        megatron_core_version()
+    ):
+        pytest.skip("megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)")
+    grad = torch.tensor([1.0, -3.0, 0.5], dtype=dtype)
+    ours = grad.clone()
+    op = megatron_fsdp.gradient_reduce_preprocessing(ours, 0.25, _config())
+    assert op == torch.distributed.ReduceOp.SUM
+    assert torch.equal(ours, grad * 0.25)
+    # Megatron's own choice where it does not ask for PREMUL_SUM: the same op, the same numbers
+    theirs = grad.clone()
+    own = _megatrons_own()(theirs, 0.25, _config(gradient_reduce_div_fusion=False))
+    assert own == op and torch.equal(theirs, ours)
+    # no factor: a plain sum; averaging in the collective: the group average, unscaled
+    untouched = grad.clone()
+    assert megatron_fsdp.gradient_reduce_preprocessing(untouched, None, _config()) == op
+    averaged = megatron_fsdp.gradient_reduce_preprocessing(
+        untouched, 0.25, _config(average_in_collective=True)
+    )
+    assert averaged == torch.distributed.ReduceOp.AVG and torch.equal(untouched, grad)
+
+
+def _adam_with_an_empty_shard():
+    """torch's AdamW over three parameters after one step: the middle one is an empty shard
+    (no elements here), which never gets a gradient and so no state."""
+    params = [
+        torch.nn.Parameter(torch.ones(3)),
+        torch.nn.Parameter(torch.ones(0)),
+        torch.nn.Parameter(torch.ones(2, 2)),
+    ]
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    params[0].grad, params[2].grad = torch.full((3,), 0.5), torch.full((2, 2), -1.0)
+    optimizer.step()
+    return optimizer, params
+
+
+def test_every_parameter_has_an_entry_in_parameter_order_and_empty_shards_no_step():
+    optimizer, params = _adam_with_an_empty_shard()
+    assert params[1] not in optimizer.state  # torch's Adam made none: the ranks would part
+    entries = megatron_fsdp.every_parameters_state(optimizer)
+    assert [p for p, _ in entries] == params
+    first, empty, last = (state for _, state in entries)
+    assert first is optimizer.state[params[0]] and last is optimizer.state[params[2]]
+    assert set(empty) == set(megatron_fsdp.ADAM_MOMENTS)  # no step: the holder's alone counts
+    assert all(t.shape == params[1].shape for t in empty.values())
+    assert params[1] not in optimizer.state  # the live optimizer is left as it was
+
+
+def test_empty_shards_get_a_step_that_torchs_adam_loads():
+    optimizer, params = _adam_with_an_empty_shard()
+    state = {i: dict(s) for i, (_, s) in enumerate(megatron_fsdp.every_parameters_state(optimizer))}
+    megatron_fsdp.give_empty_shards_a_step(state)
+    assert (
+        torch.equal(state[1]["step"], state[0]["step"]) and state[1]["step"] is not state[0]["step"]
+    )
+    fresh = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    saved = optimizer.state_dict()
+    fresh.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    assert torch.equal(fresh.state[params[0]]["exp_avg"], optimizer.state[params[0]]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    "args, noticed",
+    [
+        ({}, True),
+        ({"untie_embeddings_and_output_weights": True}, False),
+        ({"gradient_accumulation_fusion": False}, False),
+        ({"pipeline_model_parallel_size": 2}, False),
+        ({"use_megatron_fsdp": False}, False),
+    ],
+)
+def test_tied_embeddings_with_fusion_under_megatron_fsdp_get_one_notice(args, noticed):
+    namespace = SimpleNamespace(
+        **{
+            "use_megatron_fsdp": True,
+            "untie_embeddings_and_output_weights": False,
+            "gradient_accumulation_fusion": True,
+            "pipeline_model_parallel_size": 1,
+            **args,
+        }
+    )
+    lines = megatron_fsdp.notices(namespace)
+    assert len(lines) == noticed
+    if noticed:
+        assert "--untie-embeddings-and-output-weights" in lines[0]
