@@ -117,3 +117,29 @@ def test_tied_embeddings_with_fusion_under_megatron_fsdp_get_one_notice(args, no
     assert len(lines) == noticed
     if noticed:
         assert "--untie-embeddings-and-output-weights" in lines[0]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")
+def test_coalesced_gathers_on_a_host_device_are_complete_when_the_block_ends(cpu_adaptor):
+    """Megatron-FSDP's parameter gathers (a coalesced all-gather it asks to be asynchronous) are
+    done when the block ends on cpu: the manager holds no work left to wait for, and the
+    buckets hold the gathered weights."""
+    import importlib
+
+    import torch.distributed as dist
+    from megatron_npu.parity.cases._common import megatron_parallel
+
+    from megatron_npu.patcher import megatron_core_version
+    from megatron_npu.registry import get_patch
+
+    patch = get_patch("megatron-fsdp.synchronous-gathers")
+    if not patch.applies_to_version(megatron_core_version()):
+        pytest.skip("megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)")
+    buffers = importlib.import_module(patch.target.rpartition(".")[0])
+    with megatron_parallel():
+        shard = torch.arange(4.0)
+        bucket = torch.empty(4 * dist.get_world_size())
+        with buffers._coalescing_manager(dist.group.WORLD, async_ops=True) as gathered:
+            dist.all_gather_into_tensor(bucket, shard)
+        assert gathered.works == []  # nothing in flight: waited at the block's end
+        assert torch.equal(bucket, shard.repeat(dist.get_world_size()))
