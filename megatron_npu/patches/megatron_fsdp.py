@@ -1,6 +1,7 @@
 """``--use-megatron-fsdp``: Megatron-FSDP, megatron-core's own sharding of parameters, gradients
-and optimizer states over the data-parallel group (megatron-core 0.14+; 0.13's forerunner,
-``--use-custom-fsdp``, is refused by :func:`problems`).
+and optimizer states over the data-parallel group (megatron-core 0.15+; 0.14's reads DeviceMesh
+state torch 2.13 removed, and 0.13's forerunner ``--use-custom-fsdp`` scales gradients inside
+NCCL's PREMUL_SUM: both are refused by :func:`problems`).
 
 Megatron-FSDP runs its collectives through the process group (HCCL on the NPU, gloo on cpu and
 npu-emulated) and its streams through ``torch.cuda``, which the device namespace patches already
@@ -91,13 +92,39 @@ def _gathers_unsharded_weights() -> bool:
     return "no_shard" in inspect.getsource(MegatronFSDP.start_param_sync)
 
 
+def _reads_removed_mesh_state() -> bool:
+    """Whether the installed Megatron-FSDP names a device mesh's sub-meshes only from torch's
+    private ``_mesh_resources.child_to_root_mapping`` (megatron-core 0.14), which torch no
+    longer has (2.13); 0.15+ asks the root mesh first."""
+    import inspect
+
+    from torch.distributed.device_mesh import _mesh_resources
+
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import utils
+    except ImportError:  # no Megatron-FSDP at all (megatron-core 0.13)
+        return False
+    source = inspect.getsource(utils.get_mesh_names)
+    return "_get_root_mesh" not in source and not hasattr(_mesh_resources, "child_to_root_mapping")
+
+
 def problems(args: Any) -> list[str]:
     """What of Megatron-LM's ``args`` the adaptor refuses, as ``"--option: why"``: core_v0.13's
     ``--use-custom-fsdp`` (its Megatron-LM has no ``--use-megatron-fsdp`` yet) scales the gradient
     inside NCCL's PREMUL_SUM, and where it scales before the collective instead (bf16 gradients)
-    it scales the local shard's buffer rather than the bucket it reduces; Megatron-FSDP's
-    ``no_shard`` fails after the first step in Megatron's own code up to megatron-core 0.17,
-    unless ``--overlap-param-gather`` takes the other path."""
+    it scales the local shard's buffer rather than the bucket it reduces; megatron-core 0.14's
+    Megatron-FSDP needs DeviceMesh state torch 2.13 removed; Megatron-FSDP's ``no_shard`` fails
+    after the first step in Megatron's own code up to megatron-core 0.17, unless
+    ``--overlap-param-gather`` takes the other path."""
+    if getattr(args, "use_megatron_fsdp", False) and _reads_removed_mesh_state():
+        from megatron_npu.patcher import megatron_core_version
+
+        return [
+            f"--use-megatron-fsdp: megatron-core {megatron_core_version()}'s Megatron-FSDP reads "
+            f"torch's private DeviceMesh state (_mesh_resources.child_to_root_mapping), which "
+            f"torch {torch.__version__} no longer has (on any device): use megatron-core 0.15+, "
+            "or shard the optimizer states with --use-distributed-optimizer"
+        ]
     if (
         getattr(args, "use_megatron_fsdp", False)
         and getattr(args, "data_parallel_sharding_strategy", None) == "no_shard"
@@ -118,7 +145,7 @@ def problems(args: Any) -> list[str]:
             "--use-custom-fsdp: megatron-core 0.13's FSDP scales gradients inside NCCL's "
             "PREMUL_SUM reduce-scatter, which HCCL and gloo lack, and its own fallback scales "
             "another buffer than the one it reduces: use --use-distributed-optimizer "
-            "(megatron-core 0.14+ serves --use-megatron-fsdp)"
+            "(megatron-core 0.15+ serves --use-megatron-fsdp)"
         ]
     return []
 

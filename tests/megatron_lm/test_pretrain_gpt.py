@@ -915,26 +915,36 @@ def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(t
     weight gradient Megatron-FSDP writes into its fp32 buffer; the gradient reduce's div fusion,
     which asks NCCL for PREMUL_SUM): per step the distributed optimizer's losses and grad norms,
     and its ``fsdp_dtensor`` checkpoint (ranks whose shards of some parameters are empty)
-    resumes bitwise. core_v0.13's forerunner, ``--use-custom-fsdp``, is refused in one line."""
+    resumes bitwise. core_v0.13's forerunner, ``--use-custom-fsdp``, and megatron-core 0.14's
+    Megatron-FSDP on torch 2.13 are refused in one line."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from megatron_npu.patches import megatron_lm
+
     common = (*TINY, "--mock-data", "--use-distributed-optimizer", "--bf16")
     untied = ("--untie-embeddings-and-output-weights",)
     arguments = (megatron_lm_folder() / "megatron" / "training" / "arguments.py").read_text()
-    if "'--use-megatron-fsdp'" not in arguments:
-        custom = pretrain_gpt(
+    # megatron-core 0.13 has no Megatron-FSDP (its Megatron-LM, --use-custom-fsdp)
+    served = importlib.util.find_spec("megatron.core.distributed.fsdp") is not None
+    if not served or megatron_lm.refusals(SimpleNamespace(use_megatron_fsdp=True)):
+        # core_v0.13's forerunner, and megatron-core 0.14's Megatron-FSDP on torch 2.13
+        option = "--use-megatron-fsdp" if served else "--use-custom-fsdp"
+        refused = pretrain_gpt(
             tmp_path,
             *common,
             "--train-iters",
             "2",
-            "--use-custom-fsdp",
+            option,
             nproc=2,
             device="npu-emulated",
-            name="custom-fsdp",
+            name="refused-fsdp",
             tensorboard=False,
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},  # Megatron-LM asserts more than one first
         )
-        lines = [line for line in custom.log.splitlines() if line.startswith("megatron-npu: ")]
-        assert len(lines) == 1 and "--use-custom-fsdp: " in lines[0], custom.tail()
-        assert "exitcode  : 2" in custom.log and "[rank0]: Traceback" not in custom.log
+        lines = [line for line in refused.log.splitlines() if line.startswith("megatron-npu: ")]
+        assert len(lines) == 1 and f"{option}: " in lines[0], refused.tail()
+        assert "exitcode  : 2" in refused.log and "[rank0]: Traceback" not in refused.log
         return
     fsdp = (
         "--use-megatron-fsdp",
