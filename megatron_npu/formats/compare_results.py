@@ -17,6 +17,7 @@ from typing_extensions import Self
 
 from megatron_npu.formats.base import Document, FormatError, Number, Part
 from megatron_npu.formats.lambada_result import LambadaResult
+from megatron_npu.formats.run_record import COMMAND_DESCRIPTION
 
 SCHEMA = "megatron-npu/compare"
 SCHEMA_VERSION = 1
@@ -151,8 +152,7 @@ class Run(Part):
     )
     command: list[str] = Field(
         default_factory=list,
-        description="the exact argv; a perturbed rerun's starts with `env K=V ...`, the "
-        "environment it changed",
+        description=COMMAND_DESCRIPTION,
     )
     metrics_path: str | None = Field(
         None, description="runs/<name>/metrics.json, relative to the folder"

@@ -14,6 +14,11 @@ from pydantic import Field
 from megatron_npu.formats.base import Document, Number
 from megatron_npu.formats.lambada_result import LambadaResult
 
+#: what a run's recorded command is (``run.json`` and compare's results alike)
+COMMAND_DESCRIPTION = (
+    "the exact argv; a perturbed rerun's starts with `env K=V ...`, the environment it changed"
+)
+
 
 class RunRecord(Document):
     """Compare's record of one run: what ran, how it ended, and the cache key."""
@@ -35,8 +40,7 @@ class RunRecord(Document):
     wall_s: Number | None = Field(None, description="wall seconds of the run's subprocess")
     command: list[str] | None = Field(
         None,
-        description="the exact argv; a perturbed rerun's starts with `env K=V ...`, the "
-        "environment it changed",
+        description=COMMAND_DESCRIPTION,
     )
     session: str | None = Field(
         None,

@@ -26,14 +26,15 @@ On the host-only devices (cpu, npu-emulated) the parameter gathers complete befo
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
 frees and re-allocates in place (``_typed_storage()._resize_``), trusting CUDA's stream-ordered
 caching allocator to keep memory an in-flight collective writes. gloo writes from its own worker
-threads with nothing holding that memory: about one 40-step two-rank run in nine died of heap
-corruption (``malloc(): unaligned tcache chunk detected``, SIGSEGV; 4 of 37), none of 40 with
-the gathers synchronous. HCCL on the NPU works on streams, as NCCL does, and keeps the overlap.
+threads with nothing holding that memory, and the heap is corrupted (``malloc(): unaligned
+tcache chunk detected``, SIGSEGV). HCCL on the NPU works on streams, as NCCL does, and keeps the
+overlap.
 
 With gradient-accumulation fusion (Megatron's default) the linear layers' backward writes each
 weight gradient, a 16-bit product under ``--bf16``, into Megatron-FSDP's fp32 buffer:
 ``torch.matmul(..., out=)`` up to megatron-core 0.17 (served by the ``matmul.*`` entries on the
-CPU stand-ins), Transformer Engine's GEMM from 0.18 (``transformer-engine.general-gemm``). From
+CPU stand-ins; on the NPU it is torch_npu's own matmul into that buffer, not checked on hardware),
+Transformer Engine's GEMM from 0.18 (``transformer-engine.general-gemm``, every device). From
 0.17 Megatron-FSDP's adapter asserts Transformer Engine 2.10 for it; the adaptor answers that
 one question (:func:`is_te_min_version`).
 """
@@ -177,12 +178,15 @@ def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     """(parameter, the state a checkpoint keeps of it) for every parameter of ``optimizer``, in
     parameter order. A parameter whose shard here is empty never had a gradient here: its entry
     is its moments (empty DTensors shaped like it) without a step, so that the rank that holds
-    its shard alone says what its step is."""
+    its shard alone says what its step is. Only torch's Adam and AdamW (what Megatron builds
+    without TE or apex) are known to keep exactly these; any other optimizer's states are
+    passed on as Megatron keeps them."""
     out = []
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param, {})
-            if _empty_here(param):
+            if adam and _empty_here(param):
                 state = {key: state.get(key, None) for key in ADAM_MOMENTS}
                 state = {k: torch.zeros_like(param) if v is None else v for k, v in state.items()}
             out.append((param, state))
@@ -196,7 +200,7 @@ def give_empty_shards_a_step(state: dict[Any, dict[str, Any]]) -> None:
     empty."""
     steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
     for entry in state.values():
-        if isinstance(entry, dict) and "exp_avg" in entry and "step" not in entry:
+        if isinstance(entry, dict) and ADAM_MOMENTS[0] in entry and "step" not in entry:
             entry["step"] = steps[0].clone() if steps else torch.tensor(0.0)
 
 

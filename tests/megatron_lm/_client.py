@@ -4,6 +4,7 @@ wrote: its ``iteration N/ M | ...`` log lines and its TensorBoard scalars."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -206,7 +207,8 @@ def pretrain_gpt(
         try:
             stdout, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # gone at the very moment
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
     (tmp / f"{name}.log").write_text(stdout)

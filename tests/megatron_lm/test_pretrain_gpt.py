@@ -914,9 +914,10 @@ def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(t
     npu-emulated, bf16 with Megatron-LM's defaults otherwise (gradient-accumulation fusion, whose
     weight gradient Megatron-FSDP writes into its fp32 buffer; the gradient reduce's div fusion,
     which asks NCCL for PREMUL_SUM): per step the distributed optimizer's losses and grad norms,
-    and its ``fsdp_dtensor`` checkpoint (ranks whose shards of some parameters are empty)
-    resumes bitwise. core_v0.13's forerunner, ``--use-custom-fsdp``, and megatron-core 0.14's
-    Megatron-FSDP on torch 2.13 are refused in one line."""
+    and its ``fsdp_dtensor`` checkpoint resumes bitwise (each rank of this model holds empty
+    shards of some parameters: without the adaptor's optimizer-state entry the save hangs).
+    core_v0.13's forerunner, ``--use-custom-fsdp``, and megatron-core 0.14's Megatron-FSDP on
+    torch 2.13 are refused in one line."""
     import importlib.util
     from types import SimpleNamespace
 
