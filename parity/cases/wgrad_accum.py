@@ -18,6 +18,8 @@ fp32 buffer takes the 16-bit product unrounded, as TE's GEMM gives it on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 from megatron_npu.parity.case import Context, ParityCase
 from megatron_npu.parity.cases._common import generator, megatron_parallel
@@ -38,16 +40,22 @@ def _params():
     )
 
 
-def _fsdp(ctx: Context) -> bool:
-    """Whether the example's weight is a Megatron-FSDP parameter: drawn so, and the installed
-    megatron-core's linear backward has the Megatron-FSDP branch (0.14+)."""
+@functools.cache
+def _backward_serves_fsdp() -> bool:
+    """Whether the installed megatron-core's linear backward has the Megatron-FSDP branch
+    (0.14+); read once, the source does not change while the process runs."""
     import inspect
 
     from megatron.core.tensor_parallel.layers import (
         LinearWithGradAccumulationAndAsyncCommunication as Linear,
     )
 
-    return bool(ctx.params.get("fsdp")) and "__fsdp_param__" in inspect.getsource(Linear.backward)
+    return "__fsdp_param__" in inspect.getsource(Linear.backward)
+
+
+def _fsdp(ctx: Context) -> bool:
+    """Whether the example's weight is a Megatron-FSDP parameter: drawn so, and served."""
+    return bool(ctx.params.get("fsdp")) and _backward_serves_fsdp()
 
 
 def _inputs(p):

@@ -21,6 +21,18 @@ def _megatrons_own():
     return patcher.original(get_patch("megatron-fsdp.gradient-reduce-op"))
 
 
+def _skip_without_megatron_fsdp(patch_id: str):
+    """The registry entry ``patch_id``; the test is skipped where it does not apply (megatron-core
+    0.13, which has no Megatron-FSDP: its forerunner is refused by name)."""
+    from megatron_npu.patcher import megatron_core_version
+    from megatron_npu.registry import get_patch
+
+    patch = get_patch(patch_id)
+    if not patch.applies_to_version(megatron_core_version()):
+        pytest.skip("megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)")
+    return patch
+
+
 def _config(**kw):
     return SimpleNamespace(
         **{"average_in_collective": False, "gradient_reduce_div_fusion": True, **kw}
@@ -29,13 +41,7 @@ def _config(**kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reduce_op_is_a_sum_of_scaled_gradients_never_premul_sum(dtype):
-    from megatron_npu.patcher import megatron_core_version
-    from megatron_npu.registry import get_patch
-
-    if not get_patch("megatron-fsdp.gradient-reduce-op").applies_to_version(
-        megatron_core_version()
-    ):
-        pytest.skip("megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)")
+    _skip_without_megatron_fsdp("megatron-fsdp.gradient-reduce-op")
     grad = torch.tensor([1.0, -3.0, 0.5], dtype=dtype)
     ours = grad.clone()
     op = megatron_fsdp.gradient_reduce_preprocessing(ours, 0.25, _config())
@@ -129,12 +135,7 @@ def test_coalesced_gathers_on_a_host_device_are_complete_when_the_block_ends(cpu
     import torch.distributed as dist
     from megatron_npu.parity.cases._common import megatron_parallel
 
-    from megatron_npu.patcher import megatron_core_version
-    from megatron_npu.registry import get_patch
-
-    patch = get_patch("megatron-fsdp.synchronous-gathers")
-    if not patch.applies_to_version(megatron_core_version()):
-        pytest.skip("megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)")
+    patch = _skip_without_megatron_fsdp("megatron-fsdp.synchronous-gathers")
     buffers = importlib.import_module(patch.target.rpartition(".")[0])
     with megatron_parallel():
         shard = torch.arange(4.0)
