@@ -13,14 +13,15 @@ route. The gradient reduce and the checkpoint need more:
   gradient is multiplied first and then summed, the arithmetic Megatron itself does for bf16
   gradients and with ``--no-gradient-reduce-div-fusion``.
 * **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter
-  is empty gets no gradient for it, so torch's Adam never creates its state there, and the ranks'
-  optimizer state dicts hold different DTensors. Megatron-FSDP's checkpoint preprocessing runs one
-  collective per DTensor, so the ranks wait on different collectives and the save hangs
+  is empty gets no gradient for it, so the optimizer (torch's Adam, the precision-aware AdamW)
+  never creates its state there, and the ranks' optimizer state dicts hold different DTensors.
+  Megatron-FSDP's checkpoint preprocessing runs one collective per DTensor, so the ranks wait on
+  different collectives and the save hangs
   (Megatron's own code, on a GPU too: NVIDIA/Megatron-LM#4910). The state dict the checkpoint
   saves and loads gets, on every rank, an entry for every parameter in parameter order: an empty
-  shard's moments are empty DTensors, which write and read nothing, and its step is left to the
-  rank holding the shard (torch's Adam keeps a step per parameter, and the ranks' must not
-  disagree).
+  shard's moments (and master weight) are empty DTensors, which write and read nothing, and its
+  step is left to the rank holding the shard (Adam keeps a step per parameter, and the ranks'
+  must not disagree).
 
 On the host-only devices (cpu, npu-emulated) the parameter gathers complete before Megatron-FSDP
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
@@ -48,9 +49,6 @@ import torch
 
 from megatron_npu.devices.facts import CPU, DEVICES, NPU_EMULATED
 from megatron_npu.registry import Patch
-
-#: the moments torch's Adam and AdamW keep per parameter, shaped like it
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @torch.no_grad()
@@ -109,6 +107,15 @@ def _reads_removed_mesh_state() -> bool:
     return "_get_root_mesh" not in source and not hasattr(_mesh_resources, "child_to_root_mapping")
 
 
+def _hands_gradients_to_decoupled_grad() -> bool:
+    """Whether the installed Megatron-FSDP can give the optimizer its gradients in
+    ``decoupled_grad`` (megatron-core 0.18+: ``megatron_fsdp_use_decoupled_grad``), where the
+    precision-aware optimizer reads them."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return "megatron_fsdp_use_decoupled_grad" in DistributedDataParallelConfig.__dataclass_fields__
+
+
 def problems(args: Any) -> list[str]:
     """What of Megatron-LM's ``args`` the adaptor refuses, as ``"--option: why"``: core_v0.13's
     ``--use-custom-fsdp`` (its Megatron-LM has no ``--use-megatron-fsdp`` yet) scales the gradient
@@ -116,7 +123,9 @@ def problems(args: Any) -> list[str]:
     it scales the local shard's buffer rather than the bucket it reduces; megatron-core 0.14's
     Megatron-FSDP needs DeviceMesh state torch 2.13 removed; Megatron-FSDP's ``no_shard`` fails
     after the first step in Megatron's own code up to megatron-core 0.17, unless
-    ``--overlap-param-gather`` takes the other path."""
+    ``--overlap-param-gather`` takes the other path; before megatron-core 0.18 Megatron-FSDP
+    hands the precision-aware optimizer its gradients in ``.grad`` where it reads
+    ``decoupled_grad``, so no parameter would ever be updated."""
     if getattr(args, "use_megatron_fsdp", False) and _reads_removed_mesh_state():
         from megatron_npu.patcher import megatron_core_version
 
@@ -140,6 +149,20 @@ def problems(args: Any) -> list[str]:
             "from a sharded weight buffer that no_shard does not build (Megatron's own code, on "
             "any device): add --overlap-grad-reduce --overlap-param-gather, or shard with optim, "
             "optim_grads or optim_grads_params"
+        ]
+    if (
+        getattr(args, "use_megatron_fsdp", False)
+        and getattr(args, "use_precision_aware_optimizer", False)
+        and not _hands_gradients_to_decoupled_grad()
+    ):
+        from megatron_npu.patcher import megatron_core_version
+
+        return [
+            "--use-precision-aware-optimizer: megatron-core "
+            f"{megatron_core_version()}'s Megatron-FSDP gives the optimizer its gradients in "
+            ".grad, and the precision-aware optimizer reads decoupled_grad, so no parameter "
+            "would be updated (Megatron's own code, on any device): use megatron-core 0.18+, or "
+            "--use-distributed-optimizer for the precision-aware optimizer"
         ]
     if getattr(args, "use_custom_fsdp", False) and not hasattr(args, "use_megatron_fsdp"):
         return [
@@ -174,34 +197,54 @@ def _empty_here(param: Any) -> bool:
     return getattr(param, "_local_tensor", param).numel() == 0
 
 
+def _shaped_like(param: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The states in ``state`` shaped like ``param``: moments, momentum buffers, master weights
+    (not per-parameter scalars such as Adam's ``step``)."""
+    return {
+        name: value
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor) and value.shape == param.shape
+    }
+
+
 def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     """(parameter, the state a checkpoint keeps of it) for every parameter of ``optimizer``, in
     parameter order. A parameter whose shard here is empty never had a gradient here: its entry
-    is its moments (empty DTensors shaped like it) without a step, so that the rank that holds
-    its shard alone says what its step is. Only torch's Adam and AdamW (what Megatron builds
-    without TE or apex) are known to keep exactly these; any other optimizer's states are
-    passed on as Megatron keeps them."""
+    holds only the states shaped like it (empty tensors; where the optimizer keeps none of it,
+    one of each the optimizer keeps of this rank's other parameters, in the dtype it keeps it:
+    Adam's two moments, SGD's momentum buffer, a master weight), and no per-parameter scalar
+    such as Adam's step, so that the rank holding its shard alone says what those are."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    kept = next((_shaped_like(p, optimizer.state[p]) for p in params if optimizer.state.get(p)), {})
     out = []
-    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            if adam and _empty_here(param):
-                state = {key: state.get(key, None) for key in ADAM_MOMENTS}
-                state = {k: torch.zeros_like(param) if v is None else v for k, v in state.items()}
-            out.append((param, state))
+    for param in params:
+        state = optimizer.state.get(param, {})
+        if _empty_here(param):
+            state = _shaped_like(param, state) or {
+                name: torch.zeros_like(param, dtype=value.dtype) for name, value in kept.items()
+            }
+        out.append((param, state))
     return out
 
 
-def give_empty_shards_a_step(state: dict[Any, dict[str, Any]]) -> None:
-    """Before torch's Adam loads ``state`` (per parameter): an entry with moments and no step (an
-    empty shard's, see :func:`every_parameters_state`) takes the step of this rank's other
-    entries, or 0 where it has none; Adam reads it on load and never uses it, the shard being
-    empty."""
-    steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
-    for entry in state.values():
-        if isinstance(entry, dict) and ADAM_MOMENTS[0] in entry and "step" not in entry:
-            entry["step"] = steps[0].clone() if steps else torch.tensor(0.0)
+def give_empty_shards_a_step(state: dict[Any, dict[str, Any]], optimizer: Any = None) -> None:
+    """Before ``optimizer`` loads ``state`` (per parameter): an entry that lacks a scalar the
+    other entries hold (an empty shard's, see :func:`every_parameters_state`; Adam's ``step``)
+    takes it from the first entry that has it, and where none has a step, torch's Adam and AdamW
+    (which read one on load, and never use it, the shard being empty) get step 0. An optimizer
+    that keeps no scalar (SGD) is left as it is."""
+    entries = [entry for entry in state.values() if isinstance(entry, dict) and entry]
+    scalars: dict[str, Any] = {}
+    for entry in entries:
+        for name, value in entry.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                scalars.setdefault(name, value)
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        scalars.setdefault("step", torch.tensor(0.0))
+    for entry in entries:
+        for name, value in scalars.items():
+            if name not in entry:
+                entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _synchronous_coalescing(original: Any) -> Any:
@@ -290,7 +333,7 @@ PATCHES = [
         "sharded_param_state_fsdp_dtensor",
         replacement=_wrap_fsdp_dtensor_state,
         kind="wrap",
-        reason="a rank with an empty shard has no Adam state for it: the fsdp_dtensor "
+        reason="a rank with an empty shard has no optimizer state for it: the fsdp_dtensor "
         "checkpoint's per-DTensor collectives part and the save hangs",
         versions=">=0.14",
         devices=DEVICES,

@@ -42,9 +42,10 @@ _OTHER_RANKS_EXIT_AFTER_S = 5.0
 
 
 class MegatronLMOptionError(SystemExit):
-    """A Megatron-LM option the adaptor cannot serve on this device: one line, exit status 2."""
+    """Megatron-LM options the adaptor refuses: one line, exit status 2. Each problem says why:
+    the device cannot serve it, or Megatron's own code fails with it on any device."""
 
-    header = "cannot run these Megatron-LM options on a non-CUDA device"
+    header = "cannot run these Megatron-LM options"
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems

@@ -1,6 +1,6 @@
-"""The Megatron-FSDP entries' parts, each against Megatron's own code or torch's Adam: the reduce
-op without PREMUL_SUM, the optimizer state a checkpoint keeps of every parameter, and the notice
-for tied embeddings. The two-rank training and resume run is in
+"""The Megatron-FSDP entries' parts, each against Megatron's own code or torch's optimizers: the
+reduce op without PREMUL_SUM, the optimizer state a checkpoint keeps of every parameter, and the
+notice for tied embeddings. The two-rank training and resume run is in
 ``tests/megatron_lm/test_pretrain_gpt.py``."""
 
 from __future__ import annotations
@@ -60,43 +60,105 @@ def test_the_reduce_op_is_a_sum_of_scaled_gradients_never_premul_sum(dtype):
     assert averaged == torch.distributed.ReduceOp.AVG and torch.equal(untouched, grad)
 
 
-def _adam_with_an_empty_shard():
-    """torch's AdamW over three parameters after one step: the middle one is an empty shard
-    (no elements here), which never gets a gradient and so no state."""
+def _precision_aware(groups):
+    from megatron_npu.optim.precision_aware import PrecisionAwareAdamW
+
+    return PrecisionAwareAdamW(
+        groups, lr=0.1, master_weights=True, exp_avg_dtype=torch.bfloat16, weight_decay=0.1
+    )
+
+
+#: optimizer -> (how it is built over parameter groups, the states it keeps shaped like a
+#: parameter, by dtype for a bf16 parameter where that is not the parameter's own)
+OPTIMIZERS = {
+    "adamw": (lambda groups: torch.optim.AdamW(groups, lr=0.1), {"exp_avg", "exp_avg_sq"}),
+    "adam-amsgrad": (
+        lambda groups: torch.optim.Adam(groups, lr=0.1, amsgrad=True),
+        {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    ),
+    "sgd-momentum": (
+        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+        {"momentum_buffer"},
+    ),
+    "precision-aware": (_precision_aware, {"exp_avg", "exp_avg_sq", "master_param"}),
+}
+
+
+def _with_an_empty_shard(name, dtype=torch.float32):
+    """Optimizer ``name`` over three parameters after one step: the middle one is an empty
+    shard (no elements here), which never gets a gradient and so no state."""
     params = [
-        torch.nn.Parameter(torch.ones(3)),
-        torch.nn.Parameter(torch.ones(0)),
-        torch.nn.Parameter(torch.ones(2, 2)),
+        torch.nn.Parameter(torch.ones(3, dtype=dtype)),
+        torch.nn.Parameter(torch.ones(0, dtype=dtype)),
+        torch.nn.Parameter(torch.ones(2, 2, dtype=dtype)),
     ]
-    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
-    params[0].grad, params[2].grad = torch.full((3,), 0.5), torch.full((2, 2), -1.0)
-    optimizer.step()
+    optimizer = _build(name, params)
+    _step(optimizer, params, 0.5)
     return optimizer, params
 
 
-def test_every_parameter_has_an_entry_in_parameter_order_and_empty_shards_no_step():
-    optimizer, params = _adam_with_an_empty_shard()
-    assert params[1] not in optimizer.state  # torch's Adam made none: the ranks would part
+def _build(name, params):
+    return OPTIMIZERS[name][0]([{"params": params[:2]}, {"params": params[2:]}])
+
+
+def _step(optimizer, params, scale):
+    params[0].grad = torch.full_like(params[0], scale)
+    params[2].grad = torch.full_like(params[2], -2 * scale)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_parameter_has_an_entry_in_parameter_order_and_empty_shards_no_scalar(name):
+    dtype = torch.bfloat16 if name == "precision-aware" else torch.float32
+    optimizer, params = _with_an_empty_shard(name, dtype)
+    assert params[1] not in optimizer.state  # it made none: the ranks would part
     entries = megatron_fsdp.every_parameters_state(optimizer)
     assert [p for p, _ in entries] == params
     first, empty, last = (state for _, state in entries)
     assert first is optimizer.state[params[0]] and last is optimizer.state[params[2]]
-    assert set(empty) == set(megatron_fsdp.ADAM_MOMENTS)  # no step: the holder's alone counts
-    assert all(t.shape == params[1].shape for t in empty.values())
+    assert set(empty) == OPTIMIZERS[name][1]  # no step: the holder's alone counts
+    for key, value in empty.items():
+        assert value.shape == params[1].shape and value.dtype == first[key].dtype, key
     assert params[1] not in optimizer.state  # the live optimizer is left as it was
 
 
-def test_empty_shards_get_a_step_that_torchs_adam_loads():
-    optimizer, params = _adam_with_an_empty_shard()
-    state = {i: dict(s) for i, (_, s) in enumerate(megatron_fsdp.every_parameters_state(optimizer))}
-    megatron_fsdp.give_empty_shards_a_step(state)
-    assert (
-        torch.equal(state[1]["step"], state[0]["step"]) and state[1]["step"] is not state[0]["step"]
-    )
-    fresh = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_checkpoint_of_every_parameter_resumes_as_the_optimizer_goes_on(name):
+    """The saved entries, loaded into a fresh optimizer of the same kind (the empty shard's given
+    the scalars it lacks), make the next step the uninterrupted optimizer's, bitwise."""
+    dtype = torch.bfloat16 if name == "precision-aware" else torch.float32
+    optimizer, params = _with_an_empty_shard(name, dtype)
+    entries = megatron_fsdp.every_parameters_state(optimizer)
+    state = {i: {k: v.clone() for k, v in s.items()} for i, (_, s) in enumerate(entries)}
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = _build(name, fresh_params)
+    megatron_fsdp.give_empty_shards_a_step(state, fresh)
+    if "step" in entries[0][1]:
+        assert torch.equal(state[1]["step"], state[0]["step"])
+        assert state[1]["step"] is not state[0]["step"]
+    else:
+        assert set(state[1]) == OPTIMIZERS[name][1]
     saved = optimizer.state_dict()
     fresh.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
-    assert torch.equal(fresh.state[params[0]]["exp_avg"], optimizer.state[params[0]]["exp_avg"])
+    _step(optimizer, params, 0.25)
+    _step(fresh, fresh_params, 0.25)
+    for ours, theirs in zip(fresh_params, params, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_adam_entries_get_step_zero_where_this_rank_holds_no_step():
+    """A rank holding only empty shards: torch's Adam reads a step on load, so each entry gets
+    step 0; SGD, which keeps none, gets none."""
+    params = [torch.nn.Parameter(torch.ones(0)) for _ in range(2)]
+    moments = {key: torch.zeros(0) for key in ("exp_avg", "exp_avg_sq")}
+    state = {i: dict(moments) for i in range(2)}
+    adam = torch.optim.AdamW(params, lr=0.1)
+    megatron_fsdp.give_empty_shards_a_step(state, adam)
+    assert all(float(entry["step"]) == 0.0 for entry in state.values())
+    adam.load_state_dict({"state": state, "param_groups": adam.state_dict()["param_groups"]})
+    buffers = {i: {"momentum_buffer": torch.zeros(0)} for i in range(2)}
+    megatron_fsdp.give_empty_shards_a_step(buffers, torch.optim.SGD(params, lr=0.1))
+    assert all(set(entry) == {"momentum_buffer"} for entry in buffers.values())
 
 
 @pytest.mark.parametrize(

@@ -56,10 +56,9 @@ def _megatron_fsdp_refused_as_a_whole() -> bool:
     return megatron_fsdp._reads_removed_mesh_state()
 
 
-def test_megatron_fsdps_no_shard_is_refused_where_megatrons_gather_fails():
-    """No-shard Megatron-FSDP: megatron-core before 0.18 gathers the parameters after each step
-    from a weight buffer no_shard does not build (refused in one line, with the way out);
-    ``--overlap-param-gather`` takes the other path, and 0.18+ gathers no_shard itself."""
+def _served_megatron_fsdp_before(release: str) -> bool:
+    """Whether the installed megatron-core, whose Megatron-FSDP the adaptor serves, is older than
+    ``release``; the test is skipped where Megatron-FSDP is absent or refused as a whole."""
     pytest.importorskip(
         "megatron.core.distributed.fsdp.src.megatron_fsdp",
         reason="megatron-core 0.13 has no Megatron-FSDP (its forerunner is refused)",
@@ -70,7 +69,14 @@ def test_megatron_fsdps_no_shard_is_refused_where_megatrons_gather_fails():
 
     from megatron_npu.patcher import megatron_core_version
 
-    fails = Version(megatron_core_version()) < Version("0.18")
+    return Version(megatron_core_version()) < Version(release)
+
+
+def test_megatron_fsdps_no_shard_is_refused_where_megatrons_gather_fails():
+    """No-shard Megatron-FSDP: megatron-core before 0.18 gathers the parameters after each step
+    from a weight buffer no_shard does not build (refused in one line, with the way out);
+    ``--overlap-param-gather`` takes the other path, and 0.18+ gathers no_shard itself."""
+    fails = _served_megatron_fsdp_before("0.18")
     asked = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "no_shard"}
     lines = _refused(**asked)
     assert len(lines) == fails
@@ -79,3 +85,17 @@ def test_megatron_fsdps_no_shard_is_refused_where_megatrons_gather_fails():
         assert "add --overlap-grad-reduce --overlap-param-gather" in lines[0]
     assert _refused(**asked, overlap_param_gather=True) == []
     assert _refused(**{**asked, "data_parallel_sharding_strategy": "optim"}) == []
+
+
+def test_megatron_fsdp_with_the_precision_aware_optimizer_is_refused_where_it_would_not_train():
+    """Before megatron-core 0.18 Megatron-FSDP attaches each gradient as ``.grad`` and the
+    precision-aware optimizer reads ``decoupled_grad``: the run would train nothing (one line);
+    0.18+ hands it over in ``decoupled_grad`` (Megatron-LM sets
+    ``megatron_fsdp_use_decoupled_grad``), and the distributed optimizer is served throughout."""
+    fails = _served_megatron_fsdp_before("0.18")
+    lines = _refused(use_megatron_fsdp=True, use_precision_aware_optimizer=True)
+    assert len(lines) == fails, lines
+    if fails:
+        assert lines[0].startswith("--use-precision-aware-optimizer: ")
+        assert "decoupled_grad" in lines[0] and "megatron-core 0.18+" in lines[0]
+    assert _refused(use_distributed_optimizer=True, use_precision_aware_optimizer=True) == []
