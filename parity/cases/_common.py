@@ -6,7 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,31 @@ def grads(out: torch.Tensor, grad_out: torch.Tensor, **leaves: torch.Tensor | No
     return {f"grad_{k}": v.grad for k, v in leaves.items() if v is not None}
 
 
+#: while a job keeps its one-rank world (:func:`one_rank_world_kept`): the teardowns of what
+#: :func:`megatron_parallel` set up, run when the job ends
+_kept: list[Callable[[], None]] | None = None
+
+
+@contextlib.contextmanager
+def one_rank_world_kept() -> Iterator[None]:
+    """Within the block, what :func:`megatron_parallel` sets up in a single process (the one-rank
+    world and Megatron's parallel state) stays up until the block ends, rather than being torn
+    down after each call: on the host backend (gloo) setting them up and tearing them down is
+    most of a small case's time. The parity harness keeps them for one host-device job, whose
+    implementation and reference share gloo; everything is torn down when the job ends."""
+    global _kept
+    if _kept is not None:
+        yield
+        return
+    _kept = []
+    try:
+        yield
+    finally:
+        teardowns, _kept = _kept, None
+        for teardown in reversed(teardowns):
+            teardown()
+
+
 @contextlib.contextmanager
 def megatron_parallel(seed: int = 1234) -> Iterator[None]:
     """Megatron's parallel_state and model-parallel RNG tracker for one call.
@@ -53,9 +78,10 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
     In a rank-pool worker both already exist (the pool initialised them for the job's layout)
     and are used as they are. In a single-process case a one-rank world on the active device's
     backend (gloo on cpu and npu-emulated, hccl on npu) and
-    ``initialize_model_parallel(1, 1)`` are set up here and torn down on exit, so the test
-    process is left as it was found. The RNG tracker is (re)seeded either way: Megatron's
-    unfused attention forks it even with dropout 0.
+    ``initialize_model_parallel(1, 1)`` are set up here and torn down on exit (at the end of the
+    job inside :func:`one_rank_world_kept`), so the test process is left as it was found. The
+    RNG tracker is (re)seeded either way: Megatron's unfused attention forks it even with
+    dropout 0.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -78,17 +104,24 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
             shutil.rmtree(store, ignore_errors=True)
             raise
     made_state = not parallel_state.model_parallel_is_initialized()
+
+    def teardown() -> None:
+        if made_state:
+            parallel_state.destroy_model_parallel()
+        if store is not None:
+            dist.destroy_process_group()
+            shutil.rmtree(store, ignore_errors=True)
+
     try:
         if made_state:
             parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(seed)
         yield
     finally:
-        if made_state:
-            parallel_state.destroy_model_parallel()
-        if store is not None:
-            dist.destroy_process_group()
-            shutil.rmtree(store, ignore_errors=True)
+        if _kept is not None:
+            _kept.append(teardown)
+        else:
+            teardown()
 
 
 @contextlib.contextmanager
