@@ -19,6 +19,7 @@ from megatron_npu import console
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
+from megatron_npu.optimizer_options import sharded_optimizer_problems
 from megatron_npu.patches import megatron_fsdp, torch_fsdp2
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.registry import Patch
@@ -129,10 +130,29 @@ def unsupported_options(args: Any) -> list[str]:
     return found
 
 
+def distributed_optimizer_problems(args: Any) -> list[str]:
+    """What of Megatron-LM's ``args`` its distributed optimizer cannot take (Megatron's own
+    assertion), as ``"--option: why"``."""
+    return sharded_optimizer_problems(
+        getattr(args, "optimizer", "adam"),
+        bool(
+            getattr(args, "use_distributed_optimizer", False)
+            or getattr(args, "use_megatron_fsdp", False)
+        ),
+        bool(getattr(args, "optimizer_cpu_offload", False)),
+    )
+
+
 def refusals(args: Any) -> list[str]:
     """Every option of Megatron-LM's ``args`` the adaptor refuses, as ``"--option: why"``: the
-    ones it cannot serve and those Megatron's own FSDP code fails on."""
-    return unsupported_options(args) + torch_fsdp2.problems(args) + megatron_fsdp.problems(args)
+    ones it cannot serve and those Megatron's own code fails on (the distributed optimizer,
+    FSDP2, Megatron-FSDP)."""
+    return (
+        unsupported_options(args)
+        + distributed_optimizer_problems(args)
+        + torch_fsdp2.problems(args)
+        + megatron_fsdp.problems(args)
+    )
 
 
 def _warmup_in_forked_rng(original: Any) -> Any:

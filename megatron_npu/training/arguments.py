@@ -23,6 +23,7 @@ from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
+from megatron_npu.optimizer_options import sharded_optimizer_problems
 from megatron_npu.recompute_options import MODULES as RECOMPUTE_MODULES
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.training.errors import TrainingInputError
@@ -773,6 +774,10 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
     ]
     if args.optimizer_cpu_offload:
         changed.append("--optimizer-cpu-offload")
+    for problem in sharded_optimizer_problems(
+        args.optimizer, args.use_distributed_optimizer, args.optimizer_cpu_offload
+    ):
+        raise ArgumentError(problem)
     if not args.use_precision_aware_optimizer:
         if changed:
             raise ArgumentError(f"{', '.join(changed)} need --use-precision-aware-optimizer")

@@ -99,3 +99,31 @@ def test_megatron_fsdp_with_the_precision_aware_optimizer_is_refused_where_it_wo
         assert lines[0].startswith("--use-precision-aware-optimizer: ")
         assert "decoupled_grad" in lines[0] and "megatron-core 0.18+" in lines[0]
     assert _refused(use_distributed_optimizer=True, use_precision_aware_optimizer=True) == []
+
+
+@pytest.mark.parametrize(
+    "asked, refused",
+    [
+        ({"optimizer": "sgd", "use_distributed_optimizer": True}, True),
+        ({"optimizer": "sgd", "use_megatron_fsdp": True}, True),
+        ({"optimizer": "sgd"}, False),
+        ({"optimizer": "adam", "use_distributed_optimizer": True}, False),
+        (
+            {"optimizer": "sgd", "use_distributed_optimizer": True, "optimizer_cpu_offload": True},
+            False,
+        ),
+    ],
+)
+def test_sgd_with_the_distributed_optimizer_is_one_line_as_megatrons_assertion(asked, refused):
+    """megatron-core's DistributedOptimizer asserts Adam (or its host-offloaded hybrid) when it
+    is built, on every rank; the adaptor says so once, before anything is built. The assertion
+    is still Megatron's: the test reads it from the installed source."""
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert "Only Adam" in inspect.getsource(DistributedOptimizer.__init__)
+    lines = megatron_lm.distributed_optimizer_problems(SimpleNamespace(**asked))
+    assert len(lines) == refused
+    if refused:
+        assert lines[0].startswith("--optimizer sgd: ") and "--optimizer adam" in lines[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -578,3 +579,16 @@ def test_broken_moe_options_are_one_named_error(extra, message, capsys):
         arguments.finalize(args, world_size=4)
     # Megatron's flex dispatcher (DeepEP, CUDA-only) is not among the choices: argparse names it
     assert "invalid choice: 'flex'" in error_of(capsys, "--moe-token-dispatcher-type", "flex")
+
+
+def test_sgd_with_the_distributed_optimizer_is_one_named_error(capsys):
+    """megatron-core's DistributedOptimizer asserts Adam on every rank; train names it before
+    anything is built, with the line Megatron-LM's scripts get through the adaptor."""
+    from megatron_npu.patches import megatron_lm
+
+    err = error_of(capsys, "--optimizer", "sgd", "--use-distributed-optimizer")
+    expected = megatron_lm.distributed_optimizer_problems(
+        argparse.Namespace(optimizer="sgd", use_distributed_optimizer=True)
+    )
+    assert expected and expected[0] in err
+    assert parse("--optimizer", "sgd").optimizer == "sgd"
