@@ -12,9 +12,8 @@ def sharded_optimizer_problems(optimizer: str, sharded: bool, offloaded: bool) -
     (``offloaded``) is the one exception."""
     if optimizer == "sgd" and sharded and not offloaded:
         return [
-            "--optimizer sgd: Megatron's distributed optimizer (--use-distributed-optimizer, "
-            "--use-megatron-fsdp) takes Adam only, for its checkpoint layout (Megatron's own "
-            "assertion, on any device): use --optimizer adam, or SGD without sharding the "
-            "optimizer"
+            "--optimizer sgd: Megatron's distributed optimizer takes Adam only, for its "
+            "checkpoint layout (Megatron's own assertion, on any device): use --optimizer adam, "
+            "or SGD without sharding the optimizer"
         ]
     return []

@@ -356,7 +356,15 @@ def _world_kept(job: Job) -> contextlib.AbstractContextManager[None]:
     return one_rank_world_kept() if shared and job.parallel.world == 1 else contextlib.nullcontext()
 
 
-def _run_each_example(job, case, patch, original, rank, device, cell) -> None:
+def _run_each_example(
+    job: Job,
+    case: ParityCase,
+    patch: Patch,
+    original: Any,
+    rank: int,
+    device: torch.device,
+    cell: CellOutcome,
+) -> None:
     """Each example of ``job``: run, and on rank 0 compared with the reference (and the
     benchmark where wanted) into ``cell``."""
     tested = job.torch_dtype

@@ -199,20 +199,6 @@ def test_grads_it_would_not_read_are_one_named_error():
         opt.step()
 
 
-def test_grads_in_grad_for_an_optimizer_reading_decoupled_grad_are_one_named_error():
-    """The converse (Megatron-FSDP before megatron-core 0.18 attaches ``.grad``): grads in
-    ``.grad`` for an optimizer built to read ``decoupled_grad`` would leave every parameter as
-    it is."""
-    params = _params(torch.bfloat16)
-    opt = MegatronAdam(params, exp_avg_dtype=torch.bfloat16, use_decoupled_grad=True)
-    before = [p.detach().clone() for p in params]
-    for p, g in zip(params, _grads(params, 0, torch.bfloat16), strict=True):
-        p.grad = g
-    with pytest.raises(RuntimeError, match="arrive in .grad"):
-        opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-
-
 def test_fp8_moments_are_refused_by_name():
     with pytest.raises(ValueError, match="exp_avg_sq_dtype=torch.uint8"):
         MegatronAdam(_params(torch.bfloat16), exp_avg_sq_dtype=torch.uint8, master_weights=True)

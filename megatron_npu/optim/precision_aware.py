@@ -286,12 +286,6 @@ class PrecisionAwareAdamW(FusedAdamW):
                     "use_decoupled_grad only with --fp8-recipe delayed, Megatron-LM's default): "
                     "no parameter would be updated"
                 )
-            if grad is None and self.use_decoupled_grad and p.grad is not None:
-                raise RuntimeError(
-                    "precision-aware AdamW: the gradients arrive in .grad, but the optimizer was "
-                    "built to read decoupled_grad (Megatron-FSDP before megatron-core 0.18 "
-                    "attaches .grad): no parameter would be updated"
-                )
             if grad is None:
                 continue
             if grad.is_sparse:

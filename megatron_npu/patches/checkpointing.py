@@ -108,7 +108,7 @@ def _wrap_distopt_load_state_dict(original: Any) -> Any:
     def load_state_dict(self, state_dict):
         inner = getattr(self, "optimizer", None)
         if getattr(getattr(self, "ddp_config", None), "use_megatron_fsdp", False):
-            megatron_fsdp.give_empty_shards_a_step(state_dict["state"], inner)
+            megatron_fsdp.give_empty_shards_a_step(state_dict["state"])
         result = original(self, state_dict)
         seen: set[int] = set()
         for state in getattr(inner, "state", {}).values():

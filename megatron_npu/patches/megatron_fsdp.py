@@ -12,16 +12,14 @@ route. The gradient reduce and the checkpoint need more:
   multiplied by the scaling factor inside the collective). HCCL and gloo have no such op: the
   gradient is multiplied first and then summed, the arithmetic Megatron itself does for bf16
   gradients and with ``--no-gradient-reduce-div-fusion``.
-* **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter
-  is empty gets no gradient for it, so the optimizer (torch's Adam, the precision-aware AdamW)
-  never creates its state there, and the ranks' optimizer state dicts hold different DTensors.
-  Megatron-FSDP's checkpoint preprocessing runs one collective per DTensor, so the ranks wait on
-  different collectives and the save hangs
-  (Megatron's own code, on a GPU too: NVIDIA/Megatron-LM#4910). The state dict the checkpoint
-  saves and loads gets, on every rank, an entry for every parameter in parameter order: an empty
-  shard's moments (and master weight) are empty DTensors, which write and read nothing, and its
-  step is left to the rank holding the shard (Adam keeps a step per parameter, and the ranks'
-  must not disagree).
+* **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter is
+  empty gets no gradient for it, so torch's Adam never creates its state there, and the ranks'
+  optimizer state dicts hold different DTensors. Megatron-FSDP's checkpoint preprocessing runs one
+  collective per DTensor, so the ranks wait on different collectives and the save hangs (Megatron's
+  own code, on a GPU too: NVIDIA/Megatron-LM#4910). The state dict the checkpoint saves and loads
+  gets, on every rank, an entry for every parameter in parameter order: an empty shard's moments are
+  empty DTensors, which write and read nothing, and its step is left to the rank holding the shard
+  (Adam keeps a step per parameter, and the ranks' must not disagree).
 
 On the host-only devices (cpu, npu-emulated) the parameter gathers complete before Megatron-FSDP
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
@@ -123,9 +121,10 @@ def problems(args: Any) -> list[str]:
     it scales the local shard's buffer rather than the bucket it reduces; megatron-core 0.14's
     Megatron-FSDP needs DeviceMesh state torch 2.13 removed; Megatron-FSDP's ``no_shard`` fails
     after the first step in Megatron's own code up to megatron-core 0.17, unless
-    ``--overlap-param-gather`` takes the other path; before megatron-core 0.18 Megatron-FSDP
-    hands the precision-aware optimizer its gradients in ``.grad`` where it reads
-    ``decoupled_grad``, so no parameter would ever be updated."""
+    ``--overlap-param-gather`` takes the other path; the precision-aware optimizer: before
+    megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where it reads
+    ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its parameters are
+    DTensors, which the adaptor's precision-aware optimizer does not step."""
     if getattr(args, "use_megatron_fsdp", False) and _reads_removed_mesh_state():
         from megatron_npu.patcher import megatron_core_version
 
@@ -150,19 +149,22 @@ def problems(args: Any) -> list[str]:
             "any device): add --overlap-grad-reduce --overlap-param-gather, or shard with optim, "
             "optim_grads or optim_grads_params"
         ]
-    if (
-        getattr(args, "use_megatron_fsdp", False)
-        and getattr(args, "use_precision_aware_optimizer", False)
-        and not _hands_gradients_to_decoupled_grad()
+    if getattr(args, "use_megatron_fsdp", False) and getattr(
+        args, "use_precision_aware_optimizer", False
     ):
         from megatron_npu.patcher import megatron_core_version
 
+        why = (
+            "gives the optimizer its gradients in .grad, and the precision-aware optimizer reads "
+            "decoupled_grad, so no parameter would be updated (Megatron's own code, on any device)"
+            if not _hands_gradients_to_decoupled_grad()
+            else "hands the optimizer DTensor parameters, which the adaptor's precision-aware "
+            "optimizer does not step"
+        )
         return [
-            "--use-precision-aware-optimizer: megatron-core "
-            f"{megatron_core_version()}'s Megatron-FSDP gives the optimizer its gradients in "
-            ".grad, and the precision-aware optimizer reads decoupled_grad, so no parameter "
-            "would be updated (Megatron's own code, on any device): use megatron-core 0.18+, or "
-            "--use-distributed-optimizer for the precision-aware optimizer"
+            f"--use-precision-aware-optimizer: megatron-core {megatron_core_version()}'s "
+            f"Megatron-FSDP {why}: use --use-distributed-optimizer for the precision-aware "
+            "optimizer, or Megatron-FSDP with torch's Adam"
         ]
     if getattr(args, "use_custom_fsdp", False) and not hasattr(args, "use_megatron_fsdp"):
         return [
@@ -198,49 +200,66 @@ def _empty_here(param: Any) -> bool:
 
 
 def _shaped_like(param: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """The states in ``state`` shaped like ``param``: moments, momentum buffers, master weights
-    (not per-parameter scalars such as Adam's ``step``)."""
+    """The states in ``state`` shaped like ``param`` (moments, master weights; not per-parameter
+    scalars such as Adam's ``step``)."""
     return {
         name: value
         for name, value in state.items()
-        if isinstance(value, torch.Tensor) and value.shape == param.shape
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+    }
+
+
+def _empty_states_like(param: Any, holder: Any, kept: dict[str, Any]) -> dict[str, Any]:
+    """Empty states for ``param`` of each kind ``holder`` keeps (``kept``): in ``param``'s dtype
+    where the holder's state is in the holder's own (torch's Adam keeps its moments so), else in
+    the state's."""
+    return {
+        name: torch.zeros_like(
+            param, dtype=param.dtype if value.dtype == holder.dtype else value.dtype
+        )
+        for name, value in kept.items()
     }
 
 
 def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     """(parameter, the state a checkpoint keeps of it) for every parameter of ``optimizer``, in
     parameter order. A parameter whose shard here is empty never had a gradient here: its entry
-    holds only the states shaped like it (empty tensors; where the optimizer keeps none of it,
-    one of each the optimizer keeps of this rank's other parameters, in the dtype it keeps it:
-    Adam's two moments, SGD's momentum buffer, a master weight), and no per-parameter scalar
-    such as Adam's step, so that the rank holding its shard alone says what those are."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    kept = next((_shaped_like(p, optimizer.state[p]) for p in params if optimizer.state.get(p)), {})
+    holds only the states shaped like it, and where the optimizer keeps none, one of each kind
+    it keeps of another parameter on this rank (of the same group where one has state), as
+    empty tensors; no per-parameter scalar such as Adam's step, so that the rank holding its
+    shard alone says what those are. A rank with no state at all (before the first step) gives
+    none, as every rank then does."""
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    holders = [
+        [p for p in params if _shaped_like(p, optimizer.state.get(p, {}))] for params in groups
+    ]
+    anywhere = next((h[0] for h in holders if h), None)
     out = []
-    for param in params:
-        state = optimizer.state.get(param, {})
-        if _empty_here(param):
-            state = _shaped_like(param, state) or {
-                name: torch.zeros_like(param, dtype=value.dtype) for name, value in kept.items()
-            }
-        out.append((param, state))
+    for params, here in zip(groups, holders, strict=True):
+        holder = here[0] if here else anywhere
+        for param in params:
+            state = optimizer.state.get(param, {})
+            if _empty_here(param):
+                state = _shaped_like(param, state) or (
+                    _empty_states_like(param, holder, _shaped_like(holder, optimizer.state[holder]))
+                    if holder is not None
+                    else {}
+                )
+            out.append((param, state))
     return out
 
 
-def give_empty_shards_a_step(state: dict[Any, dict[str, Any]], optimizer: Any = None) -> None:
-    """Before ``optimizer`` loads ``state`` (per parameter): an entry that lacks a scalar the
-    other entries hold (an empty shard's, see :func:`every_parameters_state`; Adam's ``step``)
-    takes it from the first entry that has it, and where none has a step, torch's Adam and AdamW
-    (which read one on load, and never use it, the shard being empty) get step 0. An optimizer
-    that keeps no scalar (SGD) is left as it is."""
+def give_empty_shards_a_step(state: dict[Any, dict[str, Any]]) -> None:
+    """Before the optimizer loads ``state`` (per parameter): an entry that lacks a scalar the
+    other entries hold (an empty shard's, see :func:`every_parameters_state`; Adam's ``step``,
+    which torch's Adam reads on load and never uses, the shard being empty) takes it from the
+    first entry that has it."""
     entries = [entry for entry in state.values() if isinstance(entry, dict) and entry]
     scalars: dict[str, Any] = {}
     for entry in entries:
         for name, value in entry.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 scalars.setdefault(name, value)
-    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        scalars.setdefault("step", torch.tensor(0.0))
     for entry in entries:
         for name, value in scalars.items():
             if name not in entry:

@@ -774,10 +774,6 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
     ]
     if args.optimizer_cpu_offload:
         changed.append("--optimizer-cpu-offload")
-    for problem in sharded_optimizer_problems(
-        args.optimizer, args.use_distributed_optimizer, args.optimizer_cpu_offload
-    ):
-        raise ArgumentError(problem)
     if not args.use_precision_aware_optimizer:
         if changed:
             raise ArgumentError(f"{', '.join(changed)} need --use-precision-aware-optimizer")
@@ -798,6 +794,10 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace) -> None:
     """World-size-independent rules (Megatron's ``validate_args`` where it applies)."""
     _check_ranges(args)
+    for problem in sharded_optimizer_problems(
+        args.optimizer, args.use_distributed_optimizer, args.optimizer_cpu_offload
+    ):
+        raise ArgumentError(problem)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:

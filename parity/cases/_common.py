@@ -6,7 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ def grads(out: torch.Tensor, grad_out: torch.Tensor, **leaves: torch.Tensor | No
 
 #: while a job keeps its one-rank world (:func:`one_rank_world_kept`): the teardowns of what
 #: :func:`megatron_parallel` set up, run when the job ends
-_kept: list[Callable[[], None]] | None = None
+_kept: contextlib.ExitStack | None = None
 
 
 @contextlib.contextmanager
@@ -57,18 +57,18 @@ def one_rank_world_kept() -> Iterator[None]:
     world and Megatron's parallel state) stays up until the block ends, rather than being torn
     down after each call: on the host backend (gloo) setting them up and tearing them down is
     most of a small case's time. The parity harness keeps them for one host-device job, whose
-    implementation and reference share gloo; everything is torn down when the job ends."""
+    implementation and reference share gloo; everything is torn down when the job ends, however
+    it ends."""
     global _kept
     if _kept is not None:
         yield
         return
-    _kept = []
-    try:
-        yield
-    finally:
-        teardowns, _kept = _kept, None
-        for teardown in reversed(teardowns):
-            teardown()
+    with contextlib.ExitStack() as stack:
+        _kept = stack
+        try:
+            yield
+        finally:
+            _kept = None
 
 
 @contextlib.contextmanager
@@ -119,7 +119,7 @@ def megatron_parallel(seed: int = 1234) -> Iterator[None]:
         yield
     finally:
         if _kept is not None:
-            _kept.append(teardown)
+            _kept.callback(teardown)
         else:
             teardown()
 

@@ -231,3 +231,48 @@ def test_a_single_process_case_opens_its_world_on_the_active_devices_backend(mon
     with pytest.raises(RuntimeError, match="stop here"), megatron_parallel():
         pass
     assert seen == ["hccl", "gloo"]
+
+
+_KEPT_WORLD = """
+import megatron_npu
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron_npu.parity.cases._common import megatron_parallel, one_rank_world_kept
+
+megatron_npu.apply("cpu")
+
+
+def clean():
+    return not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+assert clean()
+with one_rank_world_kept():
+    with megatron_parallel():
+        world = dist.group.WORLD
+    with megatron_parallel():
+        assert dist.group.WORLD is world  # the same world, kept between calls
+assert clean()
+try:
+    with one_rank_world_kept(), megatron_parallel():
+        raise RuntimeError("stop here")
+except RuntimeError as exc:
+    assert str(exc) == "stop here"
+assert clean()
+with megatron_parallel():  # outside a kept block: set up and torn down per call
+    pass
+assert clean()
+print("ok")
+"""
+
+
+def test_a_kept_one_rank_world_serves_every_call_and_is_gone_when_the_block_ends():
+    """A host-device job's one-rank world (``one_rank_world_kept``): later calls reuse the world
+    the first one set up, and it is torn down when the block ends, also by an exception; in a
+    fresh process, so that no earlier test's world is in the way."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _KEPT_WORLD], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -69,17 +69,11 @@ def _precision_aware(groups):
 
 
 #: optimizer -> (how it is built over parameter groups, the states it keeps shaped like a
-#: parameter, by dtype for a bf16 parameter where that is not the parameter's own)
+#: parameter): torch's AdamW and Adam (what Megatron builds without TE or apex), and an optimizer
+#: whose states are in dtypes of their own (the precision-aware AdamW: bf16 moments, a master)
 OPTIMIZERS = {
     "adamw": (lambda groups: torch.optim.AdamW(groups, lr=0.1), {"exp_avg", "exp_avg_sq"}),
-    "adam-amsgrad": (
-        lambda groups: torch.optim.Adam(groups, lr=0.1, amsgrad=True),
-        {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
-    ),
-    "sgd-momentum": (
-        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
-        {"momentum_buffer"},
-    ),
+    "adam": (lambda groups: torch.optim.Adam(groups, lr=0.1), {"exp_avg", "exp_avg_sq"}),
     "precision-aware": (_precision_aware, {"exp_avg", "exp_avg_sq", "master_param"}),
 }
 
@@ -132,12 +126,10 @@ def test_a_checkpoint_of_every_parameter_resumes_as_the_optimizer_goes_on(name):
     state = {i: {k: v.clone() for k, v in s.items()} for i, (_, s) in enumerate(entries)}
     fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = _build(name, fresh_params)
-    megatron_fsdp.give_empty_shards_a_step(state, fresh)
-    if "step" in entries[0][1]:
-        assert torch.equal(state[1]["step"], state[0]["step"])
-        assert state[1]["step"] is not state[0]["step"]
-    else:
-        assert set(state[1]) == OPTIMIZERS[name][1]
+    megatron_fsdp.give_empty_shards_a_step(state)
+    assert set(state[1]) == OPTIMIZERS[name][1] | {"step"}
+    assert torch.equal(state[1]["step"], state[0]["step"])
+    assert state[1]["step"] is not state[0]["step"]
     saved = optimizer.state_dict()
     fresh.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     _step(optimizer, params, 0.25)
@@ -146,19 +138,18 @@ def test_a_checkpoint_of_every_parameter_resumes_as_the_optimizer_goes_on(name):
         assert torch.equal(ours, theirs)
 
 
-def test_adam_entries_get_step_zero_where_this_rank_holds_no_step():
-    """A rank holding only empty shards: torch's Adam reads a step on load, so each entry gets
-    step 0; SGD, which keeps none, gets none."""
-    params = [torch.nn.Parameter(torch.ones(0)) for _ in range(2)]
-    moments = {key: torch.zeros(0) for key in ("exp_avg", "exp_avg_sq")}
-    state = {i: dict(moments) for i in range(2)}
-    adam = torch.optim.AdamW(params, lr=0.1)
-    megatron_fsdp.give_empty_shards_a_step(state, adam)
-    assert all(float(entry["step"]) == 0.0 for entry in state.values())
-    adam.load_state_dict({"state": state, "param_groups": adam.state_dict()["param_groups"]})
-    buffers = {i: {"momentum_buffer": torch.zeros(0)} for i in range(2)}
-    megatron_fsdp.give_empty_shards_a_step(buffers, torch.optim.SGD(params, lr=0.1))
-    assert all(set(entry) == {"momentum_buffer"} for entry in buffers.values())
+def test_empty_shards_take_the_holders_kinds_in_their_own_dtype_and_nothing_before_a_step():
+    """torch's Adam keeps its moments in each parameter's dtype: an empty bf16 shard beside an
+    fp32 holder gets bf16 moments. Before the first step no rank holds any state, and no entry
+    gets any (every rank's entries then agree)."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(0).bfloat16())]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    assert all(state == {} for _, state in megatron_fsdp.every_parameters_state(optimizer))
+    params[0].grad = torch.full((3,), 0.5)
+    optimizer.step()
+    _, empty = megatron_fsdp.every_parameters_state(optimizer)[1]
+    assert set(empty) == {"exp_avg", "exp_avg_sq"}
+    assert all(t.dtype == torch.bfloat16 and t.numel() == 0 for t in empty.values())
 
 
 @pytest.mark.parametrize(

@@ -587,6 +587,7 @@ def test_sgd_with_the_distributed_optimizer_is_one_named_error(capsys):
     from megatron_npu.patches import megatron_lm
 
     err = error_of(capsys, "--optimizer", "sgd", "--use-distributed-optimizer")
+    assert "--optimizer sgd: Megatron's distributed optimizer takes Adam only" in err
     expected = megatron_lm.distributed_optimizer_problems(
         argparse.Namespace(optimizer="sgd", use_distributed_optimizer=True)
     )
