@@ -340,36 +340,10 @@ def run_examples(job: Job) -> CellOutcome | None:
     rank, _ = _rank_and_world()
     device = devices.current_torch_device()
     original = patcher.original(patch)
-    cell = CellOutcome()
-    with _world_kept(job):
-        _run_each_example(job, case, patch, original, rank, device, cell)
-    return cell if rank == 0 else None
-
-
-def _world_kept(job: Job) -> contextlib.AbstractContextManager[None]:
-    """A single-process job on a device whose backend is the reference's (gloo: cpu and
-    npu-emulated) keeps its one-rank world for all its examples; on an NPU the implementation's
-    world is HCCL's and the reference's gloo's, so each call sets up its own."""
-    from megatron_npu.parity.cases._common import one_rank_world_kept
-
-    shared = FACTS[job.device].dist_backend == FACTS[CPU].dist_backend
-    return one_rank_world_kept() if shared and job.parallel.world == 1 else contextlib.nullcontext()
-
-
-def _run_each_example(
-    job: Job,
-    case: ParityCase,
-    patch: Patch,
-    original: Any,
-    rank: int,
-    device: torch.device,
-    cell: CellOutcome,
-) -> None:
-    """Each example of ``job``: run, and on rank 0 compared with the reference (and the
-    benchmark where wanted) into ``cell``."""
     tested = job.torch_dtype
     tolerance = case.tolerance_for(tested)
     level = level_of(case.name)
+    cell = CellOutcome()
     cpu = torch.device("cpu")
     kernels: Counter = Counter()
     for params in job.examples:
@@ -422,6 +396,17 @@ def _run_each_example(
             if old is None or _rank_key(outcome, tolerance) > _rank_key(old, tolerance):
                 cell.tensors[name] = outcome
     cell.kernels = {k: v for k, v in sorted(kernels.items()) if v > 0}
+    return cell if rank == 0 else None
+
+
+def _world_kept(job: Job) -> contextlib.AbstractContextManager[None]:
+    """An in-process job on a device whose backend is the reference's (gloo: cpu and
+    npu-emulated) keeps its one-rank world for all its examples; on an NPU the implementation's
+    world is HCCL's and the reference's gloo's, so each call sets up its own."""
+    from megatron_npu.parity.cases._common import one_rank_world_kept
+
+    shared = FACTS[job.device].dist_backend == FACTS[CPU].dist_backend
+    return one_rank_world_kept() if shared else contextlib.nullcontext()
 
 
 def _reference(case, patch, ctx, inputs, what):
@@ -488,7 +473,7 @@ def evaluate(
     outcome: CellOutcome | None = None
     try:
         if job.parallel.world == 1:
-            with _deadline(timeout_s):
+            with _deadline(timeout_s), _world_kept(job):
                 outcome = run_examples(job)
         else:
             if pool is None:

@@ -106,10 +106,10 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
 def _wrap_distopt_load_state_dict(original: Any) -> Any:
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
-        inner = getattr(self, "optimizer", None)
         if getattr(getattr(self, "ddp_config", None), "use_megatron_fsdp", False):
             megatron_fsdp.give_empty_shards_a_step(state_dict["state"])
         result = original(self, state_dict)
+        inner = getattr(self, "optimizer", None)
         seen: set[int] = set()
         for state in getattr(inner, "state", {}).values():
             step = state.get("step") if isinstance(state, dict) else None

@@ -221,6 +221,15 @@ def _empty_states_like(param: Any, holder: Any, kept: dict[str, Any]) -> dict[st
     }
 
 
+def _first_holder(optimizer: Any, params: list[Any]) -> tuple[Any, dict[str, Any]] | None:
+    """(the first of ``params`` the optimizer keeps states shaped like, those states)."""
+    for param in params:
+        kept = _shaped_like(param, optimizer.state.get(param, {}))
+        if kept:
+            return param, kept
+    return None
+
+
 def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     """(parameter, the state a checkpoint keeps of it) for every parameter of ``optimizer``, in
     parameter order. A parameter whose shard here is empty never had a gradient here: its entry
@@ -230,20 +239,15 @@ def every_parameters_state(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     shard alone says what those are. A rank with no state at all (before the first step) gives
     none, as every rank then does."""
     groups = [list(group["params"]) for group in optimizer.param_groups]
-    holders = [
-        [p for p in params if _shaped_like(p, optimizer.state.get(p, {}))] for params in groups
-    ]
-    anywhere = next((h[0] for h in holders if h), None)
+    anywhere = _first_holder(optimizer, [param for params in groups for param in params])
     out = []
-    for params, here in zip(groups, holders, strict=True):
-        holder = here[0] if here else anywhere
+    for params in groups:
+        holder = _first_holder(optimizer, params) or anywhere
         for param in params:
             state = optimizer.state.get(param, {})
             if _empty_here(param):
                 state = _shaped_like(param, state) or (
-                    _empty_states_like(param, holder, _shaped_like(holder, optimizer.state[holder]))
-                    if holder is not None
-                    else {}
+                    _empty_states_like(param, *holder) if holder is not None else {}
                 )
             out.append((param, state))
     return out

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 #: the share of branches taken by the quick examples (fp32 + fp16, cpu + npu-emulated, world size
 #: 1 and the context-parallel pools, see the module doc) once they reach every branch they can:
-#: 617 of 878 (0.703). The rest are multi-rank branches (TP/PP/DP collectives, sequence
+#: 616 of 876 (0.703). The rest are multi-rank branches (TP/PP/DP collectives, sequence
 #: parallelism), argument checks that raise, and the emulation's refusals of unsupported forms.
 FLOOR = 0.69
 
