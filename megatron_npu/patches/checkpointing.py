@@ -19,6 +19,13 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   bookkeeping (``padding``, ``gbuf_local_start``, ``gbuf_local_end``), which Megatron's
   precision-aware branch would hand the optimizer as states: both branches get the state
   tensors only, and the precision-aware branch is otherwise Megatron's own.
+* ``DistributedOptimizer.get_parameter_state_dp_reshardable`` (megatron-core 0.15): the
+  ``dp_reshardable`` checkpoint (Megatron-LM's default format for the distributed optimizer)
+  maps every entry of a parameter's state onto its slice of the bucket and asserts each is as
+  long as the slice; torch's Adam(W) also keeps a 0-dim ``step`` there, so every save stops at
+  that assertion. 0.16 leaves ``step`` out of the bucket (it is saved through the param groups);
+  the wrapper does the same on 0.15, for the save and the load template alike, and the load
+  takes ``step`` from the param groups as it does on 0.16.
 * ``DistributedOptimizer.state_dict``: without apex/TransformerEngine Megatron reads the step
   from every parameter's torch-Adam state, and asserts there is exactly one; a fresh optimizer
   (the one a resumed run loads its checkpoint into, before any step) has no states yet, so the
@@ -85,6 +92,24 @@ def _wrap_set_main_param_and_optimizer_states(original: Any) -> Any:
     return _set_main_param_and_optimizer_states
 
 
+def _wrap_dp_reshardable_state(original: Any) -> Any:
+    @functools.wraps(original)
+    def get_parameter_state_dp_reshardable(self):
+        state = original(self)
+        for dtype_state in state.values():
+            if not isinstance(dtype_state, dict):  # e.g. per_bucket_numel_unpadded
+                continue
+            for buckets in dtype_state.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        step = entry.get("step")
+                        if isinstance(step, torch.Tensor) and step.dim() == 0:
+                            del entry["step"]
+        return state
+
+    return get_parameter_state_dp_reshardable
+
+
 def _wrap_distopt_state_dict(original: Any) -> Any:
     @functools.wraps(original)
     def state_dict(self):
@@ -129,11 +154,25 @@ PATCHES = [
         target="megatron.core.dist_checkpointing.strategies.filesystem_async._process_memory",
         replacement=_process_memory,
         reason="stock version raises without psutil inside the torch_dist writer: save hangs",
-        versions=">=0.16",
+        versions=">=0.13",
         devices=DEVICES,
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test="tests/patches/test_exempt_plumbing.py::test_writer_process_memory_without_psutil",
+    ),
+    Patch(
+        id="checkpoint.distopt-dp-reshardable-step",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+        "get_parameter_state_dp_reshardable",
+        replacement=_wrap_dp_reshardable_state,
+        kind="wrap",
+        reason="torch Adam's 0-dim 'step' in a dp_reshardable bucket entry fails Megatron's "
+        "slice-length assertion: every save stops (0.16 leaves it out)",
+        versions=">=0.15,<0.16",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+        benchmark_exempt=_EXEMPT,
+        exempt_test=_RESUME_TEST,
     ),
     Patch(
         id="checkpoint.distopt-load-torch-adam-step",
