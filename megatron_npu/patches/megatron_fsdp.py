@@ -21,6 +21,17 @@ route. The gradient reduce and the checkpoint need more:
   empty DTensors, which write and read nothing, and its step is left to the rank holding the shard
   (Adam keeps a step per parameter, and the ranks' must not disagree).
 
+* **model checkpoints on megatron-core 0.15**: there Megatron-FSDP swaps the module's parameters
+  to the gathered (raw) ones in every forward and after every optimizer step
+  (``start_param_sync``), and back to the sharded DTensors through a ``state_dict`` pre-hook on
+  the wrapped module. Under ``--bf16`` or ``--fp16`` that module is Megatron's ``Float16Module``,
+  whose ``state_dict`` hands the call straight to its inner model, so the hook never runs: the
+  checkpoint takes the raw parameters, and the optimizer's part, which names its DTensors through
+  the model's parameters, stops at Megatron's "not found in param_to_name mapping" assertion
+  (Megatron's own code, on a GPU too, unless ``--overlap-param-gather`` leaves the DTensors in
+  place). Megatron-FSDP's ``state_dict`` swaps to the DTensors first; the next forward swaps
+  back, as it does after a save on 0.16, which keeps the DTensors throughout.
+
 On the host-only devices (cpu, npu-emulated) the parameter gathers complete before Megatron-FSDP
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
 frees and re-allocates in place (``_typed_storage()._resize_``), trusting CUDA's stream-ordered
@@ -281,6 +292,17 @@ def _synchronous_coalescing(original: Any) -> Any:
     return _coalescing_manager
 
 
+def _wrap_state_dict_sharded_first(original: Any) -> Any:
+    @functools.wraps(original)
+    def state_dict(
+        self: Any, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        self._replace_param_with_distributed_if_needed()
+        return original(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    return state_dict
+
+
 def _wrap_fsdp_dtensor_state(original: Any) -> Any:
     @functools.wraps(original)
     def sharded_param_state_fsdp_dtensor(self: Any, is_loading: bool = False) -> dict[str, Any]:
@@ -348,6 +370,20 @@ PATCHES = [
         parity_exempt="a capability answer, no numerics: the GEMM it vouches for has the "
         "gradient-accumulation-fusion parity case; the named test trains with it",
         benchmark_exempt="read once, when Megatron-FSDP wraps the model",
+        exempt_test=_TRAINS_AS_DISTOPT,
+    ),
+    Patch(
+        id="megatron-fsdp.save-sharded-parameters",
+        target="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP."
+        "state_dict",
+        replacement=_wrap_state_dict_sharded_first,
+        kind="wrap",
+        reason="Float16Module's state_dict skips Megatron-FSDP's pre-hook: a 16-bit model saves "
+        "its gathered parameters and the optimizer's fsdp_dtensor state cannot name its DTensors",
+        versions=">=0.15,<0.16",
+        devices=DEVICES,
+        parity_exempt="checkpoint plumbing, no numerics: the sharded parameters swapped in first",
+        benchmark_exempt="runs once per checkpoint save",
         exempt_test=_TRAINS_AS_DISTOPT,
     ),
     Patch(
