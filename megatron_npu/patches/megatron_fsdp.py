@@ -28,9 +28,9 @@ route. The gradient reduce and the checkpoint need more:
   whose ``state_dict`` hands the call straight to its inner model, so the hook never runs: the
   checkpoint takes the raw parameters, and the optimizer's part, which names its DTensors through
   the model's parameters, stops at Megatron's "not found in param_to_name mapping" assertion
-  (Megatron's own code, on a GPU too, unless ``--overlap-param-gather`` leaves the DTensors in
-  place). Megatron-FSDP's ``state_dict`` swaps to the DTensors first; the next forward swaps
-  back, as it does after a save on 0.16, which keeps the DTensors throughout.
+  (Megatron's own code: its optimizer calls ``start_param_sync`` after every Megatron-FSDP step,
+  whatever ``--overlap-param-gather`` says). Megatron-FSDP's ``state_dict`` swaps to the DTensors
+  first; the next forward swaps back. 0.16 keeps the DTensors throughout.
 
 On the host-only devices (cpu, npu-emulated) the parameter gathers complete before Megatron-FSDP
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
