@@ -14,8 +14,8 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   whose state also holds ``step``; the loader hands it over separately (through the param
   groups) and leaves it out of the tensors, so the stock copy fails with ``KeyError: 'step'``.
   The wrapper copies the entries the checkpoint provides and leaves ``step`` to that path. A
-  ``dp_reshardable`` checkpoint's entries (Megatron-LM's default) also carry the load
-  template's ``step`` (zero: copied, it would restart the bias correction) and their bucket's
+  ``dp_reshardable`` checkpoint's entries (Megatron-LM's default) also carry, from 0.16, the
+  load template's ``step`` (zero: copied, it would restart the bias correction) and their bucket's
   bookkeeping (``padding``, ``gbuf_local_start``, ``gbuf_local_end``), which Megatron's
   precision-aware branch would hand the optimizer as states: both branches get the state
   tensors only, and the precision-aware branch is otherwise Megatron's own.
@@ -72,7 +72,7 @@ def _wrap_set_main_param_and_optimizer_states(original: Any) -> Any:
     @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         # the step comes through the param groups; a dp_reshardable bucket entry carries the
-        # load template's step (zero) and its bookkeeping beside the states
+        # load template's step (zero, from 0.16) and its bookkeeping beside the states
         states = {
             key: value
             for key, value in tensors.items()

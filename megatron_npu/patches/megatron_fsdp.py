@@ -29,8 +29,9 @@ route. The gradient reduce and the checkpoint need more:
   checkpoint takes the raw parameters, and the optimizer's part, which names its DTensors through
   the model's parameters, stops at Megatron's "not found in param_to_name mapping" assertion
   (Megatron's own code: its optimizer calls ``start_param_sync`` after every Megatron-FSDP step,
-  whatever ``--overlap-param-gather`` says). Megatron-FSDP's ``state_dict`` swaps to the DTensors
-  first; the next forward swaps back. 0.16 keeps the DTensors throughout.
+  whatever ``--overlap-param-gather`` says). The wrapper makes ``MegatronFSDP.state_dict`` swap
+  to the DTensors first; the next forward swaps back. From 0.16 Megatron-FSDP registers the
+  pre-hook on every submodule, so the inner model's ``state_dict`` runs it.
 
 On the host-only devices (cpu, npu-emulated) the parameter gathers complete before Megatron-FSDP
 goes on. It issues them as one asynchronous coalesced all-gather into buckets whose storage it
