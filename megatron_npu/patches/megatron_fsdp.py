@@ -12,6 +12,15 @@ route. The gradient reduce and the checkpoint need more:
   multiplied by the scaling factor inside the collective). HCCL and gloo have no such op: the
   gradient is multiplied first and then summed, the arithmetic Megatron itself does for bf16
   gradients and with ``--no-gradient-reduce-div-fusion``.
+* **which buffer is scaled on megatron-core 0.15**: there Megatron-FSDP hands the reduce
+  preprocessing its own gradient shard (``gbuf.data``) in place of the bucket it reduces. Under
+  NCCL's ``PREMUL_SUM`` that buffer is never touched (the collective scales what it sums), so on
+  a GPU the gradient is averaged; scaled as above, the fully sharded strategies (``optim_grads``,
+  ``optim_grads_params``) would sum each gradient over the data-parallel ranks. For the buckets
+  that ``PREMUL_SUM`` would serve, the adaptor scales the bucket itself before the reduce and
+  reduces it as a plain sum. Where Megatron itself scales first (bf16 gradients,
+  ``--no-gradient-reduce-div-fusion``) it scales its shard on a GPU too: that stays Megatron's own
+  arithmetic. From 0.16 Megatron-FSDP hands over the bucket.
 * **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter is
   empty gets no gradient for it, so torch's Adam never creates its state there, and the ranks'
   optimizer state dicts hold different DTensors. Megatron-FSDP's checkpoint preprocessing runs one
@@ -133,7 +142,9 @@ def problems(args: Any) -> list[str]:
     it scales the local shard's buffer rather than the bucket it reduces; megatron-core 0.14's
     Megatron-FSDP needs DeviceMesh state torch 2.13 removed; Megatron-FSDP's ``no_shard`` fails
     after the first step in Megatron's own code up to megatron-core 0.17, unless
-    ``--overlap-param-gather`` takes the other path; the precision-aware optimizer: before
+    ``--overlap-param-gather`` takes the other path; megatron-core 0.15's Megatron-FSDP stops in
+    the backward of a tied output layer with gradient-accumulation fusion; the precision-aware
+    optimizer: before
     megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where it reads
     ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its parameters are
     DTensors, which the adaptor's precision-aware optimizer does not step."""
@@ -178,6 +189,20 @@ def problems(args: Any) -> list[str]:
             f"Megatron-FSDP {why}: use --use-distributed-optimizer for the precision-aware "
             "optimizer, or Megatron-FSDP with torch's Adam"
         ]
+    if (
+        getattr(args, "use_megatron_fsdp", False)
+        and _ties_the_output_to_fused_gradient_buffer(args)
+        and not _gives_the_shared_weight_a_buffer()
+    ):
+        from megatron_npu.patcher import megatron_core_version
+
+        return [
+            f"--use-megatron-fsdp: megatron-core {megatron_core_version()}'s Megatron-FSDP with "
+            "tied embeddings and gradient-accumulation fusion stops in the output layer's "
+            "backward, which finds no gradient buffer (main_grad) for the shared weight: add "
+            "--untie-embeddings-and-output-weights or --no-gradient-accumulation-fusion, or use "
+            "megatron-core 0.16+"
+        ]
     if getattr(args, "use_custom_fsdp", False) and not hasattr(args, "use_megatron_fsdp"):
         return [
             "--use-custom-fsdp: megatron-core 0.13's FSDP scales gradients inside NCCL's "
@@ -188,14 +213,31 @@ def problems(args: Any) -> list[str]:
     return []
 
 
+def _ties_the_output_to_fused_gradient_buffer(args: Any) -> bool:
+    """Whether the output layer of Megatron-LM's ``args`` computes its weight gradient, fused into
+    the gradient buffer, for the weight it shares with the embedding (tied embeddings, one
+    pipeline stage, gradient-accumulation fusion)."""
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    one_stage = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+    return tied and one_stage and bool(getattr(args, "gradient_accumulation_fusion", False))
+
+
+def _gives_the_shared_weight_a_buffer() -> bool:
+    """Whether the installed Megatron-FSDP serves the fused weight gradient of a tied output layer
+    (megatron-core 0.16+; 0.15's leaves the shared weight without ``main_grad`` there)."""
+    from packaging.version import Version
+
+    from megatron_npu.patcher import megatron_core_version
+
+    return Version(megatron_core_version()) >= Version("0.16")
+
+
 def notices(args: Any) -> list[str]:
     """What of Megatron-LM's ``args`` Megatron-FSDP computes differently from the distributed
     optimizer in Megatron's own code, on any device, as lines to warn with."""
     if not getattr(args, "use_megatron_fsdp", False):
         return []
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    one_stage = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
-    if tied and one_stage and getattr(args, "gradient_accumulation_fusion", False):
+    if _ties_the_output_to_fused_gradient_buffer(args):
         return [
             "megatron-npu: with --use-megatron-fsdp, tied embeddings and gradient-accumulation "
             "fusion, Megatron's output layer writes the shared weight's gradient buffer and marks "
@@ -282,6 +324,49 @@ def give_empty_shards_a_step(state: dict[Any, dict[str, Any]]) -> None:
                 entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
+def _scaled_inside_the_collective(gbuf: Any) -> bool:
+    """Whether Megatron-FSDP reduces the gradient buffer ``gbuf`` with NCCL's ``PREMUL_SUM`` (the
+    scaling factor applied inside the collective): a factor, no average in the collective, the
+    div fusion, and gradients other than bf16."""
+    config = gbuf.ddp_config
+    return (
+        gbuf.gradient_scaling_factor is not None
+        and not config.average_in_collective
+        and config.gradient_reduce_div_fusion
+        and gbuf.dtype != torch.bfloat16
+    )
+
+
+def _wrap_bucket_group_reduce(original: Any) -> Any:
+    """``GradReducePipeline._bucket_group_gradient_reduce`` with each bucket that NCCL would scale
+    inside ``PREMUL_SUM`` scaled by its buffer's factor first, and reduced as a plain sum (its
+    buffer's factor cleared for the call, so the preprocessing scales nothing else)."""
+
+    @functools.wraps(original)
+    def _bucket_group_gradient_reduce(
+        self: Any,
+        bucket_group: list[int],
+        async_op: bool = False,
+        outer_fsdp_group_grad_reduce: bool = False,
+    ) -> bool:
+        scaled: dict[int, tuple[Any, Any]] = {}
+        with torch.no_grad():
+            for bucket_id in bucket_group:
+                gbuf = self.get_fsdp_buffer(bucket_id)
+                if id(gbuf) in scaled or not _scaled_inside_the_collective(gbuf):
+                    continue
+                gbuf.fetch_bucket().data.mul_(gbuf.gradient_scaling_factor)
+                scaled[id(gbuf)] = (gbuf, gbuf.gradient_scaling_factor)
+                gbuf.gradient_scaling_factor = None
+        try:
+            return original(self, bucket_group, async_op, outer_fsdp_group_grad_reduce)
+        finally:
+            for gbuf, factor in scaled.values():
+                gbuf.gradient_scaling_factor = factor
+
+    return _bucket_group_gradient_reduce
+
+
 def _synchronous_coalescing(original: Any) -> Any:
     """torch's ``_coalescing_manager`` as Megatron-FSDP's buffers call it, with the coalesced
     collectives waited for when the block ends (``async_ops`` off), however they were asked."""
@@ -342,6 +427,20 @@ PATCHES = [
         versions=">=0.14",
         parity_exempt=_REDUCE_EXEMPT,
         benchmark_exempt="picks a reduce op; the scaling is one in-place multiply",
+        exempt_test=_TRAINS_AS_DISTOPT,
+    ),
+    Patch(
+        id="megatron-fsdp.scale-the-reduced-bucket",
+        target=f"{_BUFFER}.GradReducePipeline._bucket_group_gradient_reduce",
+        replacement=_wrap_bucket_group_reduce,
+        kind="wrap",
+        reason="megatron-core 0.15's Megatron-FSDP hands the reduce preprocessing its own shard "
+        "for the bucket it reduces: scaled there in place of PREMUL_SUM, sharded gradients "
+        "would be summed over the data-parallel ranks, not averaged; scale the bucket",
+        versions=">=0.15,<0.16",
+        parity_exempt="the bucket times the factor, summed: PREMUL_SUM's arithmetic, held by the "
+        "named test against the distributed optimizer's grad norms",
+        benchmark_exempt="one in-place multiply per bucket, where the collective would scale",
         exempt_test=_TRAINS_AS_DISTOPT,
     ),
     Patch(

@@ -152,6 +152,20 @@ def test_empty_shards_take_the_holders_kinds_in_their_own_dtype_and_nothing_befo
     assert all(t.dtype == torch.bfloat16 and t.numel() == 0 for t in empty.values())
 
 
+def _tied_fused_megatron_fsdp(**args):
+    """Megatron-LM's args for Megatron-FSDP with tied embeddings, gradient-accumulation fusion and
+    one pipeline stage, with ``args`` changed."""
+    return SimpleNamespace(
+        **{
+            "use_megatron_fsdp": True,
+            "untie_embeddings_and_output_weights": False,
+            "gradient_accumulation_fusion": True,
+            "pipeline_model_parallel_size": 1,
+            **args,
+        }
+    )
+
+
 @pytest.mark.parametrize(
     "args, noticed",
     [
@@ -163,19 +177,38 @@ def test_empty_shards_take_the_holders_kinds_in_their_own_dtype_and_nothing_befo
     ],
 )
 def test_tied_embeddings_with_fusion_under_megatron_fsdp_get_one_notice(args, noticed):
-    namespace = SimpleNamespace(
-        **{
-            "use_megatron_fsdp": True,
-            "untie_embeddings_and_output_weights": False,
-            "gradient_accumulation_fusion": True,
-            "pipeline_model_parallel_size": 1,
-            **args,
-        }
-    )
+    namespace = _tied_fused_megatron_fsdp(**args)
     lines = megatron_fsdp.notices(namespace)
     assert len(lines) == noticed
     if noticed:
         assert "--untie-embeddings-and-output-weights" in lines[0]
+
+
+@pytest.mark.parametrize("version, stops", [("0.15.3", True), ("0.16.1", False), ("0.19.2", False)])
+@pytest.mark.parametrize(
+    "args, fused_tied",
+    [
+        ({}, True),
+        ({"untie_embeddings_and_output_weights": True}, False),
+        ({"gradient_accumulation_fusion": False}, False),
+        ({"pipeline_model_parallel_size": 2}, False),
+    ],
+)
+def test_tied_embeddings_with_fusion_are_refused_in_one_line_where_megatron_fsdp_stops(
+    monkeypatch, version, stops, args, fused_tied
+):
+    """megatron-core 0.15's Megatron-FSDP stops in the tied output layer's fused weight-gradient
+    backward: that combination alone is refused, by name, with the options that train."""
+    from megatron_npu import patcher
+
+    monkeypatch.setattr(patcher, "megatron_core_version", lambda: version)
+    namespace = _tied_fused_megatron_fsdp(**args)
+    lines = megatron_fsdp.problems(namespace)
+    assert len(lines) == (stops and fused_tied), lines
+    if lines:
+        assert lines[0].startswith(f"--use-megatron-fsdp: megatron-core {version}'s")
+        assert "--untie-embeddings-and-output-weights" in lines[0]
+        assert "--no-gradient-accumulation-fusion" in lines[0]
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")
@@ -197,3 +230,66 @@ def test_coalesced_gathers_on_a_host_device_are_complete_when_the_block_ends(cpu
             dist.all_gather_into_tensor(bucket, shard)
         assert gathered.works == []  # nothing in flight: waited at the block's end
         assert torch.equal(bucket, shard.repeat(dist.get_world_size()))
+
+
+class _GradBuffer:
+    """What megatron-core 0.15's ``_bucket_group_gradient_reduce`` reads of a sharded gradient
+    buffer: its own shard (``data``), the full bucket it reduces (``fetch_bucket``), its
+    factor, dtype and config."""
+
+    def __init__(self, bucket: torch.Tensor, factor: float, **config):
+        self.bucket = SimpleNamespace(data=bucket)
+        self.data = torch.zeros(bucket.numel() // 2, dtype=bucket.dtype)
+        self.dtype = bucket.dtype
+        self.gradient_scaling_factor = factor
+        self.ddp_config = _config(**config)
+
+    def fetch_bucket(self):
+        return self.bucket
+
+
+def _megatron_core_0_15_up_to_the_collective(sent: list):
+    """0.15's ``_bucket_group_gradient_reduce`` of one bucket on one rank, up to the collective:
+    the preprocessing is handed the rank's shard (``gbuf.data``), and the op it returns and the
+    bucket as it then is go to the collective (``sent``)."""
+
+    def reduce(pipeline, bucket_group, async_op=False, outer_fsdp_group_grad_reduce=False):
+        gbuf = pipeline.get_fsdp_buffer(bucket_group[0])
+        op = megatron_fsdp.gradient_reduce_preprocessing(
+            gbuf.data, gbuf.gradient_scaling_factor, gbuf.ddp_config
+        )
+        sent.append((op, gbuf.fetch_bucket().data.clone()))
+
+    return reduce
+
+
+@pytest.mark.parametrize(
+    "dtype, config, averaged",
+    [
+        (torch.float32, {}, True),  # PREMUL_SUM on a GPU: the average
+        (torch.bfloat16, {}, False),  # Megatron scales its shard on a GPU too
+        (torch.float32, {"gradient_reduce_div_fusion": False}, False),
+    ],
+)
+def test_megatron_core_0_15_averages_the_buckets_premul_sum_would(dtype, config, averaged):
+    """Two ranks' gradients through megatron-core 0.15's reduce arithmetic with the adaptor's
+    wrap, then reduce-scattered as a sum into each rank's shard: where NCCL's PREMUL_SUM would
+    scale inside the collective, each shard ends as its part of the ranks' average (the
+    distributed optimizer's gradient); where Megatron scales before the collective, its own
+    arithmetic (the empty shard scaled, the buckets summed) is left as it is. Each buffer's
+    factor is its own again after the call."""
+    grads = [torch.tensor([1.0, -2.0, 3.0, 4.0]), torch.tensor([3.0, 2.0, -1.0, 0.5])]
+    buffers = [_GradBuffer(g.to(dtype, copy=True), 0.5, **config) for g in grads]
+    sent: list = []
+    wrapped = megatron_fsdp._wrap_bucket_group_reduce(
+        _megatron_core_0_15_up_to_the_collective(sent)
+    )
+    for gbuf in buffers:
+        wrapped(SimpleNamespace(get_fsdp_buffer=lambda _id, b=gbuf: b), [0])
+    assert {op for op, _ in sent} == {torch.distributed.ReduceOp.SUM}
+    total = sum(bucket for _, bucket in sent)
+    for rank, gbuf in enumerate(buffers):
+        gbuf.data += total.chunk(len(buffers))[rank]
+    expected = (grads[0] + grads[1]) * (0.5 if averaged else 1.0)
+    assert torch.equal(torch.cat([b.data for b in buffers]).float(), expected)
+    assert [b.gradient_scaling_factor for b in buffers] == [0.5, 0.5]
