@@ -144,10 +144,9 @@ def problems(args: Any) -> list[str]:
     after the first step in Megatron's own code up to megatron-core 0.17, unless
     ``--overlap-param-gather`` takes the other path; megatron-core 0.15's Megatron-FSDP stops in
     the backward of a tied output layer with gradient-accumulation fusion; the precision-aware
-    optimizer: before
-    megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where it reads
-    ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its parameters are
-    DTensors, which the adaptor's precision-aware optimizer does not step."""
+    optimizer: before megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where
+    it reads ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its
+    parameters are DTensors, which the adaptor's precision-aware optimizer does not step."""
     if getattr(args, "use_megatron_fsdp", False) and _reads_removed_mesh_state():
         from megatron_npu.patcher import megatron_core_version
 
