@@ -12,15 +12,16 @@ route. The gradient reduce and the checkpoint need more:
   multiplied by the scaling factor inside the collective). HCCL and gloo have no such op: the
   gradient is multiplied first and then summed, the arithmetic Megatron itself does for bf16
   gradients and with ``--no-gradient-reduce-div-fusion``.
-* **which buffer is scaled on megatron-core 0.15**: there Megatron-FSDP hands the reduce
-  preprocessing its own gradient shard (``gbuf.data``) in place of the bucket it reduces. Under
-  NCCL's ``PREMUL_SUM`` that buffer is never touched (the collective scales what it sums), so on
-  a GPU the gradient is averaged; scaled as above, the fully sharded strategies (``optim_grads``,
-  ``optim_grads_params``) would sum each gradient over the data-parallel ranks. For the buckets
-  that ``PREMUL_SUM`` would serve, the adaptor scales the bucket itself before the reduce and
-  reduces it as a plain sum. Where Megatron itself scales first (bf16 gradients,
-  ``--no-gradient-reduce-div-fusion``) it scales its shard on a GPU too: that stays Megatron's own
-  arithmetic. From 0.16 Megatron-FSDP hands over the bucket.
+* **which buffer is scaled on megatron-core 0.14 and 0.15**: there Megatron-FSDP hands the
+  reduce preprocessing its own gradient shard (``gbuf.data``) in place of the bucket it reduces.
+  Under NCCL's ``PREMUL_SUM`` that buffer is never touched (by Megatron's code the collective
+  scales what it sums, so on a GPU the gradient is averaged); scaled as above, the fully sharded
+  strategies (``optim_grads``, ``optim_grads_params``) would reduce unscaled buckets and scale
+  the shard instead, so the gradient is not the ranks' average. For the buckets that
+  ``PREMUL_SUM`` would serve, the adaptor scales the bucket itself before the reduce and reduces
+  it as a plain sum. Where Megatron itself scales first (bf16 gradients,
+  ``--no-gradient-reduce-div-fusion``) its code scales the shard on a GPU too: that stays
+  Megatron's own arithmetic. From 0.16 Megatron-FSDP hands over the bucket.
 * **optimizer checkpoints** (``--ckpt-format fsdp_dtensor``): a rank whose shard of a parameter is
   empty gets no gradient for it, so torch's Adam never creates its state there, and the ranks'
   optimizer state dicts hold different DTensors. Megatron-FSDP's checkpoint preprocessing runs one
@@ -143,7 +144,8 @@ def problems(args: Any) -> list[str]:
     Megatron-FSDP needs DeviceMesh state torch 2.13 removed; Megatron-FSDP's ``no_shard`` fails
     after the first step in Megatron's own code up to megatron-core 0.17, unless
     ``--overlap-param-gather`` takes the other path; megatron-core 0.15's Megatron-FSDP stops in
-    the backward of a tied output layer with gradient-accumulation fusion; the precision-aware
+    the backward of a tied output layer with gradient-accumulation fusion (one pipeline stage);
+    the precision-aware
     optimizer: before megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where
     it reads ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its
     parameters are DTensors, which the adaptor's precision-aware optimizer does not step."""
@@ -222,13 +224,14 @@ def _ties_the_output_to_fused_gradient_buffer(args: Any) -> bool:
 
 
 def _gives_the_shared_weight_a_buffer() -> bool:
-    """Whether the installed Megatron-FSDP serves the fused weight gradient of a tied output layer
-    (megatron-core 0.16+; 0.15's leaves the shared weight without ``main_grad`` there)."""
+    """Whether the installed Megatron-FSDP serves the fused weight gradient of a tied output layer:
+    every release but 0.15, whose backward finds no ``main_grad`` for the shared weight there (0.14
+    was not run: on torch 2.13 its Megatron-FSDP is refused before this)."""
     from packaging.version import Version
 
     from megatron_npu.patcher import megatron_core_version
 
-    return Version(megatron_core_version()) >= Version("0.16")
+    return Version(megatron_core_version()).release[:2] != (0, 15)
 
 
 def notices(args: Any) -> list[str]:
@@ -349,15 +352,15 @@ def _wrap_bucket_group_reduce(original: Any) -> Any:
         outer_fsdp_group_grad_reduce: bool = False,
     ) -> bool:
         scaled: dict[int, tuple[Any, Any]] = {}
-        with torch.no_grad():
-            for bucket_id in bucket_group:
-                gbuf = self.get_fsdp_buffer(bucket_id)
-                if id(gbuf) in scaled or not _scaled_inside_the_collective(gbuf):
-                    continue
-                gbuf.fetch_bucket().data.mul_(gbuf.gradient_scaling_factor)
-                scaled[id(gbuf)] = (gbuf, gbuf.gradient_scaling_factor)
-                gbuf.gradient_scaling_factor = None
         try:
+            with torch.no_grad():
+                for bucket_id in bucket_group:
+                    gbuf = self.get_fsdp_buffer(bucket_id)
+                    if id(gbuf) in scaled or not _scaled_inside_the_collective(gbuf):
+                        continue
+                    gbuf.fetch_bucket().data.mul_(gbuf.gradient_scaling_factor)
+                    scaled[id(gbuf)] = (gbuf, gbuf.gradient_scaling_factor)
+                    gbuf.gradient_scaling_factor = None
             return original(self, bucket_group, async_op, outer_fsdp_group_grad_reduce)
         finally:
             for gbuf, factor in scaled.values():
@@ -433,10 +436,10 @@ PATCHES = [
         target=f"{_BUFFER}.GradReducePipeline._bucket_group_gradient_reduce",
         replacement=_wrap_bucket_group_reduce,
         kind="wrap",
-        reason="megatron-core 0.15's Megatron-FSDP hands the reduce preprocessing its own shard "
-        "for the bucket it reduces: scaled there in place of PREMUL_SUM, sharded gradients "
-        "would be summed over the data-parallel ranks, not averaged; scale the bucket",
-        versions=">=0.15,<0.16",
+        reason="megatron-core 0.14 and 0.15's Megatron-FSDP hand the reduce preprocessing their "
+        "own shard for the bucket they reduce: scaled there in place of PREMUL_SUM, sharded "
+        "gradients would not be the ranks' average; scale the bucket",
+        versions=">=0.14,<0.16",
         parity_exempt="the bucket times the factor, summed: PREMUL_SUM's arithmetic, held by the "
         "named test against the distributed optimizer's grad norms",
         benchmark_exempt="one in-place multiply per bucket, where the collective would scale",

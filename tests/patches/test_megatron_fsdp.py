@@ -237,9 +237,9 @@ class _GradBuffer:
     buffer: its own shard (``data``), the full bucket it reduces (``fetch_bucket``), its
     factor, dtype and config."""
 
-    def __init__(self, bucket: torch.Tensor, factor: float, **config):
+    def __init__(self, bucket: torch.Tensor, shard: torch.Tensor, factor: float, **config):
         self.bucket = SimpleNamespace(data=bucket)
-        self.data = torch.zeros(bucket.numel() // 2, dtype=bucket.dtype)
+        self.data = shard
         self.dtype = bucket.dtype
         self.gradient_scaling_factor = factor
         self.ddp_config = _config(**config)
@@ -276,10 +276,15 @@ def test_megatron_core_0_15_averages_the_buckets_premul_sum_would(dtype, config,
     wrap, then reduce-scattered as a sum into each rank's shard: where NCCL's PREMUL_SUM would
     scale inside the collective, each shard ends as its part of the ranks' average (the
     distributed optimizer's gradient); where Megatron scales before the collective, its own
-    arithmetic (the empty shard scaled, the buckets summed) is left as it is. Each buffer's
-    factor is its own again after the call."""
+    arithmetic (the shard scaled, the buckets summed) is left as it is. Each shard starts from
+    an earlier micro-batch's reduced part, which only Megatron's own scaling touches. Each
+    buffer's factor is its own again after the call."""
     grads = [torch.tensor([1.0, -2.0, 3.0, 4.0]), torch.tensor([3.0, 2.0, -1.0, 0.5])]
-    buffers = [_GradBuffer(g.to(dtype, copy=True), 0.5, **config) for g in grads]
+    earlier = [torch.tensor([0.25, -1.0]), torch.tensor([2.0, 0.75])]
+    buffers = [
+        _GradBuffer(g.to(dtype, copy=True), e.to(dtype, copy=True), 0.5, **config)
+        for g, e in zip(grads, earlier, strict=True)
+    ]
     sent: list = []
     wrapped = megatron_fsdp._wrap_bucket_group_reduce(
         _megatron_core_0_15_up_to_the_collective(sent)
@@ -290,6 +295,10 @@ def test_megatron_core_0_15_averages_the_buckets_premul_sum_would(dtype, config,
     total = sum(bucket for _, bucket in sent)
     for rank, gbuf in enumerate(buffers):
         gbuf.data += total.chunk(len(buffers))[rank]
-    expected = (grads[0] + grads[1]) * (0.5 if averaged else 1.0)
+    expected = (
+        torch.cat(earlier) + (grads[0] + grads[1]) * 0.5
+        if averaged
+        else torch.cat(earlier) * 0.5 + grads[0] + grads[1]
+    )
     assert torch.equal(torch.cat([b.data for b in buffers]).float(), expected)
     assert [b.gradient_scaling_factor for b in buffers] == [0.5, 0.5]
