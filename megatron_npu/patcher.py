@@ -136,6 +136,13 @@ def megatron_core_version() -> str:
         return "0"
 
 
+def megatron_core_below(version: str) -> bool:
+    """Whether the installed megatron-core is older than ``version`` (its pre-releases too)."""
+    from packaging.version import Version
+
+    return Version(megatron_core_version()) < Version(version)
+
+
 def resolve(target: str) -> tuple[Any, str]:
     """Return ``(owner, attribute name)`` for a dotted target; raise AttributeError/ImportError."""
     parts = target.split(".")

@@ -64,14 +64,6 @@ def _device() -> Any:
     return TORCH_NAMESPACE.cuda.current_device()
 
 
-def _megatron_core_below(version: str) -> bool:
-    from packaging.version import Version
-
-    from megatron_npu.patcher import megatron_core_version
-
-    return Version(megatron_core_version()) < Version(version)
-
-
 class TEExtraState:
     """The ``_extra_state`` entry of a TE module with fp8 off."""
 
@@ -448,7 +440,9 @@ class TENorm(TEExtraState, Norm):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
         )
-        self.pickled_empty_dict = _megatron_core_below("0.15")
+        from megatron_npu.patcher import megatron_core_below
+
+        self.pickled_empty_dict = megatron_core_below("0.15")
 
 
 # --------------------------------------------------------------------------- attention
@@ -563,8 +557,10 @@ def _build_attention() -> type:
             )
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+            from megatron_npu.patcher import megatron_core_below
+
             # TE's wrapper keeps _extra_state out of distributed checkpoints from 0.15 on
-            if _megatron_core_below("0.15"):
+            if megatron_core_below("0.15"):
                 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
                 state = self.state_dict(prefix="", keep_vars=True)

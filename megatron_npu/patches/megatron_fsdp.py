@@ -145,10 +145,10 @@ def problems(args: Any) -> list[str]:
     after the first step in Megatron's own code up to megatron-core 0.17, unless
     ``--overlap-param-gather`` takes the other path; megatron-core 0.15's Megatron-FSDP stops in
     the backward of a tied output layer with gradient-accumulation fusion (one pipeline stage);
-    the precision-aware
-    optimizer: before megatron-core 0.18 Megatron-FSDP hands it its gradients in ``.grad`` where
-    it reads ``decoupled_grad``, so no parameter would ever be updated, and from 0.18 its
-    parameters are DTensors, which the adaptor's precision-aware optimizer does not step."""
+    the precision-aware optimizer: before megatron-core 0.18 Megatron-FSDP hands it its gradients
+    in ``.grad`` where it reads ``decoupled_grad``, so no parameter would ever be updated, and
+    from 0.18 its parameters are DTensors, which the adaptor's precision-aware optimizer does not
+    step."""
     if getattr(args, "use_megatron_fsdp", False) and _reads_removed_mesh_state():
         from megatron_npu.patcher import megatron_core_version
 
@@ -227,11 +227,9 @@ def _gives_the_shared_weight_a_buffer() -> bool:
     """Whether the installed Megatron-FSDP serves the fused weight gradient of a tied output layer:
     every release but 0.15, whose backward finds no ``main_grad`` for the shared weight there (0.14
     was not run: on torch 2.13 its Megatron-FSDP is refused before this)."""
-    from packaging.version import Version
+    from megatron_npu.patcher import megatron_core_below
 
-    from megatron_npu.patcher import megatron_core_version
-
-    return Version(megatron_core_version()).release[:2] != (0, 15)
+    return megatron_core_below("0.15") or not megatron_core_below("0.16")
 
 
 def notices(args: Any) -> list[str]:

@@ -113,7 +113,9 @@ def test_te_spec_sharded_keys_leave_core_attention_extra_state_out(gloo_world_of
 
     sharded = _gpt(_te_spec(), _config()).sharded_state_dict()
     attention = [k for k in sharded if "core_attention" in k]
-    below_015 = te_layers._megatron_core_below("0.15")
+    from megatron_npu.patcher import megatron_core_below
+
+    below_015 = megatron_core_below("0.15")
     assert bool(attention) == below_015, attention
     extra = sharded["decoder.layers.0.self_attention.linear_qkv._extra_state"]
     assert isinstance(extra, ShardedObject)
