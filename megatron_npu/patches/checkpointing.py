@@ -38,6 +38,17 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   own copy after Megatron's load. Under Megatron-FSDP it first gives the entries of this rank's
   empty shards a step (:func:`.megatron_fsdp.give_empty_shards_a_step`), which torch's Adam
   reads on load.
+* ``TorchCommonLoadStrategy.load_common``: ``--optimizer-cpu-offload``'s
+  ``HybridDeviceOptimizer`` keeps the classes of its two optimizers in its defaults, so every
+  parameter group of the checkpoint's common state holds them (``cpu_optimizer_cls``,
+  ``gpu_optimizer_cls``); megatron-core loads ``common.pt`` with torch's ``weights_only`` default,
+  which refuses a class, and no such checkpoint resumes (the distributed optimizer's
+  ``fully_sharded_model_space`` format, megatron-core 0.14's default for it, and
+  ``fully_reshardable``). The wrapper loads it with the optimizer classes Megatron can record
+  allowed, and nothing else: torch's Adam, AdamW and SGD, Megatron's ``Adam`` and ``SGD`` as
+  installed here, and Transformer Engine's and apex's fused ones by name. A checkpoint written
+  where those were installed (a GPU cluster) names classes this machine may lack; where the module
+  is not loaded, the name reads as the class that serves it here (Megatron's ``Adam`` or ``SGD``).
 """
 
 from __future__ import annotations
@@ -128,6 +139,42 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
     return state_dict
 
 
+#: The fused optimizers Megatron records for the accelerator's half where Transformer Engine or
+#: apex is installed, by their pickled names, and which of Megatron's names serves each here.
+_FUSED_OPTIMIZERS = {
+    "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": "Adam",
+    "transformer_engine.pytorch.optimizers.fused_sgd.FusedSGD": "SGD",
+    "apex.optimizers.fused_adam.FusedAdam": "Adam",
+    "apex.optimizers.fused_sgd.FusedSGD": "SGD",
+}
+
+
+def recorded_optimizer_classes() -> list[Any]:
+    """The globals ``torch.serialization.safe_globals`` takes for the optimizer classes a
+    ``HybridDeviceOptimizer`` checkpoint may hold: classes, or ``(class, pickled name)`` where
+    the named module is not loaded in this process."""
+    import sys
+
+    import megatron.core.optimizer as megatron_optimizer
+
+    allowed: list[Any] = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]
+    allowed += [megatron_optimizer.Adam, megatron_optimizer.SGD]
+    for name, serves in _FUSED_OPTIMIZERS.items():
+        module, _, attribute = name.rpartition(".")
+        loaded = getattr(sys.modules.get(module), attribute, None)
+        allowed.append(loaded or (getattr(megatron_optimizer, serves), name))
+    return allowed
+
+
+def _wrap_load_common(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_common(self, checkpoint_dir):
+        with torch.serialization.safe_globals(recorded_optimizer_classes()):
+            return original(self, checkpoint_dir)
+
+    return load_common
+
+
 def _wrap_distopt_load_state_dict(original: Any) -> Any:
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
@@ -212,5 +259,20 @@ PATCHES = [
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test=_RESUME_TEST,
+    ),
+    Patch(
+        id="checkpoint.common-state-optimizer-classes",
+        target="megatron.core.dist_checkpointing.strategies.common.TorchCommonLoadStrategy."
+        "load_common",
+        replacement=_wrap_load_common,
+        kind="wrap",
+        reason="--optimizer-cpu-offload records its optimizers' classes in the common state, "
+        "which torch's weights_only load refuses: no such checkpoint resumed",
+        versions=">=0.13",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+        benchmark_exempt="runs once per checkpoint load",
+        exempt_test="tests/patches/test_exempt_plumbing.py::"
+        "test_common_state_with_offload_optimizer_classes_loads",
     ),
 ]
