@@ -830,12 +830,25 @@ def test_precision_aware_recipe_resumes_bitwise(tmp_path):
 # extended: the split's branches and both halves' steps are tests/test_hybrid_offload.py's
 # (default suite); this adds Megatron-LM's script, its checkpoint and the curve around them
 @pytest.mark.extended
-def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path):
+@pytest.mark.parametrize(
+    "checkpoint_format",
+    [(), ("--dist-ckpt-optim-fully-reshardable",)],
+    ids=["megatron-lm-default", "fully-reshardable"],
+)
+def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path, checkpoint_format):
     """``--optimizer-cpu-offload`` (with ``--use-precision-aware-optimizer``, as Megatron-LM
     requires), half the parameters offloaded, on two ranks of npu-emulated: it trains, resumes
     bitwise from its checkpoint, and follows the precision-aware optimizer's curve (fp32 master
     weights) within 1e-4 per step. Not bitwise: torch's AdamW steps the host half, the fused
-    AdamW the rest, and their fp32 updates differ in the last bits before the bf16 rounding."""
+    AdamW the rest, and their fp32 updates differ in the last bits before the bf16 rounding.
+    The checkpoint in Megatron-LM's default format for the distributed optimizer and in
+    ``fully_reshardable``: a format that keeps the optimizer's parameter groups in the common
+    state (0.14's default, ``fully_reshardable``) holds the classes of both optimizers there."""
+    checkpointing = megatron_lm_folder() / "megatron" / "training" / "checkpointing.py"
+    if checkpoint_format and "args.dist_ckpt_optim_fully_reshardable" not in (
+        checkpointing.read_text()
+    ):
+        pytest.skip(f"this Megatron-LM has no {checkpoint_format[0]} (its default is tested)")
     aware = (
         *TINY,
         "--mock-data",
@@ -843,7 +856,13 @@ def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path)
         "--use-distributed-optimizer",
         "--use-precision-aware-optimizer",
     )
-    offload = (*aware, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5")
+    offload = (
+        *aware,
+        *checkpoint_format,
+        "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction",
+        "0.5",
+    )
     straight = _resumes_bitwise(tmp_path, *offload, name="offload")
     plain = pretrain_gpt(
         tmp_path, *aware, "--train-iters", "12", nproc=2, device="npu-emulated", name="aware"
@@ -933,15 +952,25 @@ def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(t
     arguments = (megatron_lm_folder() / "megatron" / "training" / "arguments.py").read_text()
     # megatron-core 0.13 has no Megatron-FSDP (its Megatron-LM, --use-custom-fsdp)
     served = importlib.util.find_spec("megatron.core.distributed.fsdp") is not None
+    fsdp = (
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--ckpt-format",
+        "fsdp_dtensor",
+    )
+    if "'--megatron-fsdp-main-grads-dtype'" in arguments:  # from 0.17: the params' dtype (bf16)
+        fsdp += ("--megatron-fsdp-main-grads-dtype", "fp32")  # the distributed optimizer's
     if not served or megatron_lm.refusals(SimpleNamespace(use_megatron_fsdp=True)):
-        # core_v0.13's forerunner, and megatron-core 0.14's Megatron-FSDP on torch 2.13
+        # core_v0.13's forerunner, and megatron-core 0.14's Megatron-FSDP on torch 2.13 (asked
+        # for as Megatron-LM accepts it, its checkpoint format included)
         option = "--use-megatron-fsdp" if served else "--use-custom-fsdp"
         refused = pretrain_gpt(
             tmp_path,
             *common,
             "--train-iters",
             "2",
-            option,
+            *(fsdp if served else (option,)),
             nproc=2,
             device="npu-emulated",
             name="refused-fsdp",
@@ -952,15 +981,6 @@ def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(t
         assert len(lines) == 1 and f"{option}: " in lines[0], refused.tail()
         assert "exitcode  : 2" in refused.log and "[rank0]: Traceback" not in refused.log
         return
-    fsdp = (
-        "--use-megatron-fsdp",
-        "--data-parallel-sharding-strategy",
-        "optim_grads_params",
-        "--ckpt-format",
-        "fsdp_dtensor",
-    )
-    if "'--megatron-fsdp-main-grads-dtype'" in arguments:  # from 0.17: the params' dtype (bf16)
-        fsdp += ("--megatron-fsdp-main-grads-dtype", "fp32")  # the distributed optimizer's
     straight = _resumes_bitwise(
         tmp_path,
         *common,
