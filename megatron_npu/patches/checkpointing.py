@@ -38,17 +38,12 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   own copy after Megatron's load. Under Megatron-FSDP it first gives the entries of this rank's
   empty shards a step (:func:`.megatron_fsdp.give_empty_shards_a_step`), which torch's Adam
   reads on load.
-* ``TorchCommonLoadStrategy.load_common``: ``--optimizer-cpu-offload``'s
-  ``HybridDeviceOptimizer`` keeps the classes of its two optimizers in its defaults, so every
-  parameter group of the checkpoint's common state holds them (``cpu_optimizer_cls``,
-  ``gpu_optimizer_cls``); megatron-core loads ``common.pt`` with torch's ``weights_only`` default,
-  which refuses a class, and no such checkpoint resumes (the distributed optimizer's
-  ``fully_sharded_model_space`` format, megatron-core 0.14's default for it, and
-  ``fully_reshardable``). The wrapper loads it with the optimizer classes Megatron can record
-  allowed, and nothing else: torch's Adam, AdamW and SGD, Megatron's ``Adam`` and ``SGD`` as
-  installed here, and Transformer Engine's and apex's fused ones by name. A checkpoint written
-  where those were installed (a GPU cluster) names classes this machine may lack; where the module
-  is not loaded, the name reads as the class that serves it here (Megatron's ``Adam`` or ``SGD``).
+* ``TorchCommonLoadStrategy.load_common`` (from megatron-core 0.14, which loads ``common.pt``
+  with torch's ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer``
+  records its optimizers' classes in every parameter group, and a format that keeps the groups in
+  the common state (the distributed optimizer's ``fully_sharded_model_space``, 0.14's default,
+  and ``fully_reshardable``) never resumed: torch refuses a class. The wrapper loads it with
+  those classes allowed (:mod:`megatron_npu.optim.recorded_classes`), and nothing else.
 """
 
 from __future__ import annotations
@@ -61,8 +56,10 @@ import torch
 
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.facts import DEVICES
+from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
 from megatron_npu.patches import megatron_fsdp
 from megatron_npu.registry import Patch
+from megatron_npu.training.safe_load import also_allowed
 
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
 _RESUME_TEST = (
@@ -139,37 +136,10 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
     return state_dict
 
 
-#: The fused optimizers Megatron records for the accelerator's half where Transformer Engine or
-#: apex is installed, by their pickled names, and which of Megatron's names serves each here.
-_FUSED_OPTIMIZERS = {
-    "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": "Adam",
-    "transformer_engine.pytorch.optimizers.fused_sgd.FusedSGD": "SGD",
-    "apex.optimizers.fused_adam.FusedAdam": "Adam",
-    "apex.optimizers.fused_sgd.FusedSGD": "SGD",
-}
-
-
-def recorded_optimizer_classes() -> list[Any]:
-    """The globals ``torch.serialization.safe_globals`` takes for the optimizer classes a
-    ``HybridDeviceOptimizer`` checkpoint may hold: classes, or ``(class, pickled name)`` where
-    the named module is not loaded in this process."""
-    import sys
-
-    import megatron.core.optimizer as megatron_optimizer
-
-    allowed: list[Any] = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]
-    allowed += [megatron_optimizer.Adam, megatron_optimizer.SGD]
-    for name, serves in _FUSED_OPTIMIZERS.items():
-        module, _, attribute = name.rpartition(".")
-        loaded = getattr(sys.modules.get(module), attribute, None)
-        allowed.append(loaded or (getattr(megatron_optimizer, serves), name))
-    return allowed
-
-
 def _wrap_load_common(original: Any) -> Any:
     @functools.wraps(original)
     def load_common(self, checkpoint_dir):
-        with torch.serialization.safe_globals(recorded_optimizer_classes()):
+        with also_allowed(recorded_optimizer_classes()):
             return original(self, checkpoint_dir)
 
     return load_common
@@ -268,7 +238,7 @@ PATCHES = [
         kind="wrap",
         reason="--optimizer-cpu-offload records its optimizers' classes in the common state, "
         "which torch's weights_only load refuses: no such checkpoint resumed",
-        versions=">=0.13",
+        versions=">=0.14",  # 0.13 loads common.pt with weights_only=False
         devices=DEVICES,
         parity_exempt=_EXEMPT,
         benchmark_exempt="runs once per checkpoint load",

@@ -10,7 +10,8 @@ objects need more) closes both:
   checkpoint metadata classes, ``torch.Size``, dtypes/layouts/memory formats and plain builtins;
   any other global is refused naming it, before any rank starts;
 * :func:`check_common` loads the checkpoint's ``common.pt`` (iteration, schedule, layout) with
-  ``weights_only=True`` before any rank starts, so a crafted one is refused at once, whole;
+  ``weights_only=True`` before any rank starts, so a crafted one is refused at once, whole (the
+  optimizer classes an ``--optimizer-cpu-offload`` checkpoint records are allowed);
 * :func:`restricted_objects` makes the object shards load with ``weights_only=True`` (tensors,
   plain containers, and the numpy pieces of numpy's RNG state) while a checkpoint loads: the
   patch of ``DefaultLoadPlanner.load_bytes`` exists only inside that context and the class is
@@ -20,6 +21,7 @@ objects need more) closes both:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import pickle
@@ -61,9 +63,10 @@ def _allowed(module: str, name: str) -> bool:
         return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
     if module == "torch.serialization":
         return name == "_get_layout"
+    if module == "megatron.core.dist_checkpointing.strategies.torch":
+        # up to megatron-core 0.14 its torch_dist plan (plain data: the plan's items and a dict)
+        return name == "MCoreSavePlan"
     if module.startswith("torch.distributed.checkpoint."):
-        import importlib
-
         value = getattr(importlib.import_module(module), name, None)
         return isinstance(value, type)  # metadata classes and enums, never functions
     return False
@@ -71,8 +74,8 @@ def _allowed(module: str, name: str) -> bool:
 
 #: What :func:`check_metadata` accepts, described for the error message.
 ALLOWED = (
-    "torch.distributed.checkpoint classes, torch.Size, torch dtypes/layouts/memory formats, "
-    "collections.OrderedDict and plain builtin containers"
+    "torch.distributed.checkpoint classes, megatron-core's MCoreSavePlan, torch.Size, torch "
+    "dtypes/layouts/memory formats, collections.OrderedDict and plain builtin containers"
 )
 
 
@@ -117,9 +120,23 @@ def refusal_detail(exc: BaseException) -> str:
     return (text.strip().splitlines() or [exc.__class__.__name__])[0]
 
 
+@contextlib.contextmanager
+def also_allowed(extra: list):
+    """``torch.serialization.safe_globals`` for the globals of ``extra`` not already allowed
+    process-wide: torch's context takes away what it added when it ends, which would remove
+    another's registration of the same global (megatron-core registers numpy's pieces at
+    import)."""
+    import torch
+
+    registered = torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([g for g in extra if g not in registered]):
+        yield
+
+
 def check_common(path: str) -> None:
     """Load checkpoint directory ``path``'s ``common.pt`` with ``weights_only=True`` (what
-    Megatron-Core's loader does later, in every rank); refuse it naming what it holds."""
+    Megatron-Core's loader does later, in every rank), the optimizer classes an
+    ``--optimizer-cpu-offload`` checkpoint records allowed; refuse it naming what it holds."""
     import torch
 
     file = os.path.join(path, COMMON_FILE)
@@ -128,8 +145,11 @@ def check_common(path: str) -> None:
             f"checkpoint {path} has no {COMMON_FILE}: not a complete torch_dist checkpoint",
             "load another iteration with --ckpt-step N",
         )
+    from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
+
     try:
-        torch.load(file, map_location="cpu", weights_only=True)
+        with also_allowed(recorded_optimizer_classes()):
+            torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise TrainingInputError(
             f"checkpoint file {file} holds more than tensors and plain data, which safe load "
@@ -147,8 +167,13 @@ def check_common(path: str) -> None:
 def _numpy_rng_globals() -> list:
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    # numpy 2 moved its core to numpy._core; numpy 1 (which megatron-core up to 0.14 asks for)
+    # keeps numpy.core, and a shim numpy._core without multiarray
+    major = int(np.__version__.split(".")[0])
+    multiarray = importlib.import_module(
+        "numpy._core.multiarray" if major >= 2 else "numpy.core.multiarray"
+    )
+    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 @contextlib.contextmanager
@@ -163,7 +188,7 @@ def restricted_objects():
 
     def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes, weights only
         try:
-            with torch.serialization.safe_globals(_numpy_rng_globals()):
+            with also_allowed(_numpy_rng_globals()):
                 obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise TrainingInputError(

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from megatron_npu.patcher import megatron_core_below
+
 
 def _megatron_optimizer(**options):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -61,55 +63,84 @@ def test_writer_process_memory_without_psutil(cpu_adaptor, monkeypatch):
     assert filesystem_async._process_memory() > 0
 
 
-def _pickled_as(module: str, name: str) -> type:
-    """A class that pickles by reference as ``module.name`` (a module this machine may lack)."""
-    return type(name, (), {"__module__": module, "__qualname__": name})
+#: The classes Transformer Engine's and apex's fused optimizers pickle as (checkpoints of a GPU
+#: cluster whose Megatron had them), and which of Megatron's optimizer names serves each here.
+_FUSED = [
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam", "Adam"),
+    ("transformer_engine.pytorch.optimizers.fused_sgd", "FusedSGD", "SGD"),
+    ("apex.optimizers.fused_adam", "FusedAdam", "Adam"),
+    ("apex.optimizers.fused_sgd", "FusedSGD", "SGD"),
+]
 
 
+def _install_module(monkeypatch, module: str, name: str) -> type:
+    """A module ``module`` (and its packages) holding a class that pickles as ``module.name``;
+    returns the class. monkeypatch takes them away again."""
+    import types
+
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):  # pickle imports the module and its packages
+        package = ".".join(parts[:depth])
+        if package not in sys.modules:
+            monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+    cls = type(name, (), {"__module__": module, "__qualname__": name})
+    setattr(sys.modules[module], name, cls)
+    return cls
+
+
+@pytest.mark.skipif(
+    megatron_core_below("0.14"),
+    reason="megatron-core 0.13 loads common.pt with weights_only=False: nothing is refused there",
+)
 def test_common_state_with_offload_optimizer_classes_loads(cpu_adaptor, tmp_path, monkeypatch):
     """A HybridDeviceOptimizer checkpoint's common state, as written here (torch's AdamW on the
-    host, Megatron's Adam on the device) and on a GPU cluster (Transformer Engine's FusedAdam,
-    apex's FusedSGD, modules absent here), loads through megatron-core's common-state loader:
-    each recorded class reads as the class that serves it here. Any other global is still
-    refused."""
-    import types
+    host, Megatron's Adam on the device) and on GPU clusters (Transformer Engine's and apex's
+    fused optimizers), loads through megatron-core's common-state loader: a recorded class whose
+    module is not loaded reads as the class that serves it here, one that is loaded as itself.
+    Any other global is still refused, and a global registered before stays registered."""
+    import pickle
 
     import megatron.core.optimizer as megatron_optimizer
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
-    foreign, stand_ins = {}, []
-    for module, name in (
-        ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
-        ("apex.optimizers.fused_sgd", "FusedSGD"),
-    ):
-        foreign[name] = _pickled_as(module, name)
-        parts = module.split(".")
-        for depth in range(1, len(parts) + 1):  # pickle imports the module and its packages
-            stand_in = ".".join(parts[:depth])
-            monkeypatch.setitem(sys.modules, stand_in, types.ModuleType(stand_in))
-            stand_ins.append(stand_in)
-        setattr(sys.modules[module], name, foreign[name])
-    groups = [
-        {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": megatron_optimizer.Adam},
-        {"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": foreign["FusedAdam"]},
-        {"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": foreign["FusedSGD"]},
-    ]
-    for name, state in (("ours", groups[:1]), ("cluster", groups[1:])):
+    def save(name: str, groups: list) -> None:
         (tmp_path / name).mkdir()
-        torch.save({"optimizer": {"param_groups": state}}, tmp_path / name / "common.pt")
-    for stand_in in stand_ins:  # as on this machine: neither is installed
-        monkeypatch.delitem(sys.modules, stand_in)
+        torch.save({"optimizer": {"param_groups": groups}}, tmp_path / name / "common.pt")
 
-    loader = TorchCommonLoadStrategy()
-    ours = loader.load_common(tmp_path / "ours")["optimizer"]["param_groups"]
-    cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
-    assert ours == groups[:1]
-    assert [(g["cpu_optimizer_cls"], g["gpu_optimizer_cls"]) for g in cluster] == [
-        (torch.optim.SGD, megatron_optimizer.Adam),
-        (torch.optim.SGD, megatron_optimizer.SGD),
-    ]
-
+    save(
+        "ours",
+        [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": megatron_optimizer.Adam}],
+    )
+    with monkeypatch.context() as installed:
+        fused = [_install_module(installed, module, name) for module, name, _ in _FUSED]
+        save(
+            "cluster",
+            [{"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": c} for c in fused],
+        )
     (tmp_path / "code").mkdir()
     torch.save({"hook": sys.exit}, tmp_path / "code" / "common.pt")
-    with pytest.raises(Exception, match="sys.exit"):
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([torch.optim.AdamW])  # another's registration
+
+    loader = TorchCommonLoadStrategy()
+    try:
+        ours = loader.load_common(tmp_path / "ours")["optimizer"]["param_groups"]
+        cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
+        assert torch.optim.AdamW in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    assert (ours[0]["cpu_optimizer_cls"], ours[0]["gpu_optimizer_cls"]) == (
+        torch.optim.AdamW,
+        megatron_optimizer.Adam,
+    )
+    serves = [getattr(megatron_optimizer, name) for _, _, name in _FUSED]
+    assert [g["gpu_optimizer_cls"] for g in cluster] == serves
+    assert {g["cpu_optimizer_cls"] for g in cluster} == {torch.optim.SGD}
+
+    loaded = _install_module(monkeypatch, _FUSED[0][0], _FUSED[0][1])
+    cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
+    assert cluster[0]["gpu_optimizer_cls"] is loaded  # a loaded module's class is itself
+
+    with pytest.raises(pickle.UnpicklingError, match="sys.exit"):
         loader.load_common(tmp_path / "code")
