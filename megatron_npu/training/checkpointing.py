@@ -85,9 +85,15 @@ def _layout(args: Namespace) -> dict[str, int]:
 
 
 def _metadata(args: Namespace) -> dict:
+    from megatron_npu.patcher import megatron_core_below
+
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        # the format that loads into another layout: megatron-core 0.15 names it
+        # fully_reshardable; up to 0.14 it is fully_sharded_model_space (which 0.15+ still loads)
+        metadata["distrib_optim_sharding_type"] = (
+            "fully_sharded_model_space" if megatron_core_below("0.15") else "fully_reshardable"
+        )
     return metadata
 
 
@@ -283,12 +289,18 @@ def _materialize_optimizer_state(optimizer, *, distributed_only: bool = True) ->
       the state the next update would create, so the saved run and its resume stay the same.
 
     (SGD's momentum buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
+    ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` is left as it is: its states also hold
+    each fp32 copy as ``master_param``, and Megatron's distributed optimizer gives a fresh one a
+    dummy step before loading into it, which it skips once any state exists.
     """
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is None or (distributed_only and not isinstance(opt, DistributedOptimizer)):
+            continue
+        if isinstance(inner, HybridDeviceOptimizer):
             continue
         if getattr(opt.config, "optimizer", None) != "adam":  # torch Adam(W)'s state layout
             continue

@@ -198,3 +198,38 @@ def test_a_checkpoint_saved_before_any_applied_update_resumes_exactly(train_tmp)
     applied = [s for s in range(3, 21) if not whole.steps[s - 1].skipped]
     assert applied, "the run must apply updates after the checkpoint"
     assert {s: resumed.losses[s] for s in applied} == {s: whole.losses[s] for s in applied}
+
+
+def test_resume_with_half_the_optimizer_offloaded_is_exact(train_tmp):
+    """``--optimizer-cpu-offload`` on two data-parallel ranks, half the parameters stepped by the
+    host optimizer: the checkpoint (``fully_reshardable``, whose common state holds both
+    optimizers' classes) passes the safe-load check, loads into the fresh offloading optimizer
+    (which Megatron initialises itself), and the resumed steps equal the uninterrupted run's bit
+    for bit."""
+    args = [
+        *TINY,
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--use-precision-aware-optimizer",
+        "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction",
+        "0.5",
+        "--train-iters",
+        "6",
+    ]
+    save = train_tmp / "ckpt_offload"
+    whole = train(
+        train_tmp, *args, "--save", str(save), "--save-interval", "3", nproc=2, name="offload"
+    )
+    resumed = train(
+        train_tmp,
+        *args,
+        "--load",
+        str(save),
+        "--ckpt-step",
+        "3",
+        nproc=2,
+        name="offload-resumed",
+    )
+    assert [s.step for s in resumed.steps] == [4, 5, 6]
+    assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}
