@@ -841,9 +841,11 @@ def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path,
     bitwise from its checkpoint, and follows the precision-aware optimizer's curve (fp32 master
     weights) within 1e-4 per step. Not bitwise: torch's AdamW steps the host half, the fused
     AdamW the rest, and their fp32 updates differ in the last bits before the bf16 rounding.
-    The checkpoint in Megatron-LM's default format for the distributed optimizer and in
-    ``fully_reshardable``: a format that keeps the optimizer's parameter groups in the common
-    state (0.14's default, ``fully_reshardable``) holds the classes of both optimizers there."""
+    It resumes from Megatron-LM's default format for the distributed optimizer and from
+    ``fully_reshardable`` (the curve once): a format that keeps the optimizer's parameter groups
+    in the common state (0.14's default, ``fully_reshardable``) holds both optimizers' classes
+    there. The format is probed where Megatron-LM reads it: from 0.16 its options come from
+    config classes, not from literal option strings."""
     checkpointing = megatron_lm_folder() / "megatron" / "training" / "checkpointing.py"
     if checkpoint_format and "args.dist_ckpt_optim_fully_reshardable" not in (
         checkpointing.read_text()
@@ -864,6 +866,8 @@ def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path,
         "0.5",
     )
     straight = _resumes_bitwise(tmp_path, *offload, name="offload")
+    if checkpoint_format:
+        return
     plain = pretrain_gpt(
         tmp_path, *aware, "--train-iters", "12", nproc=2, device="npu-emulated", name="aware"
     )
@@ -964,13 +968,14 @@ def test_megatron_fsdp_trains_as_the_distributed_optimizer_and_resumes_bitwise(t
     if not served or megatron_lm.refusals(SimpleNamespace(use_megatron_fsdp=True)):
         # core_v0.13's forerunner, and megatron-core 0.14's Megatron-FSDP on torch 2.13 (asked
         # for as Megatron-LM accepts it, its checkpoint format included)
-        option = "--use-megatron-fsdp" if served else "--use-custom-fsdp"
+        asked = fsdp if served else ("--use-custom-fsdp",)
+        option = asked[0]
         refused = pretrain_gpt(
             tmp_path,
             *common,
             "--train-iters",
             "2",
-            *(fsdp if served else (option,)),
+            *asked,
             nproc=2,
             device="npu-emulated",
             name="refused-fsdp",
