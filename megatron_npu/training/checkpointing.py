@@ -12,7 +12,8 @@ What one checkpoint holds:
   loads into any other TP/PP/VPP/DP layout;
 * ``optimizer``: the optimizer's ``sharded_state_dict`` built on those model tensors (Adam moments
   and fp32 master weights follow the parameters they belong to); the distributed optimizer uses
-  the ``fully_reshardable`` format so it, too, loads into another layout;
+  the ``fully_reshardable`` format (``fully_sharded_model_space`` up to megatron-core 0.14) so
+  it, too, loads into another layout;
 * ``opt_param_scheduler``, ``iteration``, ``consumed_train_samples``, the saving ``layout``;
 * ``rng_state``: a ``ShardedObject`` per (PP, TP) rank -- python, numpy, torch and device RNG
   states and the model-parallel RNG tracker. Like Megatron-LM, a run that resumes with another
