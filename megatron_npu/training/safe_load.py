@@ -185,10 +185,11 @@ def restricted_objects():
 
     planner = default_planner.DefaultLoadPlanner
     original = planner.load_bytes
+    numpy_globals = _numpy_rng_globals()
 
     def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes, weights only
         try:
-            with also_allowed(_numpy_rng_globals()):
+            with also_allowed(numpy_globals):
                 obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise TrainingInputError(

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pickled_elsewhere import install_module, registered_elsewhere
 
 from megatron_npu.data import index_check
 from megatron_npu.training import divergence, errors, launch, run_lock, safe_load
@@ -355,33 +356,25 @@ def test_safe_load_admits_the_optimizer_classes_an_offload_checkpoint_records(
     group (torch's AdamW on the host; the adaptor's MegatronAdam, or a GPU cluster's Transformer
     Engine FusedAdam, on the device): the safe-load check reads them, still refuses any other
     global by name, and leaves a global registered before it registered."""
-    import types
-
     from megatron_npu.optim.precision_aware import MegatronAdam
 
-    package = "transformer_engine.pytorch.optimizers.fused_adam"
-    for depth in range(1, 5):  # pickle imports the module and its packages
-        name = ".".join(package.split(".")[:depth])
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    fused = type("FusedAdam", (), {"__module__": package, "__qualname__": "FusedAdam"})
-    sys.modules[package].FusedAdam = fused
-    groups = [
-        {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": MegatronAdam},
-        {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": fused},
-    ]
-    for name, state in (("offload", {"optimizer": {"param_groups": groups}}), ("code", sys.exit)):
-        (tmp_path / name).mkdir()
-        torch.save({"iteration": 4, "state": state}, tmp_path / name / "common.pt")
-    for depth in range(1, 5):  # as here: Transformer Engine is not installed
-        monkeypatch.delitem(sys.modules, ".".join(package.split(".")[:depth]))
-
-    before = torch.serialization.get_safe_globals()
-    torch.serialization.add_safe_globals([torch.optim.AdamW])  # another's registration
-    try:
+    with monkeypatch.context() as installed:
+        fused = install_module(
+            installed, "transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"
+        )
+        groups = [
+            {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": MegatronAdam},
+            {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": fused},
+        ]
+        for name, state in (
+            ("offload", {"optimizer": {"param_groups": groups}}),
+            ("code", sys.exit),
+        ):
+            (tmp_path / name).mkdir()
+            torch.save({"iteration": 4, "state": state}, tmp_path / name / "common.pt")
+    # as here: Transformer Engine is not installed
+    with registered_elsewhere(torch.optim.AdamW):
         safe_load.check_common(str(tmp_path / "offload"))
         assert torch.optim.AdamW in torch.serialization.get_safe_globals()
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(before)
     with pytest.raises(TrainingInputError, match=r"safe load refuses \(.*sys\.exit"):
         safe_load.check_common(str(tmp_path / "code"))

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from pickled_elsewhere import install_module, registered_elsewhere
 
 from megatron_npu.patcher import megatron_core_below
 
@@ -73,21 +74,6 @@ _FUSED = [
 ]
 
 
-def _install_module(monkeypatch, module: str, name: str) -> type:
-    """A module ``module`` (and its packages) holding a class that pickles as ``module.name``;
-    returns the class. monkeypatch takes them away again."""
-    import types
-
-    parts = module.split(".")
-    for depth in range(1, len(parts) + 1):  # pickle imports the module and its packages
-        package = ".".join(parts[:depth])
-        if package not in sys.modules:
-            monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
-    cls = type(name, (), {"__module__": module, "__qualname__": name})
-    setattr(sys.modules[module], name, cls)
-    return cls
-
-
 @pytest.mark.skipif(
     megatron_core_below("0.14"),
     reason="megatron-core 0.13 loads common.pt with weights_only=False: nothing is refused there",
@@ -112,24 +98,18 @@ def test_common_state_with_offload_optimizer_classes_loads(cpu_adaptor, tmp_path
         [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": megatron_optimizer.Adam}],
     )
     with monkeypatch.context() as installed:
-        fused = [_install_module(installed, module, name) for module, name, _ in _FUSED]
+        fused = [install_module(installed, module, name) for module, name, _ in _FUSED]
         save(
             "cluster",
             [{"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": c} for c in fused],
         )
     (tmp_path / "code").mkdir()
     torch.save({"hook": sys.exit}, tmp_path / "code" / "common.pt")
-    before = torch.serialization.get_safe_globals()
-    torch.serialization.add_safe_globals([torch.optim.AdamW])  # another's registration
-
     loader = TorchCommonLoadStrategy()
-    try:
+    with registered_elsewhere(torch.optim.AdamW):
         ours = loader.load_common(tmp_path / "ours")["optimizer"]["param_groups"]
         cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
         assert torch.optim.AdamW in torch.serialization.get_safe_globals()
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(before)
     assert (ours[0]["cpu_optimizer_cls"], ours[0]["gpu_optimizer_cls"]) == (
         torch.optim.AdamW,
         megatron_optimizer.Adam,
@@ -138,7 +118,7 @@ def test_common_state_with_offload_optimizer_classes_loads(cpu_adaptor, tmp_path
     assert [g["gpu_optimizer_cls"] for g in cluster] == serves
     assert {g["cpu_optimizer_cls"] for g in cluster} == {torch.optim.SGD}
 
-    loaded = _install_module(monkeypatch, _FUSED[0][0], _FUSED[0][1])
+    loaded = install_module(monkeypatch, _FUSED[0][0], _FUSED[0][1])
     cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
     assert cluster[0]["gpu_optimizer_cls"] is loaded  # a loaded module's class is itself
 
