@@ -49,6 +49,10 @@ _BUILTINS = frozenset(
 )
 
 
+#: the classes megatron-core's torch_dist format pickles into ``.metadata``
+MCORE_METADATA_CLASSES = ("MCoreSavePlan", "MCoreMetadata")
+
+
 def _allowed(module: str, name: str) -> bool:
     import torch
 
@@ -64,8 +68,10 @@ def _allowed(module: str, name: str) -> bool:
     if module == "torch.serialization":
         return name == "_get_layout"
     if module == "megatron.core.dist_checkpointing.strategies.torch":
-        # up to megatron-core 0.14 its torch_dist plan (plain data: the plan's items and a dict)
-        return name == "MCoreSavePlan"
+        # plain data: up to megatron-core 0.14 its torch_dist plan, in 0.15 its metadata (torch's
+        # Metadata and a dict of shapes); later releases keep both names as empty classes so that
+        # such checkpoints still load
+        return name in MCORE_METADATA_CLASSES
     if module.startswith("torch.distributed.checkpoint."):
         value = getattr(importlib.import_module(module), name, None)
         return isinstance(value, type)  # metadata classes and enums, never functions
@@ -74,8 +80,9 @@ def _allowed(module: str, name: str) -> bool:
 
 #: What :func:`check_metadata` accepts, described for the error message.
 ALLOWED = (
-    "torch.distributed.checkpoint classes, megatron-core's MCoreSavePlan, torch.Size, torch "
-    "dtypes/layouts/memory formats, collections.OrderedDict and plain builtin containers"
+    "torch.distributed.checkpoint classes, megatron-core's MCoreSavePlan and MCoreMetadata, "
+    "torch.Size, torch dtypes/layouts/memory formats, collections.OrderedDict and plain builtin "
+    "containers"
 )
 
 

@@ -378,3 +378,32 @@ def test_safe_load_admits_the_optimizer_classes_an_offload_checkpoint_records(
         assert torch.optim.AdamW in torch.serialization.get_safe_globals()
     with pytest.raises(TrainingInputError, match=r"safe load refuses \(.*sys\.exit"):
         safe_load.check_common(str(tmp_path / "code"))
+
+
+@pytest.mark.parametrize("name", safe_load.MCORE_METADATA_CLASSES)
+def test_safe_load_admits_megatron_cores_metadata_classes(name, tmp_path, monkeypatch):
+    """megatron-core's torch_dist ``.metadata`` pickles its own plain-data class: the save plan
+    up to 0.14, the metadata in 0.15 (torch's ``Metadata`` and a dict of shapes); later releases
+    keep both names as empty classes to read such checkpoints. A checkpoint saved by any of them
+    passes the check; the module's classes with behaviour (its planners) stay refused."""
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies import torch as strategy
+
+    class Recorded:  # the installed release's class, or one pickled under the same name
+        pass
+
+    Recorded.__module__, Recorded.__name__, Recorded.__qualname__ = strategy.__name__, name, name
+    monkeypatch.setattr(strategy, name, getattr(strategy, name, Recorded), raising=False)
+    cls = getattr(strategy, name)
+    recorded = cls.__new__(cls)
+    recorded.__dict__.update(
+        mcore_data={"embedding.word_embeddings.weight": {"nd_reformulated_orig_global_shape": None}}
+    )
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(recorded))
+    safe_load.check_metadata(str(tmp_path / ".metadata"))
+
+    planner = strategy.MCoreLoadPlanner.__new__(strategy.MCoreLoadPlanner)
+    (tmp_path / "planner").write_bytes(pickle.dumps(planner))
+    with pytest.raises(TrainingInputError, match=r"refers to .*\.MCoreLoadPlanner, which safe"):
+        safe_load.check_metadata(str(tmp_path / "planner"))
