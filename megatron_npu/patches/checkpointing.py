@@ -38,12 +38,16 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   own copy after Megatron's load. Under Megatron-FSDP it first gives the entries of this rank's
   empty shards a step (:func:`.megatron_fsdp.give_empty_shards_a_step`), which torch's Adam
   reads on load.
-* ``TorchCommonLoadStrategy.load_common`` (from megatron-core 0.14, which loads ``common.pt``
-  with torch's ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer``
-  records its optimizers' classes in every parameter group, and a format that keeps the groups in
-  the common state (the distributed optimizer's ``fully_sharded_model_space``, 0.14's default,
-  and ``fully_reshardable``) never resumed: torch refuses a class. The wrapper loads it with
-  those classes allowed (:mod:`megatron_npu.optim.recorded_classes`), and nothing else.
+* megatron-core's common-state loader (from 0.14 it loads the common state with torch's
+  ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` records its
+  optimizers' classes in every parameter group, and a format that keeps the groups in the common
+  state (the distributed optimizer's ``fully_sharded_model_space``, 0.14's default, and
+  ``fully_reshardable``) never resumed: torch refuses a class. The wrapper loads it with those
+  classes allowed (:mod:`megatron_npu.optim.recorded_classes`), and nothing else. The loader is
+  ``TorchCommonLoadStrategy.load_common`` up to 0.16, the module function ``load_common`` that
+  ``serialization`` calls in 0.17 and 0.18, and ``serialization.load_common_state_dict`` from
+  0.19 (which reads the common state from ``common.pt`` or, as it now saves it, from an object
+  inside the torch_dist checkpoint).
 """
 
 from __future__ import annotations
@@ -136,11 +140,20 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
     return state_dict
 
 
-def _wrap_load_common(original: Any) -> Any:
+def _wrap_load_common_method(original: Any) -> Any:
     @functools.wraps(original)
     def load_common(self, checkpoint_dir):
         with also_allowed(recorded_optimizer_classes()):
             return original(self, checkpoint_dir)
+
+    return load_common
+
+
+def _wrap_load_common_function(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_common(checkpoint_dir):
+        with also_allowed(recorded_optimizer_classes()):
+            return original(checkpoint_dir)
 
     return load_common
 
@@ -230,19 +243,41 @@ PATCHES = [
         benchmark_exempt=_EXEMPT,
         exempt_test=_RESUME_TEST,
     ),
-    Patch(
-        id="checkpoint.common-state-optimizer-classes",
-        target="megatron.core.dist_checkpointing.strategies.common.TorchCommonLoadStrategy."
-        "load_common",
-        replacement=_wrap_load_common,
-        kind="wrap",
-        reason="--optimizer-cpu-offload records its optimizers' classes in the common state, "
-        "which torch's weights_only load refuses: no such checkpoint resumed",
-        versions=">=0.14",  # 0.13 loads common.pt with weights_only=False
-        devices=DEVICES,
-        parity_exempt=_EXEMPT,
-        benchmark_exempt="runs once per checkpoint load",
-        exempt_test="tests/patches/test_exempt_plumbing.py::"
-        "test_common_state_with_offload_optimizer_classes_loads",
+    *(
+        Patch(
+            id=f"checkpoint.common-state-optimizer-classes{suffix}",
+            target=target,
+            replacement=replacement,
+            kind="wrap",
+            reason="--optimizer-cpu-offload records its optimizers' classes in the common "
+            "state, which torch's weights_only load refuses: no such checkpoint resumed",
+            versions=versions,  # 0.13 loads common.pt with weights_only=False
+            devices=DEVICES,
+            parity_exempt=_EXEMPT,
+            benchmark_exempt="runs once per checkpoint load",
+            exempt_test="tests/patches/test_exempt_plumbing.py::"
+            "test_common_state_with_offload_optimizer_classes_loads",
+        )
+        for suffix, target, replacement, versions in (
+            (
+                "",
+                "megatron.core.dist_checkpointing.strategies.common.TorchCommonLoadStrategy."
+                "load_common",
+                _wrap_load_common_method,
+                ">=0.14,<0.17",
+            ),
+            (
+                "-in-load-common",
+                "megatron.core.dist_checkpointing.serialization.load_common",
+                _wrap_load_common_function,
+                ">=0.17,<0.19",
+            ),
+            (
+                "-in-load-common-state-dict",
+                "megatron.core.dist_checkpointing.serialization.load_common_state_dict",
+                _wrap_load_common_function,
+                ">=0.19",
+            ),
+        )
     ),
 ]

@@ -87,28 +87,29 @@ def test_common_state_with_offload_optimizer_classes_loads(cpu_adaptor, tmp_path
     import pickle
 
     import megatron.core.optimizer as megatron_optimizer
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
-    def save(name: str, groups: list) -> None:
+    def save(name: str, common: dict) -> None:
         (tmp_path / name).mkdir()
-        torch.save({"optimizer": {"param_groups": groups}}, tmp_path / name / "common.pt")
+        save_config(CheckpointingConfig("torch_dist"), str(tmp_path / name))
+        torch.save(common, tmp_path / name / "common.pt")
 
-    save(
-        "ours",
-        [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": megatron_optimizer.Adam}],
-    )
+    def load(name: str) -> dict:
+        return load_common_state_dict(str(tmp_path / name))
+
+    groups = [
+        {"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": megatron_optimizer.Adam}
+    ]
+    save("ours", {"optimizer": {"param_groups": groups}})
     with monkeypatch.context() as installed:
         fused = [install_module(installed, module, name) for module, name, _ in _FUSED]
-        save(
-            "cluster",
-            [{"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": c} for c in fused],
-        )
-    (tmp_path / "code").mkdir()
-    torch.save({"hook": sys.exit}, tmp_path / "code" / "common.pt")
-    loader = TorchCommonLoadStrategy()
+        groups = [{"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": c} for c in fused]
+        save("cluster", {"optimizer": {"param_groups": groups}})
+    save("code", {"hook": sys.exit})
     with registered_elsewhere(torch.optim.AdamW):
-        ours = loader.load_common(tmp_path / "ours")["optimizer"]["param_groups"]
-        cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
+        ours = load("ours")["optimizer"]["param_groups"]
+        cluster = load("cluster")["optimizer"]["param_groups"]
         assert torch.optim.AdamW in torch.serialization.get_safe_globals()
     assert (ours[0]["cpu_optimizer_cls"], ours[0]["gpu_optimizer_cls"]) == (
         torch.optim.AdamW,
@@ -119,8 +120,8 @@ def test_common_state_with_offload_optimizer_classes_loads(cpu_adaptor, tmp_path
     assert {g["cpu_optimizer_cls"] for g in cluster} == {torch.optim.SGD}
 
     loaded = install_module(monkeypatch, _FUSED[0][0], _FUSED[0][1])
-    cluster = loader.load_common(tmp_path / "cluster")["optimizer"]["param_groups"]
+    cluster = load("cluster")["optimizer"]["param_groups"]
     assert cluster[0]["gpu_optimizer_cls"] is loaded  # a loaded module's class is itself
 
     with pytest.raises(pickle.UnpicklingError, match="sys.exit"):
-        loader.load_common(tmp_path / "code")
+        load("code")
