@@ -1,7 +1,7 @@
 """Checks of a run's inputs before any rank starts: the ``--master-port``, data files, tokenizer
 files, the ``--save`` directory and the ``--load``
 checkpoint (tracker, manifest -- refused without one unless ``--allow-unverified-load`` --,
-model fingerprint, LR schedule, per-file SHA-256, safe-load ``.metadata`` and ``common.pt``).
+model fingerprint, LR schedule, per-file SHA-256, safe-load ``.metadata`` and the common state).
 
 :func:`check` runs in the launcher process (``--nproc-per-node``), or in the one process of a
 single-rank run, or in every rank under torchrun. Each fault raises

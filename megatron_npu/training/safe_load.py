@@ -9,7 +9,7 @@ objects need more) closes both:
 * :func:`check_metadata` unpickles ``.metadata`` with an allow-list (:data:`ALLOWED`): torch's
   checkpoint metadata classes, ``torch.Size``, dtypes/layouts/memory formats and plain builtins;
   any other global is refused naming it, before any rank starts;
-* :func:`check_common` loads the checkpoint's ``common.pt`` (iteration, schedule, layout) with
+* :func:`check_common` loads the checkpoint's common state (iteration, schedule, layout) with
   ``weights_only=True`` before any rank starts, so a crafted one is refused at once, whole (the
   optimizer classes an ``--optimizer-cpu-offload`` checkpoint records are allowed);
 * :func:`restricted_objects` makes the object shards load with ``weights_only=True`` (tensors,
@@ -141,32 +141,50 @@ def also_allowed(extra: list):
 
 
 def check_common(path: str) -> None:
-    """Load checkpoint directory ``path``'s ``common.pt`` with ``weights_only=True`` (what
+    """Load checkpoint directory ``path``'s common state with ``weights_only=True`` (what
     Megatron-Core's loader does later, in every rank), the optimizer classes an
-    ``--optimizer-cpu-offload`` checkpoint records allowed; refuse it naming what it holds."""
+    ``--optimizer-cpu-offload`` checkpoint records allowed; refuse it naming what it holds. The
+    common state is ``common.pt``, or from megatron-core 0.19 an object inside the torch_dist
+    checkpoint, read through megatron-core's own loader (which unpickles it weights-only)."""
     import torch
 
+    from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
+    from megatron_npu.patcher import megatron_core_below
+
     file = os.path.join(path, COMMON_FILE)
-    if not os.path.isfile(file):
+    if os.path.isfile(file):
+        what = f"checkpoint file {file}"
+
+        def load() -> None:
+            torch.load(file, map_location="cpu", weights_only=True)
+
+    elif not megatron_core_below("0.19"):
+        what = f"checkpoint {path}'s common state"
+
+        def load() -> None:
+            from megatron.core import dist_checkpointing
+
+            dist_checkpointing.load_common_state_dict(path)
+
+    else:
         raise TrainingInputError(
             f"checkpoint {path} has no {COMMON_FILE}: not a complete torch_dist checkpoint",
             "load another iteration with --ckpt-step N",
         )
-    from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
-
     try:
         with also_allowed(recorded_optimizer_classes()):
-            torch.load(file, map_location="cpu", weights_only=True)
+            load()
+    except TrainingInputError:
+        raise
     except pickle.UnpicklingError as exc:
         raise TrainingInputError(
-            f"checkpoint file {file} holds more than tensors and plain data, which safe load "
-            f"refuses ({refusal_detail(exc)})",
+            f"{what} holds more than tensors and plain data, which safe load refuses "
+            f"({refusal_detail(exc)})",
             "load only checkpoints you trust; for a trusted one pass --no-safe-load",
         ) from None
     except Exception as exc:  # truncated, or not a torch file at all
         raise TrainingInputError(
-            f"checkpoint file {file} is unreadable ({exc.__class__.__name__}: "
-            f"{refusal_detail(exc)})",
+            f"{what} is unreadable ({exc.__class__.__name__}: {refusal_detail(exc)})",
             "load another iteration with --ckpt-step N",
         ) from None
 

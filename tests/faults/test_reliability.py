@@ -27,6 +27,7 @@ import torch
 from pickled_elsewhere import install_module, registered_elsewhere
 
 from megatron_npu.data import index_check
+from megatron_npu.patcher import megatron_core_below
 from megatron_npu.training import divergence, errors, launch, run_lock, safe_load
 from megatron_npu.training.errors import TrainingInputError, TrainingStopped
 
@@ -407,3 +408,34 @@ def test_safe_load_admits_megatron_cores_metadata_classes(name, tmp_path, monkey
     (tmp_path / "planner").write_bytes(pickle.dumps(planner))
     with pytest.raises(TrainingInputError, match=r"refers to .*\.MCoreLoadPlanner, which safe"):
         safe_load.check_metadata(str(tmp_path / "planner"))
+
+
+@pytest.mark.skipif(
+    megatron_core_below("0.19"),
+    reason="megatron-core keeps the common state in common.pt up to 0.18 (tested above)",
+)
+def test_safe_load_reads_the_common_state_object_of_a_torch_dist_checkpoint(tmp_path):
+    """From megatron-core 0.19 the common state is an object inside the torch_dist checkpoint,
+    not ``common.pt``: the check reads it through megatron-core's loader, admits the recorded
+    optimizer classes, and refuses any other global naming it."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    def save(name: str, common: dict) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        save_config(CheckpointingConfig("torch_dist"), str(path))
+        packed = io.BytesIO()
+        torch.save([common], packed)
+        key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+        dcp.save({key: packed}, checkpoint_id=str(path), no_dist=True)
+        assert not (path / "common.pt").exists()
+        return str(path)
+
+    groups = [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW}]
+    safe_load.check_common(save("offload", {"iteration": 4, "optimizer": {"param_groups": groups}}))
+    with pytest.raises(TrainingInputError, match=r"holds more than tensors .*sys\.exit"):
+        safe_load.check_common(save("code", {"iteration": 4, "hook": sys.exit}))
