@@ -174,8 +174,6 @@ def check_common(path: str) -> None:
     try:
         with also_allowed(recorded_optimizer_classes()):
             load()
-    except TrainingInputError:
-        raise
     except pickle.UnpicklingError as exc:
         raise TrainingInputError(
             f"{what} holds more than tensors and plain data, which safe load refuses "
