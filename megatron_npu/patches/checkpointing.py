@@ -42,11 +42,12 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` records its
   optimizers' classes in every parameter group, and a format that keeps the groups in the common
   state (the distributed optimizer's ``fully_sharded_model_space``, 0.14's default, and
-  ``fully_reshardable``) never resumed: torch refuses a class. The wrapper loads it with those
-  classes allowed (:mod:`megatron_npu.optim.recorded_classes`), and nothing else. The loader is
+  ``fully_reshardable``) does not resume without it: torch refuses a class. The wrapper loads
+  it with those classes allowed (:mod:`megatron_npu.optim.recorded_classes`), and nothing else.
+  The loader is
   ``TorchCommonLoadStrategy.load_common`` up to 0.16, the module function ``load_common`` that
   ``serialization`` calls in 0.17 and 0.18, and ``serialization.load_common_state_dict`` from
-  0.19 (which reads the common state from ``common.pt`` or, as it now saves it, from an object
+  0.19 (which reads the common state from ``common.pt`` or, as 0.19 saves it, from an object
   inside the torch_dist checkpoint).
 """
 
@@ -250,7 +251,7 @@ PATCHES = [
             replacement=replacement,
             kind="wrap",
             reason="--optimizer-cpu-offload records its optimizers' classes in the common "
-            "state, which torch's weights_only load refuses: no such checkpoint resumed",
+            "state, which torch's weights_only load refuses: such checkpoints do not resume",
             versions=versions,  # 0.13 loads common.pt with weights_only=False
             devices=DEVICES,
             parity_exempt=_EXEMPT,

@@ -352,21 +352,8 @@ def latest_iteration(root: str) -> int | None:
     return store.read_tracker(root)
 
 
-def _rank_failure(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside torch.distributed.checkpoint's
-    ``CheckpointException`` (whose message names only the ranks): ``failures`` maps each rank
-    to its (exception, stack) pair."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for _rank, failure in sorted(failures.items()):
-            inner = failure[0] if isinstance(failure, tuple) and failure else failure
-            if isinstance(inner, BaseException):
-                return inner
-    return exc
-
-
 def _load_failed(path: str, root: str, iteration, exc: BaseException) -> TrainingInputError:
-    exc = _rank_failure(exc)
+    exc = safe_load.first_rank_failure(exc)
     first = safe_load.refusal_detail(exc)  # one whole line, never cut mid-sentence
     return TrainingInputError(
         f"checkpoint {path} could not be loaded ({exc.__class__.__name__}: {first})",
@@ -421,8 +408,15 @@ def is_peer_failure(exc: BaseException) -> bool:
     )
 
 
+def _safe(args):
+    """Object shards restricted while a checkpoint loads (from megatron-core 0.19 the common state
+    is one of them), unless --no-safe-load."""
+    return safe_load.restricted_objects() if args.safe_load else contextlib.nullcontext()
+
+
 def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
-    common = dist_checkpointing.load_common_state_dict(path)
+    with _safe(args):
+        common = dist_checkpointing.load_common_state_dict(path)
     saved_layout = common.get("layout", {})
     here = _layout(args)
     same_tp_pp = all(
@@ -446,8 +440,7 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
         with_optimizer=has_optim,
         with_rng=has_rng,
     )
-    guard = safe_load.restricted_objects() if args.safe_load else contextlib.nullcontext()
-    with guard:
+    with _safe(args):
         loaded = dist_checkpointing.load(state, path, sharded_strategy=None)
     for index, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[_model_key(index, len(model))], strict=True)

@@ -7,7 +7,8 @@ checkpoint. Safe load (the default; ``--no-safe-load`` turns it off for trusted 
 objects need more) closes both:
 
 * :func:`check_metadata` unpickles ``.metadata`` with an allow-list (:data:`ALLOWED`): torch's
-  checkpoint metadata classes, ``torch.Size``, dtypes/layouts/memory formats and plain builtins;
+  checkpoint metadata classes, megatron-core's plain-data ones, ``torch.Size``,
+  dtypes/layouts/memory formats and plain builtins;
   any other global is refused naming it, before any rank starts;
 * :func:`check_common` loads the checkpoint's common state (iteration, schedule, layout) with
   ``weights_only=True`` before any rank starts, so a crafted one is refused at once, whole (the
@@ -80,9 +81,10 @@ def _allowed(module: str, name: str) -> bool:
 
 #: What :func:`check_metadata` accepts, described for the error message.
 ALLOWED = (
-    "torch.distributed.checkpoint classes, megatron-core's MCoreSavePlan and MCoreMetadata, "
-    "torch.Size, torch dtypes/layouts/memory formats, collections.OrderedDict and plain builtin "
-    "containers"
+    "torch.distributed.checkpoint classes, megatron-core's "
+    + " and ".join(MCORE_METADATA_CLASSES)
+    + ", torch.Size, torch dtypes/layouts/memory formats, collections.OrderedDict and plain "
+    "builtin containers"
 )
 
 
@@ -144,8 +146,10 @@ def check_common(path: str) -> None:
     """Load checkpoint directory ``path``'s common state with ``weights_only=True`` (what
     Megatron-Core's loader does later, in every rank), the optimizer classes an
     ``--optimizer-cpu-offload`` checkpoint records allowed; refuse it naming what it holds. The
-    common state is ``common.pt``, or from megatron-core 0.19 an object inside the torch_dist
-    checkpoint, read through megatron-core's own loader (which unpickles it weights-only)."""
+    common state is ``common.pt``, or from megatron-core 0.19 an object shard of the torch_dist
+    checkpoint, read through megatron-core's own loader with object shards restricted
+    (:func:`restricted_objects`: torch's planner would unpickle the shard with
+    ``weights_only=False``)."""
     import torch
 
     from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
@@ -164,7 +168,8 @@ def check_common(path: str) -> None:
         def load() -> None:
             from megatron.core import dist_checkpointing
 
-            dist_checkpointing.load_common_state_dict(path)
+            with restricted_objects():
+                dist_checkpointing.load_common_state_dict(path)
 
     else:
         raise TrainingInputError(
@@ -174,17 +179,40 @@ def check_common(path: str) -> None:
     try:
         with also_allowed(recorded_optimizer_classes()):
             load()
-    except pickle.UnpicklingError as exc:
-        raise TrainingInputError(
+    except Exception as exc:
+        raise _common_refused(what, exc) from None
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException
+        if not isinstance(getattr(exc, "failures", None), dict):
+            raise
+        raise _common_refused(what, first_rank_failure(exc)) from None
+
+
+def _common_refused(what: str, exc: BaseException) -> TrainingInputError:
+    if isinstance(exc, TrainingInputError):  # an object shard refused by restricted_objects
+        return exc
+    if isinstance(exc, pickle.UnpicklingError):
+        return TrainingInputError(
             f"{what} holds more than tensors and plain data, which safe load refuses "
             f"({refusal_detail(exc)})",
             "load only checkpoints you trust; for a trusted one pass --no-safe-load",
-        ) from None
-    except Exception as exc:  # truncated, or not a torch file at all
-        raise TrainingInputError(
-            f"{what} is unreadable ({exc.__class__.__name__}: {refusal_detail(exc)})",
-            "load another iteration with --ckpt-step N",
-        ) from None
+        )
+    return TrainingInputError(  # truncated, or not a torch file at all
+        f"{what} is unreadable ({exc.__class__.__name__}: {refusal_detail(exc)})",
+        "load another iteration with --ckpt-step N",
+    )
+
+
+def first_rank_failure(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside torch.distributed.checkpoint's
+    ``CheckpointException`` (whose message names only the ranks): ``failures`` maps each rank
+    to its (exception, stack) pair."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
 
 
 def _numpy_rng_globals() -> list:

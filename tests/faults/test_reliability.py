@@ -415,27 +415,49 @@ def test_safe_load_admits_megatron_cores_metadata_classes(name, tmp_path, monkey
     reason="megatron-core keeps the common state in common.pt up to 0.18 (tested above)",
 )
 def test_safe_load_reads_the_common_state_object_of_a_torch_dist_checkpoint(tmp_path):
-    """From megatron-core 0.19 the common state is an object inside the torch_dist checkpoint,
+    """From megatron-core 0.19 the common state is an object shard of the torch_dist checkpoint,
     not ``common.pt``: the check reads it through megatron-core's loader, admits the recorded
-    optimizer classes, and refuses any other global naming it."""
+    optimizer classes, and refuses any other global naming it, in the shard's own pickle (which
+    torch's planner alone would load with ``weights_only=False``: the crafted one runs nothing)
+    as in the state pickled inside it. A checkpoint without the object is one named error."""
     import io
 
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
-    def save(name: str, common: dict) -> str:
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    ran = tmp_path / "the crafted shard ran"
+
+    class Crafted:
+        def __reduce__(self):
+            return (Path.touch, (ran,))
+
+    def save(name: str, shard) -> str:
         path = tmp_path / name
         path.mkdir()
         save_config(CheckpointingConfig("torch_dist"), str(path))
-        packed = io.BytesIO()
-        torch.save([common], packed)
-        key = ShardedObject("common_state", None, (1,), (0,)).unique_key
-        dcp.save({key: packed}, checkpoint_id=str(path), no_dist=True)
+        dcp.save(
+            {"something else": torch.zeros(1)} if shard is None else {key: shard},
+            checkpoint_id=str(path),
+            no_dist=True,
+        )
         assert not (path / "common.pt").exists()
         return str(path)
 
+    def packed(common: dict) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save([common], buffer)
+        return buffer
+
     groups = [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW}]
-    safe_load.check_common(save("offload", {"iteration": 4, "optimizer": {"param_groups": groups}}))
+    safe_load.check_common(save("offload", packed({"optimizer": {"param_groups": groups}})))
     with pytest.raises(TrainingInputError, match=r"holds more than tensors .*sys\.exit"):
-        safe_load.check_common(save("code", {"iteration": 4, "hook": sys.exit}))
+        safe_load.check_common(save("code", packed({"iteration": 4, "hook": sys.exit})))
+    with pytest.raises(
+        TrainingInputError, match=r"common_state/\S+ holds more than tensors .*getattr"
+    ):
+        safe_load.check_common(save("crafted-shard", Crafted()))
+    assert not ran.exists()
+    with pytest.raises(TrainingInputError, match=r"common state is unreadable .*common_state"):
+        safe_load.check_common(save("no-common-state", None))

@@ -7,8 +7,10 @@ it).
   ``torch.cuda.*`` names while they are built;
 * ``checkpoint.writer-process-memory``: the torch_dist writer asks for its RSS through psutil,
   which need not be installed;
-* ``checkpoint.common-state-optimizer-classes``: ``--optimizer-cpu-offload``'s checkpoints hold
-  optimizer classes in their common state, which torch's ``weights_only`` load refuses.
+* ``checkpoint.common-state-optimizer-classes`` (and its ``-in-load-common`` and
+  ``-in-load-common-state-dict`` siblings, one per release's common-state loader):
+  ``--optimizer-cpu-offload``'s checkpoints hold optimizer classes in their common state, which
+  torch's ``weights_only`` load refuses.
 """
 
 from __future__ import annotations
