@@ -147,10 +147,11 @@ def _crafted_common(ckpt: Path) -> None:
 
 
 def _negative_size(ckpt: Path) -> None:
-    """A manifest that parses as JSON but not as a manifest (a size below zero)."""
+    """A manifest that parses as JSON but not as a manifest (a size below zero). The entry is
+    torch_dist's `.metadata`, which every release writes (0.19 writes no common.pt)."""
     manifest_path = ckpt / "iter_0000004" / checkpoint_store.MANIFEST
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["common.pt"]["bytes"] = -1
+    manifest["files"][".metadata"]["bytes"] = -1
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -291,7 +292,7 @@ CKPT_FAULTS = {
     ),
     "malformed-manifest": (
         lambda t, g: _ckpt(t, g, _negative_size),
-        r"manifest .*megatron_npu_checkpoint\.json: files\.common\.pt\.bytes: input should be "
+        r"manifest .*megatron_npu_checkpoint\.json: files\.\.metadata\.bytes: input should be "
         r"greater than or equal to 0 \(got -1\): the checkpoint cannot be verified",
     ),
     "other-hidden-size": (
