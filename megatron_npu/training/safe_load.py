@@ -27,6 +27,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 
 from megatron_npu.training.errors import TrainingInputError
 
@@ -168,7 +169,9 @@ def check_common(path: str) -> None:
         def load() -> None:
             from megatron.core import dist_checkpointing
 
-            with restricted_objects():
+            # the launcher reads it in one process, which torch warns about on every read
+            with restricted_objects(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 dist_checkpointing.load_common_state_dict(path)
 
     else:

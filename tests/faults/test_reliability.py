@@ -19,6 +19,7 @@ import ast
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -417,9 +418,10 @@ def test_safe_load_admits_megatron_cores_metadata_classes(name, tmp_path, monkey
 def test_safe_load_reads_the_common_state_object_of_a_torch_dist_checkpoint(tmp_path):
     """From megatron-core 0.19 the common state is an object shard of the torch_dist checkpoint,
     not ``common.pt``: the check reads it through megatron-core's loader, admits the recorded
-    optimizer classes, and refuses any other global naming it, in the shard's own pickle (which
-    torch's planner alone would load with ``weights_only=False``: the crafted one runs nothing)
-    as in the state pickled inside it. A checkpoint without the object is one named error."""
+    optimizer classes without a warning, and refuses any other global naming it, in the
+    shard's own pickle (which torch's planner alone would load with ``weights_only=False``: the
+    crafted one runs nothing) as in the state pickled inside it. A checkpoint without the
+    object is one named error."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -451,7 +453,10 @@ def test_safe_load_reads_the_common_state_object_of_a_torch_dist_checkpoint(tmp_
         return buffer
 
     groups = [{"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW}]
-    safe_load.check_common(save("offload", packed({"optimizer": {"param_groups": groups}})))
+    offload = save("offload", packed({"optimizer": {"param_groups": groups}}))
+    with warnings.catch_warnings():  # the launcher's one-process read says nothing
+        warnings.simplefilter("error")
+        safe_load.check_common(offload)
     with pytest.raises(TrainingInputError, match=r"holds more than tensors .*sys\.exit"):
         safe_load.check_common(save("code", packed({"iteration": 4, "hook": sys.exit})))
     with pytest.raises(
