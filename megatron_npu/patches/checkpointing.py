@@ -179,6 +179,33 @@ def _wrap_distopt_load_state_dict(original: Any) -> Any:
     return load_state_dict
 
 
+def _wrap_load_parameter_state_from_dp_zero(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_parameter_state_from_dp_zero(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        hybrid = getattr(args[0], "optimizer", None)
+        if type(hybrid).__name__ == "HybridDeviceOptimizer":
+            _restore_hybrid_device_optimizer(hybrid)
+        return result
+
+    return load_parameter_state_from_dp_zero
+
+
+def _restore_hybrid_device_optimizer(hybrid: Any) -> None:
+    """After a ``--ckpt-format torch`` parameter-state load into ``hybrid``: its sub-optimizers
+    take the loaded states and masters (``_sync_hdo_state_to_sub_optimizers``, which
+    megatron-core's other parameter-state loaders call and this one does not), and the model's
+    shard takes the loaded master, as the next step's copy-back would write it: the dummy step a
+    fresh ``HybridDeviceOptimizer`` takes before the load moved that shard after the model was
+    loaded."""
+    hybrid._sync_hdo_state_to_sub_optimizers()
+    with torch.no_grad():
+        for param, state in hybrid.state.items():
+            master = state.get("master_param") if isinstance(state, dict) else None
+            if master is not None:
+                param.copy_(master)
+
+
 PATCHES = [
     Patch(
         id="checkpoint.writer-process-memory",
@@ -243,6 +270,22 @@ PATCHES = [
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test=_RESUME_TEST,
+    ),
+    Patch(
+        id="checkpoint.offload-legacy-load-model-shard",
+        target="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+        "load_parameter_state_from_dp_zero",
+        replacement=_wrap_load_parameter_state_from_dp_zero,
+        kind="wrap",
+        reason="--optimizer-cpu-offload: the dummy step before a --ckpt-format torch load "
+        "moves the loaded model shard, and the restored master does not reach it: a resumed "
+        "run departs from the saved one",
+        versions=">=0.13",
+        devices=DEVICES,
+        parity_exempt=_EXEMPT,
+        benchmark_exempt="runs once per checkpoint load",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
+        "test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise",
     ),
     *(
         Patch(

@@ -10,6 +10,7 @@ training layer does on the device goes through transparent mode (``import megatr
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -19,10 +20,12 @@ from megatron_npu import console
 from megatron_npu.context_parallel_options import comm_types_of, context_parallel_problems
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
+from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
 from megatron_npu.optimizer_options import sharded_optimizer_problems
 from megatron_npu.patches import megatron_fsdp, torch_fsdp2
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.registry import Patch
+from megatron_npu.training.safe_load import also_allowed
 
 _logger = logging.getLogger(__name__)
 
@@ -250,6 +253,57 @@ def _validate_args(original: Any) -> Any:
     return validate_args
 
 
+class MegatronLMCheckpointError(MegatronLMOptionError):
+    """A checkpoint Megatron-LM could not load, where it would print why and exit with status 0
+    (a run that trained nothing would count as done): one line, exit status 2."""
+
+    header = "Megatron-LM could not load the checkpoint"
+
+
+def _missing_checkpoint_exit(load_dir: Any, args: Any) -> bool:
+    """Megatron-LM's deliberate exit: ``--exit-on-missing-checkpoint`` and no tracker file (nor
+    ``--ckpt-step``) to name an iteration."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    if not getattr(args, "exit_on_missing_checkpoint", False) or getattr(args, "ckpt_step", None):
+        return False
+    return load_dir is None or not os.path.isfile(get_checkpoint_tracker_filename(load_dir))
+
+
+def _load_base_checkpoint(original: Any) -> Any:
+    """Megatron-LM's checkpoint read, with two changes. The optimizer classes an
+    ``--optimizer-cpu-offload`` checkpoint records in its parameter groups are allowed to
+    torch's ``weights_only`` load (:mod:`megatron_npu.optim.recorded_classes`, as the
+    megatron-core common-state entries allow them): the legacy ``--ckpt-format torch`` file
+    holds them in the optimizer's state, and torch refuses a class. And where the read fails,
+    Megatron-LM prints the exception and calls ``sys.exit()`` (status 0, on every rank): that
+    exit becomes one named line and status 2. Its deliberate exit
+    (``--exit-on-missing-checkpoint``) stays as it is."""
+
+    @functools.wraps(original)
+    def load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with also_allowed(recorded_optimizer_classes()):
+                return original(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            called = inspect.signature(original).bind(*args, **kwargs).arguments
+            load_dir = called["load_dir"]
+            if _missing_checkpoint_exit(load_dir, called["args"]):
+                raise
+            _refuse(
+                MegatronLMCheckpointError(
+                    [
+                        f"--load {load_dir}: the reason is printed above; Megatron-LM would "
+                        "exit with status 0 having trained nothing"
+                    ]
+                )
+            )
+
+    return load_base_checkpoint
+
+
 PATCHES = [
     Patch(
         id="megatron-lm.fused-kernels-load",
@@ -300,5 +354,19 @@ PATCHES = [
         parity_exempt="argument validation: the grouped GEMM has its own parity case",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::test_moe_trains[te-grouped-gemm]",
         benchmark_exempt="runs once at start-up",
+    ),
+    Patch(
+        id="megatron-lm.load-checkpoint",
+        target="megatron.training.checkpointing._load_base_checkpoint",
+        replacement=_load_base_checkpoint,
+        kind="wrap",
+        requires="megatron.training.checkpointing",
+        reason="--optimizer-cpu-offload's optimizer classes in a --ckpt-format torch checkpoint "
+        "are refused by torch's weights_only load; a failed load exits with status 0: one named "
+        "error (exit 2)",
+        parity_exempt="checkpoint plumbing, no numerics of its own",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
+        "test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise",
+        benchmark_exempt="runs once per checkpoint load",
     ),
 ]

@@ -878,6 +878,46 @@ def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path,
     assert verdict.status == rules.PASS, verdict.detail
 
 
+def test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise(tmp_path):
+    """``--optimizer-cpu-offload`` with Megatron-LM's legacy ``--ckpt-format torch`` on two
+    ranks of npu-emulated resumes bitwise: the file holds the offloaded optimizer's classes in
+    its parameter groups, which torch's ``weights_only`` load refuses unless they are allowed
+    (Megatron-LM then prints the refusal and exits with status 0, having trained nothing). A
+    checkpoint that cannot be read ends the run with one named line and status 2."""
+    offload = (
+        *TINY,
+        "--mock-data",
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--use-precision-aware-optimizer",
+        "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction",
+        "0.5",
+        "--ckpt-format",
+        "torch",
+    )
+    _resumes_bitwise(tmp_path, *offload, name="legacy")
+    ckpt = tmp_path / "legacy-ckpt"
+    state = ckpt / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    broken = pretrain_gpt(
+        tmp_path,
+        *offload,
+        "--train-iters",
+        "12",
+        "--load",
+        str(ckpt),
+        nproc=2,
+        device="npu-emulated",
+        name="legacy-broken",
+        tensorboard=False,
+    )
+    lines = [line for line in broken.log.splitlines() if line.startswith("megatron-npu: ")]
+    assert len(lines) == 1, broken.tail()
+    assert "Megatron-LM could not load the checkpoint: --load " in lines[0], lines
+    assert "exitcode  : 2" in broken.log and not broken.losses, broken.tail()
+
+
 def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
     """``--use-torch-fsdp2`` on two ranks of npu-emulated gives plain data parallelism's per-step
     losses and grad norms; where Megatron's own FSDP2 code fails (the installed releases'), one
