@@ -10,6 +10,8 @@ top of the registry patches, so an unmodified Megatron-Core *user script* runs o
   ``Tensor.to("cuda")``, ``Module.cuda()`` and ``Module.to("cuda")`` land on the active device;
 * ``torch.distributed.init_process_group()`` / ``new_group()`` with no backend or ``"nccl"`` use
   the device's backend (gloo on cpu and npu-emulated, hccl on npu);
+* on torch built for CUDA, ``torch.accelerator.is_available()`` stays CUDA's own answer: that
+  namespace is the build's device, whose stream calls torch's optimizers make when it says yes;
 * ``torch.cuda.memory``'s allocator history (``_record_memory_history``, ``_snapshot``,
   ``_dump_snapshot``) and ``torch._C._cuda_attach_out_of_memory_observer``, which Megatron-LM's
   ``--record-memory-history`` calls, answer for the device
@@ -229,6 +231,11 @@ def _install_memory_history(device: Device) -> None:
 def _install_mapping(device: Device) -> None:
     accelerator = device.accelerator
     local = _LocalDevices()
+    # what torch was built for: a CUDA build's torch.accelerator asks torch.cuda.is_available(),
+    # which answers for the active device below; its stream calls would still go to CUDA
+    built_for = torch.accelerator.current_accelerator()
+    if built_for is not None and built_for.type == "cuda":
+        _set(torch.accelerator, "is_available", torch.cuda.is_available)
     for owner, names in ((torch.cuda, CUDA_API), (torch.cuda.random, CUDA_RANDOM_API)):
         for name in names:
             try:

@@ -27,6 +27,7 @@ NAMESPACES = {
     "torch.Tensor": torch.Tensor,
     "torch.nn.Module": torch.nn.Module,
     "torch.distributed": torch.distributed,
+    "torch.accelerator": torch.accelerator,
 }
 
 
@@ -97,6 +98,32 @@ def test_user_code_cuda_spellings_reach_the_device(device, monkeypatch):
     megatron_npu.restore()
     assert _changes(before) == [], "restore() left names rebound"
     assert not torch.cuda.is_available()  # the CPU wheel's own answer again
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu-emulated"])
+def test_a_cuda_builds_accelerator_keeps_cudas_own_answer(device, monkeypatch):
+    """torch built for CUDA (PyPI's default on Linux) on a machine without a usable GPU:
+    ``torch.accelerator`` is CUDA's, and torch's optimizers ask it for the current stream before
+    each step (the graph-capture check) once it says it is available, which it asks
+    ``torch.cuda.is_available()``. With transparent mode on another device that answers for the
+    active device, so the stream call would reach the CUDA runtime; ``torch.accelerator`` keeps
+    CUDA's own answer (here: none), ``torch.cuda`` the device's."""
+    before = _snapshot()
+    cuda_here = torch.cuda.is_available()
+    monkeypatch.setattr(torch._C, "_accelerator_getAccelerator", lambda: torch.device("cuda"))
+    megatron_npu.apply(device, transfer=True)
+    try:
+        assert torch.cuda.is_available()
+        assert torch.accelerator.is_available() is cuda_here
+        param = torch.nn.Parameter(torch.ones(3))
+        param.grad = torch.ones(3)
+        optimizer = torch.optim.Adam([param], lr=0.1)
+        optimizer.step()  # the graph-capture check, as Megatron's host optimizers take it
+        assert torch.allclose(param.detach(), torch.full((3,), 0.9))
+    finally:
+        megatron_npu.restore()
+    monkeypatch.undo()
+    assert _changes(before) == []
 
 
 @pytest.mark.parametrize("device", ["cpu", "npu-emulated"])
