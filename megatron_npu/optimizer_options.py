@@ -17,3 +17,17 @@ def sharded_optimizer_problems(optimizer: str, sharded: bool, offloaded: bool) -
             "or SGD without sharding the optimizer"
         ]
     return []
+
+
+def offload_problems(offloaded: bool, half_precision: bool) -> list[str]:
+    """``--optimizer-cpu-offload`` with an fp32 model: megatron-core's distributed optimizer
+    hands the ``HybridDeviceOptimizer`` it builds the fp32 parameters' shards as views of the
+    parameters, which torch's optimizer constructor refuses ("can't optimize a non-leaf
+    Tensor"), on every device and release. The offload's recipe is a bf16 (or fp16) model."""
+    if offloaded and not half_precision:
+        return [
+            "--optimizer-cpu-offload without --bf16 or --fp16: megatron-core's hybrid optimizer "
+            "is built on the fp32 model's parameter shards, which torch's optimizers refuse as "
+            "non-leaf views (Megatron's own code, on any device): add --bf16"
+        ]
+    return []

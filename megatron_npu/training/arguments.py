@@ -23,7 +23,7 @@ from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
-from megatron_npu.optimizer_options import sharded_optimizer_problems
+from megatron_npu.optimizer_options import offload_problems, sharded_optimizer_problems
 from megatron_npu.recompute_options import MODULES as RECOMPUTE_MODULES
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.training.errors import TrainingInputError
@@ -789,6 +789,8 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
         raise ArgumentError(
             "--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other"
         )
+    for problem in offload_problems(args.optimizer_cpu_offload, args.bf16 or args.fp16):
+        raise ArgumentError(problem)
 
 
 def check(args: argparse.Namespace) -> None:

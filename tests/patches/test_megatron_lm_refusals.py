@@ -109,7 +109,12 @@ def test_megatron_fsdp_with_the_precision_aware_optimizer_is_refused_in_one_line
         ({"optimizer": "sgd"}, False),
         ({"optimizer": "adam", "use_distributed_optimizer": True}, False),
         (
-            {"optimizer": "sgd", "use_distributed_optimizer": True, "optimizer_cpu_offload": True},
+            {
+                "optimizer": "sgd",
+                "use_distributed_optimizer": True,
+                "optimizer_cpu_offload": True,
+                "bf16": True,
+            },
             False,
         ),
     ],
@@ -127,3 +132,31 @@ def test_sgd_with_the_distributed_optimizer_is_one_line_as_megatrons_assertion(a
     assert len(lines) == refused
     if refused:
         assert lines[0].startswith("--optimizer sgd: ") and "--optimizer adam" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "precision, refused", [({}, True), ({"bf16": True}, False), ({"fp16": True}, False)]
+)
+def test_offload_of_an_fp32_model_is_one_line_as_torchs_refusal(precision, refused):
+    """``--optimizer-cpu-offload`` with an fp32 model: megatron-core's distributed optimizer
+    builds its ``HybridDeviceOptimizer`` on the fp32 parameters' shards, views of the
+    parameters, and torch's optimizer constructor refuses a non-leaf tensor, before anything of
+    the device is touched. The adaptor says so once; the refusal itself is megatron-core's
+    class's, checked here."""
+    import torch
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    shard = torch.nn.Parameter(torch.ones(8)).view(-1)[2:6]  # how an fp32 shard is taken
+    with pytest.raises(ValueError, match="non-leaf"):
+        HybridDeviceOptimizer(
+            [{"params": [shard]}],
+            offload_fraction=0.5,
+            cpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=torch.optim.AdamW,
+            param_update_in_fp32=True,
+        )
+    asked = {"use_distributed_optimizer": True, "optimizer_cpu_offload": True, **precision}
+    lines = megatron_lm.distributed_optimizer_problems(SimpleNamespace(**asked))
+    assert len(lines) == refused
+    if refused:
+        assert lines[0].startswith("--optimizer-cpu-offload without --bf16 or --fp16: ")

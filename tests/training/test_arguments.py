@@ -581,6 +581,22 @@ def test_broken_moe_options_are_one_named_error(extra, message, capsys):
     assert "invalid choice: 'flex'" in error_of(capsys, "--moe-token-dispatcher-type", "flex")
 
 
+def test_offload_of_an_fp32_model_is_one_named_error(capsys):
+    """The hybrid optimizer of an fp32 model fails in torch's constructor on every rank
+    (tests/patches/test_megatron_lm_refusals.py); train names it before anything is built,
+    with the line Megatron-LM's scripts get through the adaptor."""
+    from megatron_npu.patches import megatron_lm
+
+    offload = ("--use-distributed-optimizer", "--use-precision-aware-optimizer")
+    offload += ("--optimizer-cpu-offload",)
+    err = error_of(capsys, *offload)
+    expected = megatron_lm.distributed_optimizer_problems(
+        argparse.Namespace(use_distributed_optimizer=True, optimizer_cpu_offload=True)
+    )
+    assert expected and expected[0] in err
+    assert parse(*offload, "--bf16").optimizer_cpu_offload
+
+
 def test_sgd_with_the_distributed_optimizer_is_one_named_error(capsys):
     """megatron-core's DistributedOptimizer asserts Adam on every rank; train names it before
     anything is built, with the line Megatron-LM's scripts get through the adaptor."""
