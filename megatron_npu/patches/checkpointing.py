@@ -184,7 +184,11 @@ def _wrap_load_parameter_state_from_dp_zero(original: Any) -> Any:
     def load_parameter_state_from_dp_zero(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         hybrid = getattr(args[0], "optimizer", None)
-        if type(hybrid).__name__ == "HybridDeviceOptimizer":
+        # update_legacy_format: a pre-2024 file, which no hybrid optimizer wrote; that reader
+        # copies the parameters into the groups itself
+        if type(hybrid).__name__ == "HybridDeviceOptimizer" and not kwargs.get(
+            "update_legacy_format"
+        ):
             _restore_hybrid_device_optimizer(hybrid)
         return result
 
@@ -194,7 +198,8 @@ def _wrap_load_parameter_state_from_dp_zero(original: Any) -> Any:
 def _restore_hybrid_device_optimizer(hybrid: Any) -> None:
     """After a ``--ckpt-format torch`` parameter-state load into ``hybrid``: its sub-optimizers
     take the loaded states and masters (``_sync_hdo_state_to_sub_optimizers``, which
-    megatron-core's other parameter-state loaders call and this one does not), and the model's
+    megatron-core's ``fully_sharded_model_space`` and ``fully_reshardable`` readers call and
+    this one does not), and the model's
     shard takes the loaded master, as the next step's copy-back would write it: the dummy step a
     fresh ``HybridDeviceOptimizer`` takes before the load moved that shard after the model was
     loaded."""

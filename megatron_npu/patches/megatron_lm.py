@@ -65,12 +65,17 @@ class MegatronLMOptionConflict(MegatronLMOptionError):
     header = "these Megatron-LM options do not work together"
 
 
-def _refuse(error: MegatronLMOptionError) -> None:
-    """Rank 0 prints the error's one line; the other ranks wait for it; every rank exits 2."""
+def _refuse(error: MegatronLMOptionError, *, every_rank: bool = True) -> None:
+    """Rank 0 prints the error's one line; the other ranks wait for it; every rank exits 2.
+    ``every_rank=False``: the error may be this rank's alone (a file only it reads), so a
+    rank other than 0 says it too after the wait, unless torchrun has stopped it first at
+    rank 0's exit."""
     if os.environ.get("RANK", "0") == "0":
         console.error(str(error))
     else:  # let rank 0 say it before torchrun stops the others at the first exit
         time.sleep(_OTHER_RANKS_EXIT_AFTER_S)
+        if not every_rank:
+            console.error(str(error))
     raise error
 
 
@@ -302,7 +307,8 @@ def _load_base_checkpoint(original: Any) -> Any:
                         f"--load {load_dir}: the reason is printed above; Megatron-LM would "
                         "exit with status 0 having trained nothing"
                     ]
-                )
+                ),
+                every_rank=False,
             )
 
     return load_base_checkpoint
