@@ -827,6 +827,12 @@ def test_precision_aware_recipe_resumes_bitwise(tmp_path):
     assert _kernel_counts(tmp_path, "recipe").get("npu_apply_adam_w", 0) > 0
 
 
+#: the precision-aware optimizer's bf16 recipe with Megatron's fp32 states, and half of it on
+#: the host
+_AWARE = ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer")
+_HALF_OFFLOADED = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5")
+
+
 # extended: the split's branches and both halves' steps are tests/test_hybrid_offload.py's
 # (default suite); this adds Megatron-LM's script, its checkpoint and the curve around them
 @pytest.mark.extended
@@ -851,20 +857,8 @@ def test_optimizer_cpu_offload_trains_as_the_precision_aware_optimizer(tmp_path,
         checkpointing.read_text()
     ):
         pytest.skip(f"this Megatron-LM has no {checkpoint_format[0]} (its default is tested)")
-    aware = (
-        *TINY,
-        "--mock-data",
-        "--bf16",
-        "--use-distributed-optimizer",
-        "--use-precision-aware-optimizer",
-    )
-    offload = (
-        *aware,
-        *checkpoint_format,
-        "--optimizer-cpu-offload",
-        "--optimizer-offload-fraction",
-        "0.5",
-    )
+    aware = (*TINY, "--mock-data", *_AWARE)
+    offload = (*aware, *checkpoint_format, *_HALF_OFFLOADED)
     straight = _resumes_bitwise(tmp_path, *offload, name="offload")
     if checkpoint_format:
         return
@@ -884,18 +878,7 @@ def test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise(tmp_path):
     its parameter groups, which torch's ``weights_only`` load refuses unless they are allowed
     (Megatron-LM then prints the refusal and exits with status 0, having trained nothing). A
     checkpoint that cannot be read ends the run with one named line and status 2."""
-    offload = (
-        *TINY,
-        "--mock-data",
-        "--bf16",
-        "--use-distributed-optimizer",
-        "--use-precision-aware-optimizer",
-        "--optimizer-cpu-offload",
-        "--optimizer-offload-fraction",
-        "0.5",
-        "--ckpt-format",
-        "torch",
-    )
+    offload = (*TINY, "--mock-data", *_AWARE, *_HALF_OFFLOADED, "--ckpt-format", "torch")
     _resumes_bitwise(tmp_path, *offload, name="legacy")
     ckpt = tmp_path / "legacy-ckpt"
     state = ckpt / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt"
