@@ -271,47 +271,61 @@ class MegatronLMCheckpointError(MegatronLMOptionError):
 
 def _missing_checkpoint_exit(load_dir: Any, args: Any) -> bool:
     """Megatron-LM's deliberate exit: ``--exit-on-missing-checkpoint`` and no tracker file (nor
-    ``--ckpt-step``) to name an iteration."""
+    ``--ckpt-step``) to name an iteration in the folder it reads. With
+    ``--pretrained-checkpoint`` it reads that folder when ``load_dir`` has no checkpoint (and
+    raises when neither has one), so that exit is never taken."""
     from megatron.training.checkpointing import get_checkpoint_tracker_filename
 
-    if not getattr(args, "exit_on_missing_checkpoint", False) or getattr(args, "ckpt_step", None):
+    if (
+        not getattr(args, "exit_on_missing_checkpoint", False)
+        or getattr(args, "ckpt_step", None)
+        or getattr(args, "pretrained_checkpoint", None)
+    ):
         return False
     return load_dir is None or not os.path.isfile(get_checkpoint_tracker_filename(load_dir))
 
 
-def _load_base_checkpoint(original: Any) -> Any:
-    """Megatron-LM's checkpoint read, with two changes. The optimizer classes an
+def _load_checkpoint(original: Any) -> Any:
+    """Megatron-LM's checkpoint load, with two changes. The optimizer classes an
     ``--optimizer-cpu-offload`` checkpoint records in its parameter groups are allowed to
     torch's ``weights_only`` load (:mod:`megatron_npu.optim.recorded_classes`, as the
     megatron-core common-state entries allow them): the legacy ``--ckpt-format torch`` file
-    holds them in the optimizer's state, and torch refuses a class. And where the read fails,
-    Megatron-LM prints the exception and calls ``sys.exit()`` (status 0, on every rank): that
-    exit becomes one named line and status 2. Its deliberate exit
-    (``--exit-on-missing-checkpoint``) stays as it is."""
+    holds them in the optimizer's state, and torch refuses a class. And where the load fails
+    (the read itself, a tracker file it cannot parse, a checkpoint without its iteration, an rng
+    state it lacks: a ``--no-save-rng`` checkpoint resumed without ``--no-load-rng``),
+    Megatron-LM prints why and calls ``sys.exit()`` (status 0, on every rank): that exit becomes
+    one named line and status 2. Its deliberate exit (``--exit-on-missing-checkpoint``) stays
+    as it is."""
 
     @functools.wraps(original)
-    def load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         try:
             with also_allowed(recorded_optimizer_classes()):
                 return original(*args, **kwargs)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
-            called = inspect.signature(original).bind(*args, **kwargs).arguments
-            load_dir = called["load_dir"]
-            if _missing_checkpoint_exit(load_dir, called["args"]):
+            from megatron.training.global_vars import get_args
+
+            called = inspect.signature(original).bind(*args, **kwargs)
+            called.apply_defaults()
+            load_arg = called.arguments["load_arg"]
+            run_args = get_args()
+            load_dir = getattr(run_args, load_arg, None)
+            if _missing_checkpoint_exit(load_dir, run_args):
                 raise
+            option = "--" + load_arg.replace("_", "-")
             _refuse(
                 MegatronLMCheckpointError(
                     [
-                        f"--load {load_dir}: the reason is printed above; Megatron-LM would "
+                        f"{option} {load_dir}: the reason is printed above; Megatron-LM would "
                         "exit with status 0 having trained nothing"
                     ]
                 ),
                 every_rank=False,
             )
 
-    return load_base_checkpoint
+    return load_checkpoint
 
 
 PATCHES = [
@@ -367,13 +381,13 @@ PATCHES = [
     ),
     Patch(
         id="megatron-lm.load-checkpoint",
-        target="megatron.training.checkpointing._load_base_checkpoint",
-        replacement=_load_base_checkpoint,
+        target="megatron.training.checkpointing.load_checkpoint",
+        replacement=_load_checkpoint,
         kind="wrap",
         requires="megatron.training.checkpointing",
         reason="--optimizer-cpu-offload's optimizer classes in a --ckpt-format torch checkpoint "
-        "are refused by torch's weights_only load; a failed load exits with status 0: one named "
-        "error (exit 2)",
+        "are refused by torch's weights_only load; a failed load exits with status 0 having "
+        "trained nothing: one named error (exit 2)",
         parity_exempt="checkpoint plumbing, no numerics of its own",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
         "test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise",

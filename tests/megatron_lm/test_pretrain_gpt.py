@@ -877,28 +877,41 @@ def test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise(tmp_path):
     ranks of npu-emulated resumes bitwise: the file holds the offloaded optimizer's classes in
     its parameter groups, which torch's ``weights_only`` load refuses unless they are allowed
     (Megatron-LM then prints the refusal and exits with status 0, having trained nothing). A
-    checkpoint that cannot be read ends the run with one named line and status 2."""
+    checkpoint that cannot be loaded (no rng state, as ``--no-save-rng`` writes it, resumed
+    without ``--no-load-rng``; a file that cannot be read) ends the run with one named line and
+    status 2."""
+    import torch
+
     offload = (*TINY, "--mock-data", *_AWARE, *_HALF_OFFLOADED, "--ckpt-format", "torch")
     _resumes_bitwise(tmp_path, *offload, name="legacy")
     ckpt = tmp_path / "legacy-ckpt"
     state = ckpt / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt"
-    state.write_bytes(state.read_bytes()[:1000])
-    broken = pretrain_gpt(
-        tmp_path,
-        *offload,
-        "--train-iters",
-        "12",
-        "--load",
-        str(ckpt),
-        nproc=2,
-        device="npu-emulated",
-        name="legacy-broken",
-        tensorboard=False,
-    )
-    lines = [line for line in broken.log.splitlines() if line.startswith("megatron-npu: ")]
-    assert len(lines) == 1, broken.tail()
-    assert "Megatron-LM could not load the checkpoint: --load " in lines[0], lines
-    assert "exitcode  : 2" in broken.log and not broken.losses, broken.tail()
+    without_rng = torch.load(state, weights_only=False)
+    del without_rng["rng_state"]
+    torch.save(without_rng, state)
+    for fault, printed in (
+        ("no-rng", "Unable to load rng state"),
+        ("truncated", "could not load the checkpoint"),
+    ):
+        if fault == "truncated":
+            state.write_bytes(state.read_bytes()[:1000])
+        broken = pretrain_gpt(
+            tmp_path,
+            *offload,
+            "--train-iters",
+            "12",
+            "--load",
+            str(ckpt),
+            nproc=2,
+            device="npu-emulated",
+            name=f"legacy-{fault}",
+            tensorboard=False,
+        )
+        lines = [line for line in broken.log.splitlines() if line.startswith("megatron-npu: ")]
+        assert len(lines) == 1, broken.tail()
+        assert "Megatron-LM could not load the checkpoint: --load " in lines[0], lines
+        assert printed in broken.log, broken.tail()
+        assert "exitcode  : 2" in broken.log and not broken.losses, broken.tail()
 
 
 def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
