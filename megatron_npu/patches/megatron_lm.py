@@ -269,63 +269,78 @@ class MegatronLMCheckpointError(MegatronLMOptionError):
     header = "Megatron-LM could not load the checkpoint"
 
 
+def _folder_read(run_args: Any, load_arg: str, *, may_switch: bool) -> tuple[str, Any]:
+    """(the option, the folder) Megatron-LM read: ``load_arg``'s, or, where ``load_checkpoint``
+    switches to it (``may_switch``: no checkpoint in ``load_arg``'s folder), the
+    ``--pretrained-checkpoint`` folder."""
+    from megatron.training.checkpointing import checkpoint_exists
+
+    load_dir = getattr(run_args, load_arg, None)
+    pretrained = getattr(run_args, "pretrained_checkpoint", None)
+    if may_switch and pretrained is not None and not checkpoint_exists(load_dir):
+        return "--pretrained-checkpoint", pretrained
+    return "--" + load_arg.replace("_", "-"), load_dir
+
+
 def _missing_checkpoint_exit(load_dir: Any, args: Any) -> bool:
     """Megatron-LM's deliberate exit: ``--exit-on-missing-checkpoint`` and no tracker file (nor
-    ``--ckpt-step``) to name an iteration in the folder it reads. With
-    ``--pretrained-checkpoint`` it reads that folder when ``load_dir`` has no checkpoint (and
-    raises when neither has one), so that exit is never taken."""
-    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+    ``--ckpt-step``) to name an iteration in the folder it read."""
+    from megatron.training.checkpointing import checkpoint_exists
 
-    if (
-        not getattr(args, "exit_on_missing_checkpoint", False)
-        or getattr(args, "ckpt_step", None)
-        or getattr(args, "pretrained_checkpoint", None)
-    ):
+    if not getattr(args, "exit_on_missing_checkpoint", False) or getattr(args, "ckpt_step", None):
         return False
-    return load_dir is None or not os.path.isfile(get_checkpoint_tracker_filename(load_dir))
+    return not checkpoint_exists(load_dir)
 
 
-def _load_checkpoint(original: Any) -> Any:
-    """Megatron-LM's checkpoint load, with two changes. The optimizer classes an
-    ``--optimizer-cpu-offload`` checkpoint records in its parameter groups are allowed to
-    torch's ``weights_only`` load (:mod:`megatron_npu.optim.recorded_classes`, as the
-    megatron-core common-state entries allow them): the legacy ``--ckpt-format torch`` file
-    holds them in the optimizer's state, and torch refuses a class. And where the load fails
-    (the read itself, a tracker file it cannot parse, a checkpoint without its iteration, an rng
-    state it lacks: a ``--no-save-rng`` checkpoint resumed without ``--no-load-rng``),
-    Megatron-LM prints why and calls ``sys.exit()`` (status 0, on every rank): that exit becomes
-    one named line and status 2. Its deliberate exit (``--exit-on-missing-checkpoint``) stays
-    as it is."""
+def _load_checkpoint(original: Any, *, may_switch: bool = True) -> Any:
+    """Megatron-LM's checkpoint load (``load_checkpoint``; ``load_args_from_checkpoint``, which
+    ``--use-checkpoint-args`` runs before training, with ``may_switch=False``), with two
+    changes. The optimizer classes an ``--optimizer-cpu-offload`` checkpoint records in its
+    parameter groups are allowed to torch's ``weights_only`` load
+    (:mod:`megatron_npu.optim.recorded_classes`, as the megatron-core common-state entries allow
+    them): the legacy ``--ckpt-format torch`` file holds them in the optimizer's state, and
+    torch refuses a class. And where the load fails (a legacy file it cannot read, a tracker
+    file it cannot parse, a checkpoint without its iteration, an rng state it lacks: a
+    ``--no-save-rng`` checkpoint resumed without ``--no-load-rng``), Megatron-LM prints why and
+    calls ``sys.exit()`` (status 0, on every rank): that exit becomes one named line and status
+    2. Its deliberate exit (``--exit-on-missing-checkpoint``) stays as it is."""
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    def load(*args: Any, **kwargs: Any) -> Any:
         try:
             with also_allowed(recorded_optimizer_classes()):
                 return original(*args, **kwargs)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
-            from megatron.training.global_vars import get_args
-
-            called = inspect.signature(original).bind(*args, **kwargs)
+            called = signature.bind(*args, **kwargs)
             called.apply_defaults()
-            load_arg = called.arguments["load_arg"]
-            run_args = get_args()
-            load_dir = getattr(run_args, load_arg, None)
-            if _missing_checkpoint_exit(load_dir, run_args):
+            run_args = called.arguments.get("args")
+            if run_args is None:
+                from megatron.training.global_vars import get_args
+
+                run_args = get_args()
+            option, folder = _folder_read(
+                run_args, called.arguments["load_arg"], may_switch=may_switch
+            )
+            if _missing_checkpoint_exit(folder, run_args):
                 raise
-            option = "--" + load_arg.replace("_", "-")
             _refuse(
                 MegatronLMCheckpointError(
                     [
-                        f"{option} {load_dir}: the reason is printed above; Megatron-LM would "
+                        f"{option} {folder}: the reason is printed above; Megatron-LM would "
                         "exit with status 0 having trained nothing"
                     ]
                 ),
                 every_rank=False,
             )
 
-    return load_checkpoint
+    return load
+
+
+def _load_args_from_checkpoint(original: Any) -> Any:
+    return _load_checkpoint(original, may_switch=False)
 
 
 PATCHES = [
@@ -388,6 +403,19 @@ PATCHES = [
         reason="--optimizer-cpu-offload's optimizer classes in a --ckpt-format torch checkpoint "
         "are refused by torch's weights_only load; a failed load exits with status 0 having "
         "trained nothing: one named error (exit 2)",
+        parity_exempt="checkpoint plumbing, no numerics of its own",
+        exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
+        "test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise",
+        benchmark_exempt="runs once per checkpoint load",
+    ),
+    Patch(
+        id="megatron-lm.load-checkpoint-args",
+        target="megatron.training.checkpointing.load_args_from_checkpoint",
+        replacement=_load_args_from_checkpoint,
+        kind="wrap",
+        requires="megatron.training.checkpointing",
+        reason="--use-checkpoint-args reads the checkpoint before training: the same class "
+        "allowance and one named error (exit 2) where it would exit with status 0",
         parity_exempt="checkpoint plumbing, no numerics of its own",
         exempt_test="tests/megatron_lm/test_pretrain_gpt.py::"
         "test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise",

@@ -20,6 +20,8 @@ import torch
 from megatron_npu.patches import megatron_lm
 
 LINE = "megatron-npu: Megatron-LM could not load the checkpoint: --load "
+#: stands for a ``--pretrained-checkpoint`` folder that holds a checkpoint
+PRETRAINED = "<pretrained folder>"
 
 
 def _megatron_lm_load(exit_code=None, returns=None):
@@ -44,9 +46,9 @@ def _megatron_lm_load(exit_code=None, returns=None):
 
 @pytest.fixture
 def checkpointing(monkeypatch, tmp_path):
-    """Megatron-LM's modules as far as the wrapper reads them (the run's arguments, the tracker
-    file name), a checkpoint folder with a tracker, and no wait for rank 0's line. Returns the
-    run's arguments, with ``load`` at that folder."""
+    """Megatron-LM's modules as far as the wrapper reads them (the run's arguments, whether a
+    folder holds a checkpoint), a checkpoint folder with a tracker, and no wait for rank 0's
+    line. Returns the run's arguments, with ``load`` at that folder."""
     run_args = SimpleNamespace(
         load=str(tmp_path),
         pretrained_checkpoint=None,
@@ -54,8 +56,8 @@ def checkpointing(monkeypatch, tmp_path):
         ckpt_step=None,
     )
     module = ModuleType("megatron.training.checkpointing")
-    module.get_checkpoint_tracker_filename = lambda root: os.path.join(
-        root, "latest_checkpointed_iteration.txt"
+    module.checkpoint_exists = lambda root: (
+        root is not None and os.path.isfile(os.path.join(root, "latest_checkpointed_iteration.txt"))
     )
     global_vars = ModuleType("megatron.training.global_vars")
     global_vars.get_args = lambda: run_args
@@ -91,18 +93,55 @@ def test_a_failed_load_is_one_named_line_and_status_2_on_the_rank_that_failed(
 
 
 def test_the_line_names_the_option_whose_folder_was_loaded(checkpointing, monkeypatch, caplog):
-    """``load_arg`` picks the argument that holds the folder (Megatron-LM's own callers pass
-    ``load`` or ``pretrained_checkpoint``)."""
+    """``load_arg`` picks the argument that holds the folder (Megatron-LM's knowledge-distillation
+    export passes ``export_kd_teacher_load``)."""
     monkeypatch.setenv("RANK", "0")
-    checkpointing.pretrained_checkpoint = "/pretrained"
+    checkpointing.export_kd_teacher_load = "/teacher"
     load = megatron_lm._load_checkpoint(_megatron_lm_load())
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit):
-        _load(load, load_arg="pretrained_checkpoint")
+        _load(load, load_arg="export_kd_teacher_load")
     assert _lines(caplog) == [
-        "megatron-npu: Megatron-LM could not load the checkpoint: --pretrained-checkpoint "
-        "/pretrained: the reason is printed above; Megatron-LM would exit with status 0 having "
+        "megatron-npu: Megatron-LM could not load the checkpoint: --export-kd-teacher-load "
+        "/teacher: the reason is printed above; Megatron-LM would exit with status 0 having "
         "trained nothing"
     ]
+
+
+@pytest.mark.parametrize("load_has_checkpoint", [False, True])
+def test_the_line_names_the_pretrained_folder_where_megatron_lm_read_it(
+    checkpointing, monkeypatch, caplog, load_has_checkpoint
+):
+    """``load_checkpoint`` reads ``--pretrained-checkpoint`` where ``--load`` holds no
+    checkpoint: the line names the folder that was read."""
+    monkeypatch.setenv("RANK", "0")
+    checkpointing.pretrained_checkpoint = "/pretrained"
+    if not load_has_checkpoint:
+        os.unlink(os.path.join(checkpointing.load, "latest_checkpointed_iteration.txt"))
+    load = megatron_lm._load_checkpoint(_megatron_lm_load())
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit):
+        _load(load)
+    named = f"--load {checkpointing.load}:" if load_has_checkpoint else "--pretrained-checkpoint "
+    assert len(_lines(caplog)) == 1 and named in _lines(caplog)[0], _lines(caplog)
+
+
+def test_checkpoint_args_read_before_training_is_one_named_line(checkpointing, monkeypatch, caplog):
+    """``--use-checkpoint-args`` reads the checkpoint through ``load_args_from_checkpoint(args,
+    load_arg)`` before Megatron-LM's global arguments exist: the wrapper takes the arguments it
+    was given, and never reads the pretrained folder (that function does not switch)."""
+    monkeypatch.setenv("RANK", "0")
+    sys.modules["megatron.training.global_vars"].get_args = lambda: pytest.fail("not set yet")
+
+    def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
+        print("could not load the checkpoint")
+        sys.exit()
+
+    run_args = SimpleNamespace(**{**vars(checkpointing), "pretrained_checkpoint": "/pretrained"})
+    os.unlink(os.path.join(checkpointing.load, "latest_checkpointed_iteration.txt"))
+    read = megatron_lm._load_args_from_checkpoint(load_args_from_checkpoint)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
+        read(run_args)
+    assert exited.value.code == 2
+    assert len(_lines(caplog)) == 1 and f"--load {checkpointing.load}:" in _lines(caplog)[0]
 
 
 def test_other_option_refusals_are_said_by_rank_0_alone(monkeypatch, caplog):
@@ -119,8 +158,13 @@ def test_other_option_refusals_are_said_by_rank_0_alone(monkeypatch, caplog):
         ({"exit_on_missing_checkpoint": True}, False, None, False),  # Megatron-LM's own exit
         ({"exit_on_missing_checkpoint": True}, True, None, True),  # the load itself failed
         ({"exit_on_missing_checkpoint": True, "ckpt_step": 6}, False, None, True),
-        # the pretrained folder was read (Megatron-LM raises where neither has a checkpoint)
-        ({"exit_on_missing_checkpoint": True, "pretrained_checkpoint": "/p"}, False, None, True),
+        # the pretrained folder, which holds one, was read (Megatron-LM raises where neither has)
+        (
+            {"exit_on_missing_checkpoint": True, "pretrained_checkpoint": PRETRAINED},
+            False,
+            None,
+            True,
+        ),
         ({}, False, None, True),
         ({}, True, 3, False),  # a status of its own passes through
     ],
@@ -134,11 +178,16 @@ def test_other_option_refusals_are_said_by_rank_0_alone(monkeypatch, caplog):
     ],
 )
 def test_only_a_silent_exit_after_a_failed_load_is_converted(
-    checkpointing, monkeypatch, caplog, asked, tracker, exit_code, converted
+    checkpointing, monkeypatch, caplog, tmp_path, asked, tracker, exit_code, converted
 ):
     monkeypatch.setenv("RANK", "0")
     if not tracker:
         os.unlink(os.path.join(checkpointing.load, "latest_checkpointed_iteration.txt"))
+    if asked.get("pretrained_checkpoint") == PRETRAINED:
+        pretrained = tmp_path / "pretrained"
+        pretrained.mkdir()
+        (pretrained / "latest_checkpointed_iteration.txt").write_text("6")
+        asked = {**asked, "pretrained_checkpoint": str(pretrained)}
     vars(checkpointing).update(asked)
     load = megatron_lm._load_checkpoint(_megatron_lm_load(exit_code))
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
