@@ -38,6 +38,13 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   own copy after Megatron's load. Under Megatron-FSDP it first gives the entries of this rank's
   empty shards a step (:func:`.megatron_fsdp.give_empty_shards_a_step`), which torch's Adam
   reads on load.
+* ``DistributedOptimizer.sharded_state_dict`` (a save: ``is_loading`` false) and
+  ``get_parameter_state_dp_zero`` (the legacy ``--ckpt-format torch`` save): a run whose
+  updates were all skipped so far (fp16 while the loss scale backs off, on any device) has no
+  Adam state yet, and Megatron saves a checkpoint without moments, which the resumed run cannot
+  load (``exp_avg`` ... not in state dict). The wrapper first gives the missing states the
+  zeros of their first update (:mod:`megatron_npu.optim.first_update_state`), which is what
+  the next update would create.
 * megatron-core's common-state loader (from 0.14 it loads the common state with torch's
   ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` records its
   optimizers' classes in every parameter group, and a format that keeps the groups in the common
@@ -54,6 +61,7 @@ Megatron-LM's ``pretrain_gpt.py``'s).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -61,6 +69,7 @@ import torch
 
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.facts import DEVICES
+from megatron_npu.optim.first_update_state import give_missing_state
 from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
 from megatron_npu.patches import megatron_fsdp
 from megatron_npu.registry import Patch
@@ -69,6 +78,9 @@ from megatron_npu.training.safe_load import also_allowed
 _EXEMPT = "checkpoint plumbing, no numerics of its own"
 _RESUME_TEST = (
     "tests/megatron_lm/test_pretrain_gpt.py::test_distributed_optimizer_resume_is_bitwise"
+)
+_FIRST_UPDATE_TEST = (
+    "tests/megatron_lm/test_pretrain_gpt.py::test_a_checkpoint_before_the_first_fp16_update_resumes"
 )
 
 
@@ -139,6 +151,37 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
                 del inner.state[p]
 
     return state_dict
+
+
+def _give_first_update_state(distopt: Any) -> None:
+    """The state of their first update for the fp32 main parameters of ``distopt``'s torch
+    Adam(W) that have none. The precision-aware optimizer's states and
+    ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` (whose states also hold each
+    ``master_param``) are left as they are."""
+    inner = getattr(distopt, "optimizer", None)
+    config = getattr(distopt, "config", None)
+    if (
+        inner is not None
+        and getattr(config, "optimizer", None) == "adam"
+        and not getattr(config, "use_precision_aware_optimizer", False)
+        and type(inner).__name__ != "HybridDeviceOptimizer"
+    ):
+        give_missing_state(inner)
+
+
+def _wrap_save_with_first_update_state(original: Any) -> Any:
+    """A distributed-optimizer save reader, called after :func:`_give_first_update_state`
+    (``is_loading=True`` builds a load template: left as it is)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_reader(*args: Any, **kwargs: Any) -> Any:
+        called = signature.bind(*args, **kwargs)
+        if not called.arguments.get("is_loading", False):
+            _give_first_update_state(called.arguments["self"])
+        return original(*args, **kwargs)
+
+    return save_reader
 
 
 def _wrap_load_common_method(original: Any) -> Any:
@@ -275,6 +318,33 @@ PATCHES = [
         parity_exempt=_EXEMPT,
         benchmark_exempt=_EXEMPT,
         exempt_test=_RESUME_TEST,
+    ),
+    *(
+        Patch(
+            id=f"checkpoint.first-update-state{suffix}",
+            target=f"megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.{method}",
+            replacement=_wrap_save_with_first_update_state,
+            kind="wrap",
+            reason="a save before any applied update (fp16 while the loss scale backs off) "
+            f"{what}: the missing Adam states are given their first update's zeros",
+            versions=">=0.13",
+            devices=DEVICES,
+            parity_exempt=_EXEMPT,
+            benchmark_exempt="runs once per checkpoint save",
+            exempt_test=_FIRST_UPDATE_TEST,
+        )
+        for suffix, method, what in (
+            (
+                "",
+                "sharded_state_dict",
+                "writes no moments, so the resume cannot load it",
+            ),
+            (
+                "-legacy",
+                "get_parameter_state_dp_zero",
+                "of --ckpt-format torch writes no moments, so the resume cannot load it",
+            ),
+        )
     ),
     Patch(
         id="checkpoint.offload-legacy-load-model-shard",

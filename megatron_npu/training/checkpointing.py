@@ -52,6 +52,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_npu import console, devices
+from megatron_npu.optim.first_update_state import give_missing_state
 from megatron_npu.training import checkpoint_store as store
 from megatron_npu.training import safe_load, security
 from megatron_npu.training.errors import TrainingInputError
@@ -305,15 +306,7 @@ def _materialize_optimizer_state(optimizer, *, distributed_only: bool = True) ->
             continue
         if getattr(opt.config, "optimizer", None) != "adam":  # torch Adam(W)'s state layout
             continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if inner.state.get(param):
-                    continue
-                inner.state[param] = {
-                    "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(param.data),
-                    "exp_avg_sq": torch.zeros_like(param.data),
-                }
+        give_missing_state(inner)
 
 
 def _restore_zero_steps(optimizer_state) -> None:

@@ -917,6 +917,42 @@ def test_legacy_checkpoint_of_an_offloaded_optimizer_resumes_bitwise(tmp_path):
         assert "exitcode  : 2" in broken.log and not broken.losses, broken.tail()
 
 
+@pytest.mark.parametrize("checkpoint_format", ["torch_dist", "torch"])
+def test_a_checkpoint_before_the_first_fp16_update_resumes(tmp_path, checkpoint_format):
+    """fp16 skips its first updates while the loss scale backs off (here from 2**20: iterations
+    1 and 2), so the distributed optimizer's Adam has no state when the iteration-2 checkpoint
+    is saved, and megatron-core saves it without moments: the resumed run cannot load it
+    (``exp_avg`` ... not in state dict). With the states given their first update's zeros, the
+    resume from iteration 2 gives iterations 3-6 of the straight run bitwise."""
+    common = (
+        *TINY,
+        "--mock-data",
+        "--fp16",
+        "--initial-loss-scale",
+        str(2**20),
+        "--use-distributed-optimizer",
+        "--ckpt-format",
+        checkpoint_format,
+        "--train-iters",
+        "6",
+    )
+    ckpt = tmp_path / "ckpt"
+    straight = pretrain_gpt(
+        tmp_path, *common, "--save", str(ckpt), "--save-interval", "2", name="straight"
+    )
+    assert straight.returncode == 0, straight.tail()
+    # the iteration-2 save came before any applied update
+    assert [i for i in sorted(straight.skipped) if straight.skipped[i]] == [1, 2], straight.tail()
+    assert sorted(straight.losses) == [3, 4, 5, 6], straight.tail()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = pretrain_gpt(tmp_path, *common, "--load", str(ckpt), name="resumed")
+    assert resumed.returncode == 0, resumed.tail()
+    verdict = rules.deterministic(
+        "resumed", "straight", _curve(straight, range(3, 7)), _curve(resumed, range(3, 7))
+    )
+    assert verdict.status == rules.PASS, verdict.detail
+
+
 def test_torch_fsdp2_trains_as_data_parallel(tmp_path):
     """``--use-torch-fsdp2`` on two ranks of npu-emulated gives plain data parallelism's per-step
     losses and grad norms; where Megatron's own FSDP2 code fails (the installed releases'), one
