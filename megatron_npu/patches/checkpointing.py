@@ -40,11 +40,12 @@ Megatron-LM's ``pretrain_gpt.py``'s).
   reads on load.
 * ``DistributedOptimizer.sharded_state_dict`` (a save: ``is_loading`` false) and
   ``get_parameter_state_dp_zero`` (the legacy ``--ckpt-format torch`` save): a run whose
-  updates were all skipped so far (fp16 while the loss scale backs off, on any device) has no
-  Adam state yet, and Megatron saves a checkpoint without moments, which the resumed run cannot
-  load (``exp_avg`` ... not in state dict). The wrapper first gives the missing states the
-  zeros of their first update (:mod:`megatron_npu.optim.first_update_state`), which is what
-  the next update would create.
+  updates were all skipped so far (fp16 while the loss scale backs off from its start) has no
+  Adam state yet: Megatron saves a checkpoint without moments, which the resumed run cannot
+  load (``exp_avg`` ... not in state dict), and the legacy save stops (``KeyError:
+  'exp_avg'``). The wrapper first gives torch Adam(W)'s missing states the zeros of their first
+  update (:mod:`megatron_npu.optim.first_update_state`), which is what the next update would
+  create.
 * megatron-core's common-state loader (from 0.14 it loads the common state with torch's
   ``weights_only`` default): ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` records its
   optimizers' classes in every parameter group, and a format that keeps the groups in the common
@@ -69,7 +70,7 @@ import torch
 
 from megatron_npu.devices import host_memory
 from megatron_npu.devices.facts import DEVICES
-from megatron_npu.optim.first_update_state import give_missing_state
+from megatron_npu.optim.first_update_state import give_missing_state, is_torch_adam
 from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
 from megatron_npu.patches import megatron_fsdp
 from megatron_npu.registry import Patch
@@ -155,29 +156,25 @@ def _wrap_distopt_state_dict(original: Any) -> Any:
 
 def _give_first_update_state(distopt: Any) -> None:
     """The state of their first update for the fp32 main parameters of ``distopt``'s torch
-    Adam(W) that have none. The precision-aware optimizer's states and
-    ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` (whose states also hold each
-    ``master_param``) are left as they are."""
+    Adam(W) that have none. The precision-aware optimizer's states, ``--optimizer-cpu-offload``'s
+    ``HybridDeviceOptimizer`` (whose states also hold each ``master_param``) and Transformer
+    Engine's or apex's fused Adam (other layouts) are left as they are."""
     inner = getattr(distopt, "optimizer", None)
     config = getattr(distopt, "config", None)
-    if (
-        inner is not None
-        and getattr(config, "optimizer", None) == "adam"
-        and not getattr(config, "use_precision_aware_optimizer", False)
-        and type(inner).__name__ != "HybridDeviceOptimizer"
-    ):
+    if is_torch_adam(inner) and not getattr(config, "use_precision_aware_optimizer", False):
         give_missing_state(inner)
 
 
 def _wrap_save_with_first_update_state(original: Any) -> Any:
-    """A distributed-optimizer save reader, called after :func:`_give_first_update_state`
-    (``is_loading=True`` builds a load template: left as it is)."""
+    """A distributed-optimizer save reader, called after :func:`_give_first_update_state`.
+    ``is_loading=True`` (``sharded_state_dict``) and ``empty_data=True``
+    (``get_parameter_state_dp_zero``) build a load's template: left as they are."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_reader(*args: Any, **kwargs: Any) -> Any:
         called = signature.bind(*args, **kwargs)
-        if not called.arguments.get("is_loading", False):
+        if not (called.arguments.get("is_loading") or called.arguments.get("empty_data")):
             _give_first_update_state(called.arguments["self"])
         return original(*args, **kwargs)
 
@@ -342,7 +339,7 @@ PATCHES = [
             (
                 "-legacy",
                 "get_parameter_state_dp_zero",
-                "of --ckpt-format torch writes no moments, so the resume cannot load it",
+                "of --ckpt-format torch stops at the missing moments",
             ),
         )
     ),

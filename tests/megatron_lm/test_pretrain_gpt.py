@@ -922,7 +922,8 @@ def test_a_checkpoint_before_the_first_fp16_update_resumes(tmp_path, checkpoint_
     """fp16 skips its first updates while the loss scale backs off (here from 2**20: iterations
     1 and 2), so the distributed optimizer's Adam has no state when the iteration-2 checkpoint
     is saved, and megatron-core saves it without moments: the resumed run cannot load it
-    (``exp_avg`` ... not in state dict). With the states given their first update's zeros, the
+    (``exp_avg`` ... not in state dict; the legacy save stops at ``KeyError: 'exp_avg'``). With
+    the states given their first update's zeros, the
     resume from iteration 2 gives iterations 3-6 of the straight run bitwise."""
     common = (
         *TINY,
@@ -947,6 +948,9 @@ def test_a_checkpoint_before_the_first_fp16_update_resumes(tmp_path, checkpoint_
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = pretrain_gpt(tmp_path, *common, "--load", str(ckpt), name="resumed")
     assert resumed.returncode == 0, resumed.tail()
+    # it resumed at iteration 3 with the saved loss scale (2**20 again would skip iteration 3)
+    assert sorted(resumed.skipped) == [3, 4, 5, 6], resumed.tail()
+    assert not any(resumed.skipped.values()), resumed.tail()
     verdict = rules.deterministic(
         "resumed", "straight", _curve(straight, range(3, 7)), _curve(resumed, range(3, 7))
     )

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_npu.optim.adamw import FusedAdamW
 from megatron_npu.optim.first_update_state import give_missing_state
 from megatron_npu.patches import checkpointing
 
@@ -23,8 +24,10 @@ from megatron_npu.patches import checkpointing
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
         lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        lambda ps: FusedAdamW(ps, lr=1e-2),
     ],
-    ids=["adam", "adamw", "amsgrad", "single-tensor"],
+    ids=["adam", "adamw", "amsgrad", "single-tensor", "fused", "adaptor-fused-adamw"],
 )
 def test_the_given_state_is_the_one_torch_creates_at_the_first_update(make):
     torch.manual_seed(0)
@@ -51,6 +54,7 @@ def test_the_given_state_is_the_one_torch_creates_at_the_first_update(make):
         assert ref_state[i].keys() == got_state[i].keys()
         for key, value in ref_state[i].items():
             assert value.dtype == got_state[i][key].dtype, key
+            assert value.device == got_state[i][key].device, key
             assert torch.equal(value, got_state[i][key]), key
 
 
@@ -63,32 +67,57 @@ def _distopt(inner, **config):
     )
 
 
-def _save_reader():
-    """megatron-core's ``sharded_state_dict`` signature; returns the states it saw."""
+class _OtherLayoutAdam(torch.optim.Optimizer):
+    """An Adam outside torch's classes (Transformer Engine's and apex's fused Adam keep other
+    state layouts): never given torch's."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+
+def _save_readers():
+    """megatron-core's two save readers' signatures; each returns the states it saw."""
 
     def sharded_state_dict(
         self, model_sharded_state_dict=None, is_loading=False, sharding_type=None, metadata=None
     ):
         return {p: dict(s) for p, s in self.optimizer.state.items()}
 
-    return checkpointing._wrap_save_with_first_update_state(sharded_state_dict)
+    def get_parameter_state_dp_zero(
+        self, use_gloo_comm=True, empty_data=False, return_on_all_ranks=False
+    ):
+        return {p: dict(s) for p, s in self.optimizer.state.items()}
+
+    wrap = checkpointing._wrap_save_with_first_update_state
+    return {"sharded": wrap(sharded_state_dict), "dp-zero": wrap(get_parameter_state_dp_zero)}
 
 
 @pytest.mark.parametrize(
-    "is_loading, config, given",
+    "reader, asked, config, given",
     [
-        ({}, {}, True),
-        ({"is_loading": False}, {}, True),
-        ({"is_loading": True}, {}, False),  # a load template: the load fills it
-        ({}, {"optimizer": "sgd"}, False),
-        ({}, {"use_precision_aware_optimizer": True}, False),
+        ("sharded", {}, {}, True),
+        ("sharded", {"is_loading": False}, {}, True),
+        ("sharded", {"is_loading": True}, {}, False),  # a load template: the load fills it
+        ("dp-zero", {}, {}, True),
+        ("dp-zero", {"empty_data": True}, {}, False),  # a load template too
+        ("sharded", {}, {"use_precision_aware_optimizer": True}, False),
+        ("sharded", {}, {"other-layout": True}, False),
     ],
-    ids=["save", "save-keyword", "load-template", "sgd", "precision-aware"],
+    ids=[
+        "save",
+        "save-keyword",
+        "load-template",
+        "legacy-save",
+        "legacy-load-template",
+        "precision-aware",
+        "other-adam-layout",
+    ],
 )
-def test_only_a_save_of_a_torch_adam_main_optimizer_is_given_state(is_loading, config, given):
+def test_only_a_save_of_a_torch_adam_main_optimizer_is_given_state(reader, asked, config, given):
     param = torch.nn.Parameter(torch.zeros(4))
-    inner = torch.optim.Adam([param])
-    seen = _save_reader()(_distopt(inner, **config), {}, **is_loading)
+    other = config.pop("other-layout", False)
+    inner = _OtherLayoutAdam([param]) if other else torch.optim.Adam([param])
+    seen = _save_readers()[reader](_distopt(inner, **config), **asked)
     assert bool(seen.get(param)) == given
     if given:
         assert set(seen[param]) == {"step", "exp_avg", "exp_avg_sq"}
