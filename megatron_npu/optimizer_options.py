@@ -31,3 +31,22 @@ def offload_problems(offloaded: bool, half_precision: bool) -> list[str]:
             "non-leaf views (Megatron's own code, on any device): add --bf16"
         ]
     return []
+
+
+def precision_aware_fp16_problems(
+    precision_aware: bool, fp16: bool, grads_in_fp32: bool, clip_grad: float
+) -> list[str]:
+    """``--use-precision-aware-optimizer`` with ``--fp16``: megatron-core's distributed optimizer
+    hands the precision-aware optimizer each main gradient as ``decoupled_grad``, which is fp16
+    unless ``--accumulate-allreduce-grads-in-fp32`` (Megatron-LM turns that on by itself for bf16
+    only), and its gradient clipping asserts an fp32 or bf16 ``decoupled_grad`` at the first
+    applied update, on every device and release. Without clipping (``--clip-grad 0``) that
+    assertion is not reached."""
+    if precision_aware and fp16 and not grads_in_fp32 and clip_grad > 0:
+        return [
+            "--use-precision-aware-optimizer with --fp16: megatron-core's gradient clipping "
+            "takes fp32 or bf16 gradients only, and fp16 keeps them in fp16 (Megatron's own "
+            "assertion at the first applied update, on any device): add "
+            "--accumulate-allreduce-grads-in-fp32"
+        ]
+    return []

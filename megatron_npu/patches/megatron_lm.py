@@ -21,7 +21,11 @@ from megatron_npu.context_parallel_options import comm_types_of, context_paralle
 from megatron_npu.moe_options import moe_option_problems
 from megatron_npu.ops import settings
 from megatron_npu.optim.recorded_classes import recorded_optimizer_classes
-from megatron_npu.optimizer_options import offload_problems, sharded_optimizer_problems
+from megatron_npu.optimizer_options import (
+    offload_problems,
+    precision_aware_fp16_problems,
+    sharded_optimizer_problems,
+)
 from megatron_npu.patches import megatron_fsdp, torch_fsdp2
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.registry import Patch
@@ -139,19 +143,28 @@ def unsupported_options(args: Any) -> list[str]:
 
 
 def distributed_optimizer_problems(args: Any) -> list[str]:
-    """What of Megatron-LM's ``args`` its distributed optimizer, and the hybrid optimizer it
-    builds for ``--optimizer-cpu-offload``, cannot take (on any device), as
-    ``"--option: why"``."""
+    """What of Megatron-LM's ``args`` its distributed optimizer, the precision-aware optimizer
+    and the hybrid optimizer it builds for ``--optimizer-cpu-offload`` cannot take (on any
+    device), as ``"--option: why"``."""
     offloaded = bool(getattr(args, "optimizer_cpu_offload", False))
-    return sharded_optimizer_problems(
-        getattr(args, "optimizer", "adam"),
-        bool(
-            getattr(args, "use_distributed_optimizer", False)
-            or getattr(args, "use_megatron_fsdp", False)
-        ),
-        offloaded,
-    ) + offload_problems(
-        offloaded, bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    return (
+        sharded_optimizer_problems(
+            getattr(args, "optimizer", "adam"),
+            bool(
+                getattr(args, "use_distributed_optimizer", False)
+                or getattr(args, "use_megatron_fsdp", False)
+            ),
+            offloaded,
+        )
+        + offload_problems(
+            offloaded, bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        )
+        + precision_aware_fp16_problems(
+            bool(getattr(args, "use_precision_aware_optimizer", False)),
+            bool(getattr(args, "fp16", False)),
+            bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+            float(getattr(args, "clip_grad", 1.0) or 0.0),
+        )
     )
 
 

@@ -23,7 +23,11 @@ from megatron_npu.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_npu.devices import NAMES as DEVICE_NAMES
 from megatron_npu.moe_options import moe_layer_pattern, moe_option_problems
 from megatron_npu.ops.settings import FULL_WINDOW, FusedAttentionSettings
-from megatron_npu.optimizer_options import offload_problems, sharded_optimizer_problems
+from megatron_npu.optimizer_options import (
+    offload_problems,
+    precision_aware_fp16_problems,
+    sharded_optimizer_problems,
+)
 from megatron_npu.recompute_options import MODULES as RECOMPUTE_MODULES
 from megatron_npu.recompute_options import recompute_problems_of
 from megatron_npu.training.errors import TrainingInputError
@@ -790,6 +794,10 @@ def _check_precision_aware(args: argparse.Namespace) -> None:
             "--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other"
         )
     for problem in offload_problems(args.optimizer_cpu_offload, args.bf16 or args.fp16):
+        raise ArgumentError(problem)
+    for problem in precision_aware_fp16_problems(
+        True, args.fp16, args.accumulate_allreduce_grads_in_fp32, args.clip_grad
+    ):
         raise ArgumentError(problem)
 
 

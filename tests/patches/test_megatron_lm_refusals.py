@@ -160,3 +160,47 @@ def test_offload_of_an_fp32_model_is_one_line_as_torchs_refusal(precision, refus
     assert len(lines) == refused
     if refused:
         assert lines[0].startswith("--optimizer-cpu-offload without --bf16 or --fp16: ")
+
+
+@pytest.mark.parametrize(
+    "asked, refused",
+    [
+        ({"fp16": True}, True),
+        ({"fp16": True, "accumulate_allreduce_grads_in_fp32": True}, False),
+        ({"fp16": True, "clip_grad": 0.0}, False),
+        ({"bf16": True}, False),  # Megatron-LM accumulates bf16's gradients in fp32 itself
+    ],
+    ids=["fp16", "fp16-fp32-grads", "fp16-no-clipping", "bf16"],
+)
+def test_precision_aware_fp16_is_one_line_as_megatron_cores_clipping_assertion(
+    cpu_adaptor, asked, refused
+):
+    """``--use-precision-aware-optimizer --fp16`` keeps each main gradient in fp16 unless
+    ``--accumulate-allreduce-grads-in-fp32``, and megatron-core's gradient clipping asserts an
+    fp32 or bf16 ``decoupled_grad`` at the first applied update (a traceback on every rank,
+    any device). The adaptor says so once; the assertion itself is megatron-core's, checked
+    here on such a gradient and on the one the option gives (the two differ in dtype alone)."""
+    import torch
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    def clip(grad_dtype):
+        param = torch.nn.Parameter(torch.ones(4))
+        param.decoupled_grad = torch.ones(4, dtype=grad_dtype)
+        clip_grad_by_total_norm_fp32([param], 1.0, 4.0, use_decoupled_grad=True)
+        return param.decoupled_grad
+
+    with pytest.raises(AssertionError):
+        clip(torch.float16)
+    assert torch.allclose(clip(torch.float32), torch.full((4,), 0.25), atol=1e-4)
+    args = {
+        "use_distributed_optimizer": True,
+        "use_precision_aware_optimizer": True,
+        "accumulate_allreduce_grads_in_fp32": False,
+        "clip_grad": 1.0,
+        **asked,
+    }
+    lines = megatron_lm.distributed_optimizer_problems(SimpleNamespace(**args))
+    assert len(lines) == refused, lines
+    if refused:
+        assert lines[0].startswith("--use-precision-aware-optimizer with --fp16: ")
+        assert lines[0].endswith("add --accumulate-allreduce-grads-in-fp32")

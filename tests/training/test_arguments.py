@@ -609,3 +609,24 @@ def test_sgd_with_the_distributed_optimizer_is_one_named_error(capsys):
     )
     assert expected and expected[0] in err
     assert parse("--optimizer", "sgd").optimizer == "sgd"
+
+
+def test_precision_aware_fp16_without_fp32_gradients_is_one_named_error(capsys):
+    """megatron-core's gradient clipping asserts fp32 or bf16 gradients of the precision-aware
+    optimizer (tests/patches/test_megatron_lm_refusals.py); train names it before anything is
+    built, with the line Megatron-LM's scripts get through the adaptor."""
+    from megatron_npu.patches import megatron_lm
+
+    aware = ("--fp16", "--use-distributed-optimizer", "--use-precision-aware-optimizer")
+    err = error_of(capsys, *aware)
+    expected = megatron_lm.distributed_optimizer_problems(
+        argparse.Namespace(
+            use_precision_aware_optimizer=True,
+            fp16=True,
+            accumulate_allreduce_grads_in_fp32=False,
+            clip_grad=1.0,
+        )
+    )
+    assert expected and expected[0] in err
+    assert parse(*aware, "--accumulate-allreduce-grads-in-fp32").use_precision_aware_optimizer
+    assert parse(*aware, "--clip-grad", "0").use_precision_aware_optimizer
