@@ -52,7 +52,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_npu import console, devices
-from megatron_npu.optim.first_update_state import give_missing_state
+from megatron_npu.optim.first_update_state import give_missing_state, is_torch_adam
 from megatron_npu.training import checkpoint_store as store
 from megatron_npu.training import safe_load, security
 from megatron_npu.training.errors import TrainingInputError
@@ -240,7 +240,7 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
         torch.distributed.barrier()
         sync_params(model)
         if with_optimizer:
-            _materialize_optimizer_state(optimizer, distributed_only=False)
+            _materialize_optimizer_state(optimizer)
         state = _state_dict(
             args,
             model,
@@ -274,7 +274,7 @@ def save(args: Namespace, model, optimizer, scheduler, iteration: int) -> str:
     return path
 
 
-def _materialize_optimizer_state(optimizer, *, distributed_only: bool = True) -> None:
+def _materialize_optimizer_state(optimizer) -> None:
     """Give every parameter of the torch Adam(W) inside ``optimizer`` the state it starts from
     (zero ``step``, ``exp_avg`` and ``exp_avg_sq``: what Adam creates at its first update) where
     it has none yet.
@@ -285,28 +285,21 @@ def _materialize_optimizer_state(optimizer, *, distributed_only: bool = True) ->
       step, so megatron-core 0.16.1 fails an assertion; Megatron's own ``init_state_fn`` of the
       others creates the moments without ``step`` (KeyError 'step' on load). The load
       overwrites the zeros.
-    * Before every save (``distributed_only=False``): a run whose updates were all skipped (fp16
-      overflows at the first loss scales) has no Adam state yet, and a checkpoint saved without
-      it cannot be loaded (the loading optimizer asks for ``exp_avg``). The zeros are exactly
-      the state the next update would create, so the saved run and its resume stay the same.
+    * Before every save: a run whose updates were all skipped (fp16 overflows at the first loss
+      scales) has no Adam state yet, and a checkpoint saved without it cannot be loaded (the
+      loading optimizer asks for ``exp_avg``). The zeros are exactly the state the next update
+      would create, so the saved run and its resume stay the same.
 
     (SGD's momentum buffers come from :func:`megatron_npu.training.optimizer.sgd_init_state`.)
-    ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` is left as it is: its states also hold
-    each fp32 copy as ``master_param``, and Megatron's distributed optimizer gives a fresh one a
-    dummy step before loading into it, which it skips once any state exists.
+    ``--optimizer-cpu-offload``'s ``HybridDeviceOptimizer`` is not a torch Adam(W) and is left
+    as it is: its states also hold each fp32 copy as ``master_param``, and Megatron's
+    distributed optimizer gives a fresh one a dummy step before loading into it, which it skips
+    once any state exists.
     """
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if inner is None or (distributed_only and not isinstance(opt, DistributedOptimizer)):
-            continue
-        if isinstance(inner, HybridDeviceOptimizer):
-            continue
-        if getattr(opt.config, "optimizer", None) != "adam":  # torch Adam(W)'s state layout
-            continue
-        give_missing_state(inner)
+        if is_torch_adam(inner):
+            give_missing_state(inner)
 
 
 def _restore_zero_steps(optimizer_state) -> None:
@@ -422,7 +415,7 @@ def _load(args, model, optimizer, scheduler, root, iteration, path) -> Resume:
     if has_optim:
         store.check_optimizer_kind(path, saved_distopt, args)
     if has_optim:  # every optimizer: a fresh one has no state for the checkpoint's to land in
-        _materialize_optimizer_state(optimizer, distributed_only=False)
+        _materialize_optimizer_state(optimizer)
     state = _state_dict(
         args,
         model,
